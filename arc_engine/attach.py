@@ -1,0 +1,107 @@
+"""``arc_engine.attach``: the one entry point for plain PyTorch (DDP or single process, any torch.optim).
+
+The training-loop contract, on every rank::
+
+    arc = arc_engine.attach(model, optimizer, config)     # collective, once, after DDP wraps the model
+    for batch in loader:
+        loss = model(batch)
+        arc.record_loss(loss)                              # once per micro-batch, no host sync
+        loss.backward()
+        optimizer.step()                                   # arc decides here (collective on monitored steps)
+        optimizer.zero_grad()
+    arc.close()                                            # summary event, flush sinks
+
+``optimizer.step()`` is skipped (no parameter or optimizer-state change) on every rank when the agreed decision
+is SKIP, and raises :class:`arc_engine.ArcAbort` on every rank when it is ABORT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from arc_engine import runtime
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.engine import ArcEngine
+from arc_engine.faults import FaultInjector
+from arc_engine.stats import Reduce
+from arc_engine.stats.grad_stats import ParamGroupIndex
+
+
+@dataclass
+class Arc:
+    """What :func:`attach` returns: the engine plus the hooks it installed."""
+
+    engine: ArcEngine
+    faults: FaultInjector
+    _removers: list[Any]
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """See :meth:`ArcEngine.record_loss`."""
+        self.engine.record_loss(loss)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (applied or skipped)."""
+        return self.engine.step
+
+    @property
+    def last_step_applied(self) -> bool:
+        return self.engine.last_step_applied
+
+    def summary(self) -> dict[str, Any]:
+        return self.engine.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+    def close(self) -> None:
+        """Remove the optimizer hooks and fault hooks, emit the summary, close sinks. Local, idempotent.
+        (A DDP comm hook cannot be unregistered; after close it only performs the default all-reduce.)"""
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        self.faults.remove()
+        self.engine.close()
+
+    def __enter__(self) -> Arc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None) -> Arc:
+    """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
+
+    ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group)
+    or a plain module (statistics come from ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
+    or None for defaults. ``group``: the data-parallel group the decision is agreed on (default: DDP's group,
+    else the world).
+    """
+    from arc_engine.integrations.ddp import register_stats_hook
+    from arc_engine.integrations.torch_optim import register_optimizer_hooks
+
+    if not isinstance(config, ArcConfig):
+        config = load_config(config)
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if group is None and is_ddp:
+        group = model.process_group
+    groups = ParamGroupIndex(optimizer.param_groups)
+    engine = ArcEngine(config, group=group, group_names=groups.names, grad_reduce=Reduce.REPLICATED)
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.step)
+    injector.install(model.module if is_ddp else model)
+    engine.start()
+    if is_ddp:
+        register_stats_hook(engine, model, groups)
+    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp)
+    return Arc(engine, injector, [hooks.remove])

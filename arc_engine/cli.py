@@ -1,0 +1,71 @@
+"""``arc-engine``: validate a config, print the defaults, run the demo.
+
+Exit codes: 0 ok, 2 bad config or usage, 3 (EXIT_ABORT) the demo was stopped by arc_engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from arc_engine.config import ArcConfig, ConfigError, add_arc_args, config_from_args, load_config, to_dict
+from arc_engine.config.cli_args import exit_with_config_error
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file, args.arc_overrides)
+    except (ConfigError, FileNotFoundError, IsADirectoryError) as err:
+        exit_with_config_error(err)
+    faults = len(config.faults.injections)
+    print(f"{args.file}: OK ({faults} fault injection(s) configured)" if faults else f"{args.file}: OK")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    config = config_from_args(args) if args.arc_config else ArcConfig()
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def _demo(args: argparse.Namespace, extra: list[str]) -> int:
+    """Launch the demo job under torchrun (standalone rendezvous on this machine)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "arc_engine.demo.train", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(cmd, env=env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    validate = sub.add_parser("validate-config", help="check an arc config file (exit 0 ok, 2 invalid)")
+    validate.add_argument("file", type=Path)
+    validate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides to check too")
+    show = sub.add_parser("show-config", help="print the effective config (defaults when no file is given)")
+    add_arc_args(show)
+    demo = sub.add_parser("demo", help="run the demo job (torchrun, gloo, CPU); extra args go to the trainer")
+    demo.add_argument("--nproc", type=int, default=2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":
+        return _demo(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "validate-config":
+        args.arc_overrides = args.overrides
+        return _validate(args)
+    return _show(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

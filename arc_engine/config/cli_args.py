@@ -1,0 +1,72 @@
+"""argparse glue: ``--arc-config PATH`` and ``--arc.<dotted.key>=VALUE`` on any training script.
+
+Usage, next to ``deepspeed.add_config_arguments(parser)``::
+
+    parser = argparse.ArgumentParser()
+    arc_engine.add_arc_args(parser)
+    args = parser.parse_args()
+    config = arc_engine.config_from_args(args)   # exits with code 2 and one message on a bad config
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from arc_engine.config.errors import ConfigError
+from arc_engine.config.loader import describe_type, leaf_keys, load_config
+from arc_engine.config.schema import ArcConfig
+
+EXIT_BAD_CONFIG = 2
+_OVERRIDE_DEST = "arc_overrides"
+
+
+class _OverrideAction(argparse.Action):
+    """Collects ``--arc.KEY VALUE`` / ``--arc.KEY=VALUE`` pairs in order into ``args.arc_overrides``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        overrides = list(getattr(namespace, _OVERRIDE_DEST, None) or [])
+        overrides.append(f"{self.metavar}={values}")
+        setattr(namespace, _OVERRIDE_DEST, overrides)
+
+
+def add_arc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--arc-config`` and one ``--arc.<key>`` option per config leaf to ``parser``; returns it.
+
+    Unknown ``--arc.*`` options are rejected by argparse itself ("unrecognized arguments").
+    """
+    group = parser.add_argument_group("arc_engine")
+    group.add_argument("--arc-config", "--arc_config", dest="arc_config", default=None, metavar="PATH",
+                       help="arc_engine YAML config (defaults apply when omitted)")
+    parser.set_defaults(**{_OVERRIDE_DEST: []})
+    for key, hint in leaf_keys(ArcConfig):
+        group.add_argument(f"--arc.{key}", action=_OverrideAction, metavar=key, default=argparse.SUPPRESS,
+                           help=f"override {key} ({describe_type(hint)})")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, *, exit_on_error: bool = True,
+                     default: dict | None = None) -> ArcConfig:
+    """The :class:`ArcConfig` named by parsed ``args`` (file, then overrides).
+
+    ``default``: the nested mapping to start from when no ``--arc-config`` is given (else dataclass defaults).
+
+    With ``exit_on_error`` (the default, for CLI entry points) a bad config prints one line to stderr and
+    exits with code 2; otherwise :class:`ConfigError` / ``FileNotFoundError`` propagate.
+    """
+    path = getattr(args, "arc_config", None)
+    overrides = getattr(args, _OVERRIDE_DEST, None) or []
+    try:
+        return load_config(path, overrides, base=None if path else default)
+    except (ConfigError, FileNotFoundError, IsADirectoryError) as err:
+        if not exit_on_error:
+            raise
+        exit_with_config_error(err)
+
+
+def exit_with_config_error(err: Exception) -> NoReturn:
+    """Print ``err`` as one line prefixed ``arc_engine: invalid config:`` and exit with code 2."""
+    detail = f"{err.filename}: file not found" if isinstance(err, FileNotFoundError) else str(err)
+    print(f"arc_engine: invalid config: {detail}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)

@@ -1,0 +1,37 @@
+"""Configuration errors: one message that names the source, the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong.
+
+    The message names the source (file or command line), the dotted key, the offending value and what
+    would have been accepted, e.g.::
+
+        configs/arc.yaml: detectors.loss_spike.factor = -1: must be > 0
+    """
+
+    def __init__(self, key: str, value: Any, allowed: str, source: str | None = None) -> None:
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        return f"{where}{self.key} = {self.value!r}: {self.allowed}"
+
+    def with_context(self, *, prefix: str = "", source: str | None = None) -> ConfigError:
+        """Return a copy whose key is prefixed with ``prefix`` and whose source is ``source``."""
+        key = f"{prefix}.{self.key}" if prefix and self.key else (prefix or self.key)
+        return ConfigError(key, self.value, self.allowed, source or self.source)
+
+
+def require(condition: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise :class:`ConfigError` for ``key`` unless ``condition`` holds (used in ``__post_init__``)."""
+    if not condition:
+        raise ConfigError(key, value, allowed)

@@ -1,0 +1,251 @@
+"""The ArcEngine: one commit point per monitored step.
+
+Producers (integrations) write device-side statistics into the engine's :class:`StatBuffer`; at the optimizer
+step the engine gathers every rank's buffer once, lets each monitor judge the same host arrays, asks the policy
+for one decision, reports it to the sinks, and tells the integration what to do. Every rank runs the same code on
+the same numbers, so every rank takes the same action at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from arc_engine import runtime
+from arc_engine.config.schema import ArcConfig
+from arc_engine.events import Action, Event, Finding, Severity
+from arc_engine.monitors import GradNormMonitor, LossSpikeMonitor, Monitor, NonFiniteMonitor, missing_stats
+from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
+from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
+from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+
+log = logging.getLogger("arc_engine")
+
+
+class ArcEngine:
+    """Per-rank engine. Construct on every rank of ``group`` with the same arguments, then :meth:`start`.
+
+    ``group_names``: names of the optimizer's parameter groups (G slots per gradient statistic).
+    ``grad_reduce``: how ranks' ``grad_sq`` slots combine: REPLICATED for DDP (every rank holds the reduced
+    gradient), SUM for sharded optimizers (each rank holds its partition).
+    """
+
+    def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
+                 group_names: list[str] | None = None, grad_reduce: Reduce = Reduce.REPLICATED,
+                 sinks: SinkSet | None = None) -> None:
+        self.config = config
+        self.group = group
+        self.rank = runtime.global_rank()
+        self.group_names = list(group_names or ["group0"])
+        self.layout = StatLayout()
+        num_groups = len(self.group_names)
+        self.layout.add(names.LOSS, 1, Reduce.PER_RANK)
+        self.layout.add(names.LOSS_COUNT, 1, Reduce.PER_RANK)
+        self.layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
+        self.layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
+        self.layout.add(names.GRAD_SQ, num_groups, grad_reduce)
+        self.monitors: list[Monitor] = self._build_monitors()
+        self.policy = DecisionPolicy(config.policy)
+        self.pipeline = StatsPipeline(self.layout, group, stats_device(group, config.stats.device))
+        self.sinks = sinks or SinkSet()
+        self.buffer: StatBuffer | None = None
+        self.run_id = ""
+        self.run_dir = Path(config.run.run_dir)
+        self.step = 0
+        self.monitored_steps = 0
+        self.last_decision: Decision | None = None
+        self.last_stats: GatheredStats | None = None
+        self.event_counts: Counter[str] = Counter()
+        self._loss_count = 0
+        self._metrics_due = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    def add_monitor(self, monitor: Monitor) -> None:
+        """Register an extra monitor (before :meth:`start`); its slots must already be in ``layout``."""
+        if self.buffer is not None:
+            raise RuntimeError("add monitors before ArcEngine.start()")
+        self.monitors.append(monitor)
+
+    def start(self) -> ArcEngine:
+        """Collective (once): agree on the run id, freeze and verify the statistics layout, open sinks."""
+        self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
+        self.run_dir = Path(self.config.run.run_dir) / self.run_id
+        for monitor in list(self.monitors):
+            lacking = missing_stats(monitor, self.layout)
+            if lacking:
+                log.warning("arc_engine: monitor %s disabled: statistics %s are not produced", monitor.name, lacking)
+                self.monitors.remove(monitor)
+        self.buffer = self.pipeline.start()
+        if self._owns_sinks():
+            self._open_default_sinks()
+        self._emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
+                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
+        return self
+
+    def _build_monitors(self) -> list[Monitor]:
+        det = self.config.detectors
+        monitors: list[Monitor] = []
+        if det.non_finite.enabled:
+            monitors.append(NonFiniteMonitor(det.non_finite, self.group_names))
+        if det.loss_spike.enabled:
+            monitors.append(LossSpikeMonitor(det.loss_spike))
+        if det.grad_norm.enabled:
+            monitors.append(GradNormMonitor(det.grad_norm))
+        return monitors
+
+    def _owns_sinks(self) -> bool:
+        return self.config.sinks.all_ranks or self.rank == 0
+
+    def _open_default_sinks(self) -> None:
+        cfg = self.config.sinks
+        suffix = f".rank{self.rank}" if cfg.all_ranks else ""
+        if cfg.console.enabled:
+            self.sinks.add(ConsoleSink(Severity.parse(cfg.console.min_severity), cfg.console.color))
+        if cfg.jsonl.enabled:
+            self.sinks.add(JsonlSink(self.run_dir / (cfg.jsonl.events_file + suffix),
+                                     self.run_dir / (cfg.jsonl.metrics_file + suffix)))
+
+    # ------------------------------------------------------------------ per step
+
+    def is_monitored(self) -> bool:
+        """Whether the current step gathers statistics (every ``stats.interval`` steps)."""
+        return self.step % self.config.stats.interval == 0
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record this rank's loss for the current step (call once per micro-batch; the mean is used).
+
+        Device-side only, no host sync. Any rank may record a NaN: the gathered verdict stays agreed.
+        """
+        if self.buffer is None or not self.is_monitored():
+            return
+        self.buffer.add(names.LOSS, loss.detach().float())
+        self._loss_count += 1
+
+    def decide(self) -> Decision:
+        """Collective on monitored steps: gather, judge, decide, report. Call once per optimizer step on every
+        rank, after gradients are reduced and before they are applied. Raises :class:`ArcAbort` (on every rank)
+        when the decision is ABORT. On unmonitored steps returns a no-op decision without communicating."""
+        assert self.buffer is not None, "ArcEngine.start() was not called"
+        if not self.is_monitored():
+            return Decision(self.step, Action.NONE)
+        if self._loss_count:
+            self.buffer.view(names.LOSS).div_(self._loss_count)
+        self.buffer.put(names.LOSS_COUNT, float(self._loss_count))
+        stats = self.pipeline.gather(self.buffer)
+        self.last_stats = stats
+        findings = [f for monitor in self.monitors for f in monitor.evaluate(self.step, stats)]
+        decision = self.policy.decide(self.step, findings)
+        self.last_decision = decision
+        self._report(decision)
+        self._maybe_log_metrics(stats)
+        if decision.action == Action.ABORT:
+            self._commit(decision)
+            reason = next((f.message for f in reversed(decision.findings) if f.action == Action.ABORT), "abort")
+            self.close()
+            raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step)
+        return decision
+
+    def finish_step(self) -> None:
+        """Close the current step (after the optimizer step ran or was skipped). Local, no communication."""
+        decision = self.last_decision if self.last_decision and self.last_decision.step == self.step else None
+        if decision is not None:
+            self._commit(decision)
+        if self.buffer is not None:
+            self.buffer.reset()
+        self._loss_count = 0
+        self.step += 1
+
+    @property
+    def last_step_applied(self) -> bool:
+        """False when the previous step's update was skipped (e.g. to gate an LR-scheduler step)."""
+        decision = self.last_decision
+        return decision is None or decision.step != self.step - 1 or decision.applies_update
+
+    def _commit(self, decision: Decision) -> None:
+        applied = decision.applies_update
+        for monitor in self.monitors:
+            monitor.commit(decision.step, applied)
+        self.policy.commit(decision)
+        self.monitored_steps += 1
+
+    # ------------------------------------------------------------------ reporting
+
+    def _report(self, decision: Decision) -> None:
+        action = decision.action.name.lower()
+        for finding in decision.findings:
+            self.event_counts[finding.detector] += 1
+            self._emit(Event(self.run_id, decision.step, "detection", finding.detector, finding.severity, action,
+                             finding.message, finding.ranks, finding.values))
+        if decision.action >= Action.SKIP:
+            verb = {Action.SKIP: "update not applied on any rank", Action.ABORT: "stopping every rank"}
+            skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP)
+            self._emit(Event(self.run_id, decision.step, "action", "engine", Severity.WARNING
+                             if decision.action == Action.SKIP else Severity.CRITICAL, action,
+                             f"{verb.get(decision.action, action)} (skipped so far: {skipped})",
+                             tuple(sorted({r for f in decision.findings for r in f.ranks})),
+                             {"skipped_steps": skipped}))
+
+    def _maybe_log_metrics(self, stats: GatheredStats) -> None:
+        interval = self.config.sinks.metrics_interval
+        if not interval or not self._owns_sinks():
+            return
+        self._metrics_due += 1
+        if self._metrics_due % interval:
+            return
+        metrics = {f"arc/{m.name}/{k}": v for m in self.monitors for k, v in m.metrics().items()}
+        metrics["arc/skipped_steps"] = float(self.policy.skipped_steps)
+        self.sinks.log_metrics(self.step, metrics)
+
+    def _emit(self, event: Event) -> None:
+        if self._owns_sinks():
+            self.sinks.emit(event)
+
+    def _emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
+        self._emit(Event(self.run_id, self.step, "lifecycle", what, Severity.INFO, "none", message,
+                         values=values or {}))
+
+    def emit_finding(self, finding: Finding) -> None:
+        """Report a finding made outside the per-step path (e.g. by an on-demand diagnostic)."""
+        self._emit(Event(self.run_id, self.step, "detection", finding.detector, finding.severity,
+                         finding.action.name.lower(), finding.message, finding.ranks, finding.values))
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for the end-of-run report (identical on every rank)."""
+        return {"steps": self.step, "monitored_steps": self.monitored_steps,
+                "skipped_steps": self.policy.skipped_steps, "detections": dict(self.event_counts),
+                "collectives": self.pipeline.collectives, "run_dir": str(self.run_dir)}
+
+    def close(self) -> None:
+        """Emit the summary and close the sinks (idempotent, local)."""
+        if self._closed:
+            return
+        self._closed = True
+        summary = self.summary()
+        detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
+        self._emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
+                             f"detections: {detections}", summary)
+        self.sinks.close()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume monitoring exactly (step counter, policy, every monitor)."""
+        return {"step": self.step, "monitored_steps": self.monitored_steps, "policy": self.policy.state_dict(),
+                "monitors": {m.name: m.state_dict() for m in self.monitors},
+                "event_counts": dict(self.event_counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.monitored_steps = int(state["monitored_steps"])
+        self.policy.load_state_dict(state["policy"])
+        for monitor in self.monitors:
+            if monitor.name in state["monitors"]:
+                monitor.load_state_dict(state["monitors"][monitor.name])
+        self.event_counts = Counter(state.get("event_counts", {}))

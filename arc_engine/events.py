@@ -1,0 +1,98 @@
+"""What monitors find, what the policy decides, and the structured events sinks receive."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Severity(enum.IntEnum):
+    DEBUG = 10
+    INFO = 20
+    WARNING = 30
+    ERROR = 40
+    CRITICAL = 50
+
+    @classmethod
+    def parse(cls, name: str) -> Severity:
+        return cls[name.upper()]
+
+
+class Action(enum.IntEnum):
+    """What every rank does with the current step; a larger value wins when monitors disagree.
+
+    ``ROLLBACK`` is the seam for the recovery subsystem: without one attached it escalates to ``ABORT``.
+    """
+
+    NONE = 0
+    WARN = 1
+    SKIP = 2
+    ROLLBACK = 3
+    ABORT = 4
+
+    @classmethod
+    def parse(cls, name: str) -> Action:
+        return cls[name.upper()]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One monitor's verdict on one step, computed from the gathered statistics (identical on all ranks).
+
+    ``ranks``: global ranks implicated (empty when the finding is about the global state).
+    ``values``: the numbers that tripped the monitor, JSON-serialisable.
+    """
+
+    detector: str
+    action: Action
+    severity: Severity
+    message: str
+    ranks: tuple[int, ...] = ()
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A structured record delivered to every sink.
+
+    ``kind``: ``detection`` (a finding), ``action`` (what the engine did), ``lifecycle`` (start/summary).
+    ``action``: the action taken for the step (lower-case :class:`Action` name).
+    """
+
+    run_id: str
+    step: int
+    kind: str
+    detector: str
+    severity: Severity
+    action: str
+    message: str
+    ranks: tuple[int, ...] = ()
+    values: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["severity"] = self.severity.name.lower()
+        record["ranks"] = list(self.ranks)
+        record["values"] = json_safe(self.values)
+        return record
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
+
+
+def json_safe(value: Any) -> Any:
+    """Recursively make ``value`` strict-JSON: NaN/Inf floats become the strings ``"nan"``/``"inf"``."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return json_safe(value.item())
+    return value

@@ -1,0 +1,5 @@
+"""Fault injection for tests and demos: inject at (rank, step), then assert on what happened."""
+
+from arc_engine.faults.injector import FaultInjector
+
+__all__ = ["FaultInjector"]

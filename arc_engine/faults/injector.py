@@ -1,0 +1,70 @@
+"""Inject configured faults into a real training step (see :class:`arc_engine.config.FaultSpec`).
+
+Gradient faults use a tensor hook on the chosen parameter, which runs before the gradient is accumulated and
+so before DDP's reduction sees it: the corruption is local to the chosen rank, as a faulty device's would be.
+Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from arc_engine.config.schema import FaultSpec
+
+
+class FaultInjector:
+    """Holds this rank's faults; ``current_step`` reports the optimizer step the next gradient belongs to."""
+
+    def __init__(self, specs: list[FaultSpec], rank: int, current_step: Callable[[], int]) -> None:
+        self.specs = [s for s in specs if s.rank in (rank, -1)]
+        self.rank = rank
+        self.current_step = current_step
+        self.fired: list[tuple[int, str]] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _active(self, spec: FaultSpec) -> bool:
+        return spec.step <= self.current_step() < spec.step + spec.steps
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Register gradient-fault hooks on ``model``'s parameters (raises ValueError on an unknown name)."""
+        named = dict(model.named_parameters())
+        for spec in self.specs:
+            if spec.kind not in ("nan_grad", "inf_grad"):
+                continue
+            name = spec.param or next(iter(named))
+            if name not in named:
+                raise ValueError(f"faults: parameter {name!r} not found; known: {sorted(named)[:8]}...")
+            self._handles.append(named[name].register_hook(self._grad_hook(spec)))
+
+    def _grad_hook(self, spec: FaultSpec) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        value = float("nan") if spec.kind == "nan_grad" else float("inf")
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not self._active(spec):
+                return None
+            self.fired.append((self.current_step(), spec.kind))
+            corrupted = grad.clone()
+            corrupted.view(-1)[0] = value
+            return corrupted
+
+        return hook
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Apply active loss faults (``nan_loss``, ``loss_scale``) to this rank's loss; identity otherwise."""
+        for spec in self.specs:
+            if not self._active(spec):
+                continue
+            if spec.kind == "nan_loss":
+                self.fired.append((self.current_step(), spec.kind))
+                loss = loss * float("nan")
+            elif spec.kind == "loss_scale":
+                self.fired.append((self.current_step(), spec.kind))
+                loss = loss * spec.scale
+        return loss
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

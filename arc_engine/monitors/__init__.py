@@ -1,0 +1,7 @@
+"""Detectors: one module per family (pure math + a small stateful wrapper)."""
+
+from arc_engine.monitors.base import Monitor, missing_stats
+from arc_engine.monitors.loss_spike import LossSpikeMonitor
+from arc_engine.monitors.numerics import GradNormMonitor, NonFiniteMonitor
+
+__all__ = ["GradNormMonitor", "LossSpikeMonitor", "Monitor", "NonFiniteMonitor", "missing_stats"]

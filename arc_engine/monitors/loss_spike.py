@@ -1,0 +1,96 @@
+"""Loss spikes against a robust running baseline.
+
+Why not the usual rules:
+
+* Megatron-LM's check flags a loss above 10x the largest loss seen early in training: it can only catch
+  catastrophic spikes, since the early maximum is the random-init loss.
+* Lightning's ``SpikeDetection`` compares against a running mean with a relative/absolute tolerance: the mean
+  is dragged by the spikes themselves and a fixed tolerance fires on noisy (small-batch) losses.
+
+Here the baseline is the median of the last ``window`` *accepted* losses and the scale is their median absolute
+deviation (robust to the outliers being detected); a spike must clear both ``factor`` robust standard
+deviations and a minimum relative increase, so a noisy but stable loss does not alarm and a quiet plateau does
+not alarm on tiny wiggles. Flagged losses never enter the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from arc_engine.config.schema import LossSpikeConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.stats import GatheredStats, names
+
+MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
+
+
+def robust_baseline(history: np.ndarray) -> tuple[float, float]:
+    """``(median, robust_std)`` of ``history``; robust_std = 1.4826 x median absolute deviation."""
+    median = float(np.median(history))
+    return median, MAD_TO_STD * float(np.median(np.abs(history - median)))
+
+
+def spike_threshold(median: float, robust_std: float, factor: float, min_relative_increase: float) -> float:
+    """The loss above which a step is a spike: both the robust-z and the relative conditions must hold."""
+    return max(median + factor * robust_std, median + min_relative_increase * abs(median))
+
+
+def mean_loss(loss_r: np.ndarray, count_r: np.ndarray) -> float:
+    """Mean loss over the ranks that recorded one (NaN when none did)."""
+    recorded = loss_r[count_r > 0]
+    return float(np.mean(recorded)) if recorded.size else float("nan")
+
+
+class LossSpikeMonitor:
+    """Stateful wrapper: keeps the window of accepted losses; flags after ``warmup_steps`` of them."""
+
+    name = "loss_spike"
+
+    def __init__(self, config: LossSpikeConfig) -> None:
+        self.config = config
+        self.history: deque[float] = deque(maxlen=config.window)
+        self.spikes = 0
+        self.last_loss = float("nan")
+        self.last_threshold = float("nan")
+        self._flagged = False
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (names.LOSS, names.LOSS_COUNT)
+
+    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+        loss = mean_loss(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0])
+        self.last_loss = loss
+        self._flagged = False
+        if not math.isfinite(loss) or len(self.history) < self.config.warmup_steps:
+            return []
+        median, robust_std = robust_baseline(np.asarray(self.history))
+        threshold = spike_threshold(median, robust_std, self.config.factor, self.config.min_relative_increase)
+        self.last_threshold = threshold
+        if loss <= threshold:
+            return []
+        self._flagged = True
+        values = {"loss": loss, "baseline_median": median, "robust_std": robust_std, "threshold": threshold,
+                  "ratio_to_median": loss / median if median else float("inf")}
+        return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
+                        f"loss spike: {loss:.4g} vs baseline {median:.4g} (threshold {threshold:.4g})",
+                        values=values)]
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._flagged:
+            self.spikes += 1
+        elif applied and math.isfinite(self.last_loss):
+            self.history.append(self.last_loss)
+
+    def metrics(self) -> dict[str, float]:
+        return {"loss": self.last_loss, "threshold": self.last_threshold, "spikes": float(self.spikes)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "spikes": self.spikes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
+        self.spikes = int(state["spikes"])

@@ -1,0 +1,149 @@
+"""Non-finite values and gradient explosion/vanishing (ARC paper §3.2.1).
+
+Pure functions over per-rank arrays, plus two small stateful monitors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from arc_engine.config.schema import GradNormConfig, NonFiniteConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.stats import GatheredStats, names
+
+# ---------------------------------------------------------------- pure functions
+
+
+def nonfinite_ranks(loss_r: np.ndarray, loss_count_r: np.ndarray, nonfinite_rg: np.ndarray
+                    ) -> list[tuple[int, str, int | None]]:
+    """Rows (rank indices) holding a non-finite loss or gradient.
+
+    ``loss_r``: per-rank loss; ``loss_count_r``: micro-batches recorded per rank (0 = no loss recorded);
+    ``nonfinite_rg``: ranks x groups count of parameter tensors with a non-finite local gradient.
+    Returns ``(row, what, first_group)`` with ``what`` in {"loss", "grad", "loss+grad"} and
+    ``first_group`` the lowest group index with a non-finite gradient (None if only the loss is bad).
+    """
+    out: list[tuple[int, str, int | None]] = []
+    for row in range(nonfinite_rg.shape[0]):
+        bad_loss = bool(loss_count_r[row] > 0 and not math.isfinite(float(loss_r[row])))
+        bad_groups = np.flatnonzero((nonfinite_rg[row] > 0) | ~np.isfinite(nonfinite_rg[row]))
+        first_group = int(bad_groups[0]) if bad_groups.size else None
+        if bad_loss or first_group is not None:
+            what = "loss+grad" if bad_loss and first_group is not None else ("loss" if bad_loss else "grad")
+            out.append((row, what, first_group))
+    return out
+
+
+def global_grad_norm(grad_sq_g: np.ndarray) -> float:
+    """L2 norm of the whole gradient from per-group squared norms (NaN/Inf propagate)."""
+    return float(math.sqrt(float(np.sum(grad_sq_g)))) if np.all(grad_sq_g >= 0) else float("nan")
+
+
+def classify_grad_norm(norm: float, explosion_threshold: float, vanishing_threshold: float) -> str:
+    """``"nonfinite"``, ``"explosion"`` (norm > threshold), ``"vanishing"`` (norm < threshold) or ``"ok"``."""
+    if not math.isfinite(norm):
+        return "nonfinite"
+    if norm > explosion_threshold:
+        return "explosion"
+    if norm < vanishing_threshold:
+        return "vanishing"
+    return "ok"
+
+
+# ---------------------------------------------------------------- monitors
+
+
+class NonFiniteMonitor:
+    """Flags NaN/Inf in any rank's loss or local (pre-reduction) gradient, naming the rank and group."""
+
+    name = "non_finite"
+
+    def __init__(self, config: NonFiniteConfig, group_names: list[str]) -> None:
+        self.config = config
+        self.group_names = group_names
+        self.count = 0
+        self._last = 0
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (names.LOSS, names.LOSS_COUNT, names.GRAD_NONFINITE_LOCAL)
+
+    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+        hits = nonfinite_ranks(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0],
+                               stats.per_rank(names.GRAD_NONFINITE_LOCAL))
+        self._last = len(hits)
+        if not hits:
+            return []
+        ranks = tuple(stats.ranks[row] for row, _, _ in hits)
+        parts = []
+        for row, what, group in hits:
+            where = f" (first group {group}: {self.group_names[group]})" if group is not None else ""
+            parts.append(f"rank {stats.ranks[row]} {what}{where}")
+        first_group = next((g for _, _, g in hits if g is not None), None)
+        values: dict[str, Any] = {
+            "loss_per_rank": stats.per_rank(names.LOSS)[:, 0].tolist(),
+            "nonfinite_params_per_rank": stats.per_rank(names.GRAD_NONFINITE_LOCAL).sum(axis=1).tolist(),
+            "first_group": first_group,
+            "first_group_name": self.group_names[first_group] if first_group is not None else None,
+        }
+        return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
+                        "non-finite values: " + "; ".join(parts), ranks, values)]
+
+    def commit(self, step: int, applied: bool) -> None:
+        self.count += int(self._last > 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {"count": float(self.count)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+
+
+class GradNormMonitor:
+    """Explosion (‖g‖ > τ_grad) and vanishing (‖g‖ < ε_grad) of the reduced, pre-clip gradient norm."""
+
+    name = "grad_norm"
+
+    def __init__(self, config: GradNormConfig) -> None:
+        self.config = config
+        self.last_norm = float("nan")
+        self.explosions = 0
+        self.vanishings = 0
+        self._last_kind = "ok"
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (names.GRAD_SQ,)
+
+    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+        norm = global_grad_norm(stats.total(names.GRAD_SQ))
+        self.last_norm = norm
+        kind = classify_grad_norm(norm, self.config.explosion_threshold, self.config.vanishing_threshold)
+        self._last_kind = kind
+        if kind == "explosion":
+            return [Finding(self.name, Action.parse(self.config.explosion_action), Severity.ERROR,
+                            f"gradient explosion: |g| = {norm:.4g} > {self.config.explosion_threshold:.4g}",
+                            values={"grad_norm": norm, "threshold": self.config.explosion_threshold})]
+        if kind == "vanishing":
+            return [Finding(self.name, Action.parse(self.config.vanishing_action), Severity.WARNING,
+                            f"vanishing gradient: |g| = {norm:.3g} < {self.config.vanishing_threshold:.3g}",
+                            values={"grad_norm": norm, "threshold": self.config.vanishing_threshold})]
+        return []  # a non-finite norm is the NonFiniteMonitor's to report
+
+    def commit(self, step: int, applied: bool) -> None:
+        self.explosions += int(self._last_kind == "explosion")
+        self.vanishings += int(self._last_kind == "vanishing")
+
+    def metrics(self) -> dict[str, float]:
+        return {"norm": self.last_norm, "explosions": float(self.explosions)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"explosions": self.explosions, "vanishings": self.vanishings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.explosions = int(state["explosions"])
+        self.vanishings = int(state["vanishings"])

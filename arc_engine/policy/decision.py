@@ -1,0 +1,79 @@
+"""One decision per monitored step, computed identically on every rank from the gathered findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from arc_engine.config.schema import PolicyConfig
+from arc_engine.events import Action, Finding, Severity
+
+#: Exit code of a run that arc_engine stopped (persistent failure or an ``abort`` action).
+EXIT_ABORT = 3
+
+
+class ArcAbort(RuntimeError):
+    """Raised on every rank, at the same step, when the decision is ABORT. ``exit_code`` is for the launcher."""
+
+    def __init__(self, message: str, step: int, exit_code: int = EXIT_ABORT) -> None:
+        super().__init__(message)
+        self.step = step
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The agreed verdict for one step: the strongest action among the findings (plus escalation)."""
+
+    step: int
+    action: Action
+    findings: tuple[Finding, ...] = ()
+
+    @property
+    def applies_update(self) -> bool:
+        return self.action <= Action.WARN
+
+
+
+class DecisionPolicy:
+    """Turns findings into a :class:`Decision`, escalating runs of skipped steps.
+
+    Pure given its state: the same findings and state give the same decision on every rank.
+    """
+
+    def __init__(self, config: PolicyConfig, *, can_rollback: bool = False) -> None:
+        self.config = config
+        self.can_rollback = can_rollback
+        self.consecutive_skips = 0
+        self.skipped_steps = 0
+
+    def decide(self, step: int, findings: list[Finding]) -> Decision:
+        action = max((f.action for f in findings), default=Action.NONE)
+        extra: list[Finding] = []
+        if action == Action.SKIP and self.consecutive_skips + 1 > self.config.max_consecutive_skips:
+            action = Action.ABORT
+            extra.append(Finding(
+                "policy", Action.ABORT, Severity.CRITICAL,
+                f"{self.consecutive_skips + 1} consecutive steps would be skipped "
+                f"(policy.max_consecutive_skips = {self.config.max_consecutive_skips}): the fault is persistent",
+                values={"consecutive_skips": self.consecutive_skips + 1}))
+        if action == Action.ROLLBACK and not self.can_rollback:
+            action = Action.ABORT
+            extra.append(Finding("policy", Action.ABORT, Severity.CRITICAL,
+                                 "rollback requested but no recovery is attached"))
+        return Decision(step, action, (*findings, *extra))
+
+    def commit(self, decision: Decision) -> None:
+        """Record that ``decision`` was carried out."""
+        if decision.action == Action.SKIP:
+            self.consecutive_skips += 1
+            self.skipped_steps += 1
+        elif decision.action <= Action.WARN:
+            self.consecutive_skips = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -1,0 +1,67 @@
+"""The sink contract and the dispatcher that keeps a failing sink from ever stopping training."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, runtime_checkable
+
+from arc_engine.events import Event
+
+log = logging.getLogger("arc_engine.sinks")
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives events and metrics. Called on the training thread of the ranks that own sinks (rank 0
+    by default): implementations must be quick, or hand work to a background thread (the W&B sink does)."""
+
+    name: str
+
+    def emit(self, event: Event) -> None: ...
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SinkSet:
+    """Fans events out to sinks. A sink that raises is reported once (logging) and disabled after
+    ``max_failures`` consecutive errors; training never sees the exception."""
+
+    def __init__(self, sinks: list[Sink] | None = None, max_failures: int = 3) -> None:
+        self.sinks: list[Sink] = list(sinks or [])
+        self.max_failures = max_failures
+        self._failures: dict[str, int] = {}
+        self.disabled: set[str] = set()
+
+    def add(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+
+    def emit(self, event: Event) -> None:
+        for sink in self._active():
+            self._call(sink, "emit", event)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in self._active():
+            self._call(sink, "log_metrics", step, metrics)
+
+    def close(self) -> None:
+        for sink in self._active():
+            self._call(sink, "close")
+
+    def _active(self) -> list[Sink]:
+        return [s for s in self.sinks if s.name not in self.disabled]
+
+    def _call(self, sink: Sink, method: str, *args: object) -> None:
+        try:
+            getattr(sink, method)(*args)
+            self._failures[sink.name] = 0
+        except Exception as err:  # a sink must never stop training
+            count = self._failures.get(sink.name, 0) + 1
+            self._failures[sink.name] = count
+            if count == 1:
+                log.warning("arc_engine sink %r failed in %s (%s: %s); training continues",
+                            sink.name, method, type(err).__name__, err)
+            if count >= self.max_failures:
+                self.disabled.add(sink.name)
+                log.warning("arc_engine sink %r disabled after %d consecutive failures", sink.name, count)

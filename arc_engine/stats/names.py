@@ -1,0 +1,15 @@
+"""Names of the standard statistic slots shared by producers (integrations) and consumers (monitors).
+
+``G`` below is the number of optimizer parameter groups.
+"""
+
+#: [1] PER_RANK: the rank's loss for the step (mean over its recorded micro-batches).
+LOSS = "loss"
+#: [1] PER_RANK: how many micro-batch losses the rank recorded this step (0: no loss recorded).
+LOSS_COUNT = "loss_count"
+#: [G] PER_RANK: squared L2 norm of the rank's local gradient per group, before the gradient reduction.
+GRAD_SQ_LOCAL = "grad_sq_local"
+#: [G] PER_RANK: number of parameter tensors whose local gradient holds NaN/Inf, per group.
+GRAD_NONFINITE_LOCAL = "grad_nonfinite_local"
+#: [G] REPLICATED (DDP) or SUM (sharded): squared L2 norm of the reduced gradient per group, before clipping.
+GRAD_SQ = "grad_sq"

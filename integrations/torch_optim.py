@@ -1,0 +1,73 @@
+"""Any ``torch.optim`` optimizer: the decision is taken in a step pre-hook, the step is closed in a post-hook.
+
+Skipping a step uses torch.optim's own contract: parameters whose ``.grad`` is ``None`` are not updated (and
+their optimizer state, including Adam's step count, is left untouched). So a skipped step sets every gradient
+of the optimizer to ``None`` in the pre-hook; the optimizer then applies nothing on any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arc_engine.engine import ArcEngine
+from arc_engine.stats import names
+from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+
+
+@dataclass
+class OptimizerHooks:
+    handles: list[torch.utils.hooks.RemovableHandle]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex) -> None:
+    """Write gradient statistics from ``param.grad`` (no DDP hook: the local gradient is the reduced one)."""
+    grads: list[torch.Tensor] = []
+    params: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                grads.append(param.grad)
+                params.append(param)
+    if not grads:
+        return
+    index = groups.index_tensor(params, engine.pipeline.device)
+    accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+    engine.buffer.view(names.GRAD_SQ).copy_(engine.buffer.view(names.GRAD_SQ_LOCAL))
+
+
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step()`` a no-op for this step (see module docstring)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+
+
+def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex,
+                             *, grads_from_hook: bool) -> OptimizerHooks:
+    """Install the pre/post step hooks on every rank.
+
+    ``grads_from_hook``: gradient statistics are produced elsewhere (a DDP comm hook); otherwise they are
+    computed from ``param.grad`` in the pre-hook.
+    """
+
+    def pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not engine.is_monitored():
+            return
+        if not grads_from_hook:
+            local_grad_stats(engine, opt, groups)
+        decision = engine.decide()
+        if not decision.applies_update:
+            drop_gradients(opt)
+
+    def post_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        engine.finish_step()
+
+    handles = [optimizer.register_step_pre_hook(pre_step),
+                             optimizer.register_step_post_hook(post_step)]
+    return OptimizerHooks(handles)

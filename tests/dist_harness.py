@@ -1,0 +1,81 @@
+"""Run a function on N real processes joined by a gloo process group; collect each rank's result.
+
+Every wait is bounded: the process group has a collective timeout, and the parent kills every rank and fails
+the test if the ranks do not all report within ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
+           collective_timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout_s))
+        result = fn(rank, world, *args)
+        # Serialise to bytes: tensors sent as-is would travel as shared-memory handles that die with the rank.
+        payload = io.BytesIO()
+        torch.save(result, payload)
+        queue.put((rank, "ok", payload.getvalue()))
+        dist.barrier()
+    except BaseException as err:  # report, never hang the parent
+        queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
+              collective_timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return results ordered by rank.
+
+    Raises AssertionError naming the rank when any rank raised or the ranks did not finish in time.
+    ``fn`` and ``args`` must be picklable (module-level function).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+    except Exception as err:
+        raise AssertionError(f"ranks did not all report within {timeout_s}s (got {sorted(results)}, "
+                             f"errors {sorted(errors)}): {err!r}") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world)]

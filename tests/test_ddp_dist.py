@@ -1,0 +1,162 @@
+"""DDP + torch.optim integration on real gloo ranks: exact statistics, agreed decisions, bitwise
+non-interference, one collective per monitored step."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+import arc_engine
+from arc_engine.sinks import read_jsonl
+from arc_engine.stats import names
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data, train_ddp
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --------------------------------------------------------------------- statistics vs. a reference
+
+def _first_step_stats(rank: int, world: int, run_dir: Path) -> dict:
+    model, data = tiny_model_and_data()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets, groups split across them
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, make_config(run_dir))
+    inputs, targets = data.batch(0, rank, BATCH)
+    loss = ddp(inputs, targets)
+    arc.record_loss(loss)
+    loss.backward()
+    optimizer.step()
+    stats = arc.engine.last_stats
+    arc.close()
+    return {"local_sq_rg": stats.per_rank(names.GRAD_SQ_LOCAL), "global_sq_g": stats.total(names.GRAD_SQ),
+            "loss_r": stats.per_rank(names.LOSS)[:, 0]}
+
+
+def test_gradient_statistics_match_single_process_reference(tmp_path: Path) -> None:
+    world = 2
+    results = run_ranks(_first_step_stats, world, tmp_path)
+    model, data = tiny_model_and_data()
+    groups = make_optimizer(model).param_groups
+    per_rank_grads, losses = [], []
+    for rank in range(world):
+        model.zero_grad()
+        loss = model(*data.batch(0, rank, BATCH))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        per_rank_grads.append([[p.grad.clone() for p in g["params"]] for g in groups])
+    for result in results:
+        np.testing.assert_allclose(result["loss_r"], losses, rtol=1e-6)
+        for rank in range(world):
+            expected = [sum(float(g.double().square().sum()) for g in grads) for grads in per_rank_grads[rank]]
+            np.testing.assert_allclose(result["local_sq_rg"][rank], expected, rtol=1e-5)
+        mean_sq = [sum(float(((a + b) / 2).double().square().sum()) for a, b in zip(ga, gb, strict=True))
+                   for ga, gb in zip(per_rank_grads[0], per_rank_grads[1], strict=True)]
+        np.testing.assert_allclose(result["global_sq_g"], mean_sq, rtol=1e-5)
+        np.testing.assert_array_equal(result["local_sq_rg"], results[0]["local_sq_rg"])
+
+
+# --------------------------------------------------------------------- agreed decisions
+
+def _train_rank(rank: int, world: int, steps: int, config) -> dict:
+    return train_ddp(rank, steps, config)
+
+
+def test_nan_on_one_rank_every_rank_skips_the_same_step(tmp_path: Path) -> None:
+    config = make_config(tmp_path, "faults.injections=[{kind: nan_grad, rank: 1, step: 3, "
+                                   "param: blocks.0.ln1.weight}]")
+    results = run_ranks(_train_rank, 3, 8, config)
+    decisions = results[0]["decisions"]
+    assert all(r["decisions"] == decisions for r in results), "ranks disagree"
+    by_step = {step: (action, findings) for step, action, findings in decisions}
+    assert by_step[3][0] == "SKIP"
+    assert by_step[3][1] == [("non_finite", [1])]
+    assert all(action == "NONE" for step, (action, _) in by_step.items() if step != 3)
+    for result in results:
+        snaps = result["snapshots"]
+        assert torch.equal(snaps[3], snaps[2]), "the skipped step changed parameters"
+        assert not torch.equal(snaps[4], snaps[3])
+        assert all(torch.isfinite(p).all() for p in result["params"].values())
+        assert result["summary"]["skipped_steps"] == 1
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")
+    nan_events = [e for e in events if e["detector"] == "non_finite"]
+    assert len(nan_events) == 1 and nan_events[0]["ranks"] == [1] and nan_events[0]["step"] == 3
+    assert nan_events[0]["values"]["first_group_name"] == "no_decay"
+
+
+def test_persistent_fault_aborts_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    config = make_config(tmp_path, "policy.max_consecutive_skips=2",
+                         "faults.injections=[{kind: nan_loss, rank: 0, step: 2, steps: 100}]")
+    results = run_ranks(_train_rank, 2, 20, config)
+    assert [r.get("aborted_at") for r in results] == [4, 4]  # skips at 2 and 3, the third in a row aborts
+    assert all(r["exit_code"] == arc_engine.EXIT_ABORT for r in results)
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")
+    assert any(e["detector"] == "policy" and e["action"] == "abort" for e in events)
+
+
+def test_loss_spike_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    config = make_config(tmp_path, "detectors.loss_spike.warmup_steps=5",
+                         "faults.injections=[{kind: loss_scale, rank: -1, step: 12, scale: 20}]")
+    results = run_ranks(_train_rank, 2, 16, config)
+    for result in results:
+        flagged = [(s, a) for s, a, findings in result["decisions"] if findings]
+        assert flagged == [(12, "SKIP")]
+        assert torch.equal(result["snapshots"][12], result["snapshots"][11])
+
+
+# --------------------------------------------------------------------- non-interference
+
+def _with_and_without(rank: int, world: int, steps: int, config) -> bool:
+    plain = train_ddp(rank, steps, None)["params"]
+    monitored = train_ddp(rank, steps, config)["params"]
+    return all(torch.equal(plain[name], monitored[name]) for name in plain)
+
+
+def test_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path) -> None:
+    assert run_ranks(_with_and_without, 2, 6, make_config(tmp_path)) == [True, True]
+
+
+# --------------------------------------------------------------------- collectives per step
+
+def _count_collectives(rank: int, world: int, config, steps: int) -> dict:
+    counts = {}
+    for label, cfg in (("plain", None), ("arc", config)):
+        model, data = tiny_model_and_data()
+        ddp = DistributedDataParallel(model)
+        optimizer = make_optimizer(model)
+        arc = arc_engine.attach(ddp, optimizer, cfg) if cfg is not None else None
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for step in range(steps):
+                loss = ddp(*data.batch(step, rank, BATCH))
+                if arc is not None:
+                    arc.record_loss(loss)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        counts[label] = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+        if arc is not None:
+            counts["pipeline"] = arc.engine.pipeline.collectives
+            counts["host_copies"] = arc.engine.pipeline.host_copies
+            arc.close()
+    return counts
+
+
+@pytest.mark.parametrize(("interval", "steps", "monitored"), [(1, 4, 4), (3, 7, 3)])
+def test_one_collective_per_monitored_step(tmp_path: Path, interval: int, steps: int, monitored: int) -> None:
+    config = make_config(tmp_path, f"stats.interval={interval}")
+    for counts in run_ranks(_count_collectives, 2, config, steps):
+        assert counts["arc"] - counts["plain"] == monitored, counts
+        assert counts["pipeline"] == monitored and counts["host_copies"] == monitored
+
+
+def test_grad_norm_reported_is_pre_clip(tmp_path: Path) -> None:
+    results = run_ranks(_train_rank, 2, 3, make_config(tmp_path))
+    for result in results:
+        assert all(math.isfinite(n) and n > 0 for n in result["grad_norms"])
+        assert result["grad_norms"] == results[0]["grad_norms"]

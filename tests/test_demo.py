@@ -1,0 +1,38 @@
+"""The main job as a smoke test: the demo (torchrun, 2 gloo ranks) detects and handles every injected fault."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "arc_engine.cli", "demo", "--nproc", "2", "--arc-config",
+           str(REPO / "configs" / "demo.yaml"), "--steps", "140", "--log-every", "35",
+           f"--arc.run.run_dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[train] step  140/140" in out  # progress is shown
+    assert "non_finite -> SKIP | ranks [1]" in out and "non_finite -> SKIP | ranks [0]" in out
+    assert "loss_spike -> SKIP" in out
+    assert "MISSED" not in out
+    assert "steps 140, skipped 3" in out
+    assert (tmp_path / "demo" / "events.jsonl").stat().st_size > 0
+    assert (tmp_path / "demo" / "metrics.jsonl").stat().st_size > 0
+
+
+def test_demo_bad_config_exits_2_with_one_message(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "arc_engine.demo.train", "--arc.detectors.loss_spike.factor=-3"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "detectors.loss_spike.factor = -3.0: must be > 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,108 @@
+"""Events and sinks, and the single-process (no torch.distributed) path of attach()."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import arc_engine
+from arc_engine.events import Event, Severity
+from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet, format_event, read_jsonl
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+
+class ExplodingSink:
+    name = "exploding"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def emit(self, event: Event) -> None:
+        self.calls += 1
+        raise ConnectionError("sink backend is down")
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.calls += 1
+        raise ConnectionError("sink backend is down")
+
+    def close(self) -> None:
+        raise ConnectionError("sink backend is down")
+
+
+def _train(arc: arc_engine.Arc, model, optimizer, data, steps: int) -> list[str]:
+    actions = []
+    for _ in range(steps):
+        loss = arc.faults.on_loss(model(*data.batch(arc.step, 0, BATCH)))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        actions.append(arc.engine.last_decision.action.name)
+    return actions
+
+
+def test_failing_sink_never_stops_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    config = make_config(tmp_path, "faults.injections=[{kind: nan_loss, rank: 0, step: 2}]")
+    arc = arc_engine.attach(model, optimizer, config)
+    broken = ExplodingSink()
+    arc.engine.sinks.add(broken)
+    actions = _train(arc, model, optimizer, data, 6)
+    arc.close()
+    assert actions[2] == "SKIP" and actions.count("SKIP") == 1
+    assert "exploding" in arc.engine.sinks.disabled
+    assert broken.calls == arc.engine.sinks.max_failures  # disabled after max_failures, not called again
+    assert sum("sink 'exploding' failed" in r.message for r in caplog.records) == 1  # reported once
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")  # the healthy sink kept working
+    assert [e["detector"] for e in events if e["kind"] == "detection"] == ["non_finite"]
+
+
+def test_single_process_attach_detects_and_skips(tmp_path: Path) -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    config = make_config(tmp_path, "faults.injections=[{kind: inf_grad, rank: 0, step: 3, param: ln_f.bias}]")
+    with arc_engine.attach(model, optimizer, config) as arc:
+        assert _train(arc, model, optimizer, data, 3) == ["NONE"] * 3
+        params_before = [p.detach().clone() for p in model.parameters()]
+        adam_steps_before = {k: v["step"].clone() for k, v in optimizer.state.items()}
+        assert _train(arc, model, optimizer, data, 1) == ["SKIP"]
+        assert not arc.last_step_applied
+        assert all(torch.equal(a, b) for a, b in zip(params_before, model.parameters(), strict=True))
+        assert all(torch.equal(adam_steps_before[k], v["step"]) for k, v in optimizer.state.items())
+        assert _train(arc, model, optimizer, data, 1) == ["NONE"]
+        assert arc.last_step_applied
+        summary = arc.summary()
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 5
+    finding = next(e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e["kind"] == "detection")
+    assert finding["values"]["first_group_name"] == "no_decay" and finding["ranks"] == [0]
+
+
+def test_jsonl_sink_writes_strict_json_lines(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "events.jsonl", tmp_path / "metrics.jsonl")
+    sink.emit(Event("run", 7, "detection", "loss_spike", Severity.WARNING, "skip", "spike",
+                    (1, 2), {"loss": float("nan"), "ratio": float("inf")}))
+    sink.log_metrics(7, {"arc/loss": 1.5})
+    sink.close()
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])  # strict JSON: no bare NaN
+    assert record["values"] == {"loss": "nan", "ratio": "inf"} and record["ranks"] == [1, 2]
+    assert record["severity"] == "warning" and record["step"] == 7
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 7, "arc/loss": 1.5}]
+    with open(tmp_path / "events.jsonl", "a") as handle:
+        handle.write('{"partial": ')  # a crash mid-line
+    assert len(read_jsonl(tmp_path / "events.jsonl")) == 1
+
+
+def test_console_sink_filters_by_severity() -> None:
+    stream = io.StringIO()
+    sinks = SinkSet([ConsoleSink(Severity.WARNING, "never", stream)])
+    sinks.emit(Event("r", 1, "lifecycle", "start", Severity.INFO, "none", "hello"))
+    sinks.emit(Event("r", 40, "detection", "non_finite", Severity.ERROR, "skip", "NaN", (1,)))
+    out = stream.getvalue().splitlines()
+    assert out == [format_event(Event("r", 40, "detection", "non_finite", Severity.ERROR, "skip", "NaN", (1,)))]
+    assert "step     40" in out[0] and "-> SKIP" in out[0] and "ranks [1]" in out[0]

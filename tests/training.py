@@ -1,0 +1,71 @@
+"""A tiny real training setup (demo GPT, generated corpus, AdamW, DDP) shared by the distributed tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import arc_engine
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.demo.corpus import CharDataset, generate_corpus
+from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+
+SEQ_LEN = 16
+BATCH = 4
+
+
+def make_config(run_dir: Path, *overrides: str) -> ArcConfig:
+    """Defaults with a quiet console, the run under ``run_dir``, plus dotted overrides."""
+    return load_config(None, ["run.run_id=test", f"run.run_dir={run_dir}", "sinks.console.enabled=false",
+                              *overrides])
+
+
+def tiny_model_and_data(seed: int = 0) -> tuple[GPT, CharDataset]:
+    torch.manual_seed(seed)
+    data = CharDataset(generate_corpus(400), SEQ_LEN, seed=seed)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=SEQ_LEN, num_layers=1, d_model=32, num_heads=2))
+    return model, data
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+
+
+def train_ddp(rank: int, steps: int, config: ArcConfig | None, seed: int = 0) -> dict[str, Any]:
+    """Train the tiny GPT under DDP for ``steps`` steps on this rank (process group already initialised).
+
+    Returns the final parameters, a snapshot of the parameters after each step, and (with arc) each step's
+    decision and the engine summary.
+    """
+    model, data = tiny_model_and_data(seed)
+    ddp = DistributedDataParallel(model)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
+    snapshots, decisions, grad_norms = [], [], []
+    try:
+        for step in range(steps):
+            inputs, targets = data.batch(step, rank, BATCH)
+            loss = ddp(inputs, targets)
+            if arc is not None:
+                loss = arc.faults.on_loss(loss)
+                arc.record_loss(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]).clone())
+            if arc is not None and arc.engine.last_decision is not None:
+                decision = arc.engine.last_decision
+                decisions.append((decision.step, decision.action.name,
+                                  [(f.detector, list(f.ranks)) for f in decision.findings]))
+                stats = arc.engine.last_stats
+                grad_norms.append(float(stats.total("grad_sq").sum()) ** 0.5)
+    except arc_engine.ArcAbort as abort:
+        return {"aborted_at": abort.step, "exit_code": abort.exit_code, "decisions": decisions}
+    summary = arc.summary() if arc is not None else {}
+    if arc is not None:
+        arc.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "snapshots": snapshots,
+            "decisions": decisions, "summary": summary, "grad_norms": grad_norms}
