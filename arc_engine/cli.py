@@ -13,14 +13,14 @@ from pathlib import Path
 
 import yaml
 
-from arc_engine.config import ArcConfig, ConfigError, add_arc_args, config_from_args, load_config, to_dict
+from arc_engine.config import ConfigError, add_arc_args, config_from_args, load_config, to_dict
 from arc_engine.config.cli_args import exit_with_config_error
 
 
 def _validate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file, args.arc_overrides)
-    except (ConfigError, FileNotFoundError, IsADirectoryError) as err:
+    except (ConfigError, OSError, UnicodeDecodeError) as err:
         exit_with_config_error(err)
     faults = len(config.faults.injections)
     print(f"{args.file}: OK ({faults} fault injection(s) configured)" if faults else f"{args.file}: OK")
@@ -28,7 +28,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    config = config_from_args(args) if args.arc_config else ArcConfig()
+    config = config_from_args(args)
     print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
     return 0
 
@@ -42,12 +42,13 @@ def _demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate-config", help="check an arc config file (exit 0 ok, 2 invalid)")
     validate.add_argument("file", type=Path)
     validate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides to check too")
-    show = sub.add_parser("show-config", help="print the effective config (defaults when no file is given)")
+    show = sub.add_parser("show-config", help="print the effective config (defaults when no file is given)",
+                          allow_abbrev=False)
     add_arc_args(show)
     demo = sub.add_parser("demo", help="run the demo job (torchrun, gloo, CPU); extra args go to the trainer")
     demo.add_argument("--nproc", type=int, default=2)

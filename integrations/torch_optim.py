@@ -25,8 +25,10 @@ class OptimizerHooks:
             handle.remove()
 
 
-def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex) -> None:
-    """Write gradient statistics from ``param.grad`` (no DDP hook: the local gradient is the reduced one)."""
+def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex,
+                     cache: dict[str, object]) -> None:
+    """Write gradient statistics from ``param.grad`` (no DDP hook: the local gradient is the reduced one).
+    ``cache`` keeps the group-index tensor while the set of parameters with gradients does not change."""
     grads: list[torch.Tensor] = []
     params: list[torch.Tensor] = []
     for group in optimizer.param_groups:
@@ -36,7 +38,10 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
                 params.append(param)
     if not grads:
         return
-    index = groups.index_tensor(params, engine.pipeline.device)
+    key = tuple(id(p) for p in params)
+    if cache.get("key") != key:
+        cache["key"], cache["index"] = key, groups.index_tensor(params, engine.pipeline.device)
+    index = cache["index"]
     accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
     engine.buffer.view(names.GRAD_SQ).copy_(engine.buffer.view(names.GRAD_SQ_LOCAL))
 
@@ -55,12 +60,13 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
     ``grads_from_hook``: gradient statistics are produced elsewhere (a DDP comm hook); otherwise they are
     computed from ``param.grad`` in the pre-hook.
     """
+    index_cache: dict[str, object] = {}
 
     def pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not engine.is_monitored():
             return
         if not grads_from_hook:
-            local_grad_stats(engine, opt, groups)
+            local_grad_stats(engine, opt, groups, index_cache)
         decision = engine.decide()
         if not decision.applies_update:
             drop_gradients(opt)

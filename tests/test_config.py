@@ -294,3 +294,26 @@ def test_cli_show_config_of_a_file(tmp_path):
     assert result.returncode == 0, result.stderr
     shown = load_config(write_yaml(tmp_path, result.stdout, "shown.yaml"))
     assert shown == load_config(DEMO_YAML, ["stats.interval=5"])
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path):
+    bad = tmp_path / "binary.yaml"
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+    proc = subprocess.run([sys.executable, "-m", "arc_engine.cli", "validate-config", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_empty_section_means_defaults(tmp_path):
+    path = tmp_path / "empty_section.yaml"
+    path.write_text("detectors:\n#  loss_spike:\n#    factor: 3\n")
+    assert load_config(path) == ArcConfig()
+
+
+def test_show_config_applies_overrides_without_a_file():
+    proc = subprocess.run([sys.executable, "-m", "arc_engine.cli", "show-config",
+                           "--arc.detectors.loss_spike.factor=8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert yaml.safe_load(proc.stdout)["detectors"]["loss_spike"]["factor"] == 8.0

@@ -34,7 +34,8 @@ class _OverrideAction(argparse.Action):
 def add_arc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--arc-config`` and one ``--arc.<key>`` option per config leaf to ``parser``; returns it.
 
-    Unknown ``--arc.*`` options are rejected by argparse itself ("unrecognized arguments").
+    Unknown ``--arc.*`` options are rejected by argparse itself ("unrecognized arguments"). Create ``parser``
+    with ``allow_abbrev=False`` so that a misspelt prefix (``--arc.stats.int``) is not silently expanded.
     """
     group = parser.add_argument_group("arc_engine")
     group.add_argument("--arc-config", "--arc_config", dest="arc_config", default=None, metavar="PATH",
@@ -59,7 +60,7 @@ def config_from_args(args: argparse.Namespace, *, exit_on_error: bool = True,
     overrides = getattr(args, _OVERRIDE_DEST, None) or []
     try:
         return load_config(path, overrides, base=None if path else default)
-    except (ConfigError, FileNotFoundError, IsADirectoryError) as err:
+    except (ConfigError, OSError, UnicodeDecodeError) as err:
         if not exit_on_error:
             raise
         exit_with_config_error(err)
@@ -67,6 +68,11 @@ def config_from_args(args: argparse.Namespace, *, exit_on_error: bool = True,
 
 def exit_with_config_error(err: Exception) -> NoReturn:
     """Print ``err`` as one line prefixed ``arc_engine: invalid config:`` and exit with code 2."""
-    detail = f"{err.filename}: file not found" if isinstance(err, FileNotFoundError) else str(err)
+    if isinstance(err, FileNotFoundError):
+        detail = f"{err.filename}: file not found"
+    elif isinstance(err, OSError):
+        detail = f"{err.filename}: cannot read ({err.strerror})"
+    else:
+        detail = str(err)
     print(f"arc_engine: invalid config: {detail}", file=sys.stderr)
     sys.exit(EXIT_BAD_CONFIG)

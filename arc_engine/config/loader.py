@@ -109,7 +109,8 @@ def describe_type(hint: Any) -> str:
 def _coerce(hint: Any, value: Any, key: str, source: str | None) -> Any:
     origin = get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, source=source, prefix=key)  # type: ignore[arg-type]
+        # An empty section (every child commented out) reads as None in YAML: it means "all defaults".
+        return from_dict(hint, {} if value is None else value, source=source, prefix=key)  # type: ignore[arg-type]
     if origin in (typing.Union, types.UnionType):
         options = get_args(hint)
         if value is None and type(None) in options:
@@ -149,7 +150,11 @@ def _coerce_scalar(hint: Any, value: Any, key: str, source: str | None) -> Any:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("<file>", str(path), f"not UTF-8 text ({err.reason} at byte {err.start})",
+                          str(path)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

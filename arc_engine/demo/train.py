@@ -31,7 +31,7 @@ from arc_engine.sinks import read_jsonl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="arc_engine demo: small GPT, DDP, injected faults")
+    parser = argparse.ArgumentParser(description="arc_engine demo: small GPT, DDP, injected faults", allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
     parser.add_argument("--seq-len", type=int, default=64)
