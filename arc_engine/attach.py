@@ -97,7 +97,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if group is None and is_ddp:
         group = model.process_group
     groups = ParamGroupIndex(optimizer.param_groups)
-    engine = ArcEngine(config, group=group, group_names=groups.names, grad_reduce=Reduce.REPLICATED)
+    engine = ArcEngine(config, group=group, group_names=groups.names, shard_reduce=Reduce.REPLICATED)
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.step)
     injector.install(model.module if is_ddp else model)
     engine.start()

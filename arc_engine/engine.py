@@ -19,7 +19,14 @@ import torch.distributed as dist
 from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.events import Action, Event, Finding, Severity
-from arc_engine.monitors import GradNormMonitor, LossSpikeMonitor, Monitor, NonFiniteMonitor, missing_stats
+from arc_engine.monitors import (
+    GradNormMonitor,
+    LossSpikeMonitor,
+    Monitor,
+    NonFiniteMonitor,
+    OptimizerStatsMonitor,
+    missing_stats,
+)
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
 from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
@@ -31,12 +38,12 @@ class ArcEngine:
     """Per-rank engine. Construct on every rank of ``group`` with the same arguments, then :meth:`start`.
 
     ``group_names``: names of the optimizer's parameter groups (G slots per gradient statistic).
-    ``grad_reduce``: how ranks' ``grad_sq`` slots combine: REPLICATED for DDP (every rank holds the reduced
-    gradient), SUM for sharded optimizers (each rank holds its partition).
+    ``shard_reduce``: how ranks' gradient/weight/update slots combine: REPLICATED for DDP (every rank holds the
+    reduced gradient and full parameters), SUM for sharded optimizers (each rank holds its partition).
     """
 
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
-                 group_names: list[str] | None = None, grad_reduce: Reduce = Reduce.REPLICATED,
+                 group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
                  sinks: SinkSet | None = None) -> None:
         self.config = config
         self.group = group
@@ -48,7 +55,10 @@ class ArcEngine:
         self.layout.add(names.LOSS_COUNT, 1, Reduce.PER_RANK)
         self.layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
         self.layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
-        self.layout.add(names.GRAD_SQ, num_groups, grad_reduce)
+        self.layout.add(names.GRAD_SQ, num_groups, shard_reduce)
+        if config.stats.optimizer_stats:
+            for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT):
+                self.layout.add(name, num_groups, shard_reduce)
         self.monitors: list[Monitor] = self._build_monitors()
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, stats_device(group, config.stats.device))
@@ -98,6 +108,8 @@ class ArcEngine:
             monitors.append(LossSpikeMonitor(det.loss_spike))
         if det.grad_norm.enabled:
             monitors.append(GradNormMonitor(det.grad_norm))
+        if self.config.stats.optimizer_stats:
+            monitors.append(OptimizerStatsMonitor(self.group_names))
         return monitors
 
     def _owns_sinks(self) -> bool:

@@ -14,6 +14,8 @@ import torch
 from arc_engine.engine import ArcEngine
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+from arc_engine.stats.optim_stats import adam_views
+from arc_engine.stats.producers import record_group_optimizer_stats
 
 
 @dataclass
@@ -46,6 +48,18 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
     engine.buffer.view(names.GRAD_SQ).copy_(engine.buffer.view(names.GRAD_SQ_LOCAL))
 
 
+def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool) -> None:
+    """Per-group weight norms and prospective Adam update Σ U², before the optimizer applies the step."""
+    for group_id, group in enumerate(optimizer.param_groups):
+        views = adam_views(optimizer, group, local=local_shards)
+        if views is not None:
+            weights = views.params
+        else:
+            weights = [p for p in group["params"] if p.grad is not None]
+            weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
+        record_group_optimizer_stats(engine.buffer, group_id, weights, views)
+
+
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.step()`` a no-op for this step (see module docstring)."""
     for group in optimizer.param_groups:
@@ -54,19 +68,22 @@ def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 
 def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex,
-                             *, grads_from_hook: bool) -> OptimizerHooks:
+                             *, grads_from_hook: bool, local_shards: bool = False) -> OptimizerHooks:
     """Install the pre/post step hooks on every rank.
 
-    ``grads_from_hook``: gradient statistics are produced elsewhere (a DDP comm hook); otherwise they are
-    computed from ``param.grad`` in the pre-hook.
+    ``grads_from_hook``: gradient statistics are produced elsewhere (a DDP comm hook or a sharded adapter);
+    otherwise they are computed from ``param.grad`` in the pre-hook. ``local_shards``: parameters are DTensors
+    (FSDP2) and statistics are taken on their local shards.
     """
     index_cache: dict[str, object] = {}
 
+    @torch.no_grad()
     def pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not engine.is_monitored():
             return
         if not grads_from_hook:
             local_grad_stats(engine, opt, groups, index_cache)
+        optimizer_stats(engine, opt, local_shards=local_shards)
         decision = engine.decide()
         if not decision.applies_update:
             drop_gradients(opt)

@@ -49,10 +49,13 @@ class StatsConfig:
     ``interval``: monitor every k-th optimizer step (1 = every step). Unmonitored steps run no statistics,
     no collective and no detector: a fault on such a step is not seen.
     ``device``: where the gathered buffer lives: ``auto`` follows the backend (CUDA for NCCL, CPU for gloo).
+    ``optimizer_stats``: per-group weight norms and the prospective Adam update RMS (SDC paper), computed on
+    each rank's own parameters or shard inside the optimizer step.
     """
 
     interval: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    optimizer_stats: bool = True
 
     def __post_init__(self) -> None:
         require(self.interval >= 1, "interval", self.interval, "must be an integer >= 1")

@@ -3,5 +3,13 @@
 from arc_engine.monitors.base import Monitor, missing_stats
 from arc_engine.monitors.loss_spike import LossSpikeMonitor
 from arc_engine.monitors.numerics import GradNormMonitor, NonFiniteMonitor
+from arc_engine.monitors.optimizer import OptimizerStatsMonitor
 
-__all__ = ["GradNormMonitor", "LossSpikeMonitor", "Monitor", "NonFiniteMonitor", "missing_stats"]
+__all__ = [
+    "GradNormMonitor",
+    "LossSpikeMonitor",
+    "Monitor",
+    "NonFiniteMonitor",
+    "OptimizerStatsMonitor",
+    "missing_stats",
+]

@@ -8,11 +8,13 @@ import torch
 from arc_engine.stats.layout import StatBuffer
 
 
+@torch.no_grad()
 def param_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor as a float32 vector ``[len(tensors)]`` (NaN/Inf propagate)."""
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
+@torch.no_grad()
 def accumulate_grad_stats(buffer: StatBuffer, grads: list[torch.Tensor], group_index: torch.Tensor,
                           sq_slot: str, nonfinite_slot: str | None = None) -> None:
     """Add per-group squared norms of ``grads`` to ``sq_slot`` and, if given, per-group counts of tensors

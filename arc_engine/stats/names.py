@@ -13,3 +13,9 @@ GRAD_SQ_LOCAL = "grad_sq_local"
 GRAD_NONFINITE_LOCAL = "grad_nonfinite_local"
 #: [G] REPLICATED (DDP) or SUM (sharded): squared L2 norm of the reduced gradient per group, before clipping.
 GRAD_SQ = "grad_sq"
+#: [G] REPLICATED (DDP) or SUM (sharded): squared L2 norm of the weights per group (before this step's update).
+WEIGHT_SQ = "weight_sq"
+#: [G] REPLICATED or SUM: Σ U² of the Adam update about to be applied, U = m̂/(√v̂+ε) (SDC paper).
+UPDATE_SQ = "update_sq"
+#: [G] REPLICATED or SUM: number of elements behind UPDATE_SQ (RMS = sqrt(UPDATE_SQ / UPDATE_COUNT)).
+UPDATE_COUNT = "update_count"

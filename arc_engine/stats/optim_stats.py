@@ -1,0 +1,143 @@
+"""Optimizer-side statistics on whatever slice of the parameters a rank holds (full tensors under DDP, flat
+partitions under ZeRO, DTensor local shards under FSDP2): weight squared norms and the Adam update RMS of the
+SDC paper, U = m̂ / (√v̂ + ε), computed *prospectively* -- from the gradient about to be applied and the current
+moments -- so a verdict can stop the update before the optimizer applies it.
+
+All functions return device tensors (fused ``torch._foreach_*`` kernels, no host sync). Sums over a rank's
+elements are partial sums: added over ranks they give the exact global value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """What the update RMS needs from an Adam-family parameter group.
+
+    ``l2_weight_decay``: weight decay folded into the gradient (torch ``Adam``, apex/DeepSpeed ``adam_w_mode
+    =False``); 0 for decoupled decay (``AdamW``), which does not enter the moments.
+    """
+
+    beta1: float
+    beta2: float
+    eps: float
+    l2_weight_decay: float = 0.0
+
+    @classmethod
+    def from_group(cls, group: dict, decoupled_weight_decay: bool) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        decay = 0.0 if decoupled_weight_decay else float(group.get("weight_decay", 0.0))
+        return cls(float(beta1), float(beta2), float(group["eps"]), decay)
+
+
+@torch.no_grad()
+def weight_sq_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n]`` float64: squared L2 norm of each tensor."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).double().square()
+
+
+@torch.no_grad()
+def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
+                   step: int, hyper: AdamHyper) -> torch.Tensor:
+    """``[n]`` float64: Σ U² per tensor for the Adam update the optimizer is *about to* apply.
+
+    ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
+    ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the
+    number of updates already applied (0 before the first). Inputs are not modified.
+    """
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64)
+    grads32 = [g.float() for g in grads]
+    if hyper.l2_weight_decay:
+        grads32 = torch._foreach_add([g.clone() for g in grads32], [p.float() for p in params],
+                                     alpha=hyper.l2_weight_decay)
+    means = [torch.zeros_like(g) if m is None else m.float() for g, m in zip(grads32, exp_avgs, strict=True)]
+    sqs = [torch.zeros_like(g) if v is None else v.float() for g, v in zip(grads32, exp_avg_sqs, strict=True)]
+    new_means = torch._foreach_lerp(means, grads32, 1.0 - hyper.beta1)
+    new_sqs = torch._foreach_mul(sqs, hyper.beta2)
+    torch._foreach_addcmul_(new_sqs, grads32, grads32, value=1.0 - hyper.beta2)
+    t = step + 1
+    bias1 = 1.0 - hyper.beta1 ** t
+    bias2 = 1.0 - hyper.beta2 ** t
+    denoms = torch._foreach_sqrt(new_sqs)
+    torch._foreach_div_(denoms, math.sqrt(bias2))
+    torch._foreach_add_(denoms, hyper.eps)
+    updates = torch._foreach_div(new_means, denoms)
+    torch._foreach_div_(updates, bias1)
+    return torch.stack(torch._foreach_norm(updates, 2)).double().square()
+
+
+def numel_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n]`` float64 element counts (the denominators of the RMS)."""
+    return torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64)
+
+
+def rms_per_group(update_sq_g: torch.Tensor | Sequence[float], count_g: torch.Tensor | Sequence[float]) -> list[float]:
+    """RMS per group from gathered sums (groups with no elements give 0)."""
+    return [math.sqrt(s / c) if c > 0 else 0.0 for s, c in zip(update_sq_g, count_g, strict=True)]
+
+
+@dataclass
+class AdamViews:
+    """One parameter group's tensors as the optimizer holds them on this rank, ready for the functions above."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor | None]
+    exp_avg_sqs: list[torch.Tensor | None]
+    step: int
+    hyper: AdamHyper
+
+
+def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
+    """Whether ``optimizer`` applies decoupled weight decay; None when it is not an Adam-family optimizer we
+    know how to read (torch Adam/AdamW; apex and DeepSpeed FusedAdam / DeepSpeedCPUAdam via ``adam_w_mode``)."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return True
+    if isinstance(optimizer, torch.optim.Adam):
+        return bool(group.get("decoupled_weight_decay", False))
+    if hasattr(optimizer, "adam_w_mode") and "betas" in group:
+        return bool(optimizer.adam_w_mode)
+    return None
+
+
+def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = False) -> AdamViews | None:
+    """The Adam tensors of ``group`` for parameters that have a gradient; None for a non-Adam optimizer.
+
+    ``local``: take ``.to_local()`` of DTensor parameters, gradients and moments (FSDP2 shards).
+    The step count is read from the optimizer state (``state['step']``, or apex's ``group['step']``).
+    """
+    decoupled = is_decoupled(optimizer, group)
+    if decoupled is None:
+        return None
+    params, grads, means, sqs, steps = [], [], [], [], []
+    for param in group["params"]:
+        if param.grad is None:
+            continue
+        state = optimizer.state.get(param, {})
+        params.append(param)
+        grads.append(param.grad)
+        means.append(state.get("exp_avg"))
+        sqs.append(state.get("exp_avg_sq"))
+        steps.append(state.get("step", group.get("step", 0)))
+    if local:
+        params, grads, means, sqs = ([_local(t) for t in ts] for ts in (params, grads, means, sqs))
+    step = steps[0] if steps else 0
+    step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+    return AdamViews(params, grads, means, sqs, step, AdamHyper.from_group(group, decoupled))
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
