@@ -42,6 +42,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Skip interpreter finalization (gloo threads holding Python objects can abort it); flush first.
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,

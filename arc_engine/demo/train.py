@@ -139,5 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_hard(code: int) -> None:
+    """Flush and leave without interpreter finalization: gloo worker threads may still hold Python objects
+    (DDP comm-hook futures) whose destruction during finalization aborts the process (SIGABRT) after an
+    otherwise clean run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_hard(main())
