@@ -36,7 +36,8 @@ def _first_step_stats(rank: int, world: int, run_dir: Path) -> dict:
     stats = arc.engine.last_stats
     arc.close()
     return {"local_sq_rg": stats.per_rank(names.GRAD_SQ_LOCAL), "global_sq_g": stats.total(names.GRAD_SQ),
-            "loss_r": stats.per_rank(names.LOSS)[:, 0]}
+            "loss_r": stats.per_rank(names.LOSS)[:, 0], "weight_sq_g": stats.total(names.WEIGHT_SQ),
+            "update_rms_g": np.sqrt(stats.total(names.UPDATE_SQ) / stats.total(names.UPDATE_COUNT))}
 
 
 def test_gradient_statistics_match_single_process_reference(tmp_path: Path) -> None:
@@ -60,6 +61,25 @@ def test_gradient_statistics_match_single_process_reference(tmp_path: Path) -> N
                    for ga, gb in zip(per_rank_grads[0], per_rank_grads[1], strict=True)]
         np.testing.assert_allclose(result["global_sq_g"], mean_sq, rtol=1e-5)
         np.testing.assert_array_equal(result["local_sq_rg"], results[0]["local_sq_rg"])
+    # weights before the step, and the update AdamW then applies with the averaged gradient (U = m̂/(√v̂+ε))
+    weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
+    optimizer = make_optimizer(model)
+    for gid, group in enumerate(optimizer.param_groups):
+        for pid, param in enumerate(group["params"]):
+            param.grad = (per_rank_grads[0][gid][pid] + per_rank_grads[1][gid][pid]) / 2
+    optimizer.step()
+    update_rms = []
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        sq, count = 0.0, 0
+        for param in group["params"]:
+            state = optimizer.state[param]
+            update = (state["exp_avg"] / (1 - beta1)) / ((state["exp_avg_sq"] / (1 - beta2)).sqrt() + group["eps"])
+            sq, count = sq + float(update.double().square().sum()), count + param.numel()
+        update_rms.append((sq / count) ** 0.5)
+    for result in results:
+        np.testing.assert_allclose(result["weight_sq_g"], weight_sq, rtol=1e-6)
+        np.testing.assert_allclose(result["update_rms_g"], update_rms, rtol=1e-5)
 
 
 # --------------------------------------------------------------------- agreed decisions

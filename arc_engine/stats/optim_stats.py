@@ -44,36 +44,58 @@ def weight_sq_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).double().square()
 
 
+#: Elements processed at once by :func:`update_sq_sums`: bounds its temporaries to a few x 64 MiB (fp32).
+CHUNK_ELEMENTS = 1 << 24
+
+
 @torch.no_grad()
 def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
-                   step: int, hyper: AdamHyper) -> torch.Tensor:
+                   step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """``[n]`` float64: Σ U² per tensor for the Adam update the optimizer is *about to* apply.
 
     ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
     ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the
-    number of updates already applied (0 before the first). Inputs are not modified.
+    number of updates already applied (0 before the first). Inputs are not modified; tensors are processed in
+    slices of at most ``chunk_elements`` so the temporaries stay small whatever the model size.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
-    grads32 = [g.float() for g in grads]
+    sums = torch.zeros(len(grads), dtype=torch.float64, device=grads[0].device)
+    batch: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    batch_elements = 0
+    for index, (param, grad, mean, sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        pieces = [t.reshape(-1).split(chunk_elements) if t is not None else None for t in (param, grad, mean, sq)]
+        for k, grad_piece in enumerate(pieces[1]):
+            batch.append((index, pieces[0][k], grad_piece, *(p[k] if p is not None else None for p in pieces[2:])))
+            batch_elements += grad_piece.numel()
+            if batch_elements >= chunk_elements:
+                _add_batch(sums, batch, step, hyper)
+                batch, batch_elements = [], 0
+    if batch:
+        _add_batch(sums, batch, step, hyper)
+    return sums
+
+
+def _add_batch(sums: torch.Tensor, batch: list, step: int, hyper: AdamHyper) -> None:
+    """Fused (``torch._foreach_*``) Σ U² of a batch of slices, added to ``sums`` at each slice's tensor index."""
+    index = torch.tensor([item[0] for item in batch], device=sums.device)
+    grads = [item[2].float() for item in batch]
     if hyper.l2_weight_decay:
-        grads32 = torch._foreach_add([g.clone() for g in grads32], [p.float() for p in params],
-                                     alpha=hyper.l2_weight_decay)
-    means = [torch.zeros_like(g) if m is None else m.float() for g, m in zip(grads32, exp_avgs, strict=True)]
-    sqs = [torch.zeros_like(g) if v is None else v.float() for g, v in zip(grads32, exp_avg_sqs, strict=True)]
-    new_means = torch._foreach_lerp(means, grads32, 1.0 - hyper.beta1)
+        grads = torch._foreach_add(grads, [item[1].float() for item in batch], alpha=hyper.l2_weight_decay)
+    means = [torch.zeros_like(g) if item[3] is None else item[3].float() for g, item in zip(grads, batch, strict=True)]
+    sqs = [torch.zeros_like(g) if item[4] is None else item[4].float() for g, item in zip(grads, batch, strict=True)]
+    new_means = torch._foreach_lerp(means, grads, 1.0 - hyper.beta1)
     new_sqs = torch._foreach_mul(sqs, hyper.beta2)
-    torch._foreach_addcmul_(new_sqs, grads32, grads32, value=1.0 - hyper.beta2)
+    torch._foreach_addcmul_(new_sqs, grads, grads, value=1.0 - hyper.beta2)
     t = step + 1
-    bias1 = 1.0 - hyper.beta1 ** t
-    bias2 = 1.0 - hyper.beta2 ** t
-    denoms = torch._foreach_sqrt(new_sqs)
-    torch._foreach_div_(denoms, math.sqrt(bias2))
-    torch._foreach_add_(denoms, hyper.eps)
-    updates = torch._foreach_div(new_means, denoms)
-    torch._foreach_div_(updates, bias1)
-    return torch.stack(torch._foreach_norm(updates, 2)).double().square()
+    torch._foreach_sqrt_(new_sqs)
+    torch._foreach_div_(new_sqs, math.sqrt(1.0 - hyper.beta2 ** t))
+    torch._foreach_add_(new_sqs, hyper.eps)
+    torch._foreach_div_(new_means, new_sqs)
+    torch._foreach_div_(new_means, 1.0 - hyper.beta1 ** t)
+    norms = torch.stack(torch._foreach_norm(new_means, 2, dtype=torch.float32)).double()
+    sums.index_add_(0, index, norms.square())
 
 
 def numel_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The optimizer statistics math: prospective Adam update RMS (SDC paper) and weight norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arc_engine.stats.optim_stats import AdamHyper, adam_views, rms_per_group, update_sq_sums, weight_sq_sums
+
+
+def applied_update_sq(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[float]:
+    """Σ U² per tensor from the optimizer state *after* its step: U = m̂/(√v̂+ε) (the definition)."""
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    out = []
+    for param in params:
+        state = optimizer.state[param]
+        t = int(state["step"])
+        update = (state["exp_avg"] / (1 - beta1**t)) / ((state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + group["eps"])
+        out.append(float(update.double().square().sum()))
+    return out
+
+
+@pytest.mark.parametrize(("optimizer_cls", "kwargs"), [
+    (torch.optim.AdamW, {"weight_decay": 0.1}),
+    (torch.optim.Adam, {"weight_decay": 0.1}),  # L2 decay enters the moments
+    (torch.optim.Adam, {"weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.Adam, {"betas": (0.8, 0.9), "eps": 1e-6}),
+])
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 16])
+def test_prospective_update_equals_the_applied_one(optimizer_cls, kwargs, chunk_elements) -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(50, 3)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = optimizer_cls(params, lr=1e-3, **kwargs)
+    for _ in range(4):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        views = adam_views(optimizer, optimizer.param_groups[0])
+        assert views is not None
+        predicted = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                   views.hyper, chunk_elements=chunk_elements)
+        optimizer.step()
+        torch.testing.assert_close(predicted.tolist(), applied_update_sq(optimizer, params), rtol=2e-6, atol=1e-9)
+
+
+def test_inputs_are_not_modified() -> None:
+    torch.manual_seed(1)
+    param, grad = torch.randn(100), torch.randn(100)
+    mean, sq = torch.randn(100), torch.rand(100)
+    copies = [t.clone() for t in (param, grad, mean, sq)]
+    update_sq_sums([param], [grad], [mean], [sq], 3, AdamHyper(0.9, 0.95, 1e-8, l2_weight_decay=0.1), 7)
+    assert all(torch.equal(a, b) for a, b in zip((param, grad, mean, sq), copies, strict=True))
+
+
+def test_nan_gradient_gives_nan_update() -> None:
+    grad = torch.ones(10)
+    grad[3] = float("nan")
+    result = update_sq_sums([torch.zeros(10)], [grad], [None], [None], 0, AdamHyper(0.9, 0.999, 1e-8))
+    assert torch.isnan(result).all()
+
+
+def test_first_step_update_rms_is_one_for_large_gradients() -> None:
+    # at t=1: m̂ = g, v̂ = g², so U = g/(|g|+ε) = ±1 when |g| >> ε
+    grad = torch.tensor([3.0, -2.0, 5.0, -0.5])
+    total = update_sq_sums([torch.zeros(4)], [grad], [None], [None], 0, AdamHyper(0.9, 0.999, 1e-12))
+    assert float(total[0]) == pytest.approx(4.0, rel=1e-6)
+    assert rms_per_group([float(total[0])], [4.0]) == [pytest.approx(1.0, rel=1e-6)]
+
+
+def test_weight_sq_sums_and_non_adam() -> None:
+    tensors = [torch.full((2, 2), 2.0), torch.tensor([3.0])]
+    assert weight_sq_sums(tensors).tolist() == [16.0, 9.0]
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert adam_views(sgd, sgd.param_groups[0]) is None
+    assert rms_per_group([0.0], [0.0]) == [0.0]
