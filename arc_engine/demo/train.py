@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-arc", action="store_true", help="train without arc_engine (reference run)")
     parser.add_argument("--save-params", type=Path, default=None,
                         help="rank 0 saves the final parameters here (torch.save of the state_dict)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for the deepspeed launcher; the rank comes from the environment")
     arc_engine.add_arc_args(parser)
     return parser
 
