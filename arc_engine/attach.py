@@ -83,14 +83,21 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
-    ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group)
-    or a plain module (statistics come from ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
+    ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
+    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.fsdp.attach_fsdp`), or a
+    plain module (statistics come from ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
     or None for defaults. ``group``: the data-parallel group the decision is agreed on (default: DDP's group,
     else the world).
     """
+    from torch.distributed.fsdp import FSDPModule
+
     from arc_engine.integrations.ddp import register_stats_hook
     from arc_engine.integrations.torch_optim import register_optimizer_hooks
 
+    if isinstance(model, FSDPModule):
+        from arc_engine.integrations.fsdp import attach_fsdp
+
+        return attach_fsdp(model, optimizer, config, group=group)
     if not isinstance(config, ArcConfig):
         config = load_config(config)
     is_ddp = isinstance(model, DistributedDataParallel)

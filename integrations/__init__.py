@@ -1,2 +1,3 @@
 """Framework adapters, installed as ``arc_engine.integrations``: thin layers over each framework's own
-extension points (DDP comm hooks, optimizer step hooks; DeepSpeed, FSDP2 and Megatron to follow)."""
+extension points -- ``ddp`` (DDP comm hook), ``torch_optim`` (optimizer step hooks), ``fsdp`` (FSDP2
+post-accumulate-grad hooks on sharded and unsharded parameters). DeepSpeed and Megatron are to follow."""

@@ -375,3 +375,13 @@ def test_robust_baseline_adapts_to_noisier_losses():
     assert ours[1] == 0 < lightning[1]
     # the price of adapting: a 2x spike inside the noisier, steep early phase may pass unflagged
     assert ours[0] >= len(spikes) - 1
+
+
+def test_nonfinite_reduced_gradient_with_finite_local_gradients_is_caught():
+    # e.g. corruption inside the all-reduce: every rank's own gradient was finite
+    monitor = NonFiniteMonitor(NonFiniteConfig(action="skip"), GROUP_NAMES)
+    stats = gathered_stats([2.0, 2.0], grad_sq_g=[1.0, float("nan")])
+    (finding,) = monitor.evaluate(3, stats)
+    assert finding.action == Action.SKIP and finding.ranks == (0, 1)
+    assert finding.values["first_group_name"] == "no_decay" and finding.values["reduced"] is True
+    assert monitor.evaluate(4, gathered_stats([2.0, 2.0])) == []

@@ -68,14 +68,14 @@ class NonFiniteMonitor:
         self._last = 0
 
     def required_stats(self) -> tuple[str, ...]:
-        return (names.LOSS, names.LOSS_COUNT, names.GRAD_NONFINITE_LOCAL)
+        return (names.LOSS, names.LOSS_COUNT, names.GRAD_NONFINITE_LOCAL, names.GRAD_SQ)
 
     def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
         hits = nonfinite_ranks(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0],
                                stats.per_rank(names.GRAD_NONFINITE_LOCAL))
         self._last = len(hits)
         if not hits:
-            return []
+            return self._reduced_only(stats)
         ranks = tuple(stats.ranks[row] for row, _, _ in hits)
         parts = []
         for row, what, group in hits:
@@ -90,6 +90,22 @@ class NonFiniteMonitor:
         }
         return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
                         "non-finite values: " + "; ".join(parts), ranks, values)]
+
+    def _reduced_only(self, stats: GatheredStats) -> list[Finding]:
+        """Every local gradient and loss was finite, yet the reduced gradient is not: the corruption happened in
+        (or after) the reduction. Names the ranks whose reduced gradient (or shard of it) is non-finite."""
+        reduced_rg = stats.per_rank(names.GRAD_SQ)
+        if np.all(np.isfinite(stats.total(names.GRAD_SQ))):
+            return []
+        self._last = 1
+        rows = np.flatnonzero(~np.isfinite(reduced_rg).all(axis=1))
+        ranks = tuple(stats.ranks[row] for row in rows)
+        groups = np.flatnonzero(~np.isfinite(stats.total(names.GRAD_SQ)))
+        first = int(groups[0]) if groups.size else 0
+        return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
+                        f"non-finite reduced gradient with finite local gradients on every rank (first group "
+                        f"{first}: {self.group_names[first]}): corrupted in the gradient reduction", ranks,
+                        {"first_group": first, "first_group_name": self.group_names[first], "reduced": True})]
 
     def commit(self, step: int, applied: bool) -> None:
         self.count += int(self._last > 0)

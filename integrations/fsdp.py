@@ -1,0 +1,187 @@
+"""PyTorch FSDP2 (``fully_shard``): gradient statistics from tensor hooks on FSDP's parameters, optimizer
+statistics on the DTensor local shards (``local_shards=True``), one agreed decision per monitored step.
+
+Each rank holds only its shard, so gradient/weight/update slots are partial sums (``Reduce.SUM``) whose sum
+over ranks is the exact global value. On monitored steps:
+
+* ``grad_sq_local`` / ``grad_nonfinite_local``: this rank's *unsharded* gradient, before the reduce-scatter.
+  During forward FSDP registers the unsharded parameters on each module (``fully_shard`` docs); a forward
+  pre-hook, run after FSDP's, gives each a post-accumulate-grad hook once. A NaN is thus named on the rank
+  that produced it, before the reduction spreads it to every shard. Squares add up over the gradients handed
+  to successive reduce-scatters (one per micro-batch by default; one per step under
+  ``set_requires_gradient_sync(False)``), as DDP's comm hook reports them -- except that without gradient
+  sync and with a ``reduce_dtype`` other than the parameters', FSDP moves each micro-batch's gradient to its
+  own accumulator and the squares add up per micro-batch. NaN/Inf detection is exact in every mode.
+* ``grad_sq`` (reduced, pre-clip): FSDP calls ``register_post_accumulate_grad_hook`` hooks of each sharded
+  parameter right after the reduce-scatter writes ``param.grad``, before any user clipping; the norm of the
+  local shard (the last micro-batch's, i.e. the accumulated gradient) is kept per parameter and written to
+  the step's buffer by an optimizer pre-hook.
+
+With ``pre_reduce_stats=False`` the local slots come from the reduced shard: a NaN then names every rank whose
+shard holds it, not the rank that produced it. Plain ``register_hook`` never fires on FSDP2's sharded
+parameters, so ``nan_grad`` / ``inf_grad`` fault injection is refused here.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from arc_engine import runtime
+from arc_engine.attach import Arc
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.engine import ArcEngine
+from arc_engine.faults import FaultInjector
+from arc_engine.stats import Reduce, names
+from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+
+
+class FSDPGradStats:
+    """The gradient-statistics producer: tensor hooks on the unsharded (local) and the sharded (reduced)
+    parameters. One instance serves every FSDP module of the model; every method is local (no communication,
+    no host sync) and runs on every rank."""
+
+    def __init__(self, engine: ArcEngine, groups: ParamGroupIndex, params: Sequence[DTensor], *,
+                 pre_reduce: bool) -> None:
+        self.engine, self.pre_reduce, self.active = engine, pre_reduce, True
+        self.position = {id(p): i for i, p in enumerate(params)}
+        device = engine.pipeline.device
+        self.group_index_p = groups.index_tensor(list(params), device)
+        # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad);
+        # local norms of the gradients already handed to a reduce-scatter (in quadrature) and of the current one.
+        self.reduced_norm_p = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.local_done_norm_p = torch.zeros_like(self.reduced_norm_p)
+        self.local_cur_norm_p = torch.zeros_like(self.reduced_norm_p)
+        self._cur_grad: dict[int, weakref.ref] = {}
+        self._hooked: dict[int, tuple[weakref.ref, torch.utils.hooks.RemovableHandle]] = {}
+
+    def monitored(self) -> bool:
+        """Whether this step's statistics are collected (monitored step, engine started, not detached)."""
+        return self.active and self.engine.buffer is not None and self.engine.is_monitored()
+
+    def hook_unsharded(self, index_by_name: dict[str, int], module: torch.nn.Module, args: object) -> None:
+        """Forward pre-hook on an FSDP module (FSDP prepends its own, so it runs first): the module's registered
+        parameters are now the unsharded ones; give each, once per tensor object, a post-accumulate-grad hook."""
+        for name, param in module.named_parameters():
+            known = self._hooked.get(id(param))
+            if isinstance(param, DTensor) or name not in index_by_name or (known and known[0]() is param):
+                continue
+            hook = functools.partial(self.on_local_grad, index_by_name[name])
+            self._hooked[id(param)] = (weakref.ref(param), param.register_post_accumulate_grad_hook(hook))
+
+    @torch.no_grad()
+    def on_local_grad(self, i: int, param: torch.Tensor) -> None:
+        """Autograd accumulated this rank's unsharded gradient of parameter ``i``, before FSDP reduces it."""
+        if not self.monitored():
+            return
+        norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.local_cur_norm_p.device)
+        current = self._cur_grad.get(i)
+        if current is None or current() is not param.grad:  # a new gradient: the previous one was reduced
+            self.local_done_norm_p[i] = torch.hypot(self.local_done_norm_p[i], self.local_cur_norm_p[i])
+            self._cur_grad[i] = weakref.ref(param.grad)
+        self.local_cur_norm_p[i] = norm  # else: autograd added into the same tensor (no reduction in between)
+
+    @torch.no_grad()
+    def on_reduced_grad(self, param: DTensor) -> None:
+        """Post-accumulate-grad hook on a sharded parameter: FSDP calls it right after writing the reduced shard
+        to ``param.grad`` (before any user clipping)."""
+        if not self.monitored():
+            return
+        i = self.position[id(param)]
+        self.reduced_norm_p[i] = torch.linalg.vector_norm(param.grad.to_local(), dtype=torch.float32).to(
+            self.reduced_norm_p.device)
+
+    @torch.no_grad()
+    def flush(self, *unused: object) -> None:
+        """Optimizer pre-hook, registered before the deciding one: write this step's per-parameter norms to the
+        buffer, then reset them."""
+        if not self.monitored():
+            return
+        if self.pre_reduce:
+            local_norm_p = torch.hypot(self.local_done_norm_p, self.local_cur_norm_p)
+        else:
+            local_norm_p = self.reduced_norm_p
+        # One-element views: their norms are the kept values, so the core's per-group sums and non-finite
+        # counts apply unchanged.
+        accumulate_grad_stats(self.engine.buffer, list(local_norm_p.unsqueeze(1)), self.group_index_p,
+                              names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+        accumulate_grad_stats(self.engine.buffer, list(self.reduced_norm_p.unsqueeze(1)), self.group_index_p,
+                              names.GRAD_SQ)
+        torch._foreach_zero_([self.reduced_norm_p, self.local_done_norm_p, self.local_cur_norm_p])
+        self._cur_grad.clear()
+
+    def remove_hooks(self) -> None:
+        """Stop collecting and remove the hooks on unsharded parameters (local, idempotent)."""
+        self.active = False
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
+
+def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
+    """The process group of the one 1-D FSDP mesh all ``params`` live on (ValueError otherwise). Local."""
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    plain = sum(not isinstance(p, DTensor) for p in params)
+    if len(meshes) != 1 or plain:
+        raise ValueError("attach_fsdp: every trainable parameter must be a DTensor sharded by fully_shard on one "
+                         f"device mesh; found {len(meshes)} meshes and {plain} plain tensors")
+    mesh = meshes.pop()
+    if mesh.ndim != 1:
+        raise ValueError(f"attach_fsdp: a {mesh.ndim}-D device mesh (HSDP, FSDP+TP) is not supported yet: the "
+                         "shard slots would be summed over replicas; allowed: a 1-D FSDP mesh")
+    return mesh.get_group()
+
+
+def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
+                pre_reduce_stats: bool = True) -> Arc:
+    """Attach arc_engine to a model sharded with FSDP2 ``fully_shard`` and its optimizer. Collective: call on
+    every rank of the FSDP group, once, after ``fully_shard`` and the optimizer are built, before the first
+    forward. Then use the returned :class:`Arc` as with :func:`arc_engine.attach`.
+
+    ``group``: the group the decision is agreed on; default: the FSDP mesh's group. Another group must have the
+    same ranks (e.g. a gloo group beside NCCL). ``pre_reduce_stats``: local statistics from the unsharded
+    gradients (default) or from the reduced shards (see the module docstring). Raises ValueError for
+    parameters not sharded by ``fully_shard``, N-D meshes, a group with other ranks, and gradient faults.
+    """
+    from arc_engine.integrations.torch_optim import register_optimizer_hooks
+
+    if not isinstance(config, ArcConfig):
+        config = load_config(config)
+    grad_faults = [f.kind for f in config.faults.injections if f.kind in ("nan_grad", "inf_grad")]
+    if grad_faults:
+        raise ValueError(f"faults.injections: {grad_faults} are not supported under FSDP2 (tensor hooks do not "
+                         "fire on sharded parameters); allowed here: nan_loss, loss_scale")
+    params = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
+    fsdp_pg = fsdp_group(params)
+    if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(fsdp_pg):
+        raise ValueError(f"attach_fsdp: group= has ranks {dist.get_process_group_ranks(group)}; allowed: the "
+                         f"FSDP mesh's ranks {dist.get_process_group_ranks(fsdp_pg)}")
+    groups = ParamGroupIndex(optimizer.param_groups)
+    engine = ArcEngine(config, group=group or fsdp_pg, group_names=groups.names, shard_reduce=Reduce.SUM)
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.step)
+    engine.start()
+    producer = FSDPGradStats(engine, groups, params, pre_reduce=pre_reduce_stats)
+    handles = [p.register_post_accumulate_grad_hook(producer.on_reduced_grad) for p in params]
+    for module in model.modules():
+        if pre_reduce_stats and isinstance(module, FSDPModule):
+            index_by_name = {n: producer.position[id(p)] for n, p in module.named_parameters()
+                             if id(p) in producer.position}
+            handles.append(module.register_forward_pre_hook(functools.partial(producer.hook_unsharded, index_by_name)))
+    handles.append(optimizer.register_step_pre_hook(producer.flush))  # before the deciding pre-hook
+    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=True, local_shards=True)
+
+    def detach() -> None:
+        producer.remove_hooks()
+        for handle in handles:
+            handle.remove()
+        hooks.remove()
+
+    return Arc(engine, injector, [detach])
