@@ -56,7 +56,7 @@ class ArcEngine:
         self.layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
         self.layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
         self.layout.add(names.GRAD_SQ, num_groups, shard_reduce)
-        if config.stats.optimizer_stats:
+        if config.stats.optimizer_stats_every:
             for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT):
                 self.layout.add(name, num_groups, shard_reduce)
         self.monitors: list[Monitor] = self._build_monitors()
@@ -108,7 +108,7 @@ class ArcEngine:
             monitors.append(LossSpikeMonitor(det.loss_spike))
         if det.grad_norm.enabled:
             monitors.append(GradNormMonitor(det.grad_norm))
-        if self.config.stats.optimizer_stats:
+        if self.config.stats.optimizer_stats_every:
             monitors.append(OptimizerStatsMonitor(self.group_names))
         return monitors
 
@@ -129,6 +129,11 @@ class ArcEngine:
     def is_monitored(self) -> bool:
         """Whether the current step gathers statistics (every ``stats.interval`` steps)."""
         return self.step % self.config.stats.interval == 0
+
+    def wants_optimizer_stats(self) -> bool:
+        """Whether producers should compute weight norms and the update RMS on the current step."""
+        every = self.config.stats.optimizer_stats_every
+        return bool(every) and self.step % (self.config.stats.interval * every) == 0
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step (call once per micro-batch; the mean is used).

@@ -83,7 +83,8 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             return
         if not grads_from_hook:
             local_grad_stats(engine, opt, groups, index_cache)
-        optimizer_stats(engine, opt, local_shards=local_shards)
+        if engine.wants_optimizer_stats():
+            optimizer_stats(engine, opt, local_shards=local_shards)
         decision = engine.decide()
         if not decision.applies_update:
             drop_gradients(opt)

@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-per-block", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--optimizer-stats-every", type=int, default=None,
+                        help="override stats.optimizer_stats_every (default: the config default, 10)")
     return parser.parse_args()
 
 
@@ -81,7 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     plain, plain_opt = build(args, data)
     monitored, monitored_opt = build(args, data)
     run_dir = tempfile.mkdtemp(prefix="arc_bench_")
-    config = load_config(None, ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"])
+    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
+    if args.optimizer_stats_every is not None:
+        overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
+    config = load_config(None, overrides)
     arc = arc_engine.attach(monitored, monitored_opt, config)
     run_steps(plain, plain_opt, None, data, rank, 0, args.warmup, args.micro_batch)
     run_steps(monitored, monitored_opt, arc, data, rank, 0, args.warmup, args.micro_batch)
@@ -100,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in plain.parameters())
         print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
               f"{args.micro_batch}, {params / 1e6:.2f}M params; DDP, {dist.get_world_size()} ranks, gloo, CPU")
+        print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}")
         print(f"steps timed per variant: {len(plain_times)} (blocks of {args.steps_per_block}, interleaved)")
         print(f"median step time without arc_engine: {plain_median * 1e3:.1f} ms")
         print(f"median step time with arc_engine:    {arc_median * 1e3:.1f} ms")

@@ -49,16 +49,19 @@ class StatsConfig:
     ``interval``: monitor every k-th optimizer step (1 = every step). Unmonitored steps run no statistics,
     no collective and no detector: a fault on such a step is not seen.
     ``device``: where the gathered buffer lives: ``auto`` follows the backend (CUDA for NCCL, CPU for gloo).
-    ``optimizer_stats``: per-group weight norms and the prospective Adam update RMS (SDC paper), computed on
-    each rank's own parameters or shard inside the optimizer step.
+    ``optimizer_stats_every``: per-group weight norms and the prospective Adam update RMS (SDC paper), computed on
+    each rank's own parameters or shard inside the optimizer step, on every k-th monitored step (0 = never).
+    They cost about one extra Adam step of memory traffic, hence not every step by default.
     """
 
     interval: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    optimizer_stats: bool = True
+    optimizer_stats_every: int = 10
 
     def __post_init__(self) -> None:
         require(self.interval >= 1, "interval", self.interval, "must be an integer >= 1")
+        require(self.optimizer_stats_every >= 0, "optimizer_stats_every", self.optimizer_stats_every,
+                "must be an integer >= 0 (0 = never)")
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from arc_engine.events import Finding
 from arc_engine.stats import GatheredStats, names
 from arc_engine.stats.optim_stats import rms_per_group
@@ -34,10 +36,14 @@ class OptimizerStatsMonitor:
         return (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT)
 
     def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+        """Refresh the metrics when the producers computed them this step (``optimizer_stats_every``)."""
+        weight_sq_g = stats.total(names.WEIGHT_SQ)
+        if not np.any(weight_sq_g):
+            return []
         counts = stats.total(names.UPDATE_COUNT)
         self.update_rms_g = [r if c > 0 else float("nan")
                              for r, c in zip(rms_per_group(stats.total(names.UPDATE_SQ), counts), counts, strict=True)]
-        self.weight_norm_g = [math.sqrt(v) if v >= 0 else float("nan") for v in stats.total(names.WEIGHT_SQ)]
+        self.weight_norm_g = [math.sqrt(v) if v >= 0 else float("nan") for v in weight_sq_g]
         return []
 
     def commit(self, step: int, applied: bool) -> None:

@@ -88,13 +88,14 @@ def _add_batch(sums: torch.Tensor, batch: list, step: int, hyper: AdamHyper) -> 
     new_means = torch._foreach_lerp(means, grads, 1.0 - hyper.beta1)
     new_sqs = torch._foreach_mul(sqs, hyper.beta2)
     torch._foreach_addcmul_(new_sqs, grads, grads, value=1.0 - hyper.beta2)
+    # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
+    # corrections become one scalar applied to the final sum, saving two passes over the slices.
     t = step + 1
+    bias1, sqrt_bias2 = 1.0 - hyper.beta1 ** t, math.sqrt(1.0 - hyper.beta2 ** t)
     torch._foreach_sqrt_(new_sqs)
-    torch._foreach_div_(new_sqs, math.sqrt(1.0 - hyper.beta2 ** t))
-    torch._foreach_add_(new_sqs, hyper.eps)
+    torch._foreach_add_(new_sqs, hyper.eps * sqrt_bias2)
     torch._foreach_div_(new_means, new_sqs)
-    torch._foreach_div_(new_means, 1.0 - hyper.beta1 ** t)
-    norms = torch.stack(torch._foreach_norm(new_means, 2, dtype=torch.float32)).double()
+    norms = torch.stack(torch._foreach_norm(new_means, 2, dtype=torch.float32)).double() * (sqrt_bias2 / bias1)
     sums.index_add_(0, index, norms.square())
 
 
