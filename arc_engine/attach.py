@@ -79,13 +79,15 @@ class Arc:
         self.close()
 
 
-def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
-    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.fsdp.attach_fsdp`), or a
-    plain module (statistics come from ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
+    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.fsdp.attach_fsdp`), a
+    ``deepspeed.initialize``-d engine (``optimizer`` may be None; delegates to
+    :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
+    ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
     or None for defaults. ``group``: the data-parallel group the decision is agreed on (default: DDP's group,
     else the world).
     """
@@ -94,6 +96,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from arc_engine.integrations.ddp import register_stats_hook
     from arc_engine.integrations.torch_optim import register_optimizer_hooks
 
+    if type(model).__module__.startswith("deepspeed."):
+        from arc_engine.integrations.deepspeed import attach_deepspeed
+
+        return attach_deepspeed(model, config, group=group)
+    if optimizer is None:
+        raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
     if isinstance(model, FSDPModule):
         from arc_engine.integrations.fsdp import attach_fsdp
 

@@ -72,6 +72,7 @@ class ArcEngine:
         self.last_stats: GatheredStats | None = None
         self.event_counts: Counter[str] = Counter()
         self._loss_count = 0
+        self.framework_skipped_steps = 0
         self._metrics_due = 0
         self._closed = False
 
@@ -162,12 +163,35 @@ class ArcEngine:
         self.last_decision = decision
         self._report(decision)
         self._maybe_log_metrics(stats)
-        if decision.action == Action.ABORT:
-            self._commit(decision)
-            reason = next((f.message for f in reversed(decision.findings) if f.action == Action.ABORT), "abort")
-            self.close()
-            raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step)
+        self._abort_if_needed(decision, commit_monitors=True)
         return decision
+
+    def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:
+        if decision.action != Action.ABORT:
+            return
+        if commit_monitors:
+            self._commit(decision)
+        else:
+            self.policy.commit(decision)
+        reason = next((f.message for f in reversed(decision.findings) if f.action == Action.ABORT), "abort")
+        self.close()
+        raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step)
+
+    def skip_by_framework(self, finding: Finding) -> None:
+        """Close the current step as one the training framework itself did not apply (e.g. DeepSpeed's overflow
+        check). Local: call it only with facts every rank shares (the framework's own agreed verdict). The finding
+        goes through the policy, so a run of such skips escalates like any other (``finding.action`` SKIP), or is
+        only reported (WARN). No monitor folds this step into its baseline. Raises ArcAbort on escalation."""
+        decision = self.policy.decide(self.step, [finding])
+        self.last_decision = decision
+        self._report(decision)
+        self._abort_if_needed(decision, commit_monitors=False)
+        self.policy.commit(decision)
+        self.framework_skipped_steps += 1
+        if self.buffer is not None:
+            self.buffer.reset()
+        self._loss_count = 0
+        self.step += 1
 
     def finish_step(self) -> None:
         """Close the current step (after the optimizer step ran or was skipped). Local, no communication."""
@@ -236,7 +260,8 @@ class ArcEngine:
     def summary(self) -> dict[str, Any]:
         """Counts for the end-of-run report (identical on every rank)."""
         return {"steps": self.step, "monitored_steps": self.monitored_steps,
-                "skipped_steps": self.policy.skipped_steps, "detections": dict(self.event_counts),
+                "skipped_steps": self.policy.skipped_steps, "framework_skipped_steps": self.framework_skipped_steps,
+                "detections": dict(self.event_counts),
                 "collectives": self.pipeline.collectives, "run_dir": str(self.run_dir)}
 
     def close(self) -> None:

@@ -152,7 +152,8 @@ def test_statistics_match_unsharded_reference(tmp_path: Path, micro_batches: int
     """Pre-clip reduced and per-rank pre-reduction gradient norms, weight norms and Adam update RMS per group,
     with gradient accumulation reduced per micro-batch or once (``set_requires_gradient_sync(False)``)."""
     world, steps = 2, 4
-    results = run_ranks(_train_with_clip, world, steps, make_config(tmp_path, "stats.optimizer_stats_every=1"), micro_batches, no_sync)
+    config = make_config(tmp_path, "stats.optimizer_stats_every=1")
+    results = run_ranks(_train_with_clip, world, steps, config, micro_batches, no_sync)
     reference = reference_stats(world, steps, micro_batches, no_sync)
     num_params = sum(p.numel() for p in tiny_model_and_data()[0].parameters())
     assert all(math.sqrt(sum(ref[names.GRAD_SQ])) > 2 * MAX_NORM for ref in reference), "clipping must be active"

@@ -51,13 +51,16 @@ CHUNK_ELEMENTS = 1 << 24
 @torch.no_grad()
 def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
-                   step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+                   step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
+                   grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``[n]`` float64: Σ U² per tensor for the Adam update the optimizer is *about to* apply.
 
     ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
     ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the
     number of updates already applied (0 before the first). Inputs are not modified; tensors are processed in
     slices of at most ``chunk_elements`` so the temporaries stay small whatever the model size.
+    ``grad_scale`` multiplies the gradients first (e.g. DeepSpeed's 1/(loss scale x clip factor) for gradients
+    it has not unscaled yet); a 0-dim tensor avoids a host sync.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
@@ -70,17 +73,20 @@ def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
             batch.append((index, pieces[0][k], grad_piece, *(p[k] if p is not None else None for p in pieces[2:])))
             batch_elements += grad_piece.numel()
             if batch_elements >= chunk_elements:
-                _add_batch(sums, batch, step, hyper)
+                _add_batch(sums, batch, step, hyper, grad_scale)
                 batch, batch_elements = [], 0
     if batch:
-        _add_batch(sums, batch, step, hyper)
+        _add_batch(sums, batch, step, hyper, grad_scale)
     return sums
 
 
-def _add_batch(sums: torch.Tensor, batch: list, step: int, hyper: AdamHyper) -> None:
+def _add_batch(sums: torch.Tensor, batch: list, step: int, hyper: AdamHyper,
+               grad_scale: float | torch.Tensor = 1.0) -> None:
     """Fused (``torch._foreach_*``) Σ U² of a batch of slices, added to ``sums`` at each slice's tensor index."""
     index = torch.tensor([item[0] for item in batch], device=sums.device)
     grads = [item[2].float() for item in batch]
+    if not (isinstance(grad_scale, float) and grad_scale == 1.0):
+        grads = torch._foreach_mul(grads, grad_scale)
     if hyper.l2_weight_decay:
         grads = torch._foreach_add(grads, [item[1].float() for item in batch], alpha=hyper.l2_weight_decay)
     means = [torch.zeros_like(g) if item[3] is None else item[3].float() for g, item in zip(grads, batch, strict=True)]

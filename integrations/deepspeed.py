@@ -1,0 +1,213 @@
+"""DeepSpeed ZeRO stages 1 and 2: statistics on each rank's own partition, decided inside the optimizer step.
+
+What DeepSpeed 0.19.8 holds (``deepspeed/runtime/zero/stage_1_and_2.py``, the ground truth): per parameter group
+``j`` a flat fp32 master partition ``single_partition_of_fp32_groups[j]`` that the wrapped torch optimizer steps,
+with its Adam moments in ``optimizer.state[partition]``. ``DeepSpeedZeroOptimizer.step()`` first checks overflow and
+computes the pre-clip global norm (its own collectives), then for each group in turn builds the flat gradient,
+unscales and clips it, and calls the torch optimizer with ``param_groups = [group j]``. So the torch optimizer's
+step pre-hook fires once per group, and when it fires for group 0 nothing has been applied yet: that is where
+arc_engine decides. At that moment group 0's final gradient is ``partition.grad`` and every later group's gradient
+is still ``averaged_gradients[j]`` -- the partition's pieces in partition order (padding included), scaled by the
+loss scale and not yet clipped; arc_engine applies DeepSpeed's own factor, 1 / (loss scale x clip factor), to them.
+
+Per group, as partial sums over this rank's partition (``Reduce.SUM``: summed over ranks they are exact):
+``grad_sq`` (unscaled, before clipping), ``weight_sq`` (fp32 master weights before the update), ``update_sq`` /
+``update_count`` (the prospective Adam update, padding excluded). ``grad_sq_local`` / ``grad_nonfinite_local``
+are this rank's partition of the reduced gradient (ZeRO reduces inside its own backward hooks; there is no
+supported pre-reduction point), so a NaN names the ranks whose partition holds it.
+
+Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
+torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step and
+reports each as a ``deepspeed_overflow`` event (every rank sees the same DeepSpeed verdict); outside fp16 dynamic
+loss scaling they count as skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arc_engine import runtime
+from arc_engine.attach import Arc
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.engine import ArcEngine
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.faults import FaultInjector
+from arc_engine.integrations.torch_optim import drop_gradients
+from arc_engine.stats import Reduce, names
+from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
+
+CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
+
+
+class ZeroPartitionStats:
+    """Reads one rank's ZeRO-1/2 partitions at the group-0 pre-hook; writes every group's statistics."""
+
+    def __init__(self, engine: ArcEngine, zero_optimizer: Any) -> None:
+        self.engine = engine
+        self.zero = zero_optimizer
+        self.torch_optimizer = zero_optimizer.optimizer
+        self.groups = list(zero_optimizer.optimizer.param_groups)  # the dicts DeepSpeed swaps in one at a time
+
+    def combined_scale(self) -> torch.Tensor:
+        """DeepSpeed's divisor for raw gradients: loss scale x max(1, (pre-clip norm + 1e-6) / clip)."""
+        loss_scale = float(self.zero.loss_scale)
+        norm = self.zero._global_grad_norm
+        if self.zero.clip_grad > 0 and norm is not None:
+            norm = torch.as_tensor(norm, dtype=torch.float64)
+            return loss_scale * torch.clamp((norm + CLIP_EPS) / self.zero.clip_grad, min=1.0)
+        return torch.tensor(loss_scale, dtype=torch.float64)
+
+    def group_gradient(self, group_id: int) -> tuple[list[torch.Tensor], bool]:
+        """This rank's gradient pieces for ``group_id`` and whether they are already final (unscaled, clipped)."""
+        partition = self.zero.single_partition_of_fp32_groups[group_id]
+        if partition.grad is not None:
+            return [partition.grad.view(-1)], True
+        pending = self.zero.averaged_gradients.get(group_id)
+        flat = getattr(pending, "flat_partition", None)
+        if flat is not None:
+            return [flat.view(-1)], False
+        return [t.reshape(-1) for t in pending], False
+
+    @torch.no_grad()
+    def record(self, with_optimizer_stats: bool) -> None:
+        buffer = self.engine.buffer
+        device = buffer.device
+        combined = self.combined_scale().to(device)
+        loss_scale = float(self.zero.loss_scale)
+        for group_id, partition in enumerate(self.zero.single_partition_of_fp32_groups):
+            pieces, final = self.group_gradient(group_id)
+            norms_sq = weight_sq_sums(pieces).to(device)
+            # pre-clip, unscaled: final = raw / combined, raw / loss_scale is what DeepSpeed's norm measures
+            factor = (combined / loss_scale) ** 2 if final else torch.tensor(1.0 / loss_scale**2, device=device)
+            grad_sq = norms_sq.sum() * factor
+            slot = slice(group_id, group_id + 1)
+            buffer.view(names.GRAD_SQ)[slot].add_(grad_sq)
+            buffer.view(names.GRAD_SQ_LOCAL)[slot].add_(grad_sq)
+            buffer.view(names.GRAD_NONFINITE_LOCAL)[slot].add_((~torch.isfinite(norms_sq)).sum())
+            if with_optimizer_stats:
+                self._optimizer_stats(group_id, partition, pieces, 1.0 if final else 1.0 / combined)
+
+    def _optimizer_stats(self, group_id: int, partition: torch.Tensor, pieces: list[torch.Tensor],
+                         grad_scale: float | torch.Tensor) -> None:
+        buffer = self.engine.buffer
+        slot = slice(group_id, group_id + 1)
+        buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums([partition.view(-1)]).sum().to(buffer.device))
+        views = self._views(group_id, partition, pieces)
+        if views is None:
+            return
+        update_sq = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                   views.hyper, grad_scale=grad_scale)
+        buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.sum().to(buffer.device))
+        padding = int(self.zero.groups_padding[group_id])
+        buffer.view(names.UPDATE_COUNT)[slot].add_(float(partition.numel() - padding))
+
+    def _views(self, group_id: int, partition: torch.Tensor, pieces: list[torch.Tensor]) -> AdamViews | None:
+        """Adam views of the flat partition, split like the gradient pieces (padding's U is exactly 0)."""
+        group = self.groups[group_id]
+        decoupled = is_decoupled(self.torch_optimizer, group)
+        if decoupled is None:
+            return None
+        state = self.torch_optimizer.state.get(partition, {})
+        sizes = [p.numel() for p in pieces]
+        step = state.get("step", 0)
+        step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+        def split(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
+            return [None] * len(sizes) if tensor is None else list(tensor.view(-1).split(sizes))
+
+        return AdamViews(split(partition), pieces, split(state.get("exp_avg")), split(state.get("exp_avg_sq")),
+                         step, AdamHyper.from_group(group, decoupled))
+
+
+class DeepSpeedAdapter:
+    """Hooks on the torch optimizer that DeepSpeed's ZeRO optimizer wraps (see the module docstring)."""
+
+    def __init__(self, engine: ArcEngine, ds_engine: Any) -> None:
+        self.engine = engine
+        self.ds_engine = ds_engine
+        self.zero = ds_engine.optimizer
+        self.stats = ZeroPartitionStats(engine, self.zero)
+        self.groups = list(self.zero.optimizer.param_groups)
+        self.skip_this_step = False
+        self.step_offset = int(ds_engine.global_steps) - engine.step
+        self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
+                                                                                   False))
+
+    def group_id(self, optimizer: torch.optim.Optimizer) -> int:
+        current = optimizer.param_groups[0]
+        return next((i for i, group in enumerate(self.groups) if group is current), 0)
+
+    def catch_up(self) -> None:
+        """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips)."""
+        while int(self.ds_engine.global_steps) - self.step_offset > self.engine.step:
+            escalate = not self.dynamic_loss_scale
+            values = {"deepspeed_skipped_steps": int(self.ds_engine.skipped_steps),
+                      "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
+            self.engine.skip_by_framework(Finding(
+                "deepspeed_overflow", Action.SKIP if escalate else Action.WARN, Severity.WARNING,
+                "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their norm)", (),
+                values))
+
+    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        group_id = self.group_id(optimizer)
+        if group_id == 0:
+            self.catch_up()
+            self.skip_this_step = False
+            if self.engine.is_monitored():
+                self.stats.record(self.engine.wants_optimizer_stats())
+                self.skip_this_step = not self.engine.decide().applies_update
+        if self.skip_this_step:
+            drop_gradients(optimizer)
+
+    def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.group_id(optimizer) == len(self.groups) - 1:
+            self.engine.finish_step()
+
+
+class DeepSpeedArc(Arc):
+    """The :class:`Arc` handle for a DeepSpeed engine; ``record_loss`` also closes DeepSpeed-skipped steps."""
+
+    adapter: DeepSpeedAdapter | None = None
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        if self.adapter is not None:
+            self.adapter.catch_up()
+        self.engine.record_loss(loss)
+
+
+def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = None, *,
+                     group: torch.distributed.ProcessGroup | None = None) -> DeepSpeedArc:
+    """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1 or 2. Collective: call on
+    every rank, once, after ``deepspeed.initialize``. ``group``: defaults to DeepSpeed's data-parallel group.
+
+    Loop contract: ``loss = engine(batch); arc.record_loss(loss); engine.backward(loss); engine.step()``. A SKIP
+    applies nothing on any rank (the fp32 partitions and Adam moments are untouched, so the bit16 copies DeepSpeed
+    re-gathers are unchanged too); ABORT raises ArcAbort from ``engine.step()`` on every rank.
+    Raises ValueError for other ZeRO stages or CPU-offloaded optimizer states (not supported yet).
+    """
+    stage = int(ds_engine.zero_optimization_stage())
+    zero = ds_engine.optimizer
+    if stage not in (1, 2) or not hasattr(zero, "single_partition_of_fp32_groups"):
+        raise ValueError(f"arc_engine's DeepSpeed integration supports ZeRO stages 1 and 2; this engine runs "
+                         f"stage {stage}")
+    if getattr(zero, "cpu_offload", False):
+        raise ValueError("arc_engine's DeepSpeed integration does not support offload_optimizer yet")
+    if not isinstance(config, ArcConfig):
+        config = load_config(config)
+    group = group or zero.dp_process_group
+    names_g = [str(g.get("name") or f"group{i}") for i, g in enumerate(zero.optimizer.param_groups)]
+    engine = ArcEngine(config, group=group, group_names=names_g, shard_reduce=Reduce.SUM)
+    engine.start()
+    adapter = DeepSpeedAdapter(engine, ds_engine)
+    # DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught up with.
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(),
+                             lambda: int(ds_engine.global_steps) - adapter.step_offset)
+    injector.install(ds_engine.module)
+    handles = [zero.optimizer.register_step_pre_hook(adapter.pre_step),
+               zero.optimizer.register_step_post_hook(adapter.post_step)]
+    arc = DeepSpeedArc(engine, injector, [h.remove for h in handles])
+    arc.adapter = adapter
+    return arc

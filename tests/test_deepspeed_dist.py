@@ -1,0 +1,225 @@
+"""DeepSpeed ZeRO-1/2 on real gloo ranks (deepspeed.initialize, CPU accelerator): partition statistics equal an
+unsharded reference, decisions are agreed, DeepSpeed's own skipped steps are reported, one collective per step."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from arc_engine.demo.gpt import param_groups
+from arc_engine.sinks import read_jsonl
+from arc_engine.stats import names
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, tiny_model_and_data
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.timeout(300)
+CLIP = 0.05  # small enough that clipping is active on every step
+
+
+def ds_engine(rank: int, world: int, stage: int, clip: float = CLIP):
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    import deepspeed
+
+    model, data = tiny_model_and_data()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage},
+              "gradient_clipping": clip, "steps_per_print": 10_000}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, data
+
+
+def train(engine, data, arc, rank: int, steps: int) -> list[dict]:
+    out = []
+    for step in range(steps):
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = engine(inputs, targets)
+        if arc is not None:
+            loss = arc.faults.on_loss(loss)
+            arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        record = {"params": torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()]),
+                  "applied": engine.was_step_applied()}
+        if arc is not None and arc.engine.last_stats is not None and arc.engine.last_decision.step == step:
+            stats = arc.engine.last_stats
+            record.update(grad_sq=stats.total(names.GRAD_SQ), weight_sq=stats.total(names.WEIGHT_SQ),
+                          update_rms=np.sqrt(stats.total(names.UPDATE_SQ) / stats.total(names.UPDATE_COUNT)),
+                          ds_norm=float(engine.get_global_grad_norm()), action=arc.engine.last_decision.action.name)
+        out.append(record)
+    return out
+
+
+def _stats_rank(rank: int, world: int, stage: int, run_dir: Path) -> list[dict]:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    engine, data = ds_engine(rank, world, stage)
+    arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1"))
+    records = train(engine, data, arc, rank, 3)
+    arc.close()
+    return [{k: v for k, v in r.items() if k != "params"} for r in records]
+
+
+def reference(world: int, steps: int) -> list[dict]:
+    """One process, full tensors: mean of the ranks' gradients, torch clipping (DeepSpeed's formula), AdamW."""
+    model, data = tiny_model_and_data()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+    out = []
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            model(*data.batch(step, rank, BATCH)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, param in enumerate(model.parameters()):
+            param.grad = sum(g[i] for g in grads) / world
+        groups = optimizer.param_groups
+        grad_sq = [sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups]
+        weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        update_rms = []
+        for group in groups:
+            beta1, beta2 = group["betas"]
+            sq = count = 0.0
+            for param in group["params"]:
+                state = optimizer.state[param]
+                t = int(state["step"])
+                update = (state["exp_avg"] / (1 - beta1**t)) / ((state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
+                                                                 + group["eps"])
+                sq, count = sq + float(update.double().square().sum()), count + param.numel()
+            update_rms.append((sq / count) ** 0.5)
+        out.append({"grad_sq": grad_sq, "weight_sq": weight_sq, "update_rms": update_rms})
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_partition_statistics_match_unsharded_reference(tmp_path: Path, stage: int) -> None:
+    results = run_ranks(_stats_rank, 2, stage, tmp_path)
+    expected = reference(2, 3)
+    for records in results:
+        for step, (got, want) in enumerate(zip(records, expected, strict=True)):
+            np.testing.assert_allclose(got["grad_sq"], want["grad_sq"], rtol=1e-5, err_msg=f"step {step}")
+            np.testing.assert_allclose(got["weight_sq"], want["weight_sq"], rtol=1e-5, err_msg=f"step {step}")
+            np.testing.assert_allclose(got["update_rms"], want["update_rms"], rtol=1e-4, err_msg=f"step {step}")
+            # our partial sums reproduce DeepSpeed's own pre-clip global norm
+            assert float(np.sqrt(np.sum(got["grad_sq"]))) == pytest.approx(got["ds_norm"], rel=1e-5)
+            assert np.sqrt(np.sum(got["grad_sq"])) > CLIP  # clipping was active
+        assert all(np.array_equal(a["grad_sq"], b["grad_sq"]) for a, b in zip(records, results[0], strict=True))
+
+
+def _bitwise_rank(rank: int, world: int, run_dir: Path) -> bool:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    engine, data = ds_engine(rank, world, 2)
+    plain = train(engine, data, None, rank, 4)[-1]["params"]
+    engine, data = ds_engine(rank, world, 2)
+    arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1"))
+    monitored = train(engine, data, arc, rank, 4)[-1]["params"]
+    arc.close()
+    return torch.equal(plain, monitored)
+
+
+def test_zero2_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path) -> None:
+    assert run_ranks(_bitwise_rank, 2, tmp_path) == [True, True]
+
+
+def _faults_rank(rank: int, world: int, run_dir: Path) -> list[dict]:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    engine, data = ds_engine(rank, world, 2)
+    config = make_config(run_dir, "detectors.loss_spike.warmup_steps=3",
+                         "faults.injections=[{kind: nan_loss, rank: 1, step: 4}, "
+                         "{kind: loss_scale, rank: -1, step: 7, scale: 30}]")
+    arc = attach_deepspeed(engine, config)
+    records = train(engine, data, arc, rank, 10)
+    summary = arc.summary()
+    arc.close()
+    return [{"params": r["params"], "action": r.get("action"), "applied": r["applied"]} for r in records] + [summary]
+
+
+def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_faults_rank, 2, tmp_path)
+    for result in results:
+        *records, summary = result
+        # step 4: rank 1's NaN makes DeepSpeed skip the step itself (overflow); arc_engine reports it
+        assert records[4]["applied"] is False and torch.equal(records[4]["params"], records[3]["params"])
+        # step 7: a loss spike only arc_engine sees; arc_engine skips it on every rank
+        assert records[7]["action"] == "SKIP" and torch.equal(records[7]["params"], records[6]["params"])
+        assert all(torch.isfinite(r["params"]).all() for r in records)
+        assert not torch.equal(records[9]["params"], records[7]["params"])  # training went on
+        assert summary["framework_skipped_steps"] == 1 and summary["skipped_steps"] == 2, summary
+        assert [r["action"] for r in records] == [r["action"] for r in results[0][:-1]]
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")
+    detections = [(e["step"], e["detector"]) for e in events if e["kind"] == "detection"]
+    assert detections == [(4, "deepspeed_overflow"), (7, "loss_spike")]
+
+
+def _collectives_rank(rank: int, world: int, run_dir: Path) -> dict:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    counts = {}
+    for label in ("plain", "arc"):
+        engine, data = ds_engine(rank, world, 2)
+        arc = attach_deepspeed(engine, make_config(run_dir)) if label == "arc" else None
+        train(engine, data, arc, rank, 1)  # warm-up outside the profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for step in range(1, 4):
+                inputs, targets = data.batch(step, rank, BATCH)
+                loss = engine(inputs, targets)
+                if arc is not None:
+                    arc.record_loss(loss)
+                engine.backward(loss)
+                engine.step()
+        counts[label] = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+        if arc is not None:
+            arc.close()
+    return counts
+
+
+def test_zero2_one_collective_per_monitored_step(tmp_path: Path) -> None:
+    for counts in run_ranks(_collectives_rank, 2, tmp_path):
+        assert counts["arc"] - counts["plain"] == 3, counts
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_reference_script_runs_under_the_deepspeed_launcher_with_arc_config(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = ["bash", str(REPO / "launch" / "deepspeed.sh"), str(REPO / "scripts" / "train_deepspeed_gpt.py"),
+           "--deepspeed_config", str(REPO / "configs" / "ds_zero2.json"), "--arc-config",
+           str(REPO / "configs" / "demo.yaml"), "--steps", "90", "--log-every", "45", f"--arc.run.run_dir={tmp_path}"]
+    env = dict(os.environ, PYTHON=sys.executable, NUM_GPUS="2", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "deepspeed_overflow -> SKIP" in proc.stdout and "loss_spike -> SKIP" in proc.stdout
+    assert "[train] done: 90 steps, 2 skipped (1 by DeepSpeed)" in proc.stdout
+    events = read_jsonl(tmp_path / "demo" / "events.jsonl")
+    assert [(e["step"], e["detector"]) for e in events if e["kind"] == "detection"] == [
+        (40, "deepspeed_overflow"), (80, "loss_spike")]
+
+
+def _stage3_rank(rank: int, world: int, run_dir: Path) -> str:
+    import arc_engine
+
+    engine, _ = ds_engine(rank, world, 3)
+    try:
+        arc_engine.attach(engine, None, make_config(run_dir))
+    except ValueError as err:
+        return str(err)
+    return "attached"
+
+
+def test_unsupported_stage_is_a_clear_error(tmp_path: Path) -> None:
+    for message in run_ranks(_stage3_rank, 2, tmp_path):
+        assert "supports ZeRO stages 1 and 2" in message
