@@ -49,13 +49,19 @@ class Zero3PartitionStats:
         self.zero = zero_optimizer
         self.torch_optimizer = zero_optimizer.optimizer
         self.groups = list(zero_optimizer.optimizer.param_groups)
-        self.partitions = list(zero_optimizer.fp32_partitioned_groups_flat)
-        self.group_of = [int(zero_optimizer.sub_group_to_group_id[i]) for i in range(len(self.partitions))]
-        # per sub-group, per parameter: (partition size, real elements) -- the rest is padding
-        self.layouts = [[(p.partition_numel(), p.partition_numel()) for p, pad in zip(params, padding,
-                                                                                            strict=True)]
-                        for params, padding in zip(zero_optimizer.fp16_groups, zero_optimizer.groups_padding,
-                                                   strict=True)]
+        num_sub_groups = len(zero_optimizer.fp16_groups)
+        self.group_of = [int(zero_optimizer.sub_group_to_group_id[i]) for i in range(num_sub_groups)]
+        # per sub-group, per parameter: (partition size, real elements); the rest is padding, and its fp32
+        # master values are not zero, so it is cut out of every statistic
+        self.layouts = [[(param.partition_numel(), param.partition_numel() - pad)
+                         for param, pad in zip(params, paddings, strict=True)]
+                        for params, paddings in zip(zero_optimizer.fp16_groups, zero_optimizer.groups_padding,
+                                                    strict=True)]
+
+    @property
+    def partitions(self) -> list[torch.Tensor]:
+        """The fp32 master partitions, one per sub-group, read live (a checkpoint load may replace them)."""
+        return self.zero.fp32_partitioned_groups_flat
 
     def sub_group_id(self, optimizer: torch.optim.Optimizer) -> int | None:
         """The sub-group this inner-optimizer call steps (the one partition its groups hold), None if none."""

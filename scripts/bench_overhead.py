@@ -2,9 +2,8 @@
 
     .venv/bin/python scripts/bench_overhead.py            # re-launches itself under torchrun, 2 ranks (gloo, CPU)
 
-Both variants -- the same GPT (4 layers, d_model 256, seq 256, micro-batch 8 per rank) under DDP with AdamW,
-without and with arc_engine attached (default config: non-finite, loss-spike, grad-norm detectors and the
-optimizer statistics, every step) -- live in the same processes and alternate in blocks of steps, so machine
+Both variants -- the same GPT (4 layers, d_model 256, seq 256, micro-batch 8 per rank) under DeepSpeed ZeRO-2
+(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config) -- live in the same processes and alternate in blocks of steps, so machine
 noise hits both alike. Reported: the median step time of each, the overhead ratio, and arc_engine's collectives
 and host copies per monitored step (from the profiler: c10d ops with minus without arc_engine).
 """
@@ -18,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -41,38 +41,65 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-per-block", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--backend", choices=("deepspeed", "ddp"), default="deepspeed",
+                        help="deepspeed: ZeRO-2 (the standard configuration); ddp: PyTorch DDP")
     parser.add_argument("--optimizer-stats-every", type=int, default=None,
                         help="override stats.optimizer_stats_every (default: the config default, 10)")
     return parser.parse_args()
 
 
-def build(args: argparse.Namespace, data: CharDataset) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(args: argparse.Namespace, data: CharDataset, config) -> tuple[Callable, object]:
+    """One variant: a ``step(inputs, targets)`` closure and its arc handle (None without arc_engine)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=args.seq_len, num_layers=args.layers,
                           d_model=args.d_model, num_heads=max(1, args.d_model // 64)))
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    if args.backend == "deepspeed":
+        import deepspeed
+
+        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0,
+                     "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        arc = arc_engine.attach(engine, None, config) if config is not None else None
+
+        def ds_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+            loss = engine(inputs, targets)
+            if arc is not None:
+                arc.record_loss(loss)
+            engine.backward(loss)
+            engine.step()
+
+        return ds_step, arc
     ddp = DistributedDataParallel(model)
-    return ddp, torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
+
+    def ddp_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        loss = ddp(inputs, targets)
+        if arc is not None:
+            arc.record_loss(loss)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return ddp_step, arc
 
 
-def run_steps(ddp, optimizer, arc, data, rank: int, first_step: int, count: int, micro_batch: int) -> list[float]:
+def run_steps(step_fn: Callable, data: CharDataset, rank: int, first_step: int, count: int,
+              micro_batch: int) -> list[float]:
     times = []
     for step in range(first_step, first_step + count):
         inputs, targets = data.batch(step, rank, micro_batch)
         dist.barrier()
         start = time.perf_counter()
-        loss = ddp(inputs, targets)
-        if arc is not None:
-            arc.record_loss(loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_fn(inputs, targets)
         times.append(time.perf_counter() - start)
     return times
 
 
-def count_collectives(ddp, optimizer, arc, data, rank: int, steps: int, micro_batch: int) -> int:
+def count_collectives(step_fn: Callable, data: CharDataset, rank: int, steps: int, micro_batch: int) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_steps(ddp, optimizer, arc, data, rank, 10_000, steps, micro_batch)
+        run_steps(step_fn, data, rank, 10_000, steps, micro_batch)
     return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::") and "barrier" not in e.key)
 
 
@@ -80,31 +107,30 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank = dist.get_rank()
     data = CharDataset(generate_corpus(), args.seq_len)
-    plain, plain_opt = build(args, data)
-    monitored, monitored_opt = build(args, data)
     run_dir = tempfile.mkdtemp(prefix="arc_bench_")
     overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
     if args.optimizer_stats_every is not None:
         overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
     config = load_config(None, overrides)
-    arc = arc_engine.attach(monitored, monitored_opt, config)
-    run_steps(plain, plain_opt, None, data, rank, 0, args.warmup, args.micro_batch)
-    run_steps(monitored, monitored_opt, arc, data, rank, 0, args.warmup, args.micro_batch)
+    plain_step, _ = build(args, data, None)
+    arc_step, arc = build(args, data, config)
+    run_steps(plain_step, data, rank, 0, args.warmup, args.micro_batch)
+    run_steps(arc_step, data, rank, 0, args.warmup, args.micro_batch)
     plain_times, arc_times = [], []
     for block in range(args.blocks):
         first = args.warmup + block * args.steps_per_block
-        variants = [(plain, plain_opt, None, plain_times), (monitored, monitored_opt, arc, arc_times)]
-        for ddp, optimizer, handle, sink in variants if block % 2 == 0 else variants[::-1]:
-            sink.extend(run_steps(ddp, optimizer, handle, data, rank, first, args.steps_per_block, args.micro_batch))
+        variants = [(plain_step, plain_times), (arc_step, arc_times)]
+        for step_fn, sink in variants if block % 2 == 0 else variants[::-1]:
+            sink.extend(run_steps(step_fn, data, rank, first, args.steps_per_block, args.micro_batch))
     copies_before = arc.engine.pipeline.host_copies
-    arc_ops = count_collectives(monitored, monitored_opt, arc, data, rank, 2, args.micro_batch)
+    arc_ops = count_collectives(arc_step, data, rank, 2, args.micro_batch)
     host_copies = (arc.engine.pipeline.host_copies - copies_before) / 2
-    plain_ops = count_collectives(plain, plain_opt, None, data, rank, 2, args.micro_batch)
+    plain_ops = count_collectives(plain_step, data, rank, 2, args.micro_batch)
     if rank == 0:
         plain_median, arc_median = statistics.median(plain_times), statistics.median(arc_times)
-        params = sum(p.numel() for p in plain.parameters())
+        backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
         print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
-              f"{args.micro_batch}, {params / 1e6:.2f}M params; DDP, {dist.get_world_size()} ranks, gloo, CPU")
+              f"{args.micro_batch}; {backend}, AdamW, clip 1.0, {dist.get_world_size()} ranks, gloo, CPU")
         print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}")
         print(f"steps timed per variant: {len(plain_times)} (blocks of {args.steps_per_block}, interleaved)")
         print(f"median step time without arc_engine: {plain_median * 1e3:.1f} ms")

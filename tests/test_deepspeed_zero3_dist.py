@@ -101,7 +101,8 @@ def train(rank: int, world: int, steps: int, config: ArcConfig, sub_group_size: 
         decision, stats = arc.engine.last_decision, arc.engine.last_stats
         assert decision is not None and decision.step == step
         partitions = engine.optimizer.fp32_partitioned_groups_flat
-        out.append({"partitions": torch.cat([p.detach().clone() for p in partitions]),
+        adam_steps = [int(engine.optimizer.optimizer.state[p]["step"]) for p in partitions]
+        out.append({"partitions": torch.cat([p.detach().clone() for p in partitions]), "adam_steps": adam_steps,
                     "action": decision.action.name, "grad_sq": stats.total(names.GRAD_SQ),
                     "weight_sq": stats.total(names.WEIGHT_SQ),
                     "update_rms": np.sqrt(stats.total(names.UPDATE_SQ) / stats.total(names.UPDATE_COUNT)),
@@ -188,6 +189,8 @@ def test_loss_spike_skip_leaves_partitions_unchanged_on_every_rank(tmp_path: Pat
         records = result["steps"]
         assert [r["action"] for r in records] == ["NONE"] * 6 + ["SKIP", "NONE"]
         assert torch.equal(records[5]["partitions"], records[6]["partitions"]), "the skipped step applied"
+        assert [r["adam_steps"] for r in records] == [[n] * len(records[0]["adam_steps"])
+                                                      for n in (1, 2, 3, 4, 5, 6, 6, 7)]
         assert not torch.equal(records[4]["partitions"], records[5]["partitions"])
         assert not torch.equal(records[6]["partitions"], records[7]["partitions"]), "training did not continue"
     torch.testing.assert_close(results[0]["final"], results[1]["final"], rtol=0, atol=0)

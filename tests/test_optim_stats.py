@@ -73,3 +73,28 @@ def test_weight_sq_sums_and_non_adam() -> None:
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     assert adam_views(sgd, sgd.param_groups[0]) is None
     assert rms_per_group([0.0], [0.0]) == [0.0]
+
+
+def test_apex_fused_adam_state_is_read_like_torch_adam() -> None:
+    """apex's FusedAdam keeps exp_avg/exp_avg_sq per parameter and the step in the group (GPU only)."""
+    apex_optimizers = pytest.importorskip("apex.optimizers", reason="apex is not installed (GPU-only package)")
+    if not torch.cuda.is_available():
+        pytest.skip("apex FusedAdam needs CUDA")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 8, device="cuda")), torch.nn.Parameter(torch.randn(8, device="cuda"))]
+    optimizer = apex_optimizers.FusedAdam(params, lr=1e-3, weight_decay=0.1, adam_w_mode=True)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        views = adam_views(optimizer, optimizer.param_groups[0])
+        assert views is not None and views.hyper.l2_weight_decay == 0.0
+        predicted = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                   views.hyper)
+        optimizer.step()
+        group = optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        t = int(group["step"])
+        applied = [float(((optimizer.state[p]["exp_avg"] / (1 - beta1**t)) /
+                          ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**t)).sqrt() + group["eps"]))
+                         .double().square().sum()) for p in params]
+        torch.testing.assert_close(predicted.tolist(), applied, rtol=1e-5, atol=1e-9)
