@@ -1,4 +1,6 @@
-"""DeepSpeed ZeRO stages 1 and 2: statistics on each rank's own partition, decided inside the optimizer step.
+"""DeepSpeed ZeRO stages 1, 2 and 3: statistics on each rank's own partition, decided inside the optimizer step.
+
+Stage 3 differs only in where its partitions live (sub-groups); see ``deepspeed_zero3.py``. Below, stages 1/2.
 
 What DeepSpeed 0.19.8 holds (``deepspeed/runtime/zero/stage_1_and_2.py``, the ground truth): per parameter group
 ``j`` a flat fp32 master partition ``single_partition_of_fp32_groups[j]`` that the wrapped torch optimizer steps,
@@ -35,6 +37,7 @@ from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
+from arc_engine.integrations.deepspeed_zero3 import Zero3PartitionStats, check_supported
 from arc_engine.integrations.torch_optim import drop_gradients
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
@@ -50,6 +53,17 @@ class ZeroPartitionStats:
         self.zero = zero_optimizer
         self.torch_optimizer = zero_optimizer.optimizer
         self.groups = list(zero_optimizer.optimizer.param_groups)  # the dicts DeepSpeed swaps in one at a time
+
+    def group_id(self, optimizer: torch.optim.Optimizer) -> int:
+        current = optimizer.param_groups[0]
+        return next((i for i, group in enumerate(self.groups) if group is current), 0)
+
+    def is_first_call(self, optimizer: torch.optim.Optimizer) -> bool:
+        """This inner ``step()`` is the step's first (group 0): nothing has been applied yet."""
+        return self.group_id(optimizer) == 0
+
+    def is_last_call(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.group_id(optimizer) == len(self.groups) - 1
 
     def combined_scale(self) -> torch.Tensor:
         """DeepSpeed's divisor for raw gradients: loss scale x max(1, (pre-clip norm + 1e-6) / clip)."""
@@ -129,16 +143,12 @@ class DeepSpeedAdapter:
         self.engine = engine
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
-        self.stats = ZeroPartitionStats(engine, self.zero)
-        self.groups = list(self.zero.optimizer.param_groups)
+        stage = int(ds_engine.zero_optimization_stage())
+        self.stats = Zero3PartitionStats(engine, self.zero) if stage == 3 else ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
         self.step_offset = int(ds_engine.global_steps) - engine.step
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
                                                                                    False))
-
-    def group_id(self, optimizer: torch.optim.Optimizer) -> int:
-        current = optimizer.param_groups[0]
-        return next((i for i, group in enumerate(self.groups) if group is current), 0)
 
     def catch_up(self) -> None:
         """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips)."""
@@ -152,8 +162,7 @@ class DeepSpeedAdapter:
                 values))
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        group_id = self.group_id(optimizer)
-        if group_id == 0:
+        if self.stats.is_first_call(optimizer):
             self.catch_up()
             self.skip_this_step = False
             if self.engine.is_monitored():
@@ -163,7 +172,7 @@ class DeepSpeedAdapter:
             drop_gradients(optimizer)
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.group_id(optimizer) == len(self.groups) - 1:
+        if self.stats.is_last_call(optimizer):
             self.engine.finish_step()
 
 
@@ -180,20 +189,22 @@ class DeepSpeedArc(Arc):
 
 def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = None, *,
                      group: torch.distributed.ProcessGroup | None = None) -> DeepSpeedArc:
-    """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1 or 2. Collective: call on
+    """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3. Collective: call on
     every rank, once, after ``deepspeed.initialize``. ``group``: defaults to DeepSpeed's data-parallel group.
 
     Loop contract: ``loss = engine(batch); arc.record_loss(loss); engine.backward(loss); engine.step()``. A SKIP
     applies nothing on any rank (the fp32 partitions and Adam moments are untouched, so the bit16 copies DeepSpeed
     re-gathers are unchanged too); ABORT raises ArcAbort from ``engine.step()`` on every rank.
-    Raises ValueError for other ZeRO stages or CPU-offloaded optimizer states (not supported yet).
+    Raises ValueError for ZeRO-0 and for offloaded optimizer states (not supported yet).
     """
     stage = int(ds_engine.zero_optimization_stage())
     zero = ds_engine.optimizer
-    if stage not in (1, 2) or not hasattr(zero, "single_partition_of_fp32_groups"):
-        raise ValueError(f"arc_engine's DeepSpeed integration supports ZeRO stages 1 and 2; this engine runs "
-                         f"stage {stage}")
-    if getattr(zero, "cpu_offload", False):
+    if stage == 3:
+        check_supported(zero)
+    elif stage not in (1, 2) or not hasattr(zero, "single_partition_of_fp32_groups"):
+        raise ValueError(f"arc_engine's DeepSpeed integration supports ZeRO stages 1, 2 and 3; this engine runs "
+                         f"stage {stage} (ZeRO-0 / plain DeepSpeed: not supported yet)")
+    elif getattr(zero, "cpu_offload", False):
         raise ValueError("arc_engine's DeepSpeed integration does not support offload_optimizer yet")
     if not isinstance(config, ArcConfig):
         config = load_config(config)

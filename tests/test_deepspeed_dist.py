@@ -207,19 +207,3 @@ def test_reference_script_runs_under_the_deepspeed_launcher_with_arc_config(tmp_
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")
     assert [(e["step"], e["detector"]) for e in events if e["kind"] == "detection"] == [
         (40, "deepspeed_overflow"), (80, "loss_spike")]
-
-
-def _stage3_rank(rank: int, world: int, run_dir: Path) -> str:
-    import arc_engine
-
-    engine, _ = ds_engine(rank, world, 3)
-    try:
-        arc_engine.attach(engine, None, make_config(run_dir))
-    except ValueError as err:
-        return str(err)
-    return "attached"
-
-
-def test_unsupported_stage_is_a_clear_error(tmp_path: Path) -> None:
-    for message in run_ranks(_stage3_rank, 2, tmp_path):
-        assert "supports ZeRO stages 1 and 2" in message

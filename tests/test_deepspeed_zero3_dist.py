@@ -1,8 +1,7 @@
 """DeepSpeed ZeRO-3 on real gloo ranks (deepspeed.initialize, CPU accelerator): sub-group partition statistics
 equal an unsharded reference and DeepSpeed's own norm; a SKIP decided by arc_engine applies nothing on any rank.
 
-``attach_deepspeed`` refuses stage 3 until it dispatches to :class:`Zero3PartitionStats`, so these tests wire the
-engine and the optimizer hooks themselves, the way ``attach_deepspeed`` does."""
+Attached through ``arc_engine.attach`` (which dispatches to ``attach_deepspeed`` and :class:`Zero3PartitionStats`)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import arc_engine
 from arc_engine.config import ArcConfig
 from arc_engine.demo.gpt import param_groups
 from arc_engine.stats import names
@@ -42,60 +42,18 @@ def ds_engine(rank: int, world: int, sub_group_size: int | None = None) -> tuple
     return engine, data
 
 
-class Zero3Hooks:
-    """What ``DeepSpeedAdapter`` does, with the stage-3 first/last inner-call test."""
-
-    def __init__(self, ds_engine: Any, config: ArcConfig) -> None:
-        from arc_engine import runtime
-        from arc_engine.engine import ArcEngine
-        from arc_engine.faults import FaultInjector
-        from arc_engine.integrations.deepspeed_zero3 import Zero3PartitionStats
-        from arc_engine.integrations.torch_optim import drop_gradients
-        from arc_engine.stats import Reduce
-
-        zero = ds_engine.optimizer
-        group_names = [str(g.get("name") or f"group{i}") for i, g in enumerate(zero.optimizer.param_groups)]
-        self.engine = ArcEngine(config, group=zero.dp_process_group, group_names=group_names,
-                                shard_reduce=Reduce.SUM)
-        self.faults = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: self.engine.step)
-        self.engine.start()
-        self.stats = Zero3PartitionStats(self.engine, zero)
-        self.drop_gradients = drop_gradients
-        self.skip_this_step = False
-        self.handles = [zero.optimizer.register_step_pre_hook(self.pre_step),
-                        zero.optimizer.register_step_post_hook(self.post_step)]
-
-    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.stats.is_first_call(optimizer):
-            self.skip_this_step = False
-            if self.engine.is_monitored():
-                self.stats.record(self.engine.wants_optimizer_stats())
-                self.skip_this_step = not self.engine.decide().applies_update
-        if self.skip_this_step:
-            self.drop_gradients(optimizer)
-
-    def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.stats.is_last_call(optimizer):
-            self.engine.finish_step()
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.engine.close()
-
-
 def train(rank: int, world: int, steps: int, config: ArcConfig, sub_group_size: int | None = None) -> dict:
     """Train ``steps`` steps with arc_engine hooked in; per step the decision, gathered statistics and this
     rank's fp32 partitions; at the end the gathered full parameters."""
     engine, data = ds_engine(rank, world, sub_group_size)
     import deepspeed
 
-    arc = Zero3Hooks(engine, config)
+    arc = arc_engine.attach(engine, None, config)
     out = []
     for step in range(steps):
         inputs, targets = data.batch(step, rank, BATCH)
         loss = arc.faults.on_loss(engine(inputs, targets))
-        arc.engine.record_loss(loss)
+        arc.record_loss(loss)
         engine.backward(loss)
         engine.step()
         decision, stats = arc.engine.last_decision, arc.engine.last_stats
