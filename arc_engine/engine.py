@@ -146,10 +146,14 @@ class ArcEngine:
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1
 
-    def decide(self) -> Decision:
+    def decide(self, extra_findings: tuple[Finding, ...] = (), only: tuple[str, ...] | None = None) -> Decision:
         """Collective on monitored steps: gather, judge, decide, report. Call once per optimizer step on every
         rank, after gradients are reduced and before they are applied. Raises :class:`ArcAbort` (on every rank)
-        when the decision is ABORT. On unmonitored steps returns a no-op decision without communicating."""
+        when the decision is ABORT. On unmonitored steps returns a no-op decision without communicating.
+
+        ``extra_findings``: verdicts from outside the monitors, identical on every rank (e.g. the framework
+        skipped the step); ``only``: names of the monitors to run (None: all), for steps whose statistics are
+        partial."""
         assert self.buffer is not None, "ArcEngine.start() was not called"
         if not self.is_monitored():
             return Decision(self.step, Action.NONE)
@@ -158,7 +162,8 @@ class ArcEngine:
         self.buffer.put(names.LOSS_COUNT, float(self._loss_count))
         stats = self.pipeline.gather(self.buffer)
         self.last_stats = stats
-        findings = [f for monitor in self.monitors for f in monitor.evaluate(self.step, stats)]
+        monitors = [m for m in self.monitors if only is None or m.name in only]
+        findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)] + list(extra_findings)
         decision = self.policy.decide(self.step, findings)
         self.last_decision = decision
         self._report(decision)

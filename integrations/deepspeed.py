@@ -15,13 +15,14 @@ loss scale and not yet clipped; arc_engine applies DeepSpeed's own factor, 1 / (
 Per group, as partial sums over this rank's partition (``Reduce.SUM``: summed over ranks they are exact):
 ``grad_sq`` (unscaled, before clipping), ``weight_sq`` (fp32 master weights before the update), ``update_sq`` /
 ``update_count`` (the prospective Adam update, padding excluded). ``grad_sq_local`` / ``grad_nonfinite_local``
-are this rank's partition of the reduced gradient (ZeRO reduces inside its own backward hooks; there is no
-supported pre-reduction point), so a NaN names the ranks whose partition holds it.
+(PER_RANK) are this rank's own gradient before ZeRO reduces it, from tensor hooks on the module parameters
+(:class:`LocalGradHooks`), so a NaN is named on the rank that produced it.
 
 Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
-torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step and
-reports each as a ``deepspeed_overflow`` event (every rank sees the same DeepSpeed verdict); outside fp16 dynamic
-loss scaling they count as skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
+torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step, gathers
+what the ranks recorded for that step, and reports a ``deepspeed_overflow`` event plus the ``non_finite`` finding
+naming the rank (every rank sees the same DeepSpeed verdict); outside fp16 dynamic loss scaling they count as
+skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
 """
 
 from __future__ import annotations
@@ -99,8 +100,6 @@ class ZeroPartitionStats:
             grad_sq = norms_sq.sum() * factor
             slot = slice(group_id, group_id + 1)
             buffer.view(names.GRAD_SQ)[slot].add_(grad_sq)
-            buffer.view(names.GRAD_SQ_LOCAL)[slot].add_(grad_sq)
-            buffer.view(names.GRAD_NONFINITE_LOCAL)[slot].add_((~torch.isfinite(norms_sq)).sum())
             if with_optimizer_stats:
                 self._optimizer_stats(group_id, partition, pieces, 1.0 if final else 1.0 / combined)
 
@@ -136,6 +135,43 @@ class ZeroPartitionStats:
                          step, AdamHyper.from_group(group, decoupled))
 
 
+class LocalGradHooks:
+    """Each rank's own gradient before ZeRO reduces it: a tensor hook on every trainable module parameter (it runs
+    on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks). Fills the PER_RANK
+    ``grad_sq_local`` / ``grad_nonfinite_local`` slots, summed over micro-batches, on monitored steps only; the
+    gradient itself is not modified."""
+
+    def __init__(self, engine: ArcEngine, param_groups: list[tuple[int, list[torch.Tensor]]]) -> None:
+        self.engine = engine
+        self.handles = [param.register_hook(self._hook(group_id))
+                        for group_id, params in param_groups for param in params if param.requires_grad]
+
+    def _hook(self, group_id: int):
+        slot = slice(group_id, group_id + 1)
+
+        @torch.no_grad()
+        def hook(grad: torch.Tensor) -> None:
+            buffer = self.engine.buffer
+            if buffer is None or not self.engine.is_monitored():
+                return
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32).to(buffer.device)
+            buffer.view(names.GRAD_SQ_LOCAL)[slot].add_(norm.double().square())
+            buffer.view(names.GRAD_NONFINITE_LOCAL)[slot].add_((~torch.isfinite(norm)).double())
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def module_param_groups(zero: Any, stage: int) -> list[tuple[int, list[torch.Tensor]]]:
+    """(parameter group, module parameters) pairs as the ZeRO optimizer holds them."""
+    if stage == 3:
+        return [(int(zero.sub_group_to_group_id[i]), list(params)) for i, params in enumerate(zero.fp16_groups)]
+    return list(enumerate(list(params) for params in zero.bit16_groups))
+
+
 class DeepSpeedAdapter:
     """Hooks on the torch optimizer that DeepSpeed's ZeRO optimizer wraps (see the module docstring)."""
 
@@ -151,15 +187,24 @@ class DeepSpeedAdapter:
                                                                                    False))
 
     def catch_up(self) -> None:
-        """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips)."""
+        """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips).
+
+        Every rank calls this at the same point (DeepSpeed's overflow verdict is agreed), so on a monitored step it
+        gathers what the ranks recorded for the skipped step (loss, local gradients) in that step's one collective
+        and names the rank(s) holding NaN/Inf; gradient-norm monitors are not run (DeepSpeed discarded them)."""
         while int(self.ds_engine.global_steps) - self.step_offset > self.engine.step:
             escalate = not self.dynamic_loss_scale
             values = {"deepspeed_skipped_steps": int(self.ds_engine.skipped_steps),
                       "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
-            self.engine.skip_by_framework(Finding(
-                "deepspeed_overflow", Action.SKIP if escalate else Action.WARN, Severity.WARNING,
-                "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their norm)", (),
-                values))
+            finding = Finding("deepspeed_overflow", Action.SKIP if escalate else Action.WARN, Severity.WARNING,
+                              "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
+                              "norm)", (), values)
+            if self.engine.is_monitored():
+                self.engine.decide(extra_findings=(finding,), only=("non_finite", "loss_spike"))
+                self.engine.framework_skipped_steps += 1
+                self.engine.finish_step()
+            else:
+                self.engine.skip_by_framework(finding)
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.stats.is_first_call(optimizer):
@@ -217,8 +262,9 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     injector = FaultInjector(config.faults.injections, runtime.global_rank(),
                              lambda: int(ds_engine.global_steps) - adapter.step_offset)
     injector.install(ds_engine.module)
+    local_hooks = LocalGradHooks(engine, module_param_groups(zero, stage))  # after the fault hooks: sees their output
     handles = [zero.optimizer.register_step_pre_hook(adapter.pre_step),
                zero.optimizer.register_step_post_hook(adapter.post_step)]
-    arc = DeepSpeedArc(engine, injector, [h.remove for h in handles])
+    arc = DeepSpeedArc(engine, injector, [h.remove for h in handles] + [local_hooks.remove])
     arc.adapter = adapter
     return arc

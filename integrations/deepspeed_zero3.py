@@ -118,8 +118,6 @@ class Zero3PartitionStats:
             grad_sq = norms_sq.sum() * factor
             slot = slice(group_id, group_id + 1)
             buffer.view(names.GRAD_SQ)[slot].add_(grad_sq)
-            buffer.view(names.GRAD_SQ_LOCAL)[slot].add_(grad_sq)
-            buffer.view(names.GRAD_NONFINITE_LOCAL)[slot].add_((~torch.isfinite(norms_sq)).sum())
             if with_optimizer_stats:
                 self._optimizer_stats(sub_group_id, grads, 1.0 if final else 1.0 / combined)
 

@@ -115,20 +115,29 @@ def test_partition_statistics_match_unsharded_reference(tmp_path: Path, stage: i
         assert all(np.array_equal(a["grad_sq"], b["grad_sq"]) for a, b in zip(records, results[0], strict=True))
 
 
-def _bitwise_rank(rank: int, world: int, run_dir: Path) -> bool:
-    from arc_engine.integrations.deepspeed import attach_deepspeed
+def master_weights(engine) -> torch.Tensor:
+    """This rank's fp32 master partitions (what the optimizer updates) under any ZeRO stage."""
+    zero = engine.optimizer
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    return torch.cat([f.detach().flatten().clone() for f in flats])
 
-    engine, data = ds_engine(rank, world, 2)
-    plain = train(engine, data, None, rank, 4)[-1]["params"]
-    engine, data = ds_engine(rank, world, 2)
-    arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1"))
-    monitored = train(engine, data, arc, rank, 4)[-1]["params"]
+
+def _bitwise_rank(rank: int, world: int, stage: int, run_dir: Path) -> bool:
+    import arc_engine
+
+    engine, data = ds_engine(rank, world, stage)
+    train(engine, data, None, rank, 4)
+    plain = master_weights(engine)
+    engine, data = ds_engine(rank, world, stage)
+    arc = arc_engine.attach(engine, None, make_config(run_dir, "stats.optimizer_stats_every=1"))
+    train(engine, data, arc, rank, 4)
     arc.close()
-    return torch.equal(plain, monitored)
+    return torch.equal(plain, master_weights(engine))
 
 
-def test_zero2_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path) -> None:
-    assert run_ranks(_bitwise_rank, 2, tmp_path) == [True, True]
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path, stage: int) -> None:
+    assert run_ranks(_bitwise_rank, 2, stage, tmp_path) == [True, True]
 
 
 def _faults_rank(rank: int, world: int, run_dir: Path) -> list[dict]:
@@ -136,7 +145,7 @@ def _faults_rank(rank: int, world: int, run_dir: Path) -> list[dict]:
 
     engine, data = ds_engine(rank, world, 2)
     config = make_config(run_dir, "detectors.loss_spike.warmup_steps=3",
-                         "faults.injections=[{kind: nan_loss, rank: 1, step: 4}, "
+                         "faults.injections=[{kind: nan_grad, rank: 1, step: 4, param: blocks.0.ln1.weight}, "
                          "{kind: loss_scale, rank: -1, step: 7, scale: 30}]")
     arc = attach_deepspeed(engine, config)
     records = train(engine, data, arc, rank, 10)
@@ -149,7 +158,7 @@ def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Pa
     results = run_ranks(_faults_rank, 2, tmp_path)
     for result in results:
         *records, summary = result
-        # step 4: rank 1's NaN makes DeepSpeed skip the step itself (overflow); arc_engine reports it
+        # step 4: rank 1's NaN gradient makes DeepSpeed skip the step itself (overflow); arc_engine reports it
         assert records[4]["applied"] is False and torch.equal(records[4]["params"], records[3]["params"])
         # step 7: a loss spike only arc_engine sees; arc_engine skips it on every rank
         assert records[7]["action"] == "SKIP" and torch.equal(records[7]["params"], records[6]["params"])
@@ -159,7 +168,9 @@ def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Pa
         assert [r["action"] for r in records] == [r["action"] for r in results[0][:-1]]
     events = read_jsonl(tmp_path / "test" / "events.jsonl")
     detections = [(e["step"], e["detector"]) for e in events if e["kind"] == "detection"]
-    assert detections == [(4, "deepspeed_overflow"), (7, "loss_spike")]
+    assert detections == [(4, "non_finite"), (4, "deepspeed_overflow"), (7, "loss_spike")]
+    nan_event = next(e for e in events if e["detector"] == "non_finite")
+    assert nan_event["ranks"] == [1] and nan_event["values"]["first_group_name"] == "no_decay"
 
 
 def _collectives_rank(rank: int, world: int, run_dir: Path) -> dict:
@@ -205,5 +216,5 @@ def test_reference_script_runs_under_the_deepspeed_launcher_with_arc_config(tmp_
     assert "deepspeed_overflow -> SKIP" in proc.stdout and "loss_spike -> SKIP" in proc.stdout
     assert "[train] done: 90 steps, 2 skipped (1 by DeepSpeed)" in proc.stdout
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")
-    assert [(e["step"], e["detector"]) for e in events if e["kind"] == "detection"] == [
-        (40, "deepspeed_overflow"), (80, "loss_spike")]
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events if e["kind"] == "detection"] == [
+        (40, "non_finite", [1]), (40, "deepspeed_overflow", []), (80, "loss_spike", [])]
