@@ -27,6 +27,7 @@ skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,28 +138,36 @@ class ZeroPartitionStats:
 
 class LocalGradHooks:
     """Each rank's own gradient before ZeRO reduces it: a tensor hook on every trainable module parameter (it runs
-    on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks). Fills the PER_RANK
-    ``grad_sq_local`` / ``grad_nonfinite_local`` slots, summed over micro-batches, on monitored steps only; the
-    gradient itself is not modified."""
+    on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks). On monitored steps
+    each hook adds its gradient's squared norm to a per-parameter accumulator (two small kernels, no sync; summed
+    over micro-batches); :meth:`flush` turns them into the PER_RANK ``grad_sq_local`` / ``grad_nonfinite_local``
+    slots once per step. The gradient itself is not modified."""
 
     def __init__(self, engine: ArcEngine, param_groups: list[tuple[int, list[torch.Tensor]]]) -> None:
         self.engine = engine
-        self.handles = [param.register_hook(self._hook(group_id))
-                        for group_id, params in param_groups for param in params if param.requires_grad]
+        params = [(gid, p) for gid, ps in param_groups for p in ps if p.requires_grad]
+        device = engine.pipeline.device
+        self.sq_p = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.group_index_p = torch.tensor([gid for gid, _ in params], dtype=torch.long, device=device)
+        self.handles = [param.register_hook(self._hook(i)) for i, (_, param) in enumerate(params)]
 
-    def _hook(self, group_id: int):
-        slot = slice(group_id, group_id + 1)
-
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         @torch.no_grad()
         def hook(grad: torch.Tensor) -> None:
-            buffer = self.engine.buffer
-            if buffer is None or not self.engine.is_monitored():
-                return
-            norm = torch.linalg.vector_norm(grad, dtype=torch.float32).to(buffer.device)
-            buffer.view(names.GRAD_SQ_LOCAL)[slot].add_(norm.double().square())
-            buffer.view(names.GRAD_NONFINITE_LOCAL)[slot].add_((~torch.isfinite(norm)).double())
+            if self.engine.buffer is not None and self.engine.is_monitored():
+                self.sq_p[index].add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
 
         return hook
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Move this step's accumulators into the engine's buffer and clear them (local, device-side)."""
+        buffer = self.engine.buffer
+        if buffer is None:
+            return
+        buffer.index_add(names.GRAD_SQ_LOCAL, self.group_index_p, self.sq_p)
+        buffer.index_add(names.GRAD_NONFINITE_LOCAL, self.group_index_p, (~torch.isfinite(self.sq_p)).double())
+        self.sq_p.zero_()
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -175,14 +184,15 @@ def module_param_groups(zero: Any, stage: int) -> list[tuple[int, list[torch.Ten
 class DeepSpeedAdapter:
     """Hooks on the torch optimizer that DeepSpeed's ZeRO optimizer wraps (see the module docstring)."""
 
-    def __init__(self, engine: ArcEngine, ds_engine: Any) -> None:
+    def __init__(self, engine: ArcEngine, ds_engine: Any, local_grads: LocalGradHooks) -> None:
         self.engine = engine
+        self.local_grads = local_grads
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
         stage = int(ds_engine.zero_optimization_stage())
         self.stats = Zero3PartitionStats(engine, self.zero) if stage == 3 else ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
-        self.step_offset = int(ds_engine.global_steps) - engine.step
+        self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
                                                                                    False))
 
@@ -200,6 +210,7 @@ class DeepSpeedAdapter:
                               "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
                               "norm)", (), values)
             if self.engine.is_monitored():
+                self.local_grads.flush()
                 self.engine.decide(extra_findings=(finding,), only=("non_finite", "loss_spike"))
                 self.engine.framework_skipped_steps += 1
                 self.engine.finish_step()
@@ -211,6 +222,7 @@ class DeepSpeedAdapter:
             self.catch_up()
             self.skip_this_step = False
             if self.engine.is_monitored():
+                self.local_grads.flush()
                 self.stats.record(self.engine.wants_optimizer_stats())
                 self.skip_this_step = not self.engine.decide().applies_update
         if self.skip_this_step:
@@ -257,12 +269,13 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     names_g = [str(g.get("name") or f"group{i}") for i, g in enumerate(zero.optimizer.param_groups)]
     engine = ArcEngine(config, group=group, group_names=names_g, shard_reduce=Reduce.SUM)
     engine.start()
-    adapter = DeepSpeedAdapter(engine, ds_engine)
+    step_offset = int(ds_engine.global_steps)  # arc_engine's step 0 is DeepSpeed's current step
     # DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught up with.
     injector = FaultInjector(config.faults.injections, runtime.global_rank(),
-                             lambda: int(ds_engine.global_steps) - adapter.step_offset)
+                             lambda: int(ds_engine.global_steps) - step_offset)
     injector.install(ds_engine.module)
     local_hooks = LocalGradHooks(engine, module_param_groups(zero, stage))  # after the fault hooks: sees their output
+    adapter = DeepSpeedAdapter(engine, ds_engine, local_hooks)
     handles = [zero.optimizer.register_step_pre_hook(adapter.pre_step),
                zero.optimizer.register_step_post_hook(adapter.post_step)]
     arc = DeepSpeedArc(engine, injector, [h.remove for h in handles] + [local_hooks.remove])
