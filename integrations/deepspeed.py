@@ -39,12 +39,38 @@ from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
-from arc_engine.integrations.deepspeed_zero3 import Zero3PartitionStats, check_supported
 from arc_engine.integrations.torch_optim import drop_gradients
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
 
 CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
+
+
+def grad_divisor(zero: Any) -> torch.Tensor | float:
+    """DeepSpeed's divisor for raw (loss-scaled, unclipped) gradients in ``unscale_and_clip_grads``:
+    loss scale x max(1, (pre-clip norm + 1e-6) / clip). A device tensor when clipping is on (no host sync), else a
+    float. ``_global_grad_norm`` is already unscaled (scaled norm / loss scale) when the optimizer is called."""
+    loss_scale = float(zero.loss_scale)
+    norm = zero._global_grad_norm
+    if zero.clip_grad > 0 and norm is not None:
+        norm = torch.as_tensor(norm, dtype=torch.float64)
+        return loss_scale * torch.clamp((norm + CLIP_EPS) / zero.clip_grad, min=1.0)
+    return loss_scale
+
+
+def add_pre_clip_grad_sq(buffer: Any, group_id: int, pieces: list[torch.Tensor], final: bool,
+                         divisor: torch.Tensor | float, loss_scale: float) -> None:
+    """Add the unscaled, pre-clip squared norm of ``pieces`` to group ``group_id``'s ``grad_sq`` slot.
+    Final pieces are raw / divisor (DeepSpeed already unscaled and clipped them); raw ones still carry the loss
+    scale. Either way the result is what DeepSpeed's own pre-clip norm measures."""
+    norms_sq = weight_sq_sums(pieces).to(buffer.device)
+    factor = (divisor / loss_scale) ** 2 if final else 1.0 / loss_scale**2
+    buffer.view(names.GRAD_SQ)[group_id:group_id + 1].add_(norms_sq.sum() * factor)
+
+
+def device_divisor(zero: Any, device: torch.device) -> torch.Tensor | float:
+    divisor = grad_divisor(zero)
+    return divisor.to(device) if isinstance(divisor, torch.Tensor) else divisor
 
 
 class ZeroPartitionStats:
@@ -67,15 +93,6 @@ class ZeroPartitionStats:
     def is_last_call(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.group_id(optimizer) == len(self.groups) - 1
 
-    def combined_scale(self) -> torch.Tensor:
-        """DeepSpeed's divisor for raw gradients: loss scale x max(1, (pre-clip norm + 1e-6) / clip)."""
-        loss_scale = float(self.zero.loss_scale)
-        norm = self.zero._global_grad_norm
-        if self.zero.clip_grad > 0 and norm is not None:
-            norm = torch.as_tensor(norm, dtype=torch.float64)
-            return loss_scale * torch.clamp((norm + CLIP_EPS) / self.zero.clip_grad, min=1.0)
-        return torch.tensor(loss_scale, dtype=torch.float64)
-
     def group_gradient(self, group_id: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's gradient pieces for ``group_id`` and whether they are already final (unscaled, clipped)."""
         partition = self.zero.single_partition_of_fp32_groups[group_id]
@@ -90,17 +107,11 @@ class ZeroPartitionStats:
     @torch.no_grad()
     def record(self, with_optimizer_stats: bool) -> None:
         buffer = self.engine.buffer
-        device = buffer.device
-        combined = self.combined_scale().to(device)
+        combined = device_divisor(self.zero, buffer.device)
         loss_scale = float(self.zero.loss_scale)
         for group_id, partition in enumerate(self.zero.single_partition_of_fp32_groups):
             pieces, final = self.group_gradient(group_id)
-            norms_sq = weight_sq_sums(pieces).to(device)
-            # pre-clip, unscaled: final = raw / combined, raw / loss_scale is what DeepSpeed's norm measures
-            factor = (combined / loss_scale) ** 2 if final else torch.tensor(1.0 / loss_scale**2, device=device)
-            grad_sq = norms_sq.sum() * factor
-            slot = slice(group_id, group_id + 1)
-            buffer.view(names.GRAD_SQ)[slot].add_(grad_sq)
+            add_pre_clip_grad_sq(buffer, group_id, pieces, final, combined, loss_scale)
             if with_optimizer_stats:
                 self._optimizer_stats(group_id, partition, pieces, 1.0 if final else 1.0 / combined)
 
@@ -190,7 +201,12 @@ class DeepSpeedAdapter:
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
         stage = int(ds_engine.zero_optimization_stage())
-        self.stats = Zero3PartitionStats(engine, self.zero) if stage == 3 else ZeroPartitionStats(engine, self.zero)
+        if stage == 3:
+            from arc_engine.integrations.deepspeed_zero3 import Zero3PartitionStats
+
+            self.stats: ZeroPartitionStats | Zero3PartitionStats = Zero3PartitionStats(engine, self.zero)
+        else:
+            self.stats = ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
         self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
@@ -257,6 +273,8 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     stage = int(ds_engine.zero_optimization_stage())
     zero = ds_engine.optimizer
     if stage == 3:
+        from arc_engine.integrations.deepspeed_zero3 import check_supported
+
         check_supported(zero)
     elif stage not in (1, 2) or not hasattr(zero, "single_partition_of_fp32_groups"):
         raise ValueError(f"arc_engine's DeepSpeed integration supports ZeRO stages 1, 2 and 3; this engine runs "

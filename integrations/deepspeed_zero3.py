@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations.deepspeed import add_pre_clip_grad_sq, device_divisor
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, is_decoupled, update_sq_sums, weight_sq_sums
-
-CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
 
 
 def check_supported(zero_optimizer: Any) -> None:
@@ -76,15 +75,6 @@ class Zero3PartitionStats:
         """Whether this post-hook closes the step's last inner call."""
         return self.sub_group_id(optimizer) == len(self.partitions) - 1
 
-    def combined_scale(self) -> torch.Tensor:
-        """DeepSpeed's divisor for raw gradients: loss scale x max(1, (pre-clip norm + 1e-6) / clip)."""
-        loss_scale = float(self.zero.loss_scale)
-        norm = self.zero._global_grad_norm  # already unscaled: scaled norm / loss scale
-        if self.zero.clip_grad > 0 and norm is not None:
-            norm = torch.as_tensor(norm, dtype=torch.float64)
-            return loss_scale * torch.clamp((norm + CLIP_EPS) / self.zero.clip_grad, min=1.0)
-        return torch.tensor(loss_scale, dtype=torch.float64)
-
     def real_pieces(self, sub_group_id: int, tensor: torch.Tensor | list[torch.Tensor] | None
                     ) -> list[torch.Tensor | None]:
         """Per parameter, the real (unpadded) elements of a flat sub-group tensor or of its per-parameter list."""
@@ -107,17 +97,11 @@ class Zero3PartitionStats:
         """Add this rank's per-group partial sums to the engine buffer. Local, no communication; call at the
         pre-hook of the step's first inner-optimizer call, on every rank."""
         buffer = self.engine.buffer
-        device = buffer.device
-        combined = self.combined_scale().to(device)
+        combined = device_divisor(self.zero, buffer.device)
         loss_scale = float(self.zero.loss_scale)
         for sub_group_id, group_id in enumerate(self.group_of):
             grads, final = self.sub_group_gradient(sub_group_id)
-            norms_sq = weight_sq_sums(grads).to(device)
-            # pre-clip, unscaled: final = raw / combined, raw / loss_scale is what DeepSpeed's norm measures
-            factor = (combined / loss_scale) ** 2 if final else torch.tensor(1.0 / loss_scale**2, device=device)
-            grad_sq = norms_sq.sum() * factor
-            slot = slice(group_id, group_id + 1)
-            buffer.view(names.GRAD_SQ)[slot].add_(grad_sq)
+            add_pre_clip_grad_sq(buffer, group_id, grads, final, combined, loss_scale)
             if with_optimizer_stats:
                 self._optimizer_stats(sub_group_id, grads, 1.0 if final else 1.0 / combined)
 

@@ -1,11 +1,12 @@
-"""Overhead of arc_engine's always-on monitoring on a DDP training step, measured side by side.
+"""Overhead of arc_engine's always-on monitoring on a training step, measured side by side.
 
     .venv/bin/python scripts/bench_overhead.py            # re-launches itself under torchrun, 2 ranks (gloo, CPU)
 
 Both variants -- the same GPT (4 layers, d_model 256, seq 256, micro-batch 8 per rank) under DeepSpeed ZeRO-2
-(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config) -- live in the same processes and alternate in blocks of steps, so machine
-noise hits both alike. Reported: the median step time of each, the overhead ratio, and arc_engine's collectives
-and host copies per monitored step (from the profiler: c10d ops with minus without arc_engine).
+(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config) -- live in
+the same processes and alternate in blocks of steps, so machine noise hits both alike. Reported: the median step
+time of each, the overhead ratio, and arc_engine's collectives and host copies per monitored step (from the
+profiler: c10d ops with minus without arc_engine).
 """
 
 from __future__ import annotations
