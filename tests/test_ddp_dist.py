@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
 
 import arc_engine
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data, train_ddp
+from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, tiny_model_and_data, train_ddp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,15 +151,16 @@ def _count_collectives(rank: int, world: int, config, steps: int) -> dict:
         ddp = DistributedDataParallel(model)
         optimizer = make_optimizer(model)
         arc = arc_engine.attach(ddp, optimizer, cfg) if cfg is not None else None
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        def run(model=ddp, optimizer=optimizer, data=data, arc=arc) -> None:
             for step in range(steps):
-                loss = ddp(*data.batch(step, rank, BATCH))
+                loss = model(*data.batch(step, rank, BATCH))
                 if arc is not None:
                     arc.record_loss(loss)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-        counts[label] = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+
+        counts[label] = count_c10d_ops(run)
         if arc is not None:
             counts["pipeline"] = arc.engine.pipeline.collectives
             counts["host_copies"] = arc.engine.pipeline.host_copies

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from arc_engine.demo.gpt import param_groups
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, tiny_model_and_data
+from tests.training import BATCH, count_c10d_ops, make_config, reference_clipped_adamw, tiny_model_and_data
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.timeout(300)
@@ -67,43 +66,10 @@ def _stats_rank(rank: int, world: int, stage: int, run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "params"} for r in records]
 
 
-def reference(world: int, steps: int) -> list[dict]:
-    """One process, full tensors: mean of the ranks' gradients, torch clipping (DeepSpeed's formula), AdamW."""
-    model, data = tiny_model_and_data()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    out = []
-    for step in range(steps):
-        grads = []
-        for rank in range(world):
-            model.zero_grad()
-            model(*data.batch(step, rank, BATCH)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, param in enumerate(model.parameters()):
-            param.grad = sum(g[i] for g in grads) / world
-        groups = optimizer.param_groups
-        grad_sq = [sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups]
-        weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        update_rms = []
-        for group in groups:
-            beta1, beta2 = group["betas"]
-            sq = count = 0.0
-            for param in group["params"]:
-                state = optimizer.state[param]
-                t = int(state["step"])
-                update = (state["exp_avg"] / (1 - beta1**t)) / ((state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
-                                                                 + group["eps"])
-                sq, count = sq + float(update.double().square().sum()), count + param.numel()
-            update_rms.append((sq / count) ** 0.5)
-        out.append({"grad_sq": grad_sq, "weight_sq": weight_sq, "update_rms": update_rms})
-    return out
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_partition_statistics_match_unsharded_reference(tmp_path: Path, stage: int) -> None:
     results = run_ranks(_stats_rank, 2, stage, tmp_path)
-    expected = reference(2, 3)
+    expected, _ = reference_clipped_adamw(2, 3, CLIP)
     for records in results:
         for step, (got, want) in enumerate(zip(records, expected, strict=True)):
             np.testing.assert_allclose(got["grad_sq"], want["grad_sq"], rtol=1e-5, err_msg=f"step {step}")
@@ -181,7 +147,8 @@ def _collectives_rank(rank: int, world: int, run_dir: Path) -> dict:
         engine, data = ds_engine(rank, world, 2)
         arc = attach_deepspeed(engine, make_config(run_dir)) if label == "arc" else None
         train(engine, data, arc, rank, 1)  # warm-up outside the profile
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+
+        def three_steps(engine=engine, data=data, arc=arc) -> None:
             for step in range(1, 4):
                 inputs, targets = data.batch(step, rank, BATCH)
                 loss = engine(inputs, targets)
@@ -189,7 +156,8 @@ def _collectives_rank(rank: int, world: int, run_dir: Path) -> dict:
                     arc.record_loss(loss)
                 engine.backward(loss)
                 engine.step()
-        counts[label] = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+
+        counts[label] = count_c10d_ops(three_steps)
         if arc is not None:
             arc.close()
     return counts

@@ -18,7 +18,7 @@ from arc_engine.config import ArcConfig
 from arc_engine.demo.gpt import param_groups
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, tiny_model_and_data
+from tests.training import BATCH, make_config, reference_clipped_adamw, tiny_model_and_data
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.timeout(300)
@@ -73,40 +73,6 @@ def train(rank: int, world: int, steps: int, config: ArcConfig, sub_group_size: 
     return {"steps": out, "final": final, "rank": rank, "padding": padding}
 
 
-def reference(world: int, steps: int) -> tuple[list[dict], torch.Tensor]:
-    """One process, full tensors: mean of the ranks' gradients, torch clipping (DeepSpeed's formula), AdamW."""
-    model, data = tiny_model_and_data()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    out = []
-    for step in range(steps):
-        grads = []
-        for rank in range(world):
-            model.zero_grad()
-            model(*data.batch(step, rank, BATCH)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, param in enumerate(model.parameters()):
-            param.grad = sum(g[i] for g in grads) / world
-        groups = optimizer.param_groups
-        grad_sq = [sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups]
-        weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        update_rms = []
-        for group in groups:
-            beta1, beta2 = group["betas"]
-            sq = count = 0.0
-            for param in group["params"]:
-                state = optimizer.state[param]
-                t = int(state["step"])
-                update = (state["exp_avg"] / (1 - beta1**t)) / ((state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
-                                                                 + group["eps"])
-                sq, count = sq + float(update.double().square().sum()), count + param.numel()
-            update_rms.append((sq / count) ** 0.5)
-        out.append({"grad_sq": grad_sq, "weight_sq": weight_sq, "update_rms": update_rms,
-                    "num_params": [sum(p.numel() for p in g["params"]) for g in groups]})
-    return out, torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 def _stats_rank(rank: int, world: int, run_dir: Path, sub_group_size: int | None) -> dict:
     return train(rank, world, 3, make_config(run_dir, "stats.optimizer_stats_every=1"), sub_group_size)
 
@@ -117,7 +83,7 @@ def test_partition_statistics_match_unsharded_reference(tmp_path: Path, world: i
     RMS at steps 0..2; sub-group 0's final gradient and later sub-groups' raw ones agree. With 3 ranks the last
     rank's partitions hold padding (e.g. 928 = 3 x 310 - 2), which must not count."""
     results = run_ranks(_stats_rank, world, tmp_path, sub_group_size)
-    expected, final = reference(world, 3)
+    expected, final = reference_clipped_adamw(world, 3, CLIP)
     for result in results:
         records = result["steps"]
         assert result["padding"] == (world == 3 and result["rank"] == world - 1)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.profiler import ProfilerActivity, profile
 
 import arc_engine
 from arc_engine.config import ArcConfig
@@ -20,7 +19,7 @@ from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, update_sq_sums
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, tiny_model_and_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -234,7 +233,8 @@ def _count_collectives(rank: int, world: int, configs: list[tuple[ArcConfig, int
         for label, cfg in (("plain", None), ("arc", config)):
             model, data, optimizer = sharded_gpt()
             arc = arc_engine.attach(model, optimizer, cfg) if cfg is not None else None  # dispatches to FSDP2
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+
+            def run(model=model, optimizer=optimizer, data=data, arc=arc, steps=steps) -> None:
                 for step in range(steps):
                     loss = model(*data.batch(step, rank, BATCH))
                     if arc is not None:
@@ -242,7 +242,8 @@ def _count_collectives(rank: int, world: int, configs: list[tuple[ArcConfig, int
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
-            counts[label] = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+
+            counts[label] = count_c10d_ops(run)
             if arc is not None:
                 counts["pipeline"] = arc.engine.pipeline.collectives
                 arc.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
 
 import arc_engine
 from arc_engine.config import ArcConfig, load_config
@@ -69,3 +71,46 @@ def train_ddp(rank: int, steps: int, config: ArcConfig | None, seed: int = 0) ->
         arc.close()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "snapshots": snapshots,
             "decisions": decisions, "summary": summary, "grad_norms": grad_norms}
+
+
+def reference_clipped_adamw(world: int, steps: int, clip: float) -> tuple[list[dict], torch.Tensor]:
+    """The unsharded reference for sharded runs: one process, full tensors, the mean of the ranks' gradients,
+    torch clipping (DeepSpeed's formula), AdamW. Per step: pre-clip grad / weight squared norms and the applied
+    update RMS per group (U = m̂/(√v̂+ε) from the state after the step); plus the final parameters."""
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    out = []
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            model(*data.batch(step, rank, BATCH)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, param in enumerate(model.parameters()):
+            param.grad = sum(g[i] for g in grads) / world
+        groups = optimizer.param_groups
+        grad_sq = [sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups]
+        weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        update_rms = []
+        for group in groups:
+            beta1, beta2 = group["betas"]
+            sq = count = 0.0
+            for param in group["params"]:
+                state = optimizer.state[param]
+                t = int(state["step"])
+                update = (state["exp_avg"] / (1 - beta1**t)) / ((state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
+                                                                 + group["eps"])
+                sq, count = sq + float(update.double().square().sum()), count + param.numel()
+            update_rms.append((sq / count) ** 0.5)
+        out.append({"grad_sq": grad_sq, "weight_sq": weight_sq, "update_rms": update_rms,
+                    "num_params": [sum(p.numel() for p in g["params"]) for g in groups]})
+    return out, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def count_c10d_ops(run: Callable[[], None]) -> int:
+    """Number of torch.distributed collectives (profiler ``c10d::`` events) issued by ``run()``."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
