@@ -227,7 +227,10 @@ class DeepSpeedAdapter:
                               "norm)", (), values)
             if self.engine.is_monitored():
                 self.local_grads.flush()
-                self.engine.decide(extra_findings=(finding,), only=("non_finite", "loss_spike"))
+                # Under fp16 dynamic loss scaling overflow is routine (the scale is being calibrated): report it,
+                # but do not let the non-finite detector turn it into skips that escalate.
+                monitors = ("loss_spike",) if self.dynamic_loss_scale else ("non_finite", "loss_spike")
+                self.engine.decide(extra_findings=(finding,), only=monitors)
                 self.engine.framework_skipped_steps += 1
                 self.engine.finish_step()
             else:
