@@ -3,6 +3,7 @@ non-interference, one collective per monitored step."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -15,7 +16,15 @@ import arc_engine
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, tiny_model_and_data, train_ddp
+from tests.training import (
+    BATCH,
+    count_c10d_ops,
+    make_config,
+    make_optimizer,
+    optimizer_steps,
+    tiny_model_and_data,
+    train_ddp,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,16 +160,7 @@ def _count_collectives(rank: int, world: int, config, steps: int) -> dict:
         ddp = DistributedDataParallel(model)
         optimizer = make_optimizer(model)
         arc = arc_engine.attach(ddp, optimizer, cfg) if cfg is not None else None
-        def run(model=ddp, optimizer=optimizer, data=data, arc=arc) -> None:
-            for step in range(steps):
-                loss = model(*data.batch(step, rank, BATCH))
-                if arc is not None:
-                    arc.record_loss(loss)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-
-        counts[label] = count_c10d_ops(run)
+        counts[label] = count_c10d_ops(functools.partial(optimizer_steps, ddp, optimizer, data, arc, rank, steps))
         if arc is not None:
             counts["pipeline"] = arc.engine.pipeline.collectives
             counts["host_copies"] = arc.engine.pipeline.host_copies

@@ -3,6 +3,7 @@ non-interference, agreed skips that name the rank that produced the NaN, one col
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, update_sq_sums
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, tiny_model_and_data
+from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, optimizer_steps, tiny_model_and_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -234,16 +235,7 @@ def _count_collectives(rank: int, world: int, configs: list[tuple[ArcConfig, int
             model, data, optimizer = sharded_gpt()
             arc = arc_engine.attach(model, optimizer, cfg) if cfg is not None else None  # dispatches to FSDP2
 
-            def run(model=model, optimizer=optimizer, data=data, arc=arc, steps=steps) -> None:
-                for step in range(steps):
-                    loss = model(*data.batch(step, rank, BATCH))
-                    if arc is not None:
-                        arc.record_loss(loss)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-
-            counts[label] = count_c10d_ops(run)
+            counts[label] = count_c10d_ops(functools.partial(optimizer_steps, model, optimizer, data, arc, rank, steps))
             if arc is not None:
                 counts["pipeline"] = arc.engine.pipeline.collectives
                 arc.close()

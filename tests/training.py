@@ -114,3 +114,15 @@ def count_c10d_ops(run: Callable[[], None]) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
     return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+
+
+def optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: CharDataset, arc: Any,
+                    rank: int, steps: int) -> None:
+    """``steps`` plain training steps (arc may be None) on this rank's batches."""
+    for step in range(steps):
+        loss = model(*data.batch(step, rank, BATCH))
+        if arc is not None:
+            arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
