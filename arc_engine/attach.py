@@ -29,6 +29,7 @@ from arc_engine import runtime
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
+from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce
 from arc_engine.stats.grad_stats import ParamGroupIndex
 
@@ -53,6 +54,12 @@ class Arc:
     @property
     def last_step_applied(self) -> bool:
         return self.engine.last_step_applied
+
+    @property
+    def data_position(self) -> int:
+        """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
+        on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
+        return self.engine.data_position
 
     def summary(self) -> dict[str, Any]:
         return self.engine.summary()
@@ -80,7 +87,8 @@ class Arc:
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-           config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None) -> Arc:
+           config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
+           lr_scheduler: Any | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
@@ -89,7 +97,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
     ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
     or None for defaults. ``group``: the data-parallel group the decision is agreed on (default: DDP's group,
-    else the world).
+    else the world). ``lr_scheduler``: snapshotted and restored with the training state when ``recovery`` is
+    enabled (for DeepSpeed, the engine's own scheduler is used).
+
+    With ``recovery.enabled`` the loop must draw its batches from :attr:`Arc.data_position` and run until
+    :attr:`Arc.step` reaches its target (both go back on a rollback and are restored on a resume), and should step
+    an LR scheduler only when :attr:`Arc.last_step_applied`.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -105,7 +118,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if isinstance(model, FSDPModule):
         from arc_engine.integrations.fsdp import attach_fsdp
 
-        return attach_fsdp(model, optimizer, config, group=group)
+        return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
     if not isinstance(config, ArcConfig):
         config = load_config(config)
     is_ddp = isinstance(model, DistributedDataParallel)
@@ -113,10 +126,19 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         group = model.process_group
     groups = ParamGroupIndex(optimizer.param_groups)
     engine = ArcEngine(config, group=group, group_names=groups.names, shard_reduce=Reduce.REPLICATED)
-    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.step)
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
     injector.install(model.module if is_ddp else model)
     engine.start()
+    engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
     if is_ddp:
         register_stats_hook(engine, model, groups)
     hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp)
-    return Arc(engine, injector, [hooks.remove])
+    engine.lr_multipliers.append(injector.lr_multiplier)
+    return Arc(engine, injector, [hooks.remove, register_step_start(engine, model)])
+
+
+def register_step_start(engine: ArcEngine, model: torch.nn.Module) -> Any:
+    """A forward pre-hook that opens each step (:meth:`ArcEngine.on_step_start`), ahead of any hook a wrapper
+    (FSDP2's all-gather) registered. Returns the hook's remover."""
+    handle = model.register_forward_pre_hook(lambda module, args: engine.on_step_start(), prepend=True)
+    return handle.remove

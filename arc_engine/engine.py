@@ -8,10 +8,12 @@ the same numbers, so every rank takes the same action at the same step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,12 @@ from arc_engine.monitors import (
     missing_stats,
 )
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
+from arc_engine.recovery.state import TrainState
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
 from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+
+if TYPE_CHECKING:
+    from arc_engine.recovery.rollback import Recovery
 
 log = logging.getLogger("arc_engine")
 
@@ -66,7 +72,12 @@ class ArcEngine:
         self.buffer: StatBuffer | None = None
         self.run_id = ""
         self.run_dir = Path(config.run.run_dir)
-        self.step = 0
+        self.step = 0            # optimizer steps of the training state (goes back on a rollback)
+        self.iteration = 0       # step attempts, monotonic (faults and wall-clock reports use it)
+        self.data_position = 0   # index of the next batch to train on, one per optimizer step
+        self.recovery: Recovery | None = None
+        self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
+        self._step_open = False
         self.monitored_steps = 0
         self.last_decision: Decision | None = None
         self.last_stats: GatheredStats | None = None
@@ -99,6 +110,29 @@ class ArcEngine:
         self._emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                              f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
+
+    def enable_recovery(self, state: TrainState) -> Recovery | None:
+        """Attach the ARC rollback loop over ``state`` when ``recovery.enabled`` (after :meth:`start`).
+        Collective: creates the checkpoint group and resumes from the newest committed checkpoint if configured.
+        Call it before the integration's optimizer hooks exist (a resume may step a fresh optimizer once to
+        materialize its state). Returns None when recovery is disabled."""
+        if not self.config.recovery.enabled:
+            return None
+        from arc_engine.recovery.rollback import Recovery
+
+        self.recovery = Recovery(self, state)
+        self.policy.can_rollback = True
+        self.recovery.start()
+        return self.recovery
+
+    def on_step_start(self) -> None:
+        """Call at the first forward pass of each step, on every rank (the integrations do, from a forward
+        pre-hook). Carries out a pending rollback or takes a due snapshot; a no-op without recovery."""
+        if self._step_open:
+            return
+        self._step_open = True
+        if self.recovery is not None:
+            self.recovery.on_step_start()
 
     def _build_monitors(self) -> list[Monitor]:
         det = self.config.detectors
@@ -165,6 +199,8 @@ class ArcEngine:
         monitors = [m for m in self.monitors if only is None or m.name in only]
         findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)] + list(extra_findings)
         decision = self.policy.decide(self.step, findings)
+        if self.recovery is not None:
+            decision = self.recovery.on_decision(decision)
         self.last_decision = decision
         self._report(decision)
         self._maybe_log_metrics(stats)
@@ -178,9 +214,11 @@ class ArcEngine:
             self._commit(decision)
         else:
             self.policy.commit(decision)
-        reason = next((f.message for f in reversed(decision.findings) if f.action == Action.ABORT), "abort")
+        reasons = [f.message for f in decision.findings if f.detector in ("policy", "recovery")]
+        reason = "; ".join(reasons) or next((f.message for f in reversed(decision.findings)
+                                             if f.action == Action.ABORT), "abort")
         self.close()
-        raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step)
+        raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step, decision.exit_code)
 
     def skip_by_framework(self, finding: Finding) -> None:
         """Close the current step as one the training framework itself did not apply (e.g. DeepSpeed's overflow
@@ -188,25 +226,45 @@ class ArcEngine:
         goes through the policy, so a run of such skips escalates like any other (``finding.action`` SKIP), or is
         only reported (WARN). No monitor folds this step into its baseline. Raises ArcAbort on escalation."""
         decision = self.policy.decide(self.step, [finding])
+        if self.recovery is not None:
+            decision = self.recovery.on_decision(decision)
         self.last_decision = decision
         self._report(decision)
         self._abort_if_needed(decision, commit_monitors=False)
         self.policy.commit(decision)
         self.framework_skipped_steps += 1
-        if self.buffer is not None:
-            self.buffer.reset()
-        self._loss_count = 0
-        self.step += 1
+        self._close_step(decision)
 
     def finish_step(self) -> None:
         """Close the current step (after the optimizer step ran or was skipped). Local, no communication."""
         decision = self.last_decision if self.last_decision and self.last_decision.step == self.step else None
         if decision is not None:
             self._commit(decision)
+        self._close_step(decision)
+
+    def _close_step(self, decision: Decision | None) -> None:
         if self.buffer is not None:
             self.buffer.reset()
         self._loss_count = 0
+        self._step_open = False
         self.step += 1
+        self.iteration += 1
+        self.data_position += 1
+        if self.recovery is not None:
+            self.recovery.on_step_end(decision)
+
+    def step_lr_factor(self) -> float:
+        """What the integrations multiply this step's learning rate by (and undo after the step): recovery's
+        healing factor times any registered multiplier. 1.0 in normal training."""
+        factor = self.recovery.lr_factor if self.recovery is not None else 1.0
+        for multiplier in self.lr_multipliers:
+            factor *= multiplier()
+        return factor
+
+    def rewind(self, step: int, data_position: int) -> None:
+        """Set the step counter and data position after a rollback or resume (local; every rank does the same)."""
+        self.step = step
+        self.data_position = data_position
 
     @property
     def last_step_applied(self) -> bool:
@@ -229,7 +287,7 @@ class ArcEngine:
             self.event_counts[finding.detector] += 1
             self._emit(Event(self.run_id, decision.step, "detection", finding.detector, finding.severity, action,
                              finding.message, finding.ranks, finding.values))
-        if decision.action >= Action.SKIP:
+        if decision.action in (Action.SKIP, Action.ABORT):
             verb = {Action.SKIP: "update not applied on any rank", Action.ABORT: "stopping every rank"}
             skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP)
             self._emit(Event(self.run_id, decision.step, "action", "engine", Severity.WARNING
@@ -251,11 +309,19 @@ class ArcEngine:
 
     def _emit(self, event: Event) -> None:
         if self._owns_sinks():
-            self.sinks.emit(event)
+            self.sinks.emit(dataclasses.replace(event, iteration=self.iteration) if event.iteration < 0 else event)
 
     def _emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
         self._emit(Event(self.run_id, self.step, "lifecycle", what, Severity.INFO, "none", message,
                          values=values or {}))
+
+    def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
+        """Report a lifecycle event (resume, checkpoint, ...) through the sinks (rank 0 unless ``all_ranks``)."""
+        self._emit_lifecycle(what, message, values)
+
+    def emit_action(self, action: str, severity: Severity, message: str, values: dict[str, Any]) -> None:
+        """Report an action taken by a subsystem (rollback, escape) at the current step."""
+        self._emit(Event(self.run_id, self.step, "action", "recovery", severity, action, message, (), values))
 
     def emit_finding(self, finding: Finding) -> None:
         """Report a finding made outside the per-step path (e.g. by an on-demand diagnostic)."""
@@ -264,16 +330,21 @@ class ArcEngine:
 
     def summary(self) -> dict[str, Any]:
         """Counts for the end-of-run report (identical on every rank)."""
-        return {"steps": self.step, "monitored_steps": self.monitored_steps,
-                "skipped_steps": self.policy.skipped_steps, "framework_skipped_steps": self.framework_skipped_steps,
-                "detections": dict(self.event_counts),
-                "collectives": self.pipeline.collectives, "run_dir": str(self.run_dir)}
+        summary = {"steps": self.step, "iterations": self.iteration, "monitored_steps": self.monitored_steps,
+                   "skipped_steps": self.policy.skipped_steps,
+                   "framework_skipped_steps": self.framework_skipped_steps, "detections": dict(self.event_counts),
+                   "collectives": self.pipeline.collectives, "run_dir": str(self.run_dir)}
+        if self.recovery is not None:
+            summary["recovery"] = self.recovery.summary()
+        return summary
 
     def close(self) -> None:
         """Emit the summary and close the sinks (idempotent, local)."""
         if self._closed:
             return
         self._closed = True
+        if self.recovery is not None:
+            self.recovery.close()
         summary = self.summary()
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
         self._emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
@@ -282,17 +353,34 @@ class ArcEngine:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume monitoring exactly (step counter, policy, every monitor)."""
-        return {"step": self.step, "monitored_steps": self.monitored_steps, "policy": self.policy.state_dict(),
-                "monitors": {m.name: m.state_dict() for m in self.monitors},
+    def monitor_state_dict(self) -> dict[str, Any]:
+        """The detectors' baselines (what a rollback restores with the training state)."""
+        return {m.name: m.state_dict() for m in self.monitors}
+
+    def load_monitor_state_dict(self, state: dict[str, Any]) -> None:
+        for monitor in self.monitors:
+            if monitor.name in state:
+                monitor.load_state_dict(state[monitor.name])
+
+    def counters_state_dict(self) -> dict[str, Any]:
+        """Cumulative counters a rollback keeps but a restart restores."""
+        return {"iteration": self.iteration, "monitored_steps": self.monitored_steps,
+                "framework_skipped_steps": self.framework_skipped_steps, "policy": self.policy.state_dict(),
                 "event_counts": dict(self.event_counts)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+    def load_counters_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
         self.monitored_steps = int(state["monitored_steps"])
+        self.framework_skipped_steps = int(state["framework_skipped_steps"])
         self.policy.load_state_dict(state["policy"])
-        for monitor in self.monitors:
-            if monitor.name in state["monitors"]:
-                monitor.load_state_dict(state["monitors"][monitor.name])
         self.event_counts = Counter(state.get("event_counts", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""
+        return {"step": self.step, "data_position": self.data_position, "monitors": self.monitor_state_dict(),
+                **self.counters_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rewind(int(state["step"]), int(state.get("data_position", state["step"])))
+        self.load_monitor_state_dict(state["monitors"])
+        self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})

@@ -61,6 +61,8 @@ class Event:
 
     ``kind``: ``detection`` (a finding), ``action`` (what the engine did), ``lifecycle`` (start/summary).
     ``action``: the action taken for the step (lower-case :class:`Action` name).
+    ``step``: the optimizer step of the training state; ``iteration``: the step attempt (monotonic; it differs
+    from ``step`` once a rollback has replayed steps).
     """
 
     run_id: str
@@ -72,6 +74,7 @@ class Event:
     message: str
     ranks: tuple[int, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
+    iteration: int = -1
     time: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from arc_engine import runtime
-from arc_engine.attach import Arc
+from arc_engine.attach import Arc, register_step_start
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.integrations.torch_optim import drop_gradients
+from arc_engine.recovery.heal import restore_learning_rates, scale_gradients, scale_learning_rates
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
 
@@ -208,6 +209,7 @@ class DeepSpeedAdapter:
         else:
             self.stats = ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
+        self._saved_lrs: list[Any] | None = None
         self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
                                                                                    False))
@@ -246,8 +248,23 @@ class DeepSpeedAdapter:
                 self.skip_this_step = not self.engine.decide().applies_update
         if self.skip_this_step:
             drop_gradients(optimizer)
+        else:
+            self._heal(optimizer)
+
+    def _heal(self, optimizer: torch.optim.Optimizer) -> None:
+        """This group's learning rate x the step's factor (healing, injected faults), its (final) gradient x the
+        healing clip coefficient. DeepSpeed steps the torch optimizer once per group, with only that group in param_groups."""
+        if self.engine.recovery is not None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            scale_gradients(grads, self.engine.recovery.clip_coefficient())
+        factor = self.engine.step_lr_factor()
+        if factor != 1.0:
+            self._saved_lrs = scale_learning_rates(optimizer.param_groups, factor)
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._saved_lrs is not None:
+            restore_learning_rates(optimizer.param_groups, self._saved_lrs)
+            self._saved_lrs = None
         if self.stats.is_last_call(optimizer):
             self.engine.finish_step()
 
@@ -268,7 +285,9 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3. Collective: call on
     every rank, once, after ``deepspeed.initialize``. ``group``: defaults to DeepSpeed's data-parallel group.
 
-    Loop contract: ``loss = engine(batch); arc.record_loss(loss); engine.backward(loss); engine.step()``. A SKIP
+    Loop contract: ``loss = engine(batch); arc.record_loss(loss); engine.backward(loss); engine.step()``; with
+    ``recovery.enabled`` draw batches from ``arc.data_position`` and loop while ``arc.step`` is below the target
+    (rollbacks restore the engine's scheduler, loss scaler and step counters too). A SKIP
     applies nothing on any rank (the fp32 partitions and Adam moments are untouched, so the bit16 copies DeepSpeed
     re-gathers are unchanged too); ABORT raises ArcAbort from ``engine.step()`` on every rank.
     Raises ValueError for ZeRO-0 and for offloaded optimizer states (not supported yet).
@@ -290,15 +309,24 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     names_g = [str(g.get("name") or f"group{i}") for i, g in enumerate(zero.optimizer.param_groups)]
     engine = ArcEngine(config, group=group, group_names=names_g, shard_reduce=Reduce.SUM)
     engine.start()
-    step_offset = int(ds_engine.global_steps)  # arc_engine's step 0 is DeepSpeed's current step
+    if config.recovery.enabled:
+        if stage == 3:
+            raise ValueError("recovery.enabled: rollback and checkpoints of DeepSpeed ZeRO-3 are not supported yet "
+                             "(ZeRO-1/2, DDP and FSDP2 are); disable recovery or use ZeRO-2")
+        from arc_engine.integrations.deepspeed_state import ZeroTrainState
+
+        engine.enable_recovery(ZeroTrainState(ds_engine, rank=runtime.global_rank()))  # may resume: counters move
+    step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before arc_engine's step 0
     # DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught up with.
     injector = FaultInjector(config.faults.injections, runtime.global_rank(),
-                             lambda: int(ds_engine.global_steps) - step_offset)
+                             lambda: engine.iteration + int(ds_engine.global_steps) - step_offset - engine.step)
     injector.install(ds_engine.module)
     local_hooks = LocalGradHooks(engine, module_param_groups(zero, stage))  # after the fault hooks: sees their output
     adapter = DeepSpeedAdapter(engine, ds_engine, local_hooks)
     handles = [zero.optimizer.register_step_pre_hook(adapter.pre_step),
                zero.optimizer.register_step_post_hook(adapter.post_step)]
-    arc = DeepSpeedArc(engine, injector, [h.remove for h in handles] + [local_hooks.remove])
+    engine.lr_multipliers.append(injector.lr_multiplier)
+    arc = DeepSpeedArc(engine, injector, [h.remove for h in handles] + [local_hooks.remove,
+                                                                        register_step_start(engine, ds_engine.module)])
     arc.adapter = adapter
     return arc

@@ -28,6 +28,7 @@ import functools
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,10 +36,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from arc_engine import runtime
-from arc_engine.attach import Arc
+from arc_engine.attach import Arc, register_step_start
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
+from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
 
@@ -141,7 +143,7 @@ def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
 
 def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
-                pre_reduce_stats: bool = True) -> Arc:
+                pre_reduce_stats: bool = True, lr_scheduler: Any | None = None) -> Arc:
     """Attach arc_engine to a model sharded with FSDP2 ``fully_shard`` and its optimizer. Collective: call on
     every rank of the FSDP group, once, after ``fully_shard`` and the optimizer are built, before the first
     forward. Then use the returned :class:`Arc` as with :func:`arc_engine.attach`.
@@ -166,8 +168,9 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          f"FSDP mesh's ranks {dist.get_process_group_ranks(fsdp_pg)}")
     groups = ParamGroupIndex(optimizer.param_groups)
     engine = ArcEngine(config, group=group or fsdp_pg, group_names=groups.names, shard_reduce=Reduce.SUM)
-    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.step)
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
     engine.start()
+    engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
     producer = FSDPGradStats(engine, groups, params, pre_reduce=pre_reduce_stats)
     handles = [p.register_post_accumulate_grad_hook(producer.on_reduced_grad) for p in params]
     for module in model.modules():
@@ -177,8 +180,11 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             handles.append(module.register_forward_pre_hook(functools.partial(producer.hook_unsharded, index_by_name)))
     handles.append(optimizer.register_step_pre_hook(producer.flush))  # before the deciding pre-hook
     hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=True, local_shards=True)
+    engine.lr_multipliers.append(injector.lr_multiplier)
+    remove_step_start = register_step_start(engine, model)
 
     def detach() -> None:
+        remove_step_start()
         producer.remove_hooks()
         for handle in handles:
             handle.remove()

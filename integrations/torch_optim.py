@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from arc_engine.engine import ArcEngine
+from arc_engine.recovery.heal import restore_learning_rates, scale_gradients, scale_learning_rates
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
 from arc_engine.stats.optim_stats import adam_views
@@ -76,22 +77,32 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
     (FSDP2) and statistics are taken on their local shards.
     """
     index_cache: dict[str, object] = {}
+    saved_lrs: list[list[object]] = []
 
     @torch.no_grad()
     def pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not engine.is_monitored():
-            return
-        if not grads_from_hook:
-            local_grad_stats(engine, opt, groups, index_cache)
-        if engine.wants_optimizer_stats():
-            optimizer_stats(engine, opt, local_shards=local_shards)
-        decision = engine.decide()
-        if not decision.applies_update:
-            drop_gradients(opt)
+        if engine.is_monitored():
+            if not grads_from_hook:
+                local_grad_stats(engine, opt, groups, index_cache)
+            if engine.wants_optimizer_stats():
+                optimizer_stats(engine, opt, local_shards=local_shards)
+            if not engine.decide().applies_update:
+                drop_gradients(opt)
+                return
+        heal(opt)
+
+    def heal(opt: torch.optim.Optimizer) -> None:
+        if engine.recovery is not None:
+            grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+            scale_gradients(grads, engine.recovery.clip_coefficient())
+        factor = engine.step_lr_factor()
+        if factor != 1.0:
+            saved_lrs.append(scale_learning_rates(opt.param_groups, factor))
 
     def post_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if saved_lrs:
+            restore_learning_rates(opt.param_groups, saved_lrs.pop())
         engine.finish_step()
 
-    handles = [optimizer.register_step_pre_hook(pre_step),
-                             optimizer.register_step_post_hook(post_step)]
+    handles = [optimizer.register_step_pre_hook(pre_step), optimizer.register_step_post_hook(post_step)]
     return OptimizerHooks(handles)

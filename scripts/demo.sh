@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+rm -rf arc_runs/demo  # each demo run starts fresh (its config sets run_id: demo, recovery.checkpoint.resume: false)
 exec .venv/bin/arc-engine demo --nproc 2 --arc-config configs/demo.yaml "$@"

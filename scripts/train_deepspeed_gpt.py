@@ -57,14 +57,14 @@ def main() -> int:
     arc = arc_engine.attach(engine, None, arc_config)
     micro_batch = engine.train_micro_batch_size_per_gpu()
     try:
-        for step in range(args.steps):
-            inputs, targets = (t.to(engine.device) for t in data.batch(step, rank, micro_batch))
+        while arc.step < args.steps:  # with recovery, a rollback moves arc.step and arc.data_position back
+            inputs, targets = (t.to(engine.device) for t in data.batch(arc.data_position, rank, micro_batch))
             loss = arc.faults.on_loss(engine(inputs, targets))
             arc.record_loss(loss)
             engine.backward(loss)
             engine.step()
-            if rank == 0 and (step + 1) % args.log_every == 0:
-                print(f"[train] step {step + 1:>4}/{args.steps}  loss {float(loss.detach()):.4f}", flush=True)
+            if rank == 0 and arc.step % args.log_every == 0 and arc.last_step_applied:
+                print(f"[train] step {arc.step:>4}/{args.steps}  loss {float(loss.detach()):.4f}", flush=True)
     except arc_engine.ArcAbort as abort:
         print(f"[train] rank {rank}: {abort}", file=sys.stderr, flush=True)
         return abort.exit_code

@@ -64,6 +64,10 @@ def test_every_shipped_config_validates(path):
     assert from_dict(ArcConfig, to_dict(config)) == config
 
 
+def test_default_yaml_holds_every_default():
+    assert load_config(REPO_ROOT / "configs" / "default.yaml") == load_config(None)
+
+
 def test_demo_yaml_equals_embedded_demo_default():
     from_file = load_config(DEMO_YAML)
     embedded = load_config(None, base=DEMO_CONFIG)
@@ -100,7 +104,7 @@ BAD_CONFIGS = {
     "string_for_int": ("stats:\n  interval: ten\n", "stats.interval", "'ten'", "expected an integer"),
     "bool_for_int": ("stats:\n  interval: true\n", "stats.interval", "True", "expected an integer"),
     "int_for_literal": ("detectors:\n  loss_spike:\n    action: 3\n", "detectors.loss_spike.action", "3",
-                        "expected one of 'warn', 'skip', 'abort'"),
+                        "expected one of 'warn', 'skip', 'rollback', 'abort'"),
     "interval_zero": ("stats:\n  interval: 0\n", "stats.interval", "0", "must be an integer >= 1"),
     "negative_factor": ("detectors:\n  loss_spike:\n    factor: -1\n", "detectors.loss_spike.factor", "-1",
                         "must be > 0"),

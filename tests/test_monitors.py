@@ -252,7 +252,7 @@ def run_policy(policy: DecisionPolicy, actions: list[Action]) -> list[Action]:
 
 
 def test_policy_escalates_persistent_skips_to_abort():
-    policy = DecisionPolicy(PolicyConfig(max_consecutive_skips=2))
+    policy = DecisionPolicy(PolicyConfig(max_consecutive_skips=2, on_persistent_failure="abort"))
     assert run_policy(policy, [Action.SKIP, Action.SKIP]) == [Action.SKIP, Action.SKIP]
     decision = policy.decide(2, [finding(Action.SKIP)])
     assert decision.action == Action.ABORT and not decision.applies_update
@@ -275,9 +275,18 @@ def test_zero_skips_allowed_aborts_on_first_skip():
 def test_rollback_without_recovery_escalates_to_abort():
     decision = DecisionPolicy(PolicyConfig()).decide(0, [finding(Action.ROLLBACK)])
     assert decision.action == Action.ABORT
-    assert "no recovery is attached" in decision.findings[-1].message
+    assert "recovery is not enabled" in decision.findings[-1].message
     with_recovery = DecisionPolicy(PolicyConfig(), can_rollback=True)
     assert with_recovery.decide(0, [finding(Action.ROLLBACK)]).action == Action.ROLLBACK
+
+
+def test_persistent_skips_escalate_to_rollback_by_default():
+    policy = DecisionPolicy(PolicyConfig(max_consecutive_skips=1), can_rollback=True)
+    assert run_policy(policy, [Action.SKIP]) == [Action.SKIP]
+    decision = policy.decide(1, [finding(Action.SKIP)])
+    assert decision.action == Action.ROLLBACK and decision.findings[-1].detector == "policy"
+    policy.commit(decision)
+    assert policy.consecutive_skips == 0  # the rollback changed the state: a new run of skips starts
 
 
 def test_strongest_action_wins():

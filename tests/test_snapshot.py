@@ -1,4 +1,5 @@
-"""Host-memory snapshots: a restore is bitwise, and training resumed from it retraces the original run."""
+"""Host-memory snapshots: a restore is bitwise (in place), and training resumed from it retraces the original run;
+the recovery state machine's transitions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from arc_engine.recovery import SnapshotRing, capture, restore
+from arc_engine.config.schema import RecoveryConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.policy import EXIT_RECOVERY_EXHAUSTED, Decision
+from arc_engine.recovery import RecoveryController, RecoveryState, SnapshotRing, TorchTrainState, capture, restore
+from arc_engine.recovery.snapshot import ring_capacity
 from tests.training import BATCH, make_optimizer, tiny_model_and_data
 
 
@@ -28,26 +33,36 @@ def flat_params(model) -> torch.Tensor:
 def test_restore_is_bitwise_and_the_continuation_retraces_the_run() -> None:
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    state = TorchTrainState(model, optimizer, scheduler)
     for step in range(3):
         step_once(model, optimizer, data, step)
-    snapshot = capture(3, model, optimizer, extra={"data_position": 3})
+        scheduler.step()
+    snapshot = capture(3, state, extra={"data_position": 3})
+    lr_at_snapshot = optimizer.param_groups[0]["lr"]
     params_at_snapshot = flat_params(model)
     adam_at_snapshot = {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
+    live_ptrs = [t.data_ptr() for t in state.live_tensors()]
     for step in range(3, 6):
         step_once(model, optimizer, data, step)
+        scheduler.step()
     trajectory = flat_params(model)
     assert not torch.equal(trajectory, params_at_snapshot)
+    assert optimizer.param_groups[0]["lr"] != lr_at_snapshot
 
-    extra = restore(snapshot, model, optimizer)
+    extra = restore(snapshot, state)
     assert extra == {"data_position": 3}
+    assert [t.data_ptr() for t in state.live_tensors()] == live_ptrs  # in place: every alias sees the old values
     assert torch.equal(flat_params(model), params_at_snapshot)
-    for key, state in optimizer.state_dict()["state"].items():
-        assert all(torch.equal(state[n], adam_at_snapshot[key][n]) for n in state)
-    for step in range(3, 6):  # same data, same RNG draws: the same parameters, bit for bit
+    assert optimizer.param_groups[0]["lr"] == lr_at_snapshot and scheduler.last_epoch == 3
+    for key, adam in optimizer.state_dict()["state"].items():
+        assert all(torch.equal(adam[n], adam_at_snapshot[key][n]) for n in adam)
+    for step in range(3, 6):  # same data, same RNG draws, same schedule: the same parameters, bit for bit
         step_once(model, optimizer, data, step)
+        scheduler.step()
     assert torch.equal(flat_params(model), trajectory)
     # the snapshot survives its own restore and can be used again
-    restore(snapshot, model, optimizer)
+    restore(snapshot, state)
     assert torch.equal(flat_params(model), params_at_snapshot)
 
 
@@ -55,24 +70,87 @@ def test_snapshot_is_independent_of_live_tensors() -> None:
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
     step_once(model, optimizer, data, 0)
-    snapshot = capture(1, model, optimizer)
-    kept = snapshot.model["ln_f.weight"].clone()
+    snapshot = capture(1, TorchTrainState(model, optimizer))
+    kept = [t.clone() for t in snapshot.tensors]
     with torch.no_grad():
-        model.ln_f.weight.add_(1.0)
-    assert torch.equal(snapshot.model["ln_f.weight"], kept)
+        for param in model.parameters():
+            param.add_(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot.tensors, kept, strict=True))
     assert snapshot.nbytes >= sum(p.numel() * 4 for p in model.parameters()) * 3  # weights + two Adam moments
 
 
-def test_ring_is_bounded_in_bytes_and_keeps_the_newest() -> None:
+def test_restore_refuses_a_state_of_another_structure() -> None:
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
+    snapshot = capture(0, TorchTrainState(model, optimizer))  # before the first step: no Adam state yet
     step_once(model, optimizer, data, 0)
-    size = capture(0, model, optimizer).nbytes
-    ring = SnapshotRing(max_bytes=int(size * 2.5))
+    with pytest.raises(RuntimeError, match="cannot restore the snapshot of step 0"):
+        restore(snapshot, TorchTrainState(model, optimizer))
+
+
+def test_ring_is_bounded_and_keeps_the_newest() -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    state = TorchTrainState(model, optimizer)
+    step_once(model, optimizer, data, 0)
+    size = capture(0, state).nbytes
+    ring = SnapshotRing(ring_capacity(size * 2.5, size))
     for step in range(5):
-        assert ring.push(capture(step, model, optimizer))
-    assert ring.steps == [3, 4] and ring.total_bytes <= ring.max_bytes
+        assert ring.push(capture(step, state))
+    assert ring.steps == [3, 4] and ring.total_bytes <= size * 2.5
     assert ring.latest().step == 4
-    assert SnapshotRing(max_bytes=size - 1).push(capture(9, model, optimizer)) is False
+    assert SnapshotRing(ring_capacity(size - 1, size)).push(capture(9, state)) is False
     with pytest.raises(ValueError):
-        SnapshotRing(0)
+        SnapshotRing(-1)
+
+
+# ------------------------------------------------------------------ the ARC state machine (pure)
+
+def rollback(step: int, *, from_policy: bool = False) -> Decision:
+    detector = "policy" if from_policy else "loss_spike"
+    return Decision(step, Action.ROLLBACK, (Finding(detector, Action.ROLLBACK, Severity.ERROR, "bad"),))
+
+
+def test_rollbacks_then_escapes_then_a_distinct_abort() -> None:
+    controller = RecoveryController(RecoveryConfig(enabled=True, max_consecutive_rollbacks=2, max_escapes=1,
+                                                   lr_reduction_factor=0.5))
+    outcomes = []
+    for step in range(10):
+        decision = controller.resolve(rollback(step), has_target=True)
+        outcomes.append("abort" if decision.action == Action.ABORT else "escape" if decision.escape else "rollback")
+        if decision.action == Action.ABORT:
+            assert decision.exit_code == EXIT_RECOVERY_EXHAUSTED
+            assert "recovery exhausted" in decision.findings[-1].message
+            break
+        controller.on_rollback(decision)
+    assert outcomes == ["rollback", "rollback", "escape", "rollback", "rollback", "abort"]
+    assert controller.state is RecoveryState.RECOVERING
+
+
+def test_learning_rate_heals_and_returns_to_schedule() -> None:
+    controller = RecoveryController(RecoveryConfig(enabled=True, lr_reduction_factor=0.5, lr_recovery_steps=4,
+                                                   checkpoint_freq=2))
+    assert controller.lr_factor == 1.0
+    controller.on_rollback(controller.resolve(rollback(5), has_target=True))
+    controller.on_rollback(controller.resolve(rollback(5), has_target=True))
+    assert controller.lr_factor == 0.25  # compounding over consecutive rollbacks
+    due = [controller.on_healthy_step() for _ in range(4)]
+    assert due == [False, True, False, True]  # a snapshot every checkpoint_freq healthy steps
+    assert controller.lr_factor == 1.0 and controller.state is RecoveryState.TRAINING
+    restored = RecoveryController(controller.config)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.state_dict() == controller.state_dict()
+
+
+def test_a_new_verified_state_resets_consecutive_rollbacks() -> None:
+    controller = RecoveryController(RecoveryConfig(enabled=True, max_consecutive_rollbacks=1))
+    controller.on_rollback(controller.resolve(rollback(1), has_target=True))
+    assert controller.resolve(rollback(2), has_target=True).escape
+    controller.on_verified()
+    assert not controller.resolve(rollback(3), has_target=True).escape
+
+
+def test_no_target_yet_skips_but_an_escalated_failure_stops() -> None:
+    controller = RecoveryController(RecoveryConfig(enabled=True))
+    assert controller.resolve(rollback(1), has_target=False).action == Action.SKIP
+    assert controller.resolve(rollback(1, from_policy=True), has_target=False).action == Action.ABORT

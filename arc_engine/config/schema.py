@@ -8,6 +8,8 @@ Actions a detector may request (``action`` keys):
 
 * ``warn``  -- emit an event, apply the step as usual;
 * ``skip``  -- the optimizer does not apply this step on any rank (counted and reported);
+* ``rollback`` -- the step is not applied and every rank returns to the newest verified-stable state, then heals
+  (needs ``recovery.enabled``; otherwise it aborts);
 * ``abort`` -- every rank stops with :data:`arc_engine.policy.EXIT_ABORT`.
 """
 
@@ -18,9 +20,9 @@ from typing import Literal
 
 from arc_engine.config.errors import ConfigError, require
 
-ActionName = Literal["warn", "skip", "abort"]
+ActionName = Literal["warn", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
-FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale"]
+FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale"]
 
 
 @dataclass(kw_only=True)
@@ -124,11 +126,12 @@ class PolicyConfig:
     """How verdicts escalate.
 
     ``max_consecutive_skips``: a run of more than this many skipped steps in a row is no longer transient and
-    escalates to ``on_persistent_failure``.
+    escalates to ``on_persistent_failure``: ``rollback`` (with ``recovery.enabled``; otherwise it aborts) or
+    ``abort``.
     """
 
     max_consecutive_skips: int = 5
-    on_persistent_failure: Literal["abort"] = "abort"
+    on_persistent_failure: Literal["abort", "rollback"] = "rollback"
 
     def __post_init__(self) -> None:
         require(self.max_consecutive_skips >= 0, "max_consecutive_skips", self.max_consecutive_skips,
@@ -182,7 +185,12 @@ class FaultSpec:
     ``model.named_parameters()``; default: the first one) on ``rank`` becomes NaN/Inf before the gradient
     reduction. ``nan_loss``: that rank's loss becomes NaN. ``loss_scale``: the loss (and so its gradient) is
     multiplied by ``scale`` on ``rank`` (-1 = every rank), like a pathological batch.
+    ``lr_scale``: the learning rate of every parameter group is multiplied by ``scale`` for that step's update on
+    ``rank`` (use -1: a learning-rate spike on one DDP replica only would also desynchronize the replicas).
     ``steps``: how many consecutive steps from ``step`` the fault lasts (1 = transient).
+
+    ``step`` counts step *attempts* (:attr:`ArcEngine.iteration`): it equals the optimizer step until a rollback
+    replays steps, after which it keeps counting up, so a transient fault does not fire again on the replay.
     """
 
     kind: FaultKind
@@ -206,6 +214,80 @@ class FaultsConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    """Persistent sharded checkpoints (torch.distributed.checkpoint ``async_save``), the disk tier of recovery.
+
+    ``dir``: where checkpoints go (a filesystem every rank sees); default ``<run_dir>/<run_id>/checkpoints``.
+    Resuming after a restart needs the same directory, so set ``run.run_id`` or ``dir`` (torchrun's
+    ``TORCHELASTIC_RUN_ID`` is stable across its restarts).
+    ``every_steps``: save a verified-stable state to disk at the first one at least this many steps after the
+    previous save (0 = no disk checkpoints). ``keep_last``: committed checkpoints kept (pinned ones are kept
+    besides). ``commit_timeout_s``: bound on waiting for every rank's shard before a save is declared failed.
+    ``resume``: on attach, load the newest committed checkpoint if there is one.
+    """
+
+    enabled: bool = True
+    dir: str | None = None
+    every_steps: int = 100
+    keep_last: int = 3
+    commit_timeout_s: float = 600.0
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.dir is None or self.dir != "", "dir", self.dir, "a non-empty path (or unset)")
+        require(self.every_steps >= 0, "every_steps", self.every_steps, "must be an integer >= 0 (0 = never)")
+        require(self.keep_last >= 1, "keep_last", self.keep_last, "must be an integer >= 1")
+        require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0 seconds")
+
+
+@dataclass(kw_only=True)
+class RecoveryConfig:
+    """The ARC self-healing loop (paper §3.1, Algorithm 1): verified-stable snapshots, rollback, heal, escape.
+
+    ``checkpoint_freq``: consecutive healthy steps after which the state is snapshotted; the snapshot becomes
+    verified-stable when the next monitored step is healthy too. ``memory_ring_mb``: host memory per rank for
+    verified-stable snapshots (0 = disk tier only). ``lr_reduction_factor``: the learning rate is multiplied by it
+    at each rollback (compounding over consecutive rollbacks) and returns linearly to the scheduled value over
+    ``lr_recovery_steps`` healthy steps. ``skip_data``: ``window`` resumes the data after the batch that failed
+    (the batches between the snapshot and the failure are not replayed), ``none`` replays them.
+    ``heal_clip_grad_norm``: while the learning rate is reduced, also scale gradients to at most this global norm
+    (unset = no extra clipping). ``max_consecutive_rollbacks``: rollbacks without a verified-stable state in
+    between before the next failure escapes instead: ``perturbation_scale`` x the RMS of each parameter (or
+    shard) of Gaussian noise on the restored weights and ``skip_ahead_steps`` batches skipped. ``max_escapes``:
+    escapes in one recovery episode before training stops with exit code 4. An episode ends after
+    ``lr_recovery_steps`` healthy steps.
+    """
+
+    enabled: bool = False
+    checkpoint_freq: int = 20
+    memory_ring_mb: float = 1024.0
+    lr_reduction_factor: float = 0.5
+    lr_recovery_steps: int = 100
+    skip_data: Literal["window", "none"] = "window"
+    heal_clip_grad_norm: float | None = None
+    max_consecutive_rollbacks: int = 3
+    perturbation_scale: float = 1.0e-3
+    skip_ahead_steps: int = 10
+    max_escapes: int = 2
+    seed: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        require(self.checkpoint_freq >= 1, "checkpoint_freq", self.checkpoint_freq, "must be an integer >= 1")
+        require(self.memory_ring_mb >= 0, "memory_ring_mb", self.memory_ring_mb, "must be >= 0 (0 = disk only)")
+        require(0 < self.lr_reduction_factor <= 1, "lr_reduction_factor", self.lr_reduction_factor,
+                "must be in (0, 1]")
+        require(self.lr_recovery_steps >= 1, "lr_recovery_steps", self.lr_recovery_steps, "must be an integer >= 1")
+        require(self.heal_clip_grad_norm is None or self.heal_clip_grad_norm > 0, "heal_clip_grad_norm",
+                self.heal_clip_grad_norm, "must be > 0 (or unset)")
+        require(self.max_consecutive_rollbacks >= 1, "max_consecutive_rollbacks", self.max_consecutive_rollbacks,
+                "must be an integer >= 1")
+        require(self.perturbation_scale >= 0, "perturbation_scale", self.perturbation_scale, "must be >= 0")
+        require(self.skip_ahead_steps >= 0, "skip_ahead_steps", self.skip_ahead_steps, "must be an integer >= 0")
+        require(self.max_escapes >= 0, "max_escapes", self.max_escapes, "must be an integer >= 0")
+
+
+@dataclass(kw_only=True)
 class ArcConfig:
     """The root of the arc_engine configuration (what ``--arc-config arc.yaml`` holds)."""
 
@@ -215,10 +297,12 @@ class ArcConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     sinks: SinksConfig = field(default_factory=SinksConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 __all__ = [
     "ArcConfig",
+    "CheckpointConfig",
     "ConfigError",
     "ConsoleSinkConfig",
     "DetectorsConfig",
@@ -229,6 +313,7 @@ __all__ = [
     "LossSpikeConfig",
     "NonFiniteConfig",
     "PolicyConfig",
+    "RecoveryConfig",
     "RunConfig",
     "SinksConfig",
     "StatsConfig",

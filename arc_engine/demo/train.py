@@ -78,8 +78,11 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
     arc = arc_engine.attach(model, optimizer, config) if config is not None else None
     loss_value = float("nan")
     start = time.perf_counter()
-    for step in range(args.steps):
-        inputs, targets = (t.to(device) for t in data.batch(step, rank, args.batch_size))
+    iteration = 0
+    # With recovery, arc owns the step counter and the data position: both go back on a rollback.
+    while (arc.step if arc is not None else iteration) < args.steps:
+        position = arc.data_position if arc is not None else iteration
+        inputs, targets = (t.to(device) for t in data.batch(position, rank, args.batch_size))
         loss = model(inputs, targets)
         if arc is not None:
             loss = arc.faults.on_loss(loss)
@@ -87,11 +90,13 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0 and (step + 1) % args.log_every == 0:
+        iteration += 1
+        step = arc.step if arc is not None else iteration
+        if rank == 0 and iteration % args.log_every == 0:
             loss_value = float(loss.detach())
-            per_step_ms = (time.perf_counter() - start) * 1e3 / (step + 1)
-            applied = "" if arc is None or arc.last_step_applied else "  (update skipped)"
-            print(f"[train] step {step + 1:>4}/{args.steps}  loss {loss_value:.4f}  {per_step_ms:.1f} ms/step"
+            per_step_ms = (time.perf_counter() - start) * 1e3 / iteration
+            applied = "" if arc is None or arc.last_step_applied else "  (update not applied)"
+            print(f"[train] step {step:>4}/{args.steps}  loss {loss_value:.4f}  {per_step_ms:.1f} ms/step"
                   f"{applied}", flush=True)
     loss_value = float(loss.detach())
     summary = arc.summary() if arc is not None else {}
@@ -115,7 +120,9 @@ def print_report(config: ArcConfig, result: dict) -> None:
     for spec in config.faults.injections:
         where = "all ranks" if spec.rank == -1 else f"rank {spec.rank}"
         label = f"{spec.kind} @ step {spec.step} ({where})"
-        hits = [e for e in detections if spec.step <= e["step"] < spec.step + spec.steps]
+        # faults fire at step attempts (iterations); a bad learning rate shows in the next step's loss
+        late = 1 if spec.kind == "lr_scale" else 0
+        hits = [e for e in detections if spec.step <= e["iteration"] < spec.step + spec.steps + late]
         found = ", ".join(sorted({f"{e['detector']} {e['ranks'] or ''}".strip() for e in hits})) or "MISSED"
         action = ", ".join(sorted({e["action"] for e in hits})) or "-"
         print(f"{label:<34} {found:<24} {action}")

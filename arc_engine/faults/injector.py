@@ -2,7 +2,11 @@
 
 Gradient faults use a tensor hook on the chosen parameter, which runs before the gradient is accumulated and
 so before DDP's reduction sees it: the corruption is local to the chosen rank, as a faulty device's would be.
-Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`.
+Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`. Learning-rate faults
+(``lr_scale``) scale the learning rate of the step through the engine (:meth:`FaultInjector.lr_multiplier`).
+
+``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
+a rollback replays its step.
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ class FaultInjector:
             return corrupted
 
         return hook
+
+    def lr_multiplier(self) -> float:
+        """The product of the active ``lr_scale`` faults' scales (1 when none is active). The engine's optimizer
+        hooks apply it to the step's learning rate, together with recovery's healing factor, and undo both after
+        the step."""
+        scale = 1.0
+        for spec in self.specs:
+            if spec.kind == "lr_scale" and self._active(spec):
+                scale *= spec.scale
+                if (self.current_step(), spec.kind) not in self.fired:
+                    self.fired.append((self.current_step(), spec.kind))
+        return scale
 
     def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Apply active loss faults (``nan_loss``, ``loss_scale``) to this rank's loss; identity otherwise."""

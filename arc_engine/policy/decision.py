@@ -10,6 +10,8 @@ from arc_engine.events import Action, Finding, Severity
 
 #: Exit code of a run that arc_engine stopped (persistent failure or an ``abort`` action).
 EXIT_ABORT = 3
+#: Exit code of a run whose recovery gave up: the rollbacks and escapes of one episode were exhausted.
+EXIT_RECOVERY_EXHAUSTED = 4
 
 
 class ArcAbort(RuntimeError):
@@ -28,11 +30,12 @@ class Decision:
     step: int
     action: Action
     findings: tuple[Finding, ...] = ()
+    escape: bool = False  # a ROLLBACK that also perturbs the weights and skips ahead (ARC's ESCAPING state)
+    exit_code: int = EXIT_ABORT  # for ABORT
 
     @property
     def applies_update(self) -> bool:
         return self.action <= Action.WARN
-
 
 
 class DecisionPolicy:
@@ -51,16 +54,17 @@ class DecisionPolicy:
         action = max((f.action for f in findings), default=Action.NONE)
         extra: list[Finding] = []
         if action == Action.SKIP and self.consecutive_skips + 1 > self.config.max_consecutive_skips:
-            action = Action.ABORT
+            action = Action.parse(self.config.on_persistent_failure)
             extra.append(Finding(
-                "policy", Action.ABORT, Severity.CRITICAL,
+                "policy", action, Severity.CRITICAL,
                 f"{self.consecutive_skips + 1} consecutive steps would be skipped "
                 f"(policy.max_consecutive_skips = {self.config.max_consecutive_skips}): the fault is persistent",
                 values={"consecutive_skips": self.consecutive_skips + 1}))
         if action == Action.ROLLBACK and not self.can_rollback:
             action = Action.ABORT
             extra.append(Finding("policy", Action.ABORT, Severity.CRITICAL,
-                                 "rollback requested but no recovery is attached"))
+                                 "rollback requested but recovery is not enabled (recovery.enabled: false): "
+                                 "stopping instead"))
         return Decision(step, action, (*findings, *extra))
 
     def commit(self, decision: Decision) -> None:
@@ -68,7 +72,7 @@ class DecisionPolicy:
         if decision.action == Action.SKIP:
             self.consecutive_skips += 1
             self.skipped_steps += 1
-        elif decision.action <= Action.WARN:
+        else:  # an applied step ends the run of skips; so does a rollback (it changes the state)
             self.consecutive_skips = 0
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,10 +1,11 @@
-"""Host-memory snapshots of a rank's training state and a ring of them bounded in bytes.
+"""Host-memory snapshots of a rank's training state and a ring of them.
 
-A snapshot holds this rank's model and optimizer state dicts (tensors copied to host memory, so training can
-mutate the live ones), the Python / NumPy / torch (CPU and CUDA) RNG states, the step, and any extra picklable
-state the caller adds (data position, arc_engine's own detector state). Restoring puts all of it back bitwise.
-This is the in-memory tier of the ARC rollback (verified-stable snapshots, usually no disk read needed); the
-persistent DCP tier and the rollback policy build on it.
+A snapshot holds host copies of this rank's state tensors (in the fixed order :meth:`TrainState.live_tensors`
+gives them: parameters or their local shards, buffers, optimizer state), the backend's python-side state
+(scheduler, loss scaler, framework counters), the Python / NumPy / torch (CPU and CUDA) RNG states, and any extra
+picklable state the caller adds (data position, arc_engine's detector state). Restoring copies every tensor back
+*in place*, so every alias a framework keeps (DDP buckets, ZeRO flat buffers, FSDP2 shards) sees the old values,
+and the continuation retraces the original run bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from arc_engine.recovery.state import TrainState
 
 
 def rng_state() -> dict[str, Any]:
@@ -56,53 +59,65 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """One rank's training state at the start of optimizer step ``step``."""
+    """One rank's training state at the start of optimizer step ``step`` (before its forward pass)."""
 
     step: int
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
+    tensors: list[torch.Tensor]
+    framework: dict[str, Any]
     rng: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(self.model) + tensor_bytes(self.optimizer)
+        return tensor_bytes(self.tensors)
 
 
-def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            extra: dict[str, Any] | None = None) -> Snapshot:
-    """Copy this rank's state to host memory. Local (no communication); blocks until the copies are done.
-    ``model``: the module whose ``state_dict`` to keep (for DDP pass ``ddp.module`` or the wrapper alike)."""
-    return Snapshot(step, to_host(model.state_dict()), to_host(optimizer.state_dict()), rng_state(),
-                    to_host(extra or {}))
+def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None) -> Snapshot:
+    """Copy this rank's state to host memory. Local (no communication); returns once the copies are done (a
+    device-to-host copy synchronizes with the device)."""
+    tensors = [t.detach().to("cpu", copy=True) for t in state.live_tensors()]
+    return Snapshot(step, tensors, to_host(state.extra_state()), rng_state(), to_host(extra or {}))
 
 
-def restore(snapshot: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Put ``snapshot`` back: parameters and buffers in place, optimizer state, RNG. Returns a copy of its
-    ``extra``. The snapshot itself is left intact, so it can be restored again."""
-    model.load_state_dict(snapshot.model)
-    optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+@torch.no_grad()
+def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
+    """Put ``snapshot`` back in place: every state tensor, the framework state, the RNG. Returns a copy of its
+    ``extra``; the snapshot itself stays intact. Local. Raises RuntimeError when the live state no longer has the
+    snapshot's structure (e.g. the optimizer re-created its state tensors with other shapes)."""
+    live = state.live_tensors()
+    if _signature(live) != _signature(snapshot.tensors):
+        raise RuntimeError(f"arc_engine: cannot restore the snapshot of step {snapshot.step}: the live training "
+                           f"state has {len(live)} tensors, the snapshot {len(snapshot.tensors)} (or shapes differ)")
+    for target, saved in zip(live, snapshot.tensors, strict=True):
+        target.copy_(saved, non_blocking=False)
+    state.load_extra_state(copy.deepcopy(snapshot.framework))
     set_rng_state(snapshot.rng)
     return copy.deepcopy(snapshot.extra)
 
 
 class SnapshotRing:
-    """The newest snapshots whose total size stays within ``max_bytes`` (oldest evicted first)."""
+    """The newest ``capacity`` snapshots, oldest evicted first.
 
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-        self.max_bytes = max_bytes
+    Capacity is a count, not bytes, so that every rank holds snapshots of the same steps even when their shards
+    differ in size: derive it from the byte budget and the largest rank's snapshot (:func:`ring_capacity`)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
         self._ring: deque[Snapshot] = deque()
 
     def push(self, snapshot: Snapshot) -> bool:
-        """Keep ``snapshot``, evicting the oldest as needed. False (nothing kept or evicted) when the snapshot
-        alone exceeds ``max_bytes``: the caller must fall back to the disk tier."""
-        if snapshot.nbytes > self.max_bytes:
+        """Keep ``snapshot``, evicting the oldest as needed. False when the capacity is 0."""
+        if self.capacity == 0:
             return False
-        while self._ring and self.total_bytes + snapshot.nbytes > self.max_bytes:
+        while len(self._ring) >= self.capacity:
             self._ring.popleft()
         self._ring.append(snapshot)
         return True
@@ -120,3 +135,10 @@ class SnapshotRing:
 
     def __len__(self) -> int:
         return len(self._ring)
+
+
+def ring_capacity(budget_bytes: float, largest_snapshot_bytes: int) -> int:
+    """How many snapshots of the largest rank fit in ``budget_bytes`` (0: the ring is off, disk tier only)."""
+    if largest_snapshot_bytes <= 0:
+        return 1 if budget_bytes > 0 else 0
+    return int(budget_bytes // largest_snapshot_bytes)

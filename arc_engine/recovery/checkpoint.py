@@ -1,0 +1,381 @@
+"""Persistent, sharded, asynchronous, crash-safe checkpoints on torch.distributed.checkpoint (DCP).
+
+``CheckpointManager.save_async`` copies the state to host buffers (``arc_engine.recovery.staging``; training may
+mutate its tensors as soon as it returns), starts ``dcp.async_save`` on a dedicated gloo group (DCP's collectives
+run in a background thread and must never interleave with training collectives on the default group), and hands
+the commit to a worker thread: each rank checksums the files it wrote and reports them; rank 0 waits (bounded)
+for every report, writes the commit marker and moves ``latest`` (``arc_engine.recovery.commit``: the layout and
+the protocol). A checkpoint is visible only once its marker exists, so a process killed mid-save leaves the
+previous checkpoint the newest one.
+
+``load_latest`` verifies the newest commit's checksums (the files spread over the ranks, one agreed verdict) and
+loads it in place with ``dcp.load``, falling back to older commits on any mismatch.
+
+Multi-node: DCP's ``FileSystemWriter`` writes one directory from every rank, so ``root`` must be on a filesystem
+that every rank sees (NFS, Lustre, GPFS, ...), as must the markers this module reads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import functools
+import json
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from arc_engine.recovery.commit import (
+    DCP_METADATA_NAME,
+    CheckpointError,
+    CommitInfo,
+    apply_retention,
+    commit_checkpoint,
+    file_checksum,
+    gather_rank_reports,
+    list_committed,
+    metadata_problems,
+    read_marker,
+    referenced_files,
+    remove_checkpoint,
+    step_dir_name,
+    verify_files,
+    write_marker,
+    write_rank_report,
+)
+from arc_engine.recovery.staging import AlreadyStaged, HostStager, ReplicaOwners
+
+__all__ = ["CheckpointError", "CheckpointManager", "CommitInfo"]
+
+logger = logging.getLogger("arc_engine")
+
+
+@dataclass
+class _SaveJob:
+    """One save in flight on this rank: DCP's upload future, and ``finished`` once the worker has reported (and on
+    rank 0 committed) it."""
+
+    step: int
+    step_dir: Path
+    pinned: bool
+    metadata: dict
+    upload: Any  # concurrent.futures.Future[Metadata]
+    finished: threading.Event = field(default_factory=threading.Event)
+    expected_files: set[str] = field(default_factory=set)
+    commit: CommitInfo | None = None
+
+    def done(self) -> bool:
+        return self.upload.done() and self.finished.is_set()
+
+
+class CheckpointManager:
+    """Sharded asynchronous checkpoints under ``root`` with a commit protocol, retention and verified loading.
+
+    Construction is collective when torch.distributed is initialized: every rank creates the dedicated gloo group
+    (``dist.new_group``, so every rank must construct its managers in the same order as its other groups), unless
+    ``process_group`` is given. Without torch.distributed the manager runs single-process and issues no collectives.
+    ``commit_timeout_s`` bounds every wait: for the upload, for the ranks' reports, for the previous save, and is
+    the timeout of the dedicated group's collectives. ``keep_last`` committed checkpoints are kept, plus pinned ones.
+    """
+
+    def __init__(self, root: str | Path, *, keep_last: int = 3, process_group: dist.ProcessGroup | None = None,
+                 commit_timeout_s: float = 600.0) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: must be >= 1")
+        if commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s={commit_timeout_s}: must be > 0")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.commit_timeout_s = commit_timeout_s
+        self._group = self._checkpoint_group(process_group)
+        self.rank = dist.get_rank(self._group) if self._group is not None else 0
+        self.world_size = dist.get_world_size(self._group) if self._group is not None else 1
+        if self.rank < 0:
+            raise ValueError("this rank is not a member of the checkpoint process_group")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._stager = HostStager()
+        self._owners = ReplicaOwners(self._group, self.rank, self.world_size) if self._group is not None else None
+        self._job: _SaveJob | None = None
+        self._jobs: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None  # started at the first save
+        self._lock = threading.Lock()  # marker rewrites (pin) vs. commit + retention on rank 0
+        self._closed = False
+        self.last_stall_s = 0.0  # wall time the last save_async blocked the caller
+        self.last_staged_bytes = 0  # tensor bytes the last save_async copied on this rank
+        self.last_save_error: BaseException | None = None
+        self.last_load_errors: list[str] = []
+        self._atexit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._atexit_hook)
+
+    def _checkpoint_group(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if process_group is not None:
+            return process_group
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.commit_timeout_s))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this rank still has work of a save pending (its upload, its report, on rank 0 the commit)."""
+        return self._job is not None and not self._job.done()
+
+    # -------------------------------------------------------------------------------------------- saving
+
+    def save_async(self, step: int, state_dict: dict[str, Any], *, pinned: bool = False,
+                   metadata: dict | None = None) -> None:
+        """Start saving ``state_dict`` as checkpoint ``step``. Collective over the checkpoint group: every rank calls
+        it with the same step. Returns once every tensor this rank writes is copied to host memory (a replicated
+        tensor is copied and written by one rank, see ``staging``); the write, the checksums and the commit
+        continue in the background (``wait``, ``close``). First waits, bounded by ``commit_timeout_s``,
+        for the previous save; raises CheckpointError if it is still running (this save is then not started).
+
+        ``state_dict``: nested dicts/lists of tensors (plain or DTensor) and picklable objects, as ``dcp.save``
+        takes; per-rank entries need per-rank keys, equal keys across ranks are one replicated entry.
+        ``metadata``: JSON-able, stored in the commit marker. A committed checkpoint of the same step (a re-save
+        after a rollback) is replaced."""
+        started = time.perf_counter()
+        self._check_open()
+        metadata = dict(metadata or {})
+        try:
+            json.dumps(metadata)
+        except TypeError as err:
+            raise ValueError(f"save_async(metadata=...): must be JSON-serialisable ({err})") from None
+        if not self.wait(self.commit_timeout_s):
+            raise CheckpointError(f"{self._job.step_dir}: previous save still in flight after "
+                                  f"{self.commit_timeout_s}s; not starting step {step}")
+        step_dir = self.root / step_dir_name(step)
+        if self.rank == 0 and step_dir.exists():
+            self._clear_step_dir(step_dir)
+        skipped = self._owners.skipped(state_dict) if self._owners is not None else frozenset()
+        staged = self._stager.stage(state_dict, skipped)
+        self.last_staged_bytes = self._stager.nbytes
+        if self._worker is None:  # before DCP's thread exists: starting it then would wait for the GIL
+            self._worker = threading.Thread(target=self._work, name="arc-checkpoint-commit", daemon=True)
+            self._worker.start()
+        upload = dcp.async_save(staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
+                                process_group=self._group, async_stager=AlreadyStaged(),
+                                no_dist=self._group is None)
+        self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload)
+        self._jobs.put(self._job)
+        self.last_stall_s = time.perf_counter() - started
+
+    def _clear_step_dir(self, step_dir: Path) -> None:
+        """Rank 0, before DCP starts: remove a killed save's leftovers or a committed checkpoint of the same step.
+        Safe against other ranks: none writes into the directory before DCP's planning collective, which needs
+        rank 0, and rank 0 joins it only after this returns."""
+        previous = read_marker(step_dir)
+        if previous is not None:
+            logger.warning("checkpoint %s: replacing the committed checkpoint of step %d%s", step_dir,
+                           previous.step, " (pinned)" if previous.pinned else "")
+        remove_checkpoint(step_dir)
+
+    def _work(self) -> None:
+        """The worker thread: finish the saves handed over, one at a time, until ``close`` sends None."""
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._finish_save(job)
+            finally:
+                job.finished.set()
+
+    def _finish_save(self, job: _SaveJob) -> None:
+        """Worker thread: wait for DCP's upload, report this rank's checksums, and on rank 0 commit. Never
+        raises and issues no collectives; a failure is logged and leaves the checkpoint uncommitted."""
+        deadline = time.monotonic() + self.commit_timeout_s  # bounds the upload and the commit together
+        try:
+            save_id = self._report(job, deadline)
+            if self.rank == 0:
+                self._commit(job, save_id, deadline)
+        except BaseException as err:
+            self.last_save_error = err
+            logger.error("checkpoint %s: save of step %d failed, not committed: %s", job.step_dir, job.step, err)
+
+    def _report(self, job: _SaveJob, deadline: float) -> str | None:
+        """Wait for the upload, then write this rank's report; on failure report the error and re-raise."""
+        save_id = None
+        try:
+            dcp_metadata = job.upload.result(timeout=max(0.0, deadline - time.monotonic()))
+            storage_meta = getattr(dcp_metadata, "storage_meta", None)
+            save_id = getattr(storage_meta, "save_id", None)
+            job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata)}
+            checksums = {name: file_checksum(job.step_dir / name) for name in self._own_files(job.expected_files)}
+        except BaseException as err:
+            job.step_dir.mkdir(parents=True, exist_ok=True)
+            write_rank_report(job.step_dir, self.rank, save_id, None, error=f"{type(err).__name__}: {err}")
+            raise
+        write_rank_report(job.step_dir, self.rank, save_id, checksums)
+        return save_id
+
+    def _own_files(self, expected: set[str]) -> list[str]:
+        """The files this rank wrote: DCP prefixes them ``__<group rank>_``; the coordinator adds ``.metadata``."""
+        prefix = f"__{self.rank}_"
+        owned = sorted(name for name in expected if name.startswith(prefix))
+        return [DCP_METADATA_NAME, *owned] if self.rank == 0 else owned
+
+    def _commit(self, job: _SaveJob, save_id: str | None, deadline: float) -> None:
+        """Rank 0: gather the reports (no lock held: ``pin`` must not block on the poll), then commit and apply
+        retention under the lock that ``pin`` takes."""
+        checksums = gather_rank_reports(job.step_dir, self.world_size, save_id, deadline)
+        with self._lock:
+            info = commit_checkpoint(job.step_dir, step=job.step, world_size=self.world_size, checksums=checksums,
+                                     expected=job.expected_files, pinned=job.pinned, metadata=job.metadata)
+            job.commit = info
+            logger.info("checkpoint %s committed (step %d, %d files)", info.path, info.step, len(info.files))
+            try:
+                apply_retention(self.root, self.keep_last, info)
+            except OSError as err:  # the commit stands; old checkpoints stay until the next retention pass
+                logger.warning("checkpoint %s: retention failed: %s", self.root, err)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until this rank's save in flight (upload, report, and on rank 0 the commit) is done. Local. True if
+        nothing is left in flight. ``None`` waits as long as the save's own bounds (``commit_timeout_s``) allow.
+        After rank 0's ``wait`` returns True its commit is on disk; other ranks see it after syncing with rank 0."""
+        job = self._job
+        if job is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        job.finished.wait(timeout=timeout_s)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            job.upload.exception(timeout=remaining)
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            return False
+        return job.done()
+
+    def close(self) -> None:
+        """Drain the save in flight (bounded by ``commit_timeout_s``) and release the manager. Local, idempotent,
+        safe at interpreter exit (it also runs from an ``atexit`` hook). The dedicated group is destroyed with the
+        default group by the caller's ``destroy_process_group()``."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit_hook)
+        drained = self.wait(self.commit_timeout_s)
+        if not drained:
+            logger.error("checkpoint %s: save still in flight at close after %ss; it stays uncommitted",
+                         self._job.step_dir, self.commit_timeout_s)
+        if self._worker is not None:
+            self._jobs.put(None)
+            if drained:
+                self._worker.join(timeout=self.commit_timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.root}: checkpoint manager is closed")
+
+    # -------------------------------------------------------------------------------------------- inspecting
+
+    def committed(self) -> list[CommitInfo]:
+        """Committed checkpoints on disk, oldest commit first. Local (reads the markers)."""
+        return list_committed(self.root)
+
+    def latest(self) -> CommitInfo | None:
+        """The newest commit, which the ``latest`` file names. Local. Decided by the markers' commit sequence, not
+        the pointer file, so a crash between marker and pointer cannot hide a commit."""
+        committed = self.committed()
+        return committed[-1] if committed else None
+
+    def pin(self, step: int) -> None:
+        """Mark checkpoint ``step`` pinned: retention never deletes it. Call on any ranks; only rank 0 acts: it
+        rewrites the marker atomically, or, for the save still in flight, pins it at commit. Raises ValueError on
+        rank 0 when ``step`` is neither committed nor in flight."""
+        if self.rank != 0:
+            return
+        with self._lock:
+            job = self._job
+            if job is not None and job.step == step and job.commit is None and not job.done():
+                job.pinned = True
+                return
+            info = read_marker(self.root / step_dir_name(step))
+            if info is None:
+                raise ValueError(f"pin({step}): no committed checkpoint in {self.root / step_dir_name(step)}")
+            if not info.pinned:
+                write_marker(replace(info, pinned=True))
+
+    # -------------------------------------------------------------------------------------------- loading
+
+    def load_latest(self, build_state_dict: Callable[[CommitInfo], dict[str, Any]], *,
+                    max_step: int | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
+        """Load the newest committed checkpoint (of step <= ``max_step`` if given) that verifies. Collective over the
+        checkpoint group; every rank takes the same checkpoint.
+
+        Rank 0's list of commits is broadcast; for each, newest first, the ranks verify the files' checksums (file
+        i by rank i % world) and rank 0 checks DCP's ``.metadata`` against the marker, one ``all_gather_object``
+        agrees on the verdict, then ``state_dict = build_state_dict(info)`` is loaded in place by ``dcp.load``.
+        A bad file or a ``dcp.load`` failure is logged (naming the file), recorded in ``last_load_errors`` on every
+        rank, and the next older commit is tried. A ValueError from ``build_state_dict`` (e.g. an impossible
+        reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads."""
+        self._check_open()
+        if not self.wait(self.commit_timeout_s):
+            raise CheckpointError(f"{self._job.step_dir}: a save is still in flight; not loading")
+        self.last_load_errors = []
+        candidates = self._agreed_candidates(max_step)
+        for info in candidates:
+            problems = self._agreed_problems(info)
+            if not problems:
+                state_dict = build_state_dict(info)
+                problem = self._load_into(info, state_dict)
+                if problem is None:
+                    return info, state_dict
+                problems = [problem]
+            self._record_fallback(info, problems)
+        if not candidates:
+            return None
+        raise CheckpointError(f"{self.root}: no committed checkpoint loads: {'; '.join(self.last_load_errors)}")
+
+    def _agreed_candidates(self, max_step: int | None) -> list[CommitInfo]:
+        candidates = [info for info in reversed(self.committed()) if max_step is None or info.step <= max_step]
+        if self._group is None:
+            return candidates
+        box = [candidates]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return box[0]
+
+    def _agreed_problems(self, info: CommitInfo) -> list[str]:
+        """This rank's share of the verification, then one all_gather_object: every rank gets every problem."""
+        data_files = sorted(name for name in info.files if name != DCP_METADATA_NAME)
+        problems = verify_files(info, data_files[self.rank::self.world_size])
+        if self.rank == 0:
+            problems = metadata_problems(info) + problems
+        if self._group is None:
+            return problems
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, problems, group=self._group)
+        return [problem for rank_problems in gathered for problem in rank_problems or []]
+
+    def _load_into(self, info: CommitInfo, state_dict: dict[str, Any]) -> str | None:
+        """dcp.load in place; the problem on failure (DCP raises it on every rank), else None."""
+        try:
+            dcp.load(state_dict, storage_reader=FileSystemReader(info.path), process_group=self._group,
+                     no_dist=self._group is None)
+        except (Exception, CheckpointException) as err:
+            return f"{info.path}: dcp.load failed: {_first_lines(str(err))}"
+        return None
+
+    def _record_fallback(self, info: CommitInfo, problems: list[str]) -> None:
+        self.last_load_errors.extend(problems)
+        if self.rank == 0:
+            for problem in problems:
+                logger.error("checkpoint of step %d unusable: %s; falling back to an older commit", info.step,
+                             problem)
+
+
+def _first_lines(text: str, limit: int = 800) -> str:
+    return text if len(text) <= limit else f"{text[:limit]} ..."
+
+
+def _close_at_exit(manager_ref: weakref.ref) -> None:
+    manager = manager_ref()
+    if manager is not None:
+        manager.close()

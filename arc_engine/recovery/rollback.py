@@ -1,0 +1,306 @@
+"""Recovery: verified-stable snapshots (memory ring, then disk), rollback, heal and escape, resume after restart.
+
+How a step flows (every rank, same order, driven by agreed decisions only):
+
+1. **step start** (:meth:`Recovery.on_step_start`, a forward pre-hook: nothing of the step has run yet). A
+   pending rollback is carried out here: every state tensor is copied back in place (memory ring, else the newest
+   committed disk checkpoint), with RNG, scheduler, framework counters and the detectors' baselines; an escape
+   then perturbs the weights. Otherwise, when ``checkpoint_freq`` healthy steps have passed, a *candidate*
+   snapshot of this state is taken.
+2. **decision** (:meth:`Recovery.on_decision`, inside the optimizer step, before anything is applied). The
+   candidate is verified-stable if this step, computed from exactly that state, is healthy: it enters the ring,
+   and every ``checkpoint.every_steps`` it is also saved to disk (async: the live tensors are staged, the write
+   runs in the background). A ROLLBACK decision is resolved into rollback / escape / abort here.
+3. **step end** (:meth:`Recovery.on_step_end`, after the optimizer step). For a rollback it picks the target,
+   sets the engine's step and data position (so the training loop's next batch is the right one), and leaves the
+   restore pending for the next step start, when the framework is between steps.
+
+The healing learning-rate factor and the optional tighter clipping are applied by the integrations around each
+optimizer step (:attr:`Recovery.lr_factor`, :meth:`Recovery.clip_coefficient`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from arc_engine import runtime
+from arc_engine.events import Action, Severity
+from arc_engine.policy.decision import Decision
+from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo
+from arc_engine.recovery.controller import RecoveryController
+from arc_engine.recovery.snapshot import Snapshot, SnapshotRing, capture, restore, ring_capacity, set_rng_state
+from arc_engine.recovery.state import TrainState
+
+if TYPE_CHECKING:
+    from arc_engine.engine import ArcEngine
+
+log = logging.getLogger("arc_engine")
+
+
+@dataclass
+class PendingRestore:
+    """A rollback decided at step end, carried out at the next step start."""
+
+    snapshot: Snapshot | None  # memory tier; None: disk tier
+    disk_step: int | None
+    escape: bool
+    data_position: int         # where the data resumes (independent of the restored state)
+
+
+class Recovery:
+    """Per-rank recovery for one :class:`ArcEngine`. Construct on every rank, then :meth:`start` (collective)."""
+
+    def __init__(self, engine: ArcEngine, state: TrainState) -> None:
+        self.engine = engine
+        self.config = engine.config.recovery
+        self.state = state
+        self.controller = RecoveryController(self.config)
+        self.ring = SnapshotRing(1)  # sized at the first capture, agreed across ranks
+        self._ring_sized = False
+        self.group: dist.ProcessGroup | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self.candidate: Snapshot | None = None
+        self.pending: PendingRestore | None = None
+        self.capture_due = False
+        self.last_disk_step: int | None = None
+        self.disk_saves = 0
+        self.restores = {"memory": 0, "disk": 0}
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self) -> None:
+        """Collective (once, after the engine started): the dedicated gloo group, the checkpoint store, and the
+        resume from its newest committed checkpoint when ``checkpoint.resume``."""
+        if dist.is_initialized():
+            ranks = dist.get_process_group_ranks(self.engine.group) if self.engine.group is not None else None
+            self.group = dist.new_group(ranks=ranks, backend="gloo")
+        ckpt = self.config.checkpoint
+        if ckpt.enabled:
+            root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
+            self.checkpoints = CheckpointManager(root, keep_last=ckpt.keep_last, process_group=self.group,
+                                                 commit_timeout_s=ckpt.commit_timeout_s)
+            if ckpt.resume:
+                self._resume()
+
+    def _resume(self) -> None:
+        assert self.checkpoints is not None
+        loaded = self.checkpoints.load_latest(self._build_disk_state)
+        if loaded is None:
+            return
+        info, state_dict = loaded
+        self._apply_disk_state(info, state_dict, full=True)
+        self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path})",
+                                   {"step": info.step, "path": str(info.path)})
+
+    # ------------------------------------------------------------------ step start
+
+    def on_step_start(self) -> None:
+        """At the first forward of a step (every rank). Carries out a pending rollback, or takes the candidate
+        snapshot when one is due. May be collective (the first capture sizes the ring with one all-reduce; a disk
+        restore loads through DCP)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._carry_out(pending)
+        elif self.capture_due:
+            self.capture_due = False
+            self.candidate = capture(self.engine.step, self.state, self._arc_extra())
+            self._size_ring(self.candidate.nbytes)
+
+    def _arc_extra(self) -> dict[str, Any]:
+        return {"data_position": self.engine.data_position, "monitors": self.engine.monitor_state_dict(),
+                "step": self.engine.step}
+
+    def _size_ring(self, local_bytes: int) -> None:
+        if self._ring_sized:
+            return
+        largest = torch.tensor([float(local_bytes)], dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        self.ring = SnapshotRing(ring_capacity(self.config.memory_ring_mb * 2**20, int(largest.item())))
+        self._ring_sized = True
+        if self.ring.capacity == 0:
+            log.warning("arc_engine: a snapshot (%.1f MB on the largest rank) exceeds recovery.memory_ring_mb = %s:"
+                        " rollbacks will load from disk", largest.item() / 2**20, self.config.memory_ring_mb)
+
+    # ------------------------------------------------------------------ decision
+
+    def has_target(self) -> bool:
+        """Whether a verified-stable state exists to roll back to (agreed: built from agreed decisions)."""
+        return len(self.ring) > 0 or self.disk_saves > 0
+
+    def on_decision(self, decision: Decision) -> Decision:
+        """Resolve a rollback, then verify or drop the candidate. Call on every rank with the agreed decision,
+        before the optimizer applies anything. May start an async disk save (collective on the checkpoint group)."""
+        decision = self.controller.resolve(decision, has_target=self.has_target())
+        candidate, self.candidate = self.candidate, None
+        if candidate is None or candidate.step != self.engine.step:
+            return decision
+        if decision.applies_update:
+            self.ring.push(candidate)
+            self.controller.on_verified()
+            self._maybe_save(candidate)
+        return decision
+
+    def _maybe_save(self, verified: Snapshot) -> None:
+        every = self.config.checkpoint.every_steps
+        if self.checkpoints is None or not every:
+            return
+        if self.last_disk_step is not None and verified.step - self.last_disk_step < every:
+            return
+        state_dict = self._disk_state(verified)
+        metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
+                    "run_id": self.engine.run_id}
+        self.checkpoints.save_async(verified.step, state_dict, metadata=metadata)
+        self.last_disk_step = verified.step
+        self.disk_saves += 1
+
+    def _disk_state(self, verified: Snapshot) -> dict[str, Any]:
+        """The live tensors (equal to the verified snapshot's: nothing was applied since) plus the snapshot's
+        python state, pickled: replicated under one key, this rank's RNG under a rank key."""
+        shared = {"framework": verified.framework, "arc": verified.extra,
+                  "controller": self.controller.state_dict(), "engine": self.engine.counters_state_dict()}
+        return {"train": self.state.dcp_state_dict(), "arc_state": pickle.dumps(shared),
+                f"arc_rng/rank{runtime.global_rank()}": pickle.dumps(verified.rng)}
+
+    # ------------------------------------------------------------------ step end
+
+    def on_step_end(self, decision: Decision | None) -> None:
+        """After the optimizer step (applied, skipped or not applied for a rollback). Local, except a rollback with
+        an empty memory ring, which agrees on the disk target (drain in-flight saves, one broadcast)."""
+        if decision is not None and decision.action == Action.ROLLBACK:
+            self._plan_rollback(decision)
+        elif decision is None or decision.applies_update:
+            self.capture_due = self.controller.on_healthy_step() or self.capture_due
+        else:
+            self.controller.on_unhealthy_step()
+
+    def _plan_rollback(self, decision: Decision) -> None:
+        failed_position = self.engine.data_position - 1  # the batch this step consumed (already counted)
+        self.controller.on_rollback(decision)
+        self.capture_due, self.candidate = False, None
+        snapshot = self.ring.latest()
+        if snapshot is not None:
+            step, data_position, disk_step = snapshot.step, snapshot.extra["data_position"], None
+        else:
+            info = self._agreed_disk_latest()
+            if info is None:
+                self.engine.emit_lifecycle("rollback_failed", "no verified-stable state could be found (memory "
+                                           "ring empty, no committed checkpoint): continuing without rollback")
+                return
+            step, data_position, disk_step = info.step, int(info.metadata["data_position"]), info.step
+        if self.config.skip_data == "window":
+            data_position = failed_position + 1
+        if decision.escape:
+            data_position += self.config.skip_ahead_steps
+        self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position)
+        self.engine.rewind(step, data_position)
+        where = f"memory snapshot of step {step}" if snapshot is not None else f"disk checkpoint of step {step}"
+        kind = "escape" if decision.escape else "rollback"
+        self.engine.emit_action(kind, Severity.ERROR,
+                                f"{kind}: every rank returns to the {where}, data resumes at batch {data_position}, "
+                                f"learning rate x {self.controller.lr_factor:.3g}"
+                                + (f", weights perturbed x {self.config.perturbation_scale}" if decision.escape
+                                   else ""),
+                                {"target_step": step, "data_position": data_position,
+                                 "lr_factor": self.controller.lr_factor, "rollbacks": self.controller.rollbacks,
+                                 "escapes": self.controller.escapes})
+
+    def _agreed_disk_latest(self) -> CommitInfo | None:
+        if self.checkpoints is None:
+            return None
+        self.checkpoints.wait(self.config.checkpoint.commit_timeout_s)
+        latest = [self.checkpoints.latest()]
+        if self.group is not None:
+            dist.broadcast_object_list(latest, group_src=0, group=self.group)
+        return latest[0]
+
+    # ------------------------------------------------------------------ carrying out
+
+    def _carry_out(self, pending: PendingRestore) -> None:
+        if pending.snapshot is not None:
+            extra = restore(pending.snapshot, self.state)
+            self.engine.load_monitor_state_dict(extra["monitors"])
+            self.restores["memory"] += 1
+        else:
+            assert self.checkpoints is not None
+            loaded = self.checkpoints.load_latest(self._build_disk_state, max_step=pending.disk_step)
+            if loaded is None:
+                self.engine.emit_lifecycle("rollback_failed", "the disk checkpoint could not be loaded: continuing "
+                                           "from the current state")
+                return
+            info, state_dict = loaded
+            self._apply_disk_state(info, state_dict, full=False)
+            self.checkpoints.pin(info.step)
+            self.engine.rewind(info.step, pending.data_position)
+            self.restores["disk"] += 1
+        if pending.escape:
+            self.state.perturb(self.config.perturbation_scale, self.config.seed * 1_000_003 + self.controller.rollbacks)
+
+    def _build_disk_state(self, info: CommitInfo) -> dict[str, Any]:
+        world = self._world()
+        if info.world_size != world and not self.state.reshardable:
+            raise ValueError(f"arc_engine: the checkpoint of step {info.step} ({info.path}) was written by "
+                             f"{info.world_size} ranks; this job has {world} and {type(self.state).__name__} "
+                             "state cannot be resharded: relaunch with the same world size")
+        state_dict: dict[str, Any] = {"train": self.state.dcp_state_dict(), "arc_state": b""}
+        if info.world_size == world:
+            state_dict[f"arc_rng/rank{runtime.global_rank()}"] = b""
+        return state_dict
+
+    def _apply_disk_state(self, info: CommitInfo, state_dict: dict[str, Any], *, full: bool) -> None:
+        self.state.after_dcp_load(state_dict["train"])
+        shared = pickle.loads(state_dict["arc_state"])
+        self.state.load_extra_state(shared["framework"])
+        rng_key = f"arc_rng/rank{runtime.global_rank()}"
+        if rng_key in state_dict:
+            set_rng_state(pickle.loads(state_dict[rng_key]))
+        else:
+            log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
+                        info.world_size, self._world())
+        self.engine.load_monitor_state_dict(shared["arc"]["monitors"])
+        if full:  # a restart: everything, including the counters a rollback keeps
+            self.controller.load_state_dict(shared["controller"])
+            self.engine.load_counters_state_dict(shared["engine"])
+            self.engine.rewind(info.step, int(shared["arc"]["data_position"]))
+            self.last_disk_step = info.step
+            self.disk_saves = 1
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+    # ------------------------------------------------------------------ heal
+
+    @property
+    def lr_factor(self) -> float:
+        return self.controller.lr_factor
+
+    def clip_coefficient(self) -> float:
+        """The extra gradient scale for this step (1 unless healing with ``heal_clip_grad_norm``), from the
+        gathered pre-clip global norm (no communication)."""
+        max_norm = self.config.heal_clip_grad_norm
+        stats, decision = self.engine.last_stats, self.engine.last_decision
+        if max_norm is None or self.lr_factor >= 1.0 or stats is None or decision is None \
+                or decision.step != self.engine.step:
+            return 1.0
+        from arc_engine.stats import names
+
+        norm = math.sqrt(max(float(stats.total(names.GRAD_SQ).sum()), 0.0))
+        return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"rollbacks": self.controller.rollbacks, "escapes": self.controller.total_escapes,
+                "restored_from_memory": self.restores["memory"], "restored_from_disk": self.restores["disk"],
+                "disk_saves": self.disk_saves, "ring_steps": self.ring.steps, "state": self.controller.state.value}
+
+    def close(self) -> None:
+        """Drain the in-flight disk save (bounded) and release the store. Local, idempotent."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()

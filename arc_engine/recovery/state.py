@@ -1,0 +1,157 @@
+"""What recovery needs from one rank's training state, per backend: :class:`TrainState`.
+
+Rollback and checkpoints work on *this rank's* state only (its parameters or shards, its optimizer state), so
+they never gather a full model. The protocol has two views of the same state:
+
+* ``live_tensors()``: the tensors in a fixed order, for in-place host snapshots (the memory ring);
+* ``dcp_state_dict()``: a torch.distributed.checkpoint state dict with stable keys, for the disk tier.
+
+:class:`TorchTrainState` serves plain modules, DDP and FSDP2 with any ``torch.optim`` optimizer; DeepSpeed ZeRO
+has its own in ``arc_engine.integrations.deepspeed_state``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class TrainState(Protocol):
+    """One rank's training state as recovery sees it. Every method is local (no communication) unless noted."""
+
+    #: whether torch.distributed.checkpoint can load this state into a job of another world size
+    reshardable: bool
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """This rank's state tensors (parameters or local shards, buffers, optimizer state) in a fixed order;
+        writing into them in place changes the training state."""
+        ...
+
+    def extra_state(self) -> dict[str, Any]:
+        """Picklable python-side state: scheduler, loss scaler, hyper-parameters, framework counters."""
+        ...
+
+    def load_extra_state(self, state: dict[str, Any]) -> None: ...
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        """The live state for ``dcp.save`` / in-place ``dcp.load`` (keys agreed across ranks; replicated tensors
+        under the same key, rank-local ones under rank-unique keys)."""
+        ...
+
+    def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
+        """Apply what ``dcp.load`` wrote into ``state_dict`` (the dict :meth:`dcp_state_dict` returned)."""
+        ...
+
+    def perturb(self, scale: float, seed: int) -> None:
+        """Add ``scale`` x RMS x N(0, 1) noise to every trainable parameter (ARC's escape). Replicated parameters
+        get the same noise on every rank (same ``seed``), so replicas stay identical."""
+        ...
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor``: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every parameter group's settings except its parameters (the learning rate a scheduler writes, ...)."""
+    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+def load_group_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise RuntimeError(f"arc_engine: saved state has {len(saved)} parameter groups, the optimizer "
+                           f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update(copy.deepcopy(values))
+
+
+@torch.no_grad()
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every parameter that has none yet (optimizers create it lazily at their first step),
+    so that a checkpoint can be loaded into it in place: one step with zero gradients and a learning rate of 0,
+    which leaves the parameters unchanged. Local. Call before any arc_engine step hook is registered."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p not in optimizer.state]
+    if not params:
+        return
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
+        for param, grad in zip(params, saved_grads, strict=True):
+            param.grad = grad
+
+
+@torch.no_grad()
+def add_relative_noise(tensors: list[torch.Tensor], scale: float, seed: int) -> None:
+    """``t += scale * rms(t) * N(0, 1)`` for each tensor, noise drawn on the CPU from ``seed`` (device-independent,
+    so replicas on any device get the same numbers)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for tensor in tensors:
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        rms = tensor.detach().float().pow(2).mean().sqrt()
+        tensor.add_((noise.to(tensor.device) * (scale * rms)).to(tensor.dtype))
+
+
+class TorchTrainState:
+    """Plain module, DDP or FSDP2 model plus any ``torch.optim`` optimizer (and an optional LR scheduler).
+
+    The disk view goes through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+    ``set_state_dict``: fully-qualified parameter names, DTensor shards for FSDP2, so DCP reshards to another
+    world size (DDP state is replicated, FSDP2 state is DTensors).
+    """
+
+    reshardable = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any | None = None, *, rank: int = 0) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.rank = rank
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        tensors = [local_tensor(p) for p in self.model.parameters()]
+        tensors += [local_tensor(b) for b in self.model.buffers()]
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                tensors += [local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        return [t.detach() for t in tensors]
+
+    def extra_state(self) -> dict[str, Any]:
+        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        return {"param_groups": group_hyperparameters(self.optimizer), "lr_scheduler": scheduler}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        load_group_hyperparameters(self.optimizer, state["param_groups"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+    def perturb(self, scale: float, seed: int) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sharded = any(isinstance(p, DTensor) for p in params)
+        # FSDP2 shards differ per rank: their noise may too. DDP replicas must draw identical noise.
+        add_relative_noise([local_tensor(p) for p in params], scale, seed + (self.rank * 7919 if sharded else 0))

@@ -1,0 +1,229 @@
+"""Training stall of an asynchronous checkpoint against a synchronous one, and rollback time from disk vs memory.
+
+    .venv/bin/python scripts/bench_checkpoint.py                      # 2 gloo ranks (spawned), 150 MB per rank
+    .venv/bin/python scripts/bench_checkpoint.py --ranks 1 --size-mb 200
+
+One process tree: ``--ranks`` processes spawned from this one and joined by gloo (``--ranks 1``: a single process,
+no torch.distributed). Every rank holds the same state -- a stack of Linear layers plus AdamW's two moments, about
+``--size-mb`` MB, replicated as under DDP (DCP writes each replicated tensor once, so the ranks share the writing).
+
+Per repeat, alternating so machine noise hits both alike:
+
+* async stall: the time ``CheckpointManager.save_async`` blocks the caller (staging into reused host buffers, the
+  previous save already drained); the write, the checksums and the commit run in the background, not timed here;
+* sync save: a plain ``dcp.save`` of the same state with ``FileSystemWriter(sync_files=True)``, the stall a
+  training loop would see without the async tier.
+
+Rollback: ``load_latest`` from disk (verify checksums, then ``dcp.load`` in place) against the memory tier's
+restore, an in-place ``copy_`` of a host clone into the live tensors. Each figure is the slowest rank's, the median
+over the repeats. Printed: a markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from arc_engine.recovery.checkpoint import CheckpointManager
+
+LAYER_WIDTH = 1024
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--size-mb", type=float, default=150.0, help="state per rank: weights + AdamW moments")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks to spawn; 1 = single process")
+    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    args = parser.parse_args()
+    if args.size_mb <= 0 or args.repeats < 1 or args.ranks < 1:
+        parser.error("--size-mb must be > 0, --repeats and --ranks >= 1")
+    return args
+
+
+def build_state(size_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Linear layers totalling ``size_mb / 3`` MB of fp32 weights, and AdamW after one step (two moments)."""
+    torch.manual_seed(0)
+    layer_bytes = (LAYER_WIDTH * LAYER_WIDTH + LAYER_WIDTH) * 4
+    num_layers = max(1, round(size_mb * 2**20 / 3 / layer_bytes))
+    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER_WIDTH, LAYER_WIDTH) for _ in range(num_layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, LAYER_WIDTH)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def state_dict_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def slowest(seconds: float, group: dist.ProcessGroup | None) -> float:
+    """The maximum over ranks (collective when distributed)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  root: Path, repeats: int) -> dict[str, Any]:
+    """Alternate async (stall only) and sync saves; the first async save (cold buffers) is reported apart."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    state = state_dict_of(model, optimizer)
+    cold_stall = slowest(timed(lambda: manager.save_async(0, state)), group)
+    staged_mb = manager.last_staged_bytes / 2**20
+    manager.wait()
+    stalls, syncs, background = [], [], []
+    for repeat in range(1, repeats + 1):
+        with torch.no_grad():  # a "training step" in between: the live tensors change
+            for param in model.parameters():
+                param.add_(1e-3)
+        barrier()
+        stalls.append(slowest(timed(lambda repeat=repeat: manager.save_async(repeat, state)), group))
+        background.append(slowest(timed(manager.wait), group))
+        barrier()
+        sync_dir = root / f"sync_{repeat}"
+        syncs.append(slowest(timed(lambda sync_dir=sync_dir: dcp.save(
+            state, storage_writer=FileSystemWriter(sync_dir, sync_files=True), no_dist=group is None)), group))
+        barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(sync_dir, ignore_errors=True)
+    return {"staged_mb_rank0": staged_mb, "cold_stall_s": cold_stall, "async_stall_s": stalls,
+            "async_background_s": background, "sync_save_s": syncs}
+
+
+def measure_rollback(manager: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     repeats: int) -> dict[str, Any]:
+    """Disk: load_latest into the live state dict. Memory: copy_ of a host clone into the live tensors."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    disk = [slowest(timed(lambda: manager.load_latest(lambda info: state_dict_of(model, optimizer))), group)
+            for _ in range(repeats)]
+    live = [t for t in state_dict_of(model, optimizer)["model"].values()]
+    live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    host = [t.detach().to("cpu", copy=True) for t in live]
+
+    def copy_back() -> None:
+        with torch.no_grad():
+            for target, source in zip(live, host, strict=True):
+                target.copy_(source)
+
+    memory = [slowest(timed(copy_back), group) for _ in range(repeats)]
+    return {"disk_load_s": disk, "memory_restore_s": memory}
+
+
+def run(rank: int, world: int, port: int, args: argparse.Namespace, root: str, queue: Any) -> None:
+    """One rank: build the state, measure, and (rank 0) put the figures on ``queue``."""
+    warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+    try:
+        model, optimizer = build_state(args.size_mb)
+        state_bytes = sum(t.numel() * t.element_size() for t in
+                          [*model.parameters(), *[v for s in optimizer.state.values() for v in s.values()]])
+        manager = CheckpointManager(Path(root) / "ckpt", keep_last=2)
+        figures = measure_saves(manager, model, optimizer, Path(root), args.repeats)
+        figures.update(measure_rollback(manager, model, optimizer, args.repeats))
+        manager.close()
+        if rank == 0:
+            queue.put({"ranks": world, "state_mb_per_rank": state_bytes / 2**20, **figures})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def report(figures: dict[str, Any]) -> None:
+    median = {key: statistics.median(value) for key, value in figures.items() if isinstance(value, list)}
+    ratio = median["async_stall_s"] / median["sync_save_s"]
+    paired = statistics.median(a / s for a, s in zip(figures["async_stall_s"], figures["sync_save_s"], strict=True))
+    print(f"\n{figures['ranks']} rank(s), {figures['state_mb_per_rank']:.0f} MB per rank (rank 0 stages "
+          f"{figures['staged_mb_rank0']:.0f} MB), median of {len(figures['async_stall_s'])} (slowest rank each time)\n")
+    print("| measure | median (ms) |\n|---|---|")
+    rows = [("save_async stall (warm buffers)", median["async_stall_s"]),
+            ("save_async stall, first save (cold buffers)", figures["cold_stall_s"]),
+            ("async write + checksums + commit (background)", median["async_background_s"]),
+            ("synchronous dcp.save", median["sync_save_s"]),
+            ("rollback from disk: load_latest", median["disk_load_s"]),
+            ("rollback from memory: copy_ host -> live", median["memory_restore_s"])]
+    for name, seconds in rows:
+        print(f"| {name} | {seconds * 1e3:.1f} |")
+    print(f"\nasync stall / sync save: {ratio:.3f} (ratio of medians), {paired:.3f} (median of per-repeat ratios); "
+          "bar <= 0.10\n")
+    print(json.dumps({"bench": "checkpoint", **figures, "median": median, "stall_ratio": ratio,
+                      "stall_ratio_paired": paired}))
+
+
+def spawn_ranks(args: argparse.Namespace, root: str, ctx: Any, queue: Any) -> dict[str, Any]:
+    """Run ``run`` on ``args.ranks`` spawned processes; rank 0's figures. Exits with an error if a rank fails."""
+    port = free_port()
+    procs = [ctx.Process(target=run, args=(r, args.ranks, port, args, root, queue)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    try:
+        while queue.empty():
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+            time.sleep(0.2)
+        return queue.get()
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main() -> None:
+    args = parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="arc_bench_ckpt_")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    try:
+        if args.ranks == 1:
+            run(0, 1, 0, args, root, queue)
+            report(queue.get(timeout=10))
+        else:
+            report(spawn_ranks(args, root, ctx, queue))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The ARC self-healing loop on real gloo ranks: DDP, FSDP2 and DeepSpeed ZeRO-2.
+
+Faults are injected at (rank, iteration); the tests assert what happened after: the rollback target and tier,
+bitwise replays, the healed run's final loss against a fault-free run, escape then a clean abort with exit code 4,
+and a resumed job that continues exactly where the checkpoint left off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import arc_engine
+from arc_engine.config import ArcConfig
+from arc_engine.sinks import read_jsonl
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+pytestmark = pytest.mark.timeout(300)
+EVAL_BATCHES = [(10_000 + i, r) for i in range(4) for r in range(2)]
+
+
+def recovery_config(run_dir: Path, *overrides: str) -> ArcConfig:
+    """Recovery on, snapshots every 5 healthy steps, loss spikes roll back; disk checkpoints off unless asked."""
+    return make_config(run_dir, "recovery.enabled=true", "recovery.checkpoint_freq=5",
+                       "recovery.checkpoint.every_steps=0", "detectors.loss_spike.warmup_steps=5",
+                       "detectors.loss_spike.action=rollback", "stats.optimizer_stats_every=0", *overrides)
+
+
+@dataclass
+class Job:
+    """One backend's training step, behind the same three calls."""
+
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    backward_and_step: Callable[[torch.Tensor], None]
+    params: Callable[[], list[torch.Tensor]]
+    arc: Any
+
+
+def ddp_job(config: ArcConfig | None) -> tuple[Job, Any]:
+    model, data = tiny_model_and_data()
+    ddp = DistributedDataParallel(model)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
+
+    def backward_and_step(loss: torch.Tensor) -> None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Job(ddp, backward_and_step, lambda: [p.detach() for p in model.parameters()], arc), data
+
+
+def fsdp_job(config: ArcConfig | None) -> tuple[Job, Any]:
+    from tests.test_fsdp_dist import sharded_gpt
+
+    model, data, optimizer = sharded_gpt()
+    arc = arc_engine.attach(model, optimizer, config) if config is not None else None
+
+    def backward_and_step(loss: torch.Tensor) -> None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Job(model, backward_and_step, lambda: [p.detach().to_local() for p in model.parameters()], arc), data
+
+
+def zero2_job(config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, 2, clip=1.0)
+    arc = None
+    if config is not None:
+        from arc_engine.integrations.deepspeed import attach_deepspeed
+
+        arc = attach_deepspeed(engine, config)
+
+    def backward_and_step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    return Job(engine, backward_and_step, lambda: [p.detach() for p in engine.module.parameters()], arc), data
+
+
+def make_job(backend: str, config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
+    if backend == "ddp":
+        return ddp_job(config)
+    if backend == "fsdp":
+        return fsdp_job(config)
+    return zero2_job(config, rank, world)
+
+
+def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = None) -> dict[str, Any]:
+    """Train until ``steps`` optimizer steps are done, batches from the data position (arc's when attached). Each
+    step draws from the torch RNG, so a replay is bitwise only if the RNG was restored. ``record_at``: also return
+    the parameters at the start of that step (first visit)."""
+    arc, iteration, losses, params_at = job.arc, 0, [], None
+    try:
+        while (arc.step if arc is not None else iteration) < steps:
+            assert iteration < 4 * steps + 50, "the run does not terminate"
+            if params_at is None and arc is not None and arc.step == record_at:
+                params_at = [p.clone() for p in job.params()]
+            position = arc.data_position if arc is not None else iteration
+            loss = job.forward(*data.batch(position, rank, BATCH)) * (1 + 1e-3 * torch.rand(()))
+            if arc is not None:
+                loss = arc.faults.on_loss(loss)
+                arc.record_loss(loss)
+            losses.append(float(loss.detach()))
+            job.backward_and_step(loss)
+            iteration += 1
+    except arc_engine.ArcAbort as abort:
+        return {"aborted_at": abort.step, "exit_code": abort.exit_code, "iterations": iteration,
+                "message": str(abort)}
+    params = [p.clone() for p in job.params()]
+    summary = arc.summary() if arc is not None else {}
+    if arc is not None:
+        arc.close()
+    with torch.no_grad():
+        eval_loss = sum(float(job.forward(*data.batch(p, r, BATCH))) for p, r in EVAL_BATCHES) / len(EVAL_BATCHES)
+    return {"params": params, "params_at": params_at, "eval_loss": eval_loss, "summary": summary,
+            "iterations": iteration, "losses": losses}
+
+
+def _run(rank: int, world: int, backend: str, config: ArcConfig | None, steps: int,
+         record_at: int | None = None) -> dict[str, Any]:
+    job, data = make_job(backend, config, rank, world)
+    return train(job, data, rank, steps, record_at)
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / "test" / "events.jsonl")
+
+
+def lr_spike(at: int, scale: float = 50.0) -> str:
+    return f"faults.injections=[{{kind: lr_scale, rank: -1, step: {at}, scale: {scale}}}]"
+
+
+# ------------------------------------------------------------------ bitwise rollback (memory and disk tiers)
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_rollback_restores_state_and_rng_bitwise(tmp_path: Path, tier: str) -> None:
+    """No healing, no data skip: after the rollback the run replays the fault-free run bit for bit, which holds
+    only if parameters, Adam state, RNG, data position and detector baselines were all restored exactly."""
+    plain = ["recovery.lr_reduction_factor=1.0", "recovery.skip_data=none"]
+    if tier == "disk":
+        plain += ["recovery.memory_ring_mb=0", "recovery.checkpoint.every_steps=5"]
+    config = recovery_config(tmp_path / "faulty", lr_spike(12), *plain)
+    faulty = run_ranks(_run, 2, "ddp", config, 20)
+    clean = run_ranks(_run, 2, "ddp", recovery_config(tmp_path / "clean", *plain), 20)
+    for rank in range(2):
+        recovery = faulty[rank]["summary"]["recovery"]
+        assert recovery["rollbacks"] == 1
+        assert recovery[f"restored_from_{tier}"] == 1
+        assert faulty[rank]["iterations"] > 20  # steps were replayed
+        assert all(torch.equal(a, b) for a, b in zip(faulty[rank]["params"], clean[rank]["params"], strict=True))
+    actions = [e for e in events(tmp_path / "faulty") if e["kind"] == "action" and e["detector"] == "recovery"]
+    assert [(e["action"], e["values"]["target_step"]) for e in actions] == [("rollback", 10)]
+
+
+# ------------------------------------------------------------------ end to end: LR x 50 spike, healed
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
+def test_lr_spike_is_rolled_back_and_healed(tmp_path: Path, backend: str) -> None:
+    steps, spike_at = 60, 25
+    heal = "recovery.lr_recovery_steps=20"  # back to the scheduled rate 20 healthy steps after the rollback
+    faulty = run_ranks(_run, 2, backend, recovery_config(tmp_path / "faulty", lr_spike(spike_at), heal), steps)
+    clean = run_ranks(_run, 2, backend, recovery_config(tmp_path / "clean"), steps)
+    unprotected = run_ranks(_run, 2, backend, make_config(tmp_path / "off", lr_spike(spike_at),
+                                                         "detectors.loss_spike.enabled=false"), steps)
+    for rank in range(2):
+        assert faulty[rank]["summary"]["recovery"]["rollbacks"] == 1
+        assert faulty[rank]["eval_loss"] == pytest.approx(clean[rank]["eval_loss"], rel=0.05)
+        # the fault does real damage when nothing intervenes
+        assert unprotected[rank]["eval_loss"] > clean[rank]["eval_loss"] * 1.05
+    found = events(tmp_path / "faulty")
+    spike = [e for e in found if e["detector"] == "loss_spike"]
+    assert spike and spike[0]["action"] == "rollback" and spike[0]["iteration"] == spike_at + 1
+    rollback = next(e for e in found if e["detector"] == "recovery")
+    assert rollback["values"]["target_step"] == 25 and rollback["values"]["lr_factor"] == 0.5
+    assert rollback["values"]["data_position"] == spike_at + 2  # the failing batch is skipped
+
+
+# ------------------------------------------------------------------ persistent fault: escape, then a clean stop
+
+def test_persistent_fault_escapes_then_stops_with_exit_code_4(tmp_path: Path) -> None:
+    fault = "faults.injections=[{kind: loss_scale, rank: -1, step: 12, steps: 100000, scale: 50.0}]"
+    config = recovery_config(tmp_path, fault, "recovery.max_consecutive_rollbacks=2", "recovery.max_escapes=1")
+    results = run_ranks(_run, 2, "ddp", config, 60)
+    assert {r["exit_code"] for r in results} == {arc_engine.EXIT_RECOVERY_EXHAUSTED}
+    assert len({r["aborted_at"] for r in results}) == 1  # every rank stops at the same step
+    # 2 rollbacks, an escape, 2 rollbacks, then the stop: one failing attempt each, bounded
+    assert all(r["iterations"] <= 12 + 6 for r in results)
+    assert "recovery exhausted" in results[0]["message"]
+    actions = [e["action"] for e in events(tmp_path) if e["kind"] == "action" and e["detector"] == "recovery"]
+    assert actions == ["rollback", "rollback", "escape", "rollback", "rollback"]
+
+
+# ------------------------------------------------------------------ resume after a restart
+
+def _resume_run(rank: int, world: int, backend: str, config: ArcConfig, steps: int) -> dict[str, Any]:
+    job, data = make_job(backend, config, rank, world)
+    resumed_at = job.arc.step
+    out = train(job, data, rank, steps)
+    out["resumed_at"] = resumed_at
+    return out
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_relaunched_job_resumes_from_the_newest_committed_checkpoint(tmp_path: Path, backend: str) -> None:
+    disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / 'ckpt'}"]
+    first = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "a", *disk), 18)  # "crashes" at 18
+    assert first[0]["resumed_at"] == 0
+    second = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "b", *disk), 25)
+    straight = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "c"), 25)
+    for rank in range(2):
+        assert second[rank]["resumed_at"] == 15  # newest committed, verified-stable checkpoint
+        assert all(torch.equal(a, b) for a, b in zip(second[rank]["params"], straight[rank]["params"], strict=True))
+
+
+def _resume_alone(rank: int, world: int, backend: str, config: ArcConfig) -> Any:
+    try:
+        job, _ = make_job(backend, config, rank, world)
+    except ValueError as err:
+        return str(err)
+    return [p.clone() for p in job.params()], job.arc.step
+
+
+def test_world_size_change_reshards_ddp_and_refuses_zero(tmp_path: Path) -> None:
+    for backend in ("ddp", "zero2"):
+        disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / backend}"]
+        saved = run_ranks(_run, 2, backend, recovery_config(tmp_path / f"{backend}-a", *disk), 11, 10)
+        alone = run_ranks(_resume_alone, 1, backend, recovery_config(tmp_path / f"{backend}-b", *disk))[0]
+        if backend == "ddp":
+            params, step = alone
+            assert step == 10
+            assert all(torch.equal(a, b) for a, b in zip(params, saved[0]["params_at"], strict=True))
+        else:
+            assert "written by 2 ranks; this job has 1" in alone and "cannot be resharded" in alone
+
