@@ -253,7 +253,8 @@ class DeepSpeedAdapter:
 
     def _heal(self, optimizer: torch.optim.Optimizer) -> None:
         """This group's learning rate x the step's factor (healing, injected faults), its (final) gradient x the
-        healing clip coefficient. DeepSpeed steps the torch optimizer once per group, with only that group in param_groups."""
+        healing clip coefficient. DeepSpeed steps the torch optimizer once per group, with only that group in
+        ``param_groups``."""
         if self.engine.recovery is not None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             scale_gradients(grads, self.engine.recovery.clip_coefficient())
