@@ -319,9 +319,9 @@ class ArcEngine:
         """Report a lifecycle event (resume, checkpoint, ...) through the sinks (rank 0 unless ``all_ranks``)."""
         self._emit_lifecycle(what, message, values)
 
-    def emit_action(self, action: str, severity: Severity, message: str, values: dict[str, Any]) -> None:
-        """Report an action taken by a subsystem (rollback, escape) at the current step."""
-        self._emit(Event(self.run_id, self.step, "action", "recovery", severity, action, message, (), values))
+    def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any]) -> None:
+        """Report an action taken by a subsystem (rollback, escape) for ``step``."""
+        self._emit(Event(self.run_id, step, "action", "recovery", severity, action, message, (), values))
 
     def emit_finding(self, finding: Finding) -> None:
         """Report a finding made outside the per-step path (e.g. by an on-demand diagnostic)."""

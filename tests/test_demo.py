@@ -15,17 +15,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "arc_engine.cli", "demo", "--nproc", "2", "--arc-config",
-           str(REPO / "configs" / "demo.yaml"), "--steps", "140", "--log-every", "35",
+           str(REPO / "configs" / "demo.yaml"), "--steps", "200", "--log-every", "50",
            f"--arc.run.run_dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[train] step  140/140" in out  # progress is shown
+    assert "[train] step   50/200" in out  # progress is shown
     assert "non_finite -> SKIP | ranks [1]" in out and "non_finite -> SKIP | ranks [0]" in out
     assert "loss_spike -> SKIP" in out
     assert "MISSED" not in out
-    assert "steps 140, skipped 3" in out
+    # the LR spike at step 160: skips cannot undo it, the policy escalates, every rank rolls back and heals
+    assert "policy -> ROLLBACK" in out
+    assert "rollback at step 164: back to the memory snapshot of step 151" in out
+    assert "steps 200, skipped 6" in out and "recovery: 1 rollback(s), 0 escape(s)" in out
+    assert (tmp_path / "demo" / "checkpoints" / "latest").exists()
     assert (tmp_path / "demo" / "events.jsonl").stat().st_size > 0
     assert (tmp_path / "demo" / "metrics.jsonl").stat().st_size > 0
 

@@ -126,6 +126,15 @@ def print_report(config: ArcConfig, result: dict) -> None:
         found = ", ".join(sorted({f"{e['detector']} {e['ranks'] or ''}".strip() for e in hits})) or "MISSED"
         action = ", ".join(sorted({e["action"] for e in hits})) or "-"
         print(f"{label:<34} {found:<24} {action}")
+    for event in (e for e in events if e["kind"] == "action" and e["detector"] == "recovery"):
+        values = event["values"]
+        print(f"{event['action']} at step {event['step']}: back to the {values['tier']} snapshot of step "
+              f"{values['target_step']}, data resumes at batch {values['data_position']}, "
+              f"learning rate x {values['lr_factor']:.3g}")
+    if "recovery" in summary:
+        recovery = summary["recovery"]
+        print(f"recovery: {recovery['rollbacks']} rollback(s), {recovery['escapes']} escape(s), "
+              f"{recovery['disk_saves']} disk checkpoint(s) in {Path(summary['run_dir']) / 'checkpoints'}")
     print(f"events: {Path(summary['run_dir']) / config.sinks.jsonl.events_file}")
     print("==========================================================", flush=True)
 

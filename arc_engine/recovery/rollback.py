@@ -201,17 +201,18 @@ class Recovery:
         if decision.escape:
             data_position += self.config.skip_ahead_steps
         self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position)
-        self.engine.rewind(step, data_position)
         where = f"memory snapshot of step {step}" if snapshot is not None else f"disk checkpoint of step {step}"
         kind = "escape" if decision.escape else "rollback"
-        self.engine.emit_action(kind, Severity.ERROR,
+        self.engine.emit_action(decision.step, kind, Severity.ERROR,
                                 f"{kind}: every rank returns to the {where}, data resumes at batch {data_position}, "
                                 f"learning rate x {self.controller.lr_factor:.3g}"
                                 + (f", weights perturbed x {self.config.perturbation_scale}" if decision.escape
                                    else ""),
                                 {"target_step": step, "data_position": data_position,
+                                 "tier": "memory" if snapshot is not None else "disk",
                                  "lr_factor": self.controller.lr_factor, "rollbacks": self.controller.rollbacks,
                                  "escapes": self.controller.escapes})
+        self.engine.rewind(step, data_position)
 
     def _agreed_disk_latest(self) -> CommitInfo | None:
         if self.checkpoints is None:
