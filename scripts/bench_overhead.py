@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
                         help="deepspeed: ZeRO-2 (the standard configuration); ddp: PyTorch DDP")
     parser.add_argument("--optimizer-stats-every", type=int, default=None,
                         help="override stats.optimizer_stats_every (default: the config default, 10)")
+    parser.add_argument("--arc", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra arc config override, repeatable (e.g. --arc recovery.enabled=true)")
     return parser.parse_args()
 
 
@@ -112,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
     if args.optimizer_stats_every is not None:
         overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
-    config = load_config(None, overrides)
+    config = load_config(None, overrides + args.arc)
     plain_step, _ = build(args, data, None)
     arc_step, arc = build(args, data, config)
     run_steps(plain_step, data, rank, 0, args.warmup, args.micro_batch)
@@ -132,11 +134,14 @@ def worker(args: argparse.Namespace) -> None:
         backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
         print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
               f"{args.micro_batch}; {backend}, AdamW, clip 1.0, {dist.get_world_size()} ranks, gloo, CPU")
-        print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}")
+        print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}; overrides {args.arc or 'none'}")
         print(f"steps timed per variant: {len(plain_times)} (blocks of {args.steps_per_block}, interleaved)")
         print(f"median step time without arc_engine: {plain_median * 1e3:.1f} ms")
         print(f"median step time with arc_engine:    {arc_median * 1e3:.1f} ms")
         print(f"overhead: {(arc_median / plain_median - 1) * 100:+.2f}%")
+        plain_mean, arc_mean = statistics.fmean(plain_times), statistics.fmean(arc_times)
+        print(f"overhead of the mean step time (includes periodic work such as snapshots): "
+              f"{(arc_mean / plain_mean - 1) * 100:+.2f}%")
         print(f"arc_engine collectives per monitored step: {(arc_ops - plain_ops) / 2:g}; "
               f"host copies per monitored step: {host_copies:g}")
     arc.close()

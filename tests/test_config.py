@@ -72,7 +72,7 @@ def test_demo_yaml_equals_embedded_demo_default():
     from_file = load_config(DEMO_YAML)
     embedded = load_config(None, base=DEMO_CONFIG)
     assert from_file == embedded
-    assert len(embedded.faults.injections) == 3  # not trivially equal: both hold the injected faults
+    assert len(embedded.faults.injections) == 4  # not trivially equal: both hold the injected faults
 
 
 def test_embedded_base_is_not_mutated_by_overrides():
@@ -253,7 +253,7 @@ def test_cli_validate_config_accepts_demo():
     result = run_cli("validate-config", "configs/demo.yaml")
     assert result.returncode == 0, result.stderr
     assert "configs/demo.yaml: OK" in result.stdout
-    assert "3 fault injection(s)" in result.stdout
+    assert "4 fault injection(s)" in result.stdout
 
 
 @pytest.mark.parametrize("text, key", [("stats:\n  interval: 0\n", "stats.interval"),
