@@ -110,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank = dist.get_rank()
     data = CharDataset(generate_corpus(), args.seq_len)
-    run_dir = tempfile.mkdtemp(prefix="arc_bench_")
+    # one directory for every rank (checkpoints need a shared one): torchrun gives all ranks the same run id
+    run_dir = os.path.join(tempfile.gettempdir(), f"arc_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
     if args.optimizer_stats_every is not None:
         overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")

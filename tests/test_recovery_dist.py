@@ -243,3 +243,17 @@ def test_world_size_change_reshards_ddp_and_refuses_zero(tmp_path: Path) -> None
         else:
             assert "written by 2 ranks; this job has 1" in alone and "cannot be resharded" in alone
 
+
+
+def _attach_with_local_dir(rank: int, world: int, run_dir: Path) -> str:
+    config = recovery_config(run_dir / f"node{rank}", "recovery.checkpoint.every_steps=5")  # not shared
+    try:
+        ddp_job(config)
+    except ValueError as err:
+        return str(err)
+    return "attached"
+
+
+def test_a_checkpoint_dir_not_shared_by_every_rank_is_refused(tmp_path: Path) -> None:
+    messages = run_ranks(_attach_with_local_dir, 2, tmp_path)
+    assert all("is not shared: ranks [1]" in m for m in messages), messages

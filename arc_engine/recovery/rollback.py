@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,10 +86,36 @@ class Recovery:
         ckpt = self.config.checkpoint
         if ckpt.enabled:
             root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
+            self._check_shared(root)
             self.checkpoints = CheckpointManager(root, keep_last=ckpt.keep_last, process_group=self.group,
                                                  commit_timeout_s=ckpt.commit_timeout_s)
             if ckpt.resume:
                 self._resume()
+
+    def _check_shared(self, root: Path) -> None:
+        """Collective: every rank must see the same checkpoint directory (DCP writes one directory from all ranks;
+        a node-local path would leave every commit waiting for shards it cannot see). Rank 0 writes a probe file,
+        every rank reads it back. Raises ValueError on every rank naming the ranks that cannot see it."""
+        if self.group is None:
+            return
+        token = [f"{self.engine.run_id}-{time.time_ns()}" if dist.get_rank(self.group) == 0 else None]
+        probe = root / ".arc_shared_probe"
+        if token[0] is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token[0])
+        dist.broadcast_object_list(token, group_src=0, group=self.group)
+        seen = False
+        for _ in range(20):  # bounded: network filesystems may show a new file after a moment
+            seen = probe.exists() and probe.read_text() == token[0]
+            if seen:
+                break
+            time.sleep(0.1)
+        ranks_seeing = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(ranks_seeing, (runtime.global_rank(), seen), group=self.group)
+        blind = [rank for rank, ok in ranks_seeing if not ok]
+        if blind:
+            raise ValueError(f"arc_engine: recovery.checkpoint.dir {root} is not shared: ranks {blind} do not see "
+                             "the file rank 0 wrote there; use a filesystem every rank sees (and the same path)")
 
     def _resume(self) -> None:
         assert self.checkpoints is not None
