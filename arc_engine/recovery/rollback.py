@@ -26,6 +26,7 @@ import math
 import pickle
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,8 @@ class Recovery:
         resume from its newest committed checkpoint when ``checkpoint.resume``."""
         if dist.is_initialized():
             ranks = dist.get_process_group_ranks(self.engine.group) if self.engine.group is not None else None
-            self.group = dist.new_group(ranks=ranks, backend="gloo")
+            timeout = timedelta(seconds=self.config.checkpoint.commit_timeout_s)
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         ckpt = self.config.checkpoint
         if ckpt.enabled:
             root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
