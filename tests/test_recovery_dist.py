@@ -211,7 +211,7 @@ def _resume_run(rank: int, world: int, backend: str, config: ArcConfig, steps: i
     return out
 
 
-@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
 def test_relaunched_job_resumes_from_the_newest_committed_checkpoint(tmp_path: Path, backend: str) -> None:
     disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / 'ckpt'}"]
     first = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "a", *disk), 18)  # "crashes" at 18
@@ -231,15 +231,19 @@ def _resume_alone(rank: int, world: int, backend: str, config: ArcConfig) -> Any
     return [p.clone() for p in job.params()], job.arc.step
 
 
-def test_world_size_change_reshards_ddp_and_refuses_zero(tmp_path: Path) -> None:
-    for backend in ("ddp", "zero2"):
+def test_world_size_change_reshards_ddp_and_fsdp_and_refuses_zero(tmp_path: Path) -> None:
+    for backend in ("ddp", "fsdp", "zero2"):
         disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / backend}"]
         saved = run_ranks(_run, 2, backend, recovery_config(tmp_path / f"{backend}-a", *disk), 11, 10)
         alone = run_ranks(_resume_alone, 1, backend, recovery_config(tmp_path / f"{backend}-b", *disk))[0]
-        if backend == "ddp":
+        if backend != "zero2":
             params, step = alone
             assert step == 10
-            assert all(torch.equal(a, b) for a, b in zip(params, saved[0]["params_at"], strict=True))
+            expected = saved[0]["params_at"]
+            if backend == "fsdp":  # one rank now holds whole tensors: the two ranks' dim-0 shards, concatenated
+                expected = [torch.cat([a, b]) for a, b in zip(saved[0]["params_at"], saved[1]["params_at"],
+                                                               strict=True)]
+            assert all(torch.equal(a, b) for a, b in zip(params, expected, strict=True))
         else:
             assert "written by 2 ranks; this job has 1" in alone and "cannot be resharded" in alone
 
