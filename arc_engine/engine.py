@@ -27,6 +27,7 @@ from arc_engine.monitors import (
     Monitor,
     NonFiniteMonitor,
     OptimizerStatsMonitor,
+    SDCMonitor,
     missing_stats,
 )
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
@@ -62,7 +63,7 @@ class ArcEngine:
         self.layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
         self.layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
         self.layout.add(names.GRAD_SQ, num_groups, shard_reduce)
-        if config.stats.optimizer_stats_every:
+        if config.stats.optimizer_stats_every or config.detectors.sdc.enabled:
             for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT):
                 self.layout.add(name, num_groups, shard_reduce)
         self.monitors: list[Monitor] = self._build_monitors()
@@ -143,7 +144,9 @@ class ArcEngine:
             monitors.append(LossSpikeMonitor(det.loss_spike))
         if det.grad_norm.enabled:
             monitors.append(GradNormMonitor(det.grad_norm))
-        if self.config.stats.optimizer_stats_every:
+        if det.sdc.enabled:
+            monitors.append(SDCMonitor(det.sdc))
+        if self.config.stats.optimizer_stats_every or det.sdc.enabled:
             monitors.append(OptimizerStatsMonitor(self.group_names))
         return monitors
 
@@ -167,6 +170,8 @@ class ArcEngine:
 
     def wants_optimizer_stats(self) -> bool:
         """Whether producers should compute weight norms and the update RMS on the current step."""
+        if self.config.detectors.sdc.enabled:
+            return self.is_monitored()
         every = self.config.stats.optimizer_stats_every
         return bool(every) and self.step % (self.config.stats.interval * every) == 0
 

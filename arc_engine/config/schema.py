@@ -115,10 +115,29 @@ class GradNormConfig:
 
 
 @dataclass(kw_only=True)
+class SDCConfig:
+    """Silent data corruption on jumps of the Adam update RMS (SDC paper §VI): flag step t when
+    |R_t - R_{t-1}| > μ / (α √ΔG_t), μ the mean jump over the first ``warmup_steps`` applied steps, ΔG_t the positive
+    jump of the pre-clip gradient norm; or when that norm is not finite. Needs the prospective update RMS on every
+    monitored step (so it overrides ``stats.optimizer_stats_every``); evaluated before the update is applied.
+    ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05)."""
+
+    enabled: bool = False
+    alpha: float = 0.05
+    warmup_steps: int = 100
+    action: ActionName = "skip"
+
+    def __post_init__(self) -> None:
+        require(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
+    sdc: SDCConfig = field(default_factory=SDCConfig)
 
 
 @dataclass(kw_only=True)
@@ -315,6 +334,7 @@ __all__ = [
     "PolicyConfig",
     "RecoveryConfig",
     "RunConfig",
+    "SDCConfig",
     "SinksConfig",
     "StatsConfig",
 ]

@@ -4,6 +4,7 @@ from arc_engine.monitors.base import Monitor, missing_stats
 from arc_engine.monitors.loss_spike import LossSpikeMonitor
 from arc_engine.monitors.numerics import GradNormMonitor, NonFiniteMonitor
 from arc_engine.monitors.optimizer import OptimizerStatsMonitor
+from arc_engine.monitors.sdc import SDCMonitor
 
 __all__ = [
     "GradNormMonitor",
@@ -11,5 +12,6 @@ __all__ = [
     "Monitor",
     "NonFiniteMonitor",
     "OptimizerStatsMonitor",
+    "SDCMonitor",
     "missing_stats",
 ]

@@ -1,0 +1,122 @@
+"""Silent data corruption: jumps of the Adam update RMS (SDC paper §VI; clean form in ../shared/papers/README.md).
+
+Per step, from the prospective update U = m̂/(√v̂+ε) that the optimizer is *about to* apply (computed from the
+final gradient and the current moments, so a flagged update is never applied):
+
+* R_t = max over parameter groups of RMS(U);  ΔR_t = |R_t − R_{t−1}|;
+* μ = mean of ΔR over the warm-up (the first ``warmup_steps`` applied steps with a ΔR);
+* ΔG_t = max(0, ‖G_t‖_pre − ‖G_{t−1}‖_pre), the pre-clip global gradient norm;
+* flag when ΔR_t > μ / (α √ΔG_t) (ΔG_t = 0 never flags), or when ‖G_t‖_pre is not finite.
+
+The rule runs on the gathered (reduced) statistics, so every rank takes the same decision. Only applied steps move
+the baselines: after a skipped step, R_{t−1} and ‖G_{t−1}‖ are still those of the last applied update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from arc_engine.config.schema import SDCConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.stats import GatheredStats, names
+from arc_engine.stats.optim_stats import rms_per_group
+
+
+def update_rms_max(update_sq_g: np.ndarray, count_g: np.ndarray) -> float:
+    """R_t: the largest per-group RMS of U over groups that have elements (NaN when none has)."""
+    rms = [r for r, c in zip(rms_per_group(update_sq_g, count_g), count_g, strict=True) if c > 0]
+    return max(rms) if rms else float("nan")
+
+
+def sdc_threshold(mu: float, alpha: float, delta_g: float) -> float:
+    """The largest ΔR_t that is not flagged: μ / (α √ΔG_t); infinite when ΔG_t = 0 (the rule cannot fire)."""
+    if delta_g <= 0.0:
+        return math.inf
+    return mu / (alpha * math.sqrt(delta_g))
+
+
+def is_sdc(r_t: float, r_prev: float, g_t: float, g_prev: float, mu: float, alpha: float) -> bool:
+    """The paper's rule for one step (see the module docstring). Pure."""
+    if not math.isfinite(g_t):
+        return True
+    delta_r = abs(r_t - r_prev)
+    return delta_r > sdc_threshold(mu, alpha, max(0.0, g_t - g_prev))
+
+
+class SDCMonitor:
+    """Stateful wrapper: the previous applied step's R and ‖G‖, and the warm-up mean μ of ΔR."""
+
+    name = "sdc"
+
+    def __init__(self, config: SDCConfig) -> None:
+        self.config = config
+        self.r_prev = float("nan")
+        self.g_prev = float("nan")
+        self.mu_sum = 0.0
+        self.mu_count = 0
+        self.flags = 0
+        self._pending: tuple[float, float] | None = None
+        self._flagged = False
+        self.last = {"update_rms_max": float("nan"), "delta_r": float("nan"), "threshold": float("nan")}
+
+    @property
+    def mu(self) -> float:
+        return self.mu_sum / self.mu_count if self.mu_count else float("nan")
+
+    @property
+    def warmed_up(self) -> bool:
+        return self.mu_count >= self.config.warmup_steps
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ)
+
+    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+        self._flagged, self._pending = False, None
+        counts = stats.total(names.UPDATE_COUNT)
+        if not np.any(counts):  # the producers did not compute U on this step
+            return []
+        r_t = update_rms_max(stats.total(names.UPDATE_SQ), counts)
+        g_t = math.sqrt(float(np.sum(stats.total(names.GRAD_SQ)))) if np.all(
+            np.isfinite(stats.total(names.GRAD_SQ))) else math.inf
+        self._pending = (r_t, g_t)
+        delta_r = abs(r_t - self.r_prev)
+        threshold = sdc_threshold(self.mu, self.config.alpha, max(0.0, g_t - self.g_prev)) \
+            if self.warmed_up and math.isfinite(g_t) else math.inf
+        self.last = {"update_rms_max": r_t, "delta_r": delta_r, "threshold": threshold}
+        nonfinite = not math.isfinite(g_t) or not math.isfinite(r_t)
+        if not nonfinite and (not self.warmed_up or not math.isfinite(self.r_prev) or delta_r <= threshold):
+            return []
+        self._flagged = True
+        values = {"update_rms_max": r_t, "previous_update_rms_max": self.r_prev, "delta_r": delta_r,
+                  "mu": self.mu, "alpha": self.config.alpha, "grad_norm_pre_clip": g_t,
+                  "previous_grad_norm_pre_clip": self.g_prev, "threshold": threshold}
+        reason = "pre-clip gradient norm is not finite" if nonfinite else (
+            f"update RMS jump {delta_r:.3g} > μ/(α√ΔG) = {threshold:.3g} (R {self.r_prev:.4g} -> {r_t:.4g})")
+        return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
+                        f"silent data corruption suspected: {reason}", values=values)]
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._flagged:
+            self.flags += 1
+        if not applied or self._pending is None or self._flagged:
+            return
+        r_t, g_t = self._pending
+        if math.isfinite(self.r_prev) and not self.warmed_up:
+            self.mu_sum += abs(r_t - self.r_prev)
+            self.mu_count += 1
+        self.r_prev, self.g_prev = r_t, g_t
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.last, "mu": self.mu, "flags": float(self.flags)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"r_prev": self.r_prev, "g_prev": self.g_prev, "mu_sum": self.mu_sum, "mu_count": self.mu_count,
+                "flags": self.flags}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.r_prev, self.g_prev = float(state["r_prev"]), float(state["g_prev"])
+        self.mu_sum, self.mu_count = float(state["mu_sum"]), int(state["mu_count"])
+        self.flags = int(state["flags"])

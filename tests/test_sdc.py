@@ -1,0 +1,124 @@
+"""The SDC detector (update-RMS jumps, SDC paper §VI): the pure rule, the monitor's baselines, and real runs with
+exponent-bit flips injected into a backward GEMM (single process and 2 gloo ranks under DDP)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import arc_engine
+from arc_engine.config.schema import SDCConfig
+from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
+from arc_engine.monitors.sdc import SDCMonitor, is_sdc, sdc_threshold, update_rms_max
+from arc_engine.stats import GatheredStats, Reduce, StatLayout, names
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_rule_follows_the_paper() -> None:
+    assert sdc_threshold(0.01, 0.05, 0.0) == math.inf  # ΔG = 0 never flags
+    assert sdc_threshold(0.01, 0.05, 4.0) == pytest.approx(0.01 / (0.05 * 2.0))
+    assert not is_sdc(1.0, 0.99, 5.0, 5.0, mu=0.001, alpha=0.05)  # a jump with no gradient-norm jump
+    assert is_sdc(1.5, 1.0, 9.0, 5.0, mu=0.01, alpha=0.05)  # 0.5 > 0.01 / (0.05 * 2) = 0.1
+    assert not is_sdc(1.05, 1.0, 9.0, 5.0, mu=0.01, alpha=0.05)  # 0.05 <= 0.1
+    assert is_sdc(1.0, 1.0, math.inf, 5.0, mu=0.01, alpha=0.05)  # infinite pre-clip norm
+    assert is_sdc(1.0, 1.0, math.nan, 5.0, mu=0.01, alpha=0.05)
+    assert update_rms_max(np.array([4.0, 90.0, 0.0]), np.array([1.0, 10.0, 0.0])) == 3.0
+
+
+def gathered(r: float, g: float) -> GatheredStats:
+    layout = StatLayout()
+    for name in (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ):
+        layout.add(name, 1, Reduce.SUM)
+    layout.freeze()
+    return GatheredStats(layout, np.array([[r * r * 10.0, 10.0, g * g]]), (0,))
+
+
+def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline() -> None:
+    monitor = SDCMonitor(SDCConfig(enabled=True, warmup_steps=3, alpha=0.05))
+    for step, r in enumerate([1.0, 1.01, 0.99, 1.0]):  # jumps 0.01, 0.02, 0.01: mu = 0.04 / 3
+        assert monitor.evaluate(step, gathered(r, 5.0)) == []
+        monitor.commit(step, True)
+    assert monitor.warmed_up and monitor.mu == pytest.approx(0.04 / 3)
+    findings = monitor.evaluate(4, gathered(1.5, 9.0))  # threshold mu / (0.05 * 2) = 0.133 < 0.5
+    assert [f.detector for f in findings] == ["sdc"] and findings[0].values["delta_r"] == pytest.approx(0.5)
+    monitor.commit(4, False)
+    assert monitor.r_prev == 1.0 and monitor.g_prev == 5.0  # the skipped update never happened
+    assert monitor.evaluate(5, gathered(1.0, 5.0)) == []
+    restored = SDCMonitor(monitor.config)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.state_dict() == monitor.state_dict()
+
+
+# ------------------------------------------------------------------ real runs with bit flips
+
+def sdc_config(run_dir: Path, *overrides: str) -> Any:
+    return make_config(run_dir, "detectors.sdc.enabled=true", "detectors.sdc.warmup_steps=30",
+                       "detectors.loss_spike.enabled=false", "detectors.grad_norm.enabled=false",
+                       "detectors.non_finite.enabled=false", *overrides)
+
+
+def train_with_flips(model: torch.nn.Module, arc: Any, data: Any, rank: int, steps: int) -> dict[str, Any]:
+    optimizer = arc.optimizer
+    decisions, params_before = {}, {}
+    for step in range(steps):
+        params_before[step] = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        loss = model(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        decision = arc.engine.last_decision
+        decisions[step] = [f.detector for f in decision.findings] if decision.step == step else []
+    flagged = [step for step, found in decisions.items() if "sdc" in found]
+    unchanged = {step: torch.equal(params_before[step], params_before[step + 1]) for step in flagged
+                 if step + 1 < steps}
+    return {"flagged": flagged, "unchanged_after_flag": unchanged, "summary": arc.summary()}
+
+
+def _run(rank: int, world: int, run_dir: Path, steps: int, flip_at: list[int], flip_rank: int,
+         bit: int = 30, count: int = 4) -> dict[str, Any]:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    wrapped = DistributedDataParallel(model) if world > 1 else model
+    arc = arc_engine.attach(wrapped, optimizer, sdc_config(run_dir))
+    arc.optimizer = optimizer
+    spec = BitFlipSpec(pattern="blocks.0.mlp.0", where="backward", rank=flip_rank, steps=flip_at, count=count, bit=bit,
+                       max_per_step=1)
+    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration)
+    injector.install(model)
+    out = train_with_flips(wrapped, arc, data, rank, steps)
+    out["fired"] = [f["step"] for f in injector.fired]
+    arc.close()
+    return out
+
+
+@pytest.mark.parametrize(("bit", "count"), [(30, 4), (26, 256)], ids=["exponent-msb", "exponent-bit-3"])
+def test_bit_flip_in_backward_is_flagged_before_the_update_is_applied(tmp_path: Path, bit: int, count: int) -> None:
+    """fp32 bit 30 (the exponent's top bit) makes the gradient norm infinite; bit 26 scales 256 values of the
+    backward GEMM output by 2^8, a finite jump caught by the ΔR / √ΔG rule."""
+    result = _run(0, 1, tmp_path, 80, [50], 0, bit, count)
+    assert result["fired"] == [50]
+    assert result["flagged"] == [50]
+    assert result["unchanged_after_flag"] == {50: True}  # the corrupted update was never applied
+
+
+def test_no_false_flag_in_a_clean_1000_step_run(tmp_path: Path) -> None:
+    result = _run(0, 1, tmp_path, 1000, [], 0)
+    assert result["flagged"] == []
+    assert result["summary"]["monitored_steps"] == 1000
+
+
+def test_bit_flip_on_one_ddp_rank_is_flagged_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_run, 2, tmp_path, 60, [40], 1)
+    assert results[0]["fired"] == [] and results[1]["fired"] == [40]
+    assert [r["flagged"] for r in results] == [[40], [40]]
+    assert all(r["unchanged_after_flag"] == {40: True} for r in results)
