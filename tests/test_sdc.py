@@ -122,3 +122,38 @@ def test_bit_flip_on_one_ddp_rank_is_flagged_on_every_rank(tmp_path: Path) -> No
     assert results[0]["fired"] == [] and results[1]["fired"] == [40]
     assert [r["flagged"] for r in results] == [[40], [40]]
     assert all(r["unchanged_after_flag"] == {40: True} for r in results)
+
+
+def _run_zero2(rank: int, world: int, run_dir: Path, steps: int, flip_at: int) -> dict[str, Any]:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    # No clipping: clipping to a small norm damps the update-RMS jump (see the README's SDC notes).
+    engine, data = ds_engine(rank, world, 2, clip=0.0)
+    arc = attach_deepspeed(engine, sdc_config(run_dir))
+    # A finite corruption (2^8 x 256 values): an infinite one DeepSpeed would skip by itself (overflow check).
+    spec = BitFlipSpec(pattern="blocks.0.mlp.0", where="backward", rank=1, steps=[flip_at], count=256, bit=26,
+                       max_per_step=1)
+    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration)
+    injector.install(engine.module)
+    flagged, unchanged = [], None
+    for step in range(steps):
+        before = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+        loss = engine(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        decision = arc.engine.last_decision
+        if decision.step == step and any(f.detector == "sdc" for f in decision.findings):
+            flagged.append(step)
+            unchanged = torch.equal(before, torch.cat([p.detach().flatten() for p in engine.module.parameters()]))
+    arc.close()
+    return {"flagged": flagged, "unchanged": unchanged, "fired": [f["step"] for f in injector.fired]}
+
+
+def test_bit_flip_on_one_rank_under_deepspeed_zero2_is_flagged_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    results = run_ranks(_run_zero2, 2, tmp_path, 45, 40)
+    assert [r["fired"] for r in results] == [[], [40]]
+    assert [r["flagged"] for r in results] == [[40], [40]]
+    assert all(r["unchanged"] for r in results)  # DeepSpeed applied nothing on any rank
