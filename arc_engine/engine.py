@@ -100,6 +100,11 @@ class ArcEngine:
         """Collective (once): agree on the run id, freeze and verify the statistics layout, open sinks."""
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
+        if self.config.detectors.sdc.enabled:  # SDC findings name the host and device of the suspect rank
+            locations = runtime.gather_locations(self.group)
+            for monitor in self.monitors:
+                if isinstance(monitor, SDCMonitor):
+                    monitor.locations = locations
         for monitor in list(self.monitors):
             lacking = missing_stats(monitor, self.layout)
             if lacking:

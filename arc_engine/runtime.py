@@ -46,3 +46,21 @@ def agree_on_run_id(configured: str | None, group: dist.ProcessGroup | None) -> 
         dist.broadcast_object_list(box, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
         choice = box[0]
     return choice
+
+
+def device_name() -> str:
+    """This rank's accelerator as an operator would look for it: ``cuda:<local rank>`` or ``cpu``."""
+    import torch
+
+    return f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
+
+
+def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
+    """``{global rank: "host:device"}`` for every rank of ``group``. Collective (one ``all_gather_object``) when
+    distributed; call it once, at attach time."""
+    here = (global_rank(), f"{hostname()}:{device_name()}")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return dict([here])
+    gathered: list[tuple[int, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, here, group=group)
+    return dict(item for item in gathered if item is not None)

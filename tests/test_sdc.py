@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 import arc_engine
 from arc_engine.config.schema import SDCConfig
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
-from arc_engine.monitors.sdc import SDCMonitor, is_sdc, sdc_threshold, update_rms_max
+from arc_engine.monitors.sdc import SDCMonitor, is_sdc, sdc_threshold, suspect_ranks, update_rms_max
+from arc_engine.sinks import read_jsonl
 from arc_engine.stats import GatheredStats, Reduce, StatLayout, names
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
@@ -34,12 +35,22 @@ def test_rule_follows_the_paper() -> None:
     assert update_rms_max(np.array([4.0, 90.0, 0.0]), np.array([1.0, 10.0, 0.0])) == 3.0
 
 
-def gathered(r: float, g: float) -> GatheredStats:
+def test_the_rank_whose_local_gradient_jumped_is_named() -> None:
+    previous = np.array([1.0, 1.1, 0.9, 1.0])
+    assert suspect_ranks(np.array([1.1, 1.0, 45.0, 1.05]), previous, 4.0) == [2]
+    assert suspect_ranks(np.array([1.0, 40.0]), np.array([1.0, 1.0]), 4.0) == [1]  # 2 ranks: the peer is the reference
+    assert suspect_ranks(np.array([1.0, np.inf, 1.0]), np.ones(3), 4.0) == [1]
+    assert suspect_ranks(np.array([2.0, 2.1, 1.9, 2.0]), np.ones(4), 4.0) == []  # a global change: no single rank
+
+
+def gathered(r: float, g: float, local: tuple[float, ...] = (1.0,)) -> GatheredStats:
     layout = StatLayout()
     for name in (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ):
         layout.add(name, 1, Reduce.SUM)
+    layout.add(names.GRAD_SQ_LOCAL, 1, Reduce.PER_RANK)
     layout.freeze()
-    return GatheredStats(layout, np.array([[r * r * 10.0, 10.0, g * g]]), (0,))
+    rows = [[r * r * 10.0, 10.0, g * g, local[0] ** 2]] + [[0.0, 0.0, 0.0, v * v] for v in local[1:]]
+    return GatheredStats(layout, np.array(rows), tuple(range(len(local))))
 
 
 def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline() -> None:
@@ -50,6 +61,7 @@ def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline(
     assert monitor.warmed_up and monitor.mu == pytest.approx(0.04 / 3)
     findings = monitor.evaluate(4, gathered(1.5, 9.0))  # threshold mu / (0.05 * 2) = 0.133 < 0.5
     assert [f.detector for f in findings] == ["sdc"] and findings[0].values["delta_r"] == pytest.approx(0.5)
+    assert findings[0].ranks == ()  # one rank only: nobody to compare with
     monitor.commit(4, False)
     assert monitor.r_prev == 1.0 and monitor.g_prev == 5.0  # the skipped update never happened
     assert monitor.evaluate(5, gathered(1.0, 5.0)) == []
@@ -77,11 +89,12 @@ def train_with_flips(model: torch.nn.Module, arc: Any, data: Any, rank: int, ste
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         decision = arc.engine.last_decision
-        decisions[step] = [f.detector for f in decision.findings] if decision.step == step else []
+        decisions[step] = {f.detector: f.ranks for f in decision.findings} if decision.step == step else {}
     flagged = [step for step, found in decisions.items() if "sdc" in found]
+    suspects = {step: list(found["sdc"]) for step, found in decisions.items() if "sdc" in found}
     unchanged = {step: torch.equal(params_before[step], params_before[step + 1]) for step in flagged
                  if step + 1 < steps}
-    return {"flagged": flagged, "unchanged_after_flag": unchanged, "summary": arc.summary()}
+    return {"flagged": flagged, "suspects": suspects, "unchanged_after_flag": unchanged, "summary": arc.summary()}
 
 
 def _run(rank: int, world: int, run_dir: Path, steps: int, flip_at: list[int], flip_rank: int,
@@ -117,11 +130,17 @@ def test_no_false_flag_in_a_clean_1000_step_run(tmp_path: Path) -> None:
     assert result["summary"]["monitored_steps"] == 1000
 
 
-def test_bit_flip_on_one_ddp_rank_is_flagged_on_every_rank(tmp_path: Path) -> None:
-    results = run_ranks(_run, 2, tmp_path, 60, [40], 1)
-    assert results[0]["fired"] == [] and results[1]["fired"] == [40]
-    assert [r["flagged"] for r in results] == [[40], [40]]
+@pytest.mark.parametrize(("world", "bad_rank"), [(2, 1), (4, 2)])
+def test_bit_flip_on_one_ddp_rank_is_flagged_on_every_rank_and_the_rank_named(tmp_path: Path, world: int,
+                                                                              bad_rank: int) -> None:
+    results = run_ranks(_run, world, tmp_path, 60, [40], bad_rank, 26, 256)
+    assert [r["fired"] for r in results] == [[40] if rank == bad_rank else [] for rank in range(world)]
+    assert [r["flagged"] for r in results] == [[40]] * world
+    assert all(r["suspects"] == {40: [bad_rank]} for r in results)  # named from its pre-reduction gradient
     assert all(r["unchanged_after_flag"] == {40: True} for r in results)
+    events = [e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e["detector"] == "sdc"]
+    assert f"suspected on rank {bad_rank} (" in events[0]["message"]
+    assert events[0]["values"]["suspects"][str(bad_rank)].endswith(":cpu")  # host:device
 
 
 def _run_zero2(rank: int, world: int, run_dir: Path, steps: int, flip_at: int) -> dict[str, Any]:
@@ -136,7 +155,7 @@ def _run_zero2(rank: int, world: int, run_dir: Path, steps: int, flip_at: int) -
                        max_per_step=1)
     injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration)
     injector.install(engine.module)
-    flagged, unchanged = [], None
+    flagged, unchanged, suspects = [], None, []
     for step in range(steps):
         before = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
         loss = engine(*data.batch(step, rank, BATCH))
@@ -144,11 +163,14 @@ def _run_zero2(rank: int, world: int, run_dir: Path, steps: int, flip_at: int) -
         engine.backward(loss)
         engine.step()
         decision = arc.engine.last_decision
-        if decision.step == step and any(f.detector == "sdc" for f in decision.findings):
+        sdc = [f for f in decision.findings if f.detector == "sdc"] if decision.step == step else []
+        if sdc:
             flagged.append(step)
+            suspects = list(sdc[0].ranks)
             unchanged = torch.equal(before, torch.cat([p.detach().flatten() for p in engine.module.parameters()]))
     arc.close()
-    return {"flagged": flagged, "unchanged": unchanged, "fired": [f["step"] for f in injector.fired]}
+    return {"flagged": flagged, "unchanged": unchanged, "suspects": suspects,
+            "fired": [f["step"] for f in injector.fired]}
 
 
 def test_bit_flip_on_one_rank_under_deepspeed_zero2_is_flagged_on_every_rank(tmp_path: Path) -> None:
@@ -156,4 +178,5 @@ def test_bit_flip_on_one_rank_under_deepspeed_zero2_is_flagged_on_every_rank(tmp
     results = run_ranks(_run_zero2, 2, tmp_path, 45, 40)
     assert [r["fired"] for r in results] == [[], [40]]
     assert [r["flagged"] for r in results] == [[40], [40]]
+    assert [r["suspects"] for r in results] == [[1], [1]]
     assert all(r["unchanged"] for r in results)  # DeepSpeed applied nothing on any rank

@@ -120,15 +120,19 @@ class SDCConfig:
     |R_t - R_{t-1}| > μ / (α √ΔG_t), μ the mean jump over the first ``warmup_steps`` applied steps, ΔG_t the positive
     jump of the pre-clip gradient norm; or when that norm is not finite. Needs the prospective update RMS on every
     monitored step (so it overrides ``stats.optimizer_stats_every``); evaluated before the update is applied.
-    ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05)."""
+    ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05). ``localize_factor``: on a flagged
+    step, a rank whose local (pre-reduction) gradient-norm jump exceeds this many times its peers' median jump is
+    named as the suspect."""
 
     enabled: bool = False
     alpha: float = 0.05
     warmup_steps: int = 100
+    localize_factor: float = 4.0
     action: ActionName = "skip"
 
     def __post_init__(self) -> None:
         require(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        require(self.localize_factor > 1, "localize_factor", self.localize_factor, "must be > 1")
         require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
 
 

@@ -10,6 +10,11 @@ final gradient and the current moments, so a flagged update is never applied):
 
 The rule runs on the gathered (reduced) statistics, so every rank takes the same decision. Only applied steps move
 the baselines: after a skipped step, R_{t−1} and ‖G_{t−1}‖ are still those of the last applied update.
+
+Localization: each rank's *local* gradient norm (before the reduction: DDP comm hook, ZeRO tensor hooks, FSDP2
+unsharded hooks) is in the same gathered statistics. On a flagged step, a rank is named suspect when its local norm
+is not finite, or when its jump against its own previous applied step exceeds ``localize_factor`` times the median
+jump of the other ranks (so it works from 2 ranks up: a healthy peer's jump is the reference).
 """
 
 from __future__ import annotations
@@ -38,6 +43,21 @@ def sdc_threshold(mu: float, alpha: float, delta_g: float) -> float:
     return mu / (alpha * math.sqrt(delta_g))
 
 
+def suspect_ranks(local_norm_r: np.ndarray, previous_local_norm_r: np.ndarray, factor: float) -> list[int]:
+    """Row indices of the ranks whose local gradient norm is non-finite, or whose jump (this step / previous
+    applied step) is more than ``factor`` times the median jump of the other ranks. Pure."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        jump_r = local_norm_r / previous_local_norm_r
+    suspects = []
+    for row, (norm, jump) in enumerate(zip(local_norm_r, jump_r, strict=True)):
+        others = np.delete(jump_r, row)
+        others = others[np.isfinite(others)]
+        jumped = others.size > 0 and np.isfinite(jump) and jump > factor * max(float(np.median(others)), 1e-12)
+        if not np.isfinite(norm) or jumped:
+            suspects.append(row)
+    return suspects
+
+
 def is_sdc(r_t: float, r_prev: float, g_t: float, g_prev: float, mu: float, alpha: float) -> bool:
     """The paper's rule for one step (see the module docstring). Pure."""
     if not math.isfinite(g_t):
@@ -60,6 +80,9 @@ class SDCMonitor:
         self.flags = 0
         self._pending: tuple[float, float] | None = None
         self._flagged = False
+        self.local_prev_r = np.zeros(0)
+        self._local_now_r = np.zeros(0)
+        self.locations: dict[int, str] = {}  # global rank -> "host:device", filled at attach
         self.last = {"update_rms_max": float("nan"), "delta_r": float("nan"), "threshold": float("nan")}
 
     @property
@@ -71,7 +94,7 @@ class SDCMonitor:
         return self.mu_count >= self.config.warmup_steps
 
     def required_stats(self) -> tuple[str, ...]:
-        return (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ)
+        return (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ, names.GRAD_SQ_LOCAL)
 
     def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
         self._flagged, self._pending = False, None
@@ -82,6 +105,7 @@ class SDCMonitor:
         g_t = math.sqrt(float(np.sum(stats.total(names.GRAD_SQ)))) if np.all(
             np.isfinite(stats.total(names.GRAD_SQ))) else math.inf
         self._pending = (r_t, g_t)
+        self._local_now_r = np.sqrt(stats.per_rank(names.GRAD_SQ_LOCAL).sum(axis=1))
         delta_r = abs(r_t - self.r_prev)
         threshold = sdc_threshold(self.mu, self.config.alpha, max(0.0, g_t - self.g_prev)) \
             if self.warmed_up and math.isfinite(g_t) else math.inf
@@ -90,13 +114,21 @@ class SDCMonitor:
         if not nonfinite and (not self.warmed_up or not math.isfinite(self.r_prev) or delta_r <= threshold):
             return []
         self._flagged = True
+        rows = suspect_ranks(self._local_now_r, self.local_prev_r, self.config.localize_factor) \
+            if self.local_prev_r.shape == self._local_now_r.shape else []
+        ranks = tuple(stats.ranks[row] for row in rows)
         values = {"update_rms_max": r_t, "previous_update_rms_max": self.r_prev, "delta_r": delta_r,
                   "mu": self.mu, "alpha": self.config.alpha, "grad_norm_pre_clip": g_t,
-                  "previous_grad_norm_pre_clip": self.g_prev, "threshold": threshold}
+                  "previous_grad_norm_pre_clip": self.g_prev, "threshold": threshold,
+                  "local_grad_norm_per_rank": self._local_now_r.tolist(),
+                  "previous_local_grad_norm_per_rank": self.local_prev_r.tolist(),
+                  "suspects": {str(rank): self.locations.get(rank, "?") for rank in ranks}}
         reason = "pre-clip gradient norm is not finite" if nonfinite else (
             f"update RMS jump {delta_r:.3g} > μ/(α√ΔG) = {threshold:.3g} (R {self.r_prev:.4g} -> {r_t:.4g})")
+        where = ", ".join(f"rank {rank} ({self.locations.get(rank, '?')})" for rank in ranks) or \
+            "no single rank stands out"
         return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
-                        f"silent data corruption suspected: {reason}", values=values)]
+                        f"silent data corruption suspected on {where}: {reason}", ranks, values)]
 
     def commit(self, step: int, applied: bool) -> None:
         if self._flagged:
@@ -108,15 +140,17 @@ class SDCMonitor:
             self.mu_sum += abs(r_t - self.r_prev)
             self.mu_count += 1
         self.r_prev, self.g_prev = r_t, g_t
+        self.local_prev_r = self._local_now_r
 
     def metrics(self) -> dict[str, float]:
         return {**self.last, "mu": self.mu, "flags": float(self.flags)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"r_prev": self.r_prev, "g_prev": self.g_prev, "mu_sum": self.mu_sum, "mu_count": self.mu_count,
-                "flags": self.flags}
+                "flags": self.flags, "local_prev_r": self.local_prev_r.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.r_prev, self.g_prev = float(state["r_prev"]), float(state["g_prev"])
         self.mu_sum, self.mu_count = float(state["mu_sum"]), int(state["mu_count"])
         self.flags = int(state["flags"])
+        self.local_prev_r = np.asarray(state.get("local_prev_r", []), dtype=np.float64)
