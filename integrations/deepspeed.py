@@ -40,7 +40,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.integrations.torch_optim import drop_gradients
-from arc_engine.recovery.heal import restore_learning_rates, scale_gradients, scale_learning_rates
+from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
 
@@ -248,19 +248,8 @@ class DeepSpeedAdapter:
                 self.skip_this_step = not self.engine.decide().applies_update
         if self.skip_this_step:
             drop_gradients(optimizer)
-        else:
-            self._heal(optimizer)
-
-    def _heal(self, optimizer: torch.optim.Optimizer) -> None:
-        """This group's learning rate x the step's factor (healing, injected faults), its (final) gradient x the
-        healing clip coefficient. DeepSpeed steps the torch optimizer once per group, with only that group in
-        ``param_groups``."""
-        if self.engine.recovery is not None:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            scale_gradients(grads, self.engine.recovery.clip_coefficient())
-        factor = self.engine.step_lr_factor()
-        if factor != 1.0:
-            self._saved_lrs = scale_learning_rates(optimizer.param_groups, factor)
+        else:  # healing: this group's LR and gradient (DeepSpeed steps the torch optimizer once per group)
+            self._saved_lrs = heal_step(self.engine, optimizer.param_groups)
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._saved_lrs is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from arc_engine.engine import ArcEngine
-from arc_engine.recovery.heal import restore_learning_rates, scale_gradients, scale_learning_rates
+from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
 from arc_engine.stats.optim_stats import adam_views
@@ -89,15 +89,9 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             if not engine.decide().applies_update:
                 drop_gradients(opt)
                 return
-        heal(opt)
-
-    def heal(opt: torch.optim.Optimizer) -> None:
-        if engine.recovery is not None:
-            grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-            scale_gradients(grads, engine.recovery.clip_coefficient())
-        factor = engine.step_lr_factor()
-        if factor != 1.0:
-            saved_lrs.append(scale_learning_rates(opt.param_groups, factor))
+        saved = heal_step(engine, opt.param_groups)
+        if saved is not None:
+            saved_lrs.append(saved)
 
     def post_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if saved_lrs:

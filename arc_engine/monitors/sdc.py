@@ -102,8 +102,8 @@ class SDCMonitor:
         if not np.any(counts):  # the producers did not compute U on this step
             return []
         r_t = update_rms_max(stats.total(names.UPDATE_SQ), counts)
-        g_t = math.sqrt(float(np.sum(stats.total(names.GRAD_SQ)))) if np.all(
-            np.isfinite(stats.total(names.GRAD_SQ))) else math.inf
+        grad_sq = float(np.sum(stats.total(names.GRAD_SQ)))
+        g_t = math.sqrt(grad_sq) if math.isfinite(grad_sq) else math.inf
         self._pending = (r_t, g_t)
         self._local_now_r = np.sqrt(stats.per_rank(names.GRAD_SQ_LOCAL).sum(axis=1))
         delta_r = abs(r_t - self.r_prev)

@@ -6,9 +6,12 @@ so it composes with any LR scheduler (DeepSpeed's, Megatron's, torch's) instead 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from arc_engine.engine import ArcEngine
 
 
 def scale_learning_rates(param_groups: list[dict[str, Any]], factor: float) -> list[Any]:
@@ -32,3 +35,17 @@ def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
     """``g *= coefficient`` in place for every gradient (a no-op for 1)."""
     if coefficient != 1.0 and grads:
         torch._foreach_mul_(grads, coefficient)
+
+
+def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]]) -> list[Any] | None:
+    """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call): scale the gradients of
+    ``param_groups`` by recovery's clip coefficient and their learning rates by the step's factor. Returns the saved
+    learning rates to hand to :func:`restore_learning_rates` after the step, or None when nothing was scaled. Local;
+    in normal training it touches no tensor and walks no parameter list."""
+    recovery = engine.recovery
+    coefficient = recovery.clip_coefficient() if recovery is not None else 1.0
+    if coefficient != 1.0:
+        scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
+                        coefficient)
+    factor = engine.step_lr_factor()
+    return scale_learning_rates(param_groups, factor) if factor != 1.0 else None

@@ -40,6 +40,7 @@ from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo
 from arc_engine.recovery.controller import RecoveryController
 from arc_engine.recovery.snapshot import Snapshot, SnapshotRing, capture, restore, ring_capacity, set_rng_state
 from arc_engine.recovery.state import TrainState
+from arc_engine.stats import names
 
 if TYPE_CHECKING:
     from arc_engine.engine import ArcEngine
@@ -324,8 +325,6 @@ class Recovery:
         if max_norm is None or self.lr_factor >= 1.0 or stats is None or decision is None \
                 or decision.step != self.engine.step:
             return 1.0
-        from arc_engine.stats import names
-
         norm = math.sqrt(max(float(stats.total(names.GRAD_SQ).sum()), 0.0))
         return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
 
