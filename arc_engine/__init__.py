@@ -4,12 +4,13 @@ from arc_engine.attach import Arc, attach
 from arc_engine.config import ArcConfig, ConfigError, add_arc_args, config_from_args, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Event, Finding, Severity
-from arc_engine.policy import EXIT_ABORT, EXIT_RECOVERY_EXHAUSTED, ArcAbort, Decision
+from arc_engine.policy import EXIT_ABORT, EXIT_FAULTY_DEVICE, EXIT_RECOVERY_EXHAUSTED, ArcAbort, Decision
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EXIT_ABORT",
+    "EXIT_FAULTY_DEVICE",
     "EXIT_RECOVERY_EXHAUSTED",
     "Action",
     "Arc",

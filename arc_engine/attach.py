@@ -29,6 +29,7 @@ from arc_engine import runtime
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
+from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce
 from arc_engine.stats.grad_stats import ParamGroupIndex
@@ -88,7 +89,7 @@ class Arc:
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
-           lr_scheduler: Any | None = None) -> Arc:
+           lr_scheduler: Any | None = None, recompute_fn: RecomputeFn | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
@@ -103,6 +104,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     With ``recovery.enabled`` the loop must draw its batches from :attr:`Arc.data_position` and run until
     :attr:`Arc.step` reaches its target (both go back on a rollback and are restored on a resume), and should step
     an LR scheduler only when :attr:`Arc.last_step_applied`.
+
+    ``recompute_fn(module, data_rank)``: required by ``detectors.sdc.recompute`` (DDP and DeepSpeed): yields the
+    losses of the micro-batches rank ``data_rank`` trained on in the current step (at :attr:`Arc.data_position`),
+    computed with ``module`` (the unwrapped model) and scaled as they were back-propagated; see
+    :mod:`arc_engine.recovery.recompute`.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -112,12 +118,15 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if type(model).__module__.startswith("deepspeed."):
         from arc_engine.integrations.deepspeed import attach_deepspeed
 
-        return attach_deepspeed(model, config, group=group)
+        return attach_deepspeed(model, config, group=group, recompute_fn=recompute_fn)
     if optimizer is None:
         raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
     if isinstance(model, FSDPModule):
         from arc_engine.integrations.fsdp import attach_fsdp
 
+        if recompute_fn is not None:
+            raise ValueError("recompute_fn: the SDC recomputation is not supported on FSDP2 (DDP and DeepSpeed "
+                             "ZeRO-1/2 are)")
         return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
     if not isinstance(config, ArcConfig):
         config = load_config(config)
@@ -130,8 +139,17 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     injector.install(model.module if is_ddp else model)
     engine.start()
     engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
+    wants_recompute = recompute_wanted(engine, recompute_fn, "a plain (non-DDP) module", is_ddp)
     if is_ddp:
-        register_stats_hook(engine, model, groups)
+        from arc_engine.integrations.ddp import DDPGradientTarget
+        from arc_engine.integrations.torch_optim import optimizer_stats
+
+        hook_state = register_stats_hook(engine, model, groups)
+        if wants_recompute:
+            target = DDPGradientTarget(model, hook_state, optimizer, optimizer_stats)
+            engine.restat = target.record_stats
+            engine.sdc_recompute = SDCRecompute(engine, config.detectors.sdc.recompute, hook_state.gate, target,
+                                                recompute_fn)
     hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp)
     engine.lr_multipliers.append(injector.lr_multiplier)
     return Arc(engine, injector, [hooks.remove, register_step_start(engine, model)])

@@ -36,6 +36,7 @@ from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
 from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
 
 if TYPE_CHECKING:
+    from arc_engine.recovery.recompute import SDCRecompute
     from arc_engine.recovery.rollback import Recovery
 
 log = logging.getLogger("arc_engine")
@@ -66,6 +67,10 @@ class ArcEngine:
         if config.stats.optimizer_stats_every or config.detectors.sdc.enabled:
             for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT):
                 self.layout.add(name, num_groups, shard_reduce)
+        if config.detectors.sdc.enabled and config.detectors.sdc.sketch_size:
+            self.layout.add(names.GRAD_SKETCH_LOCAL, config.detectors.sdc.sketch_size, Reduce.PER_RANK)
+        if config.detectors.sdc.enabled and config.detectors.sdc.recompute.enabled:
+            self.layout.add(names.SDC_WITHHELD, 1, Reduce.PER_RANK)
         self.monitors: list[Monitor] = self._build_monitors()
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, stats_device(group, config.stats.device))
@@ -77,6 +82,10 @@ class ArcEngine:
         self.iteration = 0       # step attempts, monotonic (faults and wall-clock reports use it)
         self.data_position = 0   # index of the next batch to train on, one per optimizer step
         self.recovery: Recovery | None = None
+        self.sdc_recompute: SDCRecompute | None = None  # set by the integration (detectors.sdc.recompute)
+        self.restat: Callable[[], None] | None = None    # the integration's re-recording of reduced statistics
+        self.recomputing = False  # True while recompute_fn runs: reduction-side hooks stand aside
+        self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
         self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
         self._step_open = False
         self.monitored_steps = 0
@@ -101,10 +110,10 @@ class ArcEngine:
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
         if self.config.detectors.sdc.enabled:  # SDC findings name the host and device of the suspect rank
-            locations = runtime.gather_locations(self.group)
+            self.locations = runtime.gather_locations(self.group)
             for monitor in self.monitors:
                 if isinstance(monitor, SDCMonitor):
-                    monitor.locations = locations
+                    monitor.locations = self.locations
         for monitor in list(self.monitors):
             lacking = missing_stats(monitor, self.layout)
             if lacking:
@@ -139,6 +148,8 @@ class ArcEngine:
         self._step_open = True
         if self.recovery is not None:
             self.recovery.on_step_start()
+        if self.sdc_recompute is not None:
+            self.sdc_recompute.capture()
 
     def _build_monitors(self) -> list[Monitor]:
         det = self.config.detectors
@@ -205,17 +216,47 @@ class ArcEngine:
             self.buffer.view(names.LOSS).div_(self._loss_count)
         self.buffer.put(names.LOSS_COUNT, float(self._loss_count))
         stats = self.pipeline.gather(self.buffer)
-        self.last_stats = stats
+        extra = list(extra_findings)
+        recompute = self.sdc_recompute
+        resolved = recompute is not None and only is None and recompute.needs_resolution(stats)
+        if resolved:  # some rank withheld its gradient: recompute there, correct, judge the corrected step
+            extra += recompute.resolve(stats)
+            stats = self._regather()
         monitors = [m for m in self.monitors if only is None or m.name in only]
-        findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)] + list(extra_findings)
+        findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
+        if recompute is not None and only is None and not resolved and any(f.detector == "sdc" for f in findings):
+            extra += [*findings, *recompute.recompute_all()]  # the first verdict stays on record
+            stats = self._regather()
+            findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
+        self.last_stats = stats
+        findings += extra
         decision = self.policy.decide(self.step, findings)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
+        decision = _with_exit_code(decision)
         self.last_decision = decision
         self._report(decision)
         self._maybe_log_metrics(stats)
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
+
+    def _regather(self) -> GatheredStats:
+        """Collective: after a correction of the reduced gradient, re-record the reduced statistics (keeping the
+        per-rank pre-reduction ones, except a recomputing rank's own) and gather again."""
+        assert self.buffer is not None and self.restat is not None
+        per_rank = {spec.name: self.buffer.view(spec.name).clone() for spec in self.layout.specs()
+                    if spec.reduce == Reduce.PER_RANK}
+        self.buffer.reset()
+        for name, values in per_rank.items():
+            self.buffer.view(name).copy_(values)
+        if self.sdc_recompute is not None:
+            self.sdc_recompute.write_local_stats(self.buffer)
+        self.restat()
+        return self.pipeline.gather(self.buffer)
+
+    def log_warning(self, message: str) -> None:
+        """A local warning through Python logging (e.g. a recomputation that raised on this rank)."""
+        log.warning("arc_engine rank %d: %s", self.rank, message)
 
     def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:
         if decision.action != Action.ABORT:
@@ -394,3 +435,11 @@ class ArcEngine:
         self.rewind(int(state["step"]), int(state.get("data_position", state["step"])))
         self.load_monitor_state_dict(state["monitors"])
         self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})
+
+
+def _with_exit_code(decision: Decision) -> Decision:
+    """An ABORT takes the exit code a finding asks for (e.g. a faulty device), else keeps the policy's."""
+    if decision.action != Action.ABORT:
+        return decision
+    codes = [f.values["exit_code"] for f in decision.findings if f.action == Action.ABORT and "exit_code" in f.values]
+    return dataclasses.replace(decision, exit_code=int(codes[0])) if codes else decision

@@ -9,7 +9,12 @@ Per bucket, on monitored steps only:
 * in the future's callback, on the reduced bucket: per-group squared norm (``grad_sq``) -- the pre-clip norm
   of the gradient the optimizer will see.
 
-The gradient values are never modified beyond what the default hook does, so training is bitwise unchanged.
+With ``detectors.sdc`` on, each rank also adds its bucket's gradient sketch (``grad_sketch_local``), and with
+``detectors.sdc.recompute`` on, its :class:`~arc_engine.monitors.sdc_local.LocalGate` judges the bucket before the
+all-reduce: a withheld bucket contributes zeros (counted in ``sdc_withheld``) and
+:class:`DDPGradientTarget` lets :mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
+
+Otherwise the gradient values are never modified beyond what the default hook does: training is bitwise unchanged.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime.
@@ -21,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from arc_engine.engine import ArcEngine
+from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
 
@@ -34,17 +40,29 @@ class StatsHookState:
     groups: ParamGroupIndex
     inner_hook: object | None = None
     inner_state: object | None = None
-    _index_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = field(default_factory=dict)
+    gate: LocalGate | None = None
+    position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
+    _index_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor, list[int]]] = field(default_factory=dict)
+    _sketch_cache: dict = field(default_factory=dict)
 
     def group_index(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> torch.Tensor:
+        return self._cached(bucket, params)[1]
+
+    def bucket_positions(self, bucket_index: int) -> list[int]:
+        """Indices (into the module's trainable parameters) of the parameters in bucket ``bucket_index``."""
+        return self._index_cache[bucket_index][2]
+
+    def _cached(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> tuple:
         # DDP rebuilds its buckets after the first iteration: validate the cached entry cheaply.
         key = (len(params), id(params[0]), id(params[-1]))
         cached = self._index_cache.get(bucket.index())
         if cached is None or cached[0] != key:
             device = self.engine.pipeline.device
-            cached = (key, self.groups.index_tensor(params, device))
+            cached = (key, self.groups.index_tensor(params, device), [self.position.get(id(p), -1) for p in params])
             self._index_cache[bucket.index()] = cached
-        return cached[1]
+            if self.gate is not None:
+                self.gate.reset_slot(bucket.index())
+        return cached
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -53,8 +71,16 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
     monitored = engine.buffer is not None and engine.is_monitored()
     if monitored:
         grads = list(bucket.gradients())
-        index = state.group_index(bucket, list(bucket.parameters()))
-        accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+        params = list(bucket.parameters())
+        index = state.group_index(bucket, params)
+        norms_sq = accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+        if names.GRAD_SKETCH_LOCAL in engine.layout:
+            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), grads,
+                                state.bucket_positions(bucket.index()), state._sketch_cache)
+        if state.gate is not None and norms_sq is not None:
+            withheld = state.gate.check(bucket.index(), norms_sq.sum())
+            engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
+            zero_where(withheld, bucket.buffer())
     if state.inner_hook is not None:
         future = state.inner_hook(state.inner_state, bucket)  # type: ignore[operator]
     else:
@@ -81,5 +107,50 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     ``inner_hook``/``inner_state`` and arc_engine's hook calls it instead of the default all-reduce.
     """
     state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state)
+    trainable = [p for p in model.module.parameters() if p.requires_grad]
+    state.position = {id(p): i for i, p in enumerate(trainable)}
+    sdc = engine.config.detectors.sdc
+    if sdc.enabled and sdc.recompute.enabled:
+        state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
     model.register_comm_hook(state, stats_allreduce_hook)
     return state
+
+
+class DDPGradientTarget:
+    """The reduced gradient of a DDP model for :mod:`arc_engine.recovery.recompute`: ``param.grad`` of the local
+    module's trainable parameters (identical on every rank after DDP's all-reduce); gate slots are DDP buckets."""
+
+    per_micro_batch = False
+    loss_factor = 1.0
+
+    def __init__(self, model: DistributedDataParallel, hook_state: StatsHookState, optimizer: torch.optim.Optimizer,
+                 record_optimizer_stats: object) -> None:
+        self.module = model.module
+        self.params = [p for p in model.module.parameters() if p.requires_grad]
+        self.group_of_p = [hook_state.groups.group_of.get(id(p), 0) for p in self.params]
+        self.hook_state = hook_state
+        self.optimizer = optimizer
+        self.record_optimizer_stats = record_optimizer_stats
+
+    def slot_params(self, slot: int) -> list[int]:
+        return [i for i in self.hook_state.bucket_positions(slot) if i >= 0]
+
+    @torch.no_grad()
+    def apply(self, reduced_p: list[torch.Tensor | None], replace: bool) -> None:
+        for param, reduced in zip(self.params, reduced_p, strict=True):
+            if reduced is None or param.grad is None:
+                continue
+            if replace:
+                param.grad.copy_(reduced)
+            else:
+                param.grad.add_(reduced.to(param.grad.dtype))
+
+    @torch.no_grad()
+    def record_stats(self) -> None:
+        engine = self.hook_state.engine
+        with_grad = [(p, g) for p, g in zip(self.params, self.group_of_p, strict=True) if p.grad is not None]
+        if with_grad:
+            index = torch.tensor([g for _, g in with_grad], dtype=torch.long, device=engine.pipeline.device)
+            accumulate_grad_stats(engine.buffer, [p.grad for p, _ in with_grad], index, names.GRAD_SQ)
+        if engine.wants_optimizer_stats():
+            self.record_optimizer_stats(engine, self.optimizer, local_shards=False)  # type: ignore[operator]

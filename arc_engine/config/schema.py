@@ -115,6 +115,33 @@ class GradNormConfig:
 
 
 @dataclass(kw_only=True)
+class RecomputeConfig:
+    """Recovery from SDC by localized recomputation (needs a ``recompute_fn`` at attach; DDP and DeepSpeed ZeRO-1/2).
+
+    Before the gradient reduction each rank checks its own local gradient (per DDP bucket / per ZeRO parameter):
+    a non-finite norm, or (after ``detectors.sdc.warmup_steps`` observations) a norm above ``gate_factor`` times
+    its running reference, is withheld (the rank contributes zeros). The suspect alone then re-runs forward and
+    backward on the same micro-batches with the same RNG state and adds its recomputed share in one correction
+    all-reduce. If the recomputation reproduces the anomaly, the lowest healthy rank recomputes the suspect's
+    micro-batches: agreeing (within ``peer_rtol``) means the data caused it (``detectors.loss_spike.action``
+    decides); disagreeing means the suspect's device is faulty: it is written to ``quarantine.json`` in the run
+    directory and ``on_faulty_device`` applies (``abort``: every rank stops with exit code 5; ``exclude``: the
+    peer's recomputation replaces the suspect's share and training continues). When only the update-RMS rule fires
+    (nothing withheld), every rank recomputes once, then the rule's ``action`` applies if it still fires."""
+
+    enabled: bool = False
+    gate_factor: float = 8.0
+    peer_rtol: float = 0.01
+    on_faulty_device: Literal["abort", "exclude"] = "abort"
+
+    def __post_init__(self) -> None:
+        require(self.gate_factor > 1, "gate_factor", self.gate_factor, "must be > 1")
+        require(0 < self.peer_rtol < 1, "peer_rtol", self.peer_rtol, "must be in (0, 1)")
+        require(self.on_faulty_device in ("abort", "exclude"), "on_faulty_device", self.on_faulty_device,
+                "one of 'abort', 'exclude'")
+
+
+@dataclass(kw_only=True)
 class SDCConfig:
     """Silent data corruption on jumps of the Adam update RMS (SDC paper §VI): flag step t when
     |R_t - R_{t-1}| > μ / (α √ΔG_t), μ the mean jump over the first ``warmup_steps`` applied steps, ΔG_t the positive
@@ -122,18 +149,27 @@ class SDCConfig:
     monitored step (so it overrides ``stats.optimizer_stats_every``); evaluated before the update is applied.
     ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05). ``localize_factor``: on a flagged
     step, a rank whose local (pre-reduction) gradient-norm jump exceeds this many times its peers' median jump is
-    named as the suspect."""
+    named as the suspect. ``update_sample``: the fraction of each tensor's elements (one fixed contiguous window per
+    tensor) the update RMS is computed on; below 1 it is an estimate of R_t at that fraction of the cost (the
+    pre-clip norm stays exact). ``sketch_size``: numbers per rank in the signed block-sum sketch of the local
+    gradient, gathered with the other statistics (0: off); a rank whose sketch points away from its peers' stands
+    out in the finding's ``sketch_cosine_to_peers``."""
 
     enabled: bool = False
     alpha: float = 0.05
     warmup_steps: int = 100
     localize_factor: float = 4.0
     action: ActionName = "skip"
+    update_sample: float = 1.0
+    sketch_size: int = 256
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         require(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
         require(self.localize_factor > 1, "localize_factor", self.localize_factor, "must be > 1")
         require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+        require(0 < self.update_sample <= 1, "update_sample", self.update_sample, "must be in (0, 1]")
+        require(self.sketch_size >= 0, "sketch_size", self.sketch_size, "must be an integer >= 0 (0 = off)")
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,11 @@ the baselines: after a skipped step, R_{t−1} and ‖G_{t−1}‖ are still tho
 Localization: each rank's *local* gradient norm (before the reduction: DDP comm hook, ZeRO tensor hooks, FSDP2
 unsharded hooks) is in the same gathered statistics. On a flagged step, a rank is named suspect when its local norm
 is not finite, or when its jump against its own previous applied step exceeds ``localize_factor`` times the median
-jump of the other ranks (so it works from 2 ranks up: a healthy peer's jump is the reference).
+jump of the other ranks (so it works from 2 ranks up: a healthy peer's jump is the reference). The finding also
+carries each rank's gradient-sketch cosine to its peers (``sdc_local.py``): the corrupted rank's sketch points away.
+
+Recovery (withholding before the reduction, recomputation on the suspect only, the peer check) is in
+``arc_engine/recovery/recompute.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 
 from arc_engine.config.schema import SDCConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.sdc_local import cosine_to_peers
 from arc_engine.stats import GatheredStats, names
 from arc_engine.stats.optim_stats import rms_per_group
 
@@ -123,6 +128,8 @@ class SDCMonitor:
                   "local_grad_norm_per_rank": self._local_now_r.tolist(),
                   "previous_local_grad_norm_per_rank": self.local_prev_r.tolist(),
                   "suspects": {str(rank): self.locations.get(rank, "?") for rank in ranks}}
+        if stats.has(names.GRAD_SKETCH_LOCAL):
+            values["sketch_cosine_to_peers"] = cosine_to_peers(stats.per_rank(names.GRAD_SKETCH_LOCAL)).tolist()
         reason = "pre-clip gradient norm is not finite" if nonfinite else (
             f"update RMS jump {delta_r:.3g} > μ/(α√ΔG) = {threshold:.3g} (R {self.r_prev:.4g} -> {r_t:.4g})")
         where = ", ".join(f"rank {rank} ({self.locations.get(rank, '?')})" for rank in ranks) or \

@@ -12,6 +12,9 @@ from arc_engine.events import Action, Finding, Severity
 EXIT_ABORT = 3
 #: Exit code of a run whose recovery gave up: the rollbacks and escapes of one episode were exhausted.
 EXIT_RECOVERY_EXHAUSTED = 4
+#: Exit code of a run stopped because a device was found faulty (silent data corruption reproduced on one rank but
+#: not by a healthy peer); the device is listed in the run directory's ``quarantine.json``.
+EXIT_FAULTY_DEVICE = 5
 
 
 class ArcAbort(RuntimeError):

@@ -16,16 +16,17 @@ def param_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def accumulate_grad_stats(buffer: StatBuffer, grads: list[torch.Tensor], group_index: torch.Tensor,
-                          sq_slot: str, nonfinite_slot: str | None = None) -> None:
+                          sq_slot: str, nonfinite_slot: str | None = None) -> torch.Tensor | None:
     """Add per-group squared norms of ``grads`` to ``sq_slot`` and, if given, per-group counts of tensors
     with a non-finite norm to ``nonfinite_slot``. ``group_index[i]`` is the parameter group of ``grads[i]``
-    (a long tensor on the buffer's device)."""
+    (a long tensor on the buffer's device). Returns the per-tensor squared norms (float64, buffer device)."""
     if not grads:
-        return
-    norms = param_norms(grads).to(buffer.device)
-    buffer.index_add(sq_slot, group_index, norms.double().square())
+        return None
+    norms_sq = param_norms(grads).to(buffer.device).double().square()
+    buffer.index_add(sq_slot, group_index, norms_sq)
     if nonfinite_slot is not None:
-        buffer.index_add(nonfinite_slot, group_index, (~torch.isfinite(norms)).double())
+        buffer.index_add(nonfinite_slot, group_index, (~torch.isfinite(norms_sq)).double())
+    return norms_sq
 
 
 class ParamGroupIndex:

@@ -19,3 +19,7 @@ WEIGHT_SQ = "weight_sq"
 UPDATE_SQ = "update_sq"
 #: [G] REPLICATED or SUM: number of elements behind UPDATE_SQ (RMS = sqrt(UPDATE_SQ / UPDATE_COUNT)).
 UPDATE_COUNT = "update_count"
+#: [K] PER_RANK: signed block-sum sketch of the rank's local gradient before the reduction (SDC localization).
+GRAD_SKETCH_LOCAL = "grad_sketch_local"
+#: [1] PER_RANK: number of local gradient slots the rank withheld from the reduction (SDC recomputation).
+SDC_WITHHELD = "sdc_withheld"

@@ -1,0 +1,167 @@
+"""Per-rank, pre-reduction parts of the SDC machinery: the gradient sketch and the self-check gate.
+
+Both run on device inside the reduction hooks (DDP comm hook buckets, ZeRO parameter hooks), with no host sync:
+
+* :func:`add_gradient_sketch`: a signed block-sum sketch of a rank's local gradient -- each tensor is cut into at
+  most ``k`` contiguous blocks, each block's sum goes with a fixed pseudo-random sign to a fixed pseudo-random slot
+  (seeded by the tensor's index, identical on every rank). O(gradient size) to compute, ``k`` numbers to gather. A
+  corrupted block dominates the sketch of the rank that holds it, so that rank's sketch points away from its
+  peers' (:func:`cosine_to_peers`).
+* :class:`LocalGate`: a rank withholds a local gradient slot (a DDP bucket or a ZeRO parameter) from the reduction
+  when its norm is not finite or, once warmed up, exceeds ``factor`` times its running reference. Withholding
+  means contributing zeros; :mod:`arc_engine.recovery.recompute` adds the rank's recomputed share afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+#: Running reference of a slot's squared norm: reference <- DECAY * reference + (1 - DECAY) * norm².
+REFERENCE_DECAY = 0.9
+
+
+def _sketch_plan(index: int, blocks: int, size: int, device: torch.device,
+                 cache: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (index, blocks, size, device)
+    if key not in cache:
+        generator = torch.Generator().manual_seed(0x5D1C + 7919 * index)
+        slots = torch.randint(size, (blocks,), generator=generator)
+        signs = torch.randint(2, (blocks,), generator=generator).double() * 2.0 - 1.0
+        cache[key] = (slots.to(device), signs.to(device))
+    return cache[key]
+
+
+@torch.no_grad()
+def add_gradient_sketch(sketch_k: torch.Tensor, grads: list[torch.Tensor], indices: list[int],
+                        cache: dict | None = None) -> None:
+    """Add the signed block-sum sketch of ``grads`` (tensor ``i`` has the rank-independent index ``indices[i]``)
+    into the float64 vector ``sketch_k``. Linear in the gradient: sketches of summed gradients add up. Non-finite
+    values propagate (a NaN gradient gives a NaN sketch). ``cache`` keeps the per-tensor plans between calls."""
+    size = sketch_k.numel()
+    cache = {} if cache is None else cache
+    for grad, index in zip(grads, indices, strict=True):
+        flat = grad.reshape(-1)
+        blocks = min(size, flat.numel())
+        if blocks == 0:
+            continue
+        usable = (flat.numel() // blocks) * blocks
+        sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float64)
+        if usable < flat.numel():
+            sums[-1] += flat[usable:].sum(dtype=torch.float64)
+        slots, signs = _sketch_plan(index, blocks, size, sums.device, cache)
+        sketch_k.index_add_(0, slots.to(sketch_k.device), (sums * signs).to(sketch_k.device))
+
+
+def cosine_to_peers(sketch_rk: np.ndarray) -> np.ndarray:
+    """``[ranks]``: the median over the other ranks of the cosine between this rank's sketch and theirs (NaN where
+    a sketch is zero or not finite). A rank whose gradient disagrees with every peer has a low value while its
+    peers keep high ones (a median, so one corrupted peer does not drag a healthy rank down; with 2 ranks the two
+    values are equal). Pure."""
+    num_ranks = sketch_rk.shape[0]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        norms = np.linalg.norm(sketch_rk, axis=1)
+        cosine_rr = (sketch_rk @ sketch_rk.T) / np.outer(norms, norms)
+    cosine_rr[~np.isfinite(cosine_rr)] = np.nan
+    result = np.full(num_ranks, np.nan)
+    for row in range(num_ranks):
+        others = np.delete(cosine_rr[row], row)
+        if others.size and np.isfinite(others).all():
+            result[row] = float(np.median(others))
+    return result
+
+
+def gate_flags(norm_sq: torch.Tensor, reference_sq: torch.Tensor, seen: torch.Tensor, factor: float,
+               warmup: int) -> torch.Tensor:
+    """Which slots to withhold: a non-finite squared norm, or, after ``warmup`` observations of that slot, a squared
+    norm above ``factor``² times its reference. Device tensors in, a bool tensor out, no sync. Pure."""
+    return ~torch.isfinite(norm_sq) | ((seen >= warmup) & (norm_sq > factor * factor * reference_sq))
+
+
+def updated_reference(norm_sq: torch.Tensor, reference_sq: torch.Tensor, seen: torch.Tensor,
+                      withheld: torch.Tensor) -> torch.Tensor:
+    """The next reference: the first observation, then an exponential average; withheld slots keep theirs. Pure."""
+    blended = torch.where(seen > 0, REFERENCE_DECAY * reference_sq + (1.0 - REFERENCE_DECAY) * norm_sq, norm_sq)
+    return torch.where(withheld, reference_sq, blended)
+
+
+def zero_where(flag: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with every element set to 0 when the 0-dim ``flag`` is true, in place. On CPU a host branch (there
+    is no device to sync with); on an accelerator ``masked_fill_`` with the device flag (no host sync)."""
+    if tensor.device.type == "cpu":
+        if bool(flag):
+            tensor.zero_()
+        return tensor
+    return tensor.masked_fill_(flag.to(tensor.device), 0.0)
+
+
+class LocalGate:
+    """The self-check of one rank's local gradient slots (DDP buckets or ZeRO parameters), on ``device``.
+
+    Slots are dense integers ``0..num_slots-1`` (grown on demand). Per step it records, for each withheld slot, the
+    squared norm that was withheld and from which micro-batch on (``withheld_from``); :meth:`reset_step` clears the
+    step's record. References move only on observations that were not withheld.
+    """
+
+    def __init__(self, factor: float, warmup: int, device: torch.device, num_slots: int = 0) -> None:
+        self.factor = factor
+        self.warmup = warmup
+        self.device = device
+        self.reference_sq = torch.zeros(num_slots, dtype=torch.float64, device=device)
+        self.seen = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.withheld_sq = torch.zeros(num_slots, dtype=torch.float64, device=device)  # this step
+        self.withheld_from = torch.zeros(num_slots, dtype=torch.long, device=device)  # this step
+        self.withheld_count = torch.zeros((), dtype=torch.float64, device=device)  # this step, for the stats
+
+    def _grow(self, num_slots: int) -> None:
+        extra = num_slots - self.seen.numel()
+        if extra > 0:
+            self.reference_sq = torch.cat([self.reference_sq, self.reference_sq.new_zeros(extra)])
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(extra)])
+            self.withheld_sq = torch.cat([self.withheld_sq, self.withheld_sq.new_zeros(extra)])
+            self.withheld_from = torch.cat([self.withheld_from, self.withheld_from.new_zeros(extra)])
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot's history (e.g. DDP rebuilt that bucket with other parameters)."""
+        self._grow(slot + 1)
+        self.seen[slot] = 0
+        self.reference_sq[slot] = 0.0
+
+    @torch.no_grad()
+    def check(self, slot: int, norm_sq: torch.Tensor, micro_batch: int = 0) -> torch.Tensor:
+        """Judge one slot's squared norm (a 0-dim device tensor) for ``micro_batch`` (0-based, within the step);
+        returns the 0-dim withhold flag. A slot withheld earlier in this step stays withheld: its share from the
+        first withheld micro-batch on is recomputed."""
+        self._grow(slot + 1)
+        norm_sq = norm_sq.to(self.device, torch.float64)
+        flag = gate_flags(norm_sq, self.reference_sq[slot], self.seen[slot], self.factor, self.warmup)
+        already = self.withheld_sq[slot] != 0
+        self.withheld_from[slot] = torch.where(flag & ~already, micro_batch, self.withheld_from[slot])
+        flag = flag | already
+        self.reference_sq[slot] = updated_reference(norm_sq, self.reference_sq[slot], self.seen[slot], flag)
+        self.seen[slot] += (~flag).long()
+        # A withheld slot's record is > 0 even when its norm is 0 or not finite (abs of NaN stays NaN: != 0).
+        self.withheld_sq[slot] += torch.where(flag, torch.where(norm_sq > 0, norm_sq, 1e-300), 0.0)
+        self.withheld_count += flag.double()
+        return flag
+
+    def would_withhold(self, slot: int, norm_sq: float) -> bool:
+        """The gate's verdict on one more observation of ``slot``, without recording it (host values)."""
+        if not math.isfinite(norm_sq):
+            return True
+        seen, reference = int(self.seen[slot]), float(self.reference_sq[slot])
+        return seen >= self.warmup and norm_sq > self.factor * self.factor * reference
+
+    def withheld(self) -> dict[int, int]:
+        """{slot: first withheld micro-batch} for this step (one host sync: call it only on a step whose gathered
+        statistics say this rank withheld something)."""
+        slots = torch.nonzero(self.withheld_sq != 0).flatten()
+        return dict(zip(slots.tolist(), self.withheld_from[slots].tolist(), strict=True))
+
+    def reset_step(self) -> None:
+        self.withheld_sq.zero_()
+        self.withheld_from.zero_()
+        self.withheld_count.zero_()

@@ -1,0 +1,413 @@
+"""Recovery from silent data corruption by localized recomputation.
+
+The flow on one monitored step (every rank runs the same branch: each branch is chosen from gathered statistics):
+
+1. Before the reduction, each rank's :class:`~arc_engine.monitors.sdc_local.LocalGate` withholds (zeroes) a local
+   gradient slot whose norm is not finite or far above its history; the count goes into the ``sdc_withheld``
+   slot of the step's single statistics gather.
+2. :meth:`SDCRecompute.resolve`: each suspect (a rank that withheld something) re-runs forward and backward on its
+   own micro-batches with the RNG state captured at the step's start, through the user's ``recompute_fn``. The
+   other ranks run nothing. One small all-reduce shares the verdicts: the recomputation is *healthy* when the gate
+   would not withhold it again (a transient fault).
+3. If it reproduces the anomaly, the lowest-ranked non-suspect receives the suspect's RNG state and withheld
+   slots (one broadcast) and recomputes the suspect's micro-batches; one small all-reduce compares the two.
+   Equal within ``peer_rtol``: the data caused it. Different: the suspect's device is faulty (quarantine file,
+   ``on_faulty_device``).
+4. One correction all-reduce adds every withheld share back (the suspect's recomputation, or for a faulty device
+   the peer's), divided by the group size like the reduction itself.
+
+:meth:`SDCRecompute.recompute_all` is the fallback when only the update-RMS rule fired: every rank recomputes its
+own micro-batches and one all-reduce replaces the reduced gradient. Every collective here happens only on such
+steps, every recomputation runs once per step at most, and a recomputation that raises is reported in the next
+collective (never a hang): the step then falls to the ``detectors.sdc.action`` policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from arc_engine.config.schema import RecomputeConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.sdc_local import LocalGate
+from arc_engine.stats import GatheredStats, names
+
+if TYPE_CHECKING:
+    from arc_engine.engine import ArcEngine
+
+#: ``recompute_fn(module, data_rank)``: yield the loss of each micro-batch that rank ``data_rank`` trained on in the
+#: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
+#: back-propagated. It must not call ``backward`` itself.
+RecomputeFn = Callable[[torch.nn.Module, int], Iterable[torch.Tensor]]
+
+QUARANTINE_FILE = "quarantine.json"
+
+
+class GradientTarget(Protocol):
+    """What an integration exposes to the recomputation (DDP: ``integrations/ddp.py``; ZeRO: ``deepspeed.py``)."""
+
+    module: torch.nn.Module          # the unwrapped module ``recompute_fn`` runs
+    params: list[torch.Tensor]       # its trainable parameters, in the same order on every rank
+    loss_factor: float               # what the framework multiplies a micro-batch loss by before backward
+    per_micro_batch: bool            # the gate judges each micro-batch (ZeRO) or the accumulated gradient (DDP)
+    group_of_p: list[int]            # optimizer parameter group of each of ``params``
+
+    def slot_params(self, slot: int) -> list[int]:
+        """Indices into ``params`` of a gate slot."""
+
+    def apply(self, reduced_p: list[torch.Tensor | None], replace: bool) -> None:
+        """Add (or, ``replace``, set) ``reduced_p[i]`` -- identical on every rank -- to the reduced gradient of
+        ``params[i]`` as the optimizer will see it."""
+
+    def record_stats(self) -> None:
+        """Write the reduced-gradient and optimizer statistics of the (corrected) step into the engine's buffer."""
+
+
+@dataclass
+class Recomputed:
+    """One local recomputation: the whole local gradient, the withheld shares, and the gate's view of them."""
+
+    total_p: list[torch.Tensor | None]
+    share_p: dict[int, torch.Tensor] = field(default_factory=dict)
+    energy: float = 0.0   # Σ squared norms of the withheld observations
+    healthy: bool = True  # the gate would let every withheld observation through now
+
+
+def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool) -> bool:
+    """Validate the attach arguments: True when the localized recomputation should be wired up. Raises
+    ValueError when it is enabled without ``recompute_fn`` or on a backend that does not support it; warns when
+    ``recompute_fn`` is given but the recomputation is off."""
+    sdc = engine.config.detectors.sdc
+    wanted = sdc.enabled and sdc.recompute.enabled
+    if wanted and recompute_fn is None:
+        raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) -> micro-batch "
+                         "losses to attach (it re-runs a rank's forward for the current step)")
+    if wanted and not supported:
+        raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP and DeepSpeed ZeRO-1/2 "
+                         f"are); set detectors.sdc.recompute.enabled: false")
+    if recompute_fn is not None and not wanted:
+        engine.log_warning("recompute_fn has no effect: detectors.sdc.enabled and detectors.sdc.recompute.enabled "
+                           "are not both true")
+    return wanted
+
+
+def classify(suspect_energy: float, peer_energy: float, rtol: float) -> str:
+    """``"data"`` when the peer reproduced the suspect's withheld gradient (both non-finite, or equal within
+    ``rtol``), else ``"device"``. Pure."""
+    finite = math.isfinite(suspect_energy), math.isfinite(peer_energy)
+    if not all(finite):
+        return "data" if not any(finite) else "device"
+    return "data" if abs(suspect_energy - peer_energy) <= rtol * max(suspect_energy, peer_energy) else "device"
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The host RNG state, plus the current CUDA generator's when ``device`` is CUDA, as one uint8 tensor."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return torch.cat(states)
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    host_size = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:host_size].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[host_size:].clone(), device)
+
+
+class SDCRecompute:
+    """Per-rank driver of the localized recomputation (see the module docstring). Built by the integrations when
+    ``detectors.sdc.recompute.enabled``; the engine calls :meth:`capture` at each step start and :meth:`resolve` /
+    :meth:`recompute_all` from ``decide``."""
+
+    def __init__(self, engine: ArcEngine, config: RecomputeConfig, gate: LocalGate, target: GradientTarget,
+                 recompute_fn: RecomputeFn) -> None:
+        self.engine = engine
+        self.config = config
+        self.gate = gate
+        self.target = target
+        self.recompute_fn = recompute_fn
+        self.device = target.params[0].device if target.params else torch.device("cpu")
+        self._rng: torch.Tensor | None = None
+        self._own: Recomputed | None = None   # this rank's recomputation on the current step
+        self.resolved_step = -1
+        self.calls = 0                         # forward/backward passes run by recompute_fn on this rank
+        self.quarantined: dict[int, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ per step
+
+    def capture(self) -> None:
+        """At the step's first forward (every rank): remember the RNG state the step starts from."""
+        self._rng = rng_state(self.device)
+        self._own = None
+        self.gate.reset_step()
+
+    def needs_resolution(self, stats: GatheredStats) -> bool:
+        return bool(stats.has(names.SDC_WITHHELD) and (stats.per_rank(names.SDC_WITHHELD) > 0).any())
+
+    def resolve(self, stats: GatheredStats) -> list[Finding]:
+        """Collective (every rank of the engine's group, after a gather that showed withheld slots): recompute on
+        the suspects, classify, correct the reduced gradient. Returns the findings to report."""
+        rows = [row for row, count in enumerate(stats.per_rank(names.SDC_WITHHELD)[:, 0]) if count > 0]
+        my_row = stats.ranks.index(self.engine.rank)
+        withheld = self.gate.withheld() if my_row in rows else {}
+        if my_row in rows:
+            self._own = self._run(self.engine.rank, self._rng, withheld)
+        verdict = self._share(len(stats.ranks), my_row, self._own if my_row in rows else None)
+        healthy = {row for row in rows if verdict[row, 1] > 0}
+        failed = [row for row in rows if verdict[row, 0] > 0]
+        classes: dict[int, tuple[str, float, float]] = {}
+        peer_shares: dict[int, dict[int, torch.Tensor]] = {}
+        peers = [row for row in range(len(stats.ranks)) if row not in rows]
+        for row in (r for r in rows if r not in healthy and r not in failed):
+            if not peers:
+                classes[row] = ("unknown", float(verdict[row, 2]), math.nan)
+                continue
+            peer_energy, peer_share = self._peer_check(stats, row, peers[0], my_row, withheld)
+            classes[row] = (classify(float(verdict[row, 2]), peer_energy, self.config.peer_rtol),
+                            float(verdict[row, 2]), peer_energy)
+            if peer_share is not None:
+                peer_shares[row] = peer_share
+        shares: dict[int, torch.Tensor] = {}
+        if my_row in rows and self._own is not None and classes.get(my_row, ("",))[0] != "device":
+            shares = self._own.share_p
+        for row, share in peer_shares.items():  # this rank is the peer of a faulty device
+            if classes[row][0] == "device":
+                shares = {**shares, **share}
+        failed += self._correct(shares, replace=False)
+        return self._findings(stats, rows, verdict, sorted(set(failed)), classes)
+
+    def recompute_all(self) -> list[Finding]:
+        """Collective fallback when the update-RMS rule fired with nothing withheld: every rank recomputes its own
+        micro-batches once and the reduced gradient is replaced by the reduction of the recomputed ones."""
+        self._own = self._run(self.engine.rank, self._rng, {})
+        failed = self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True)
+        if failed:
+            return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
+                            "recomputation of the step on every rank failed", (), {"failed_ranks": failed})]
+        return [Finding("sdc_recompute", Action.WARN, Severity.WARNING,
+                        "update-RMS jump with no rank standing out: the step was recomputed on every rank", (),
+                        {"recomputed_ranks": "all"})]
+
+    def write_local_stats(self, buffer: Any) -> None:
+        """After a correction, replace this rank's pre-reduction statistics by those of its recomputation."""
+        if self._own is None:
+            return
+        for slot in (names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL):
+            buffer.view(slot).zero_()
+        for index, grad in enumerate(self._own.total_p):
+            if grad is None:
+                continue
+            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square().to(buffer.device)
+            group = self.target.group_of_p[index]
+            buffer.view(names.GRAD_SQ_LOCAL)[group] += norm_sq
+            buffer.view(names.GRAD_NONFINITE_LOCAL)[group] += (~torch.isfinite(norm_sq)).double()
+
+    # ------------------------------------------------------------------ pieces
+
+    def _run(self, data_rank: int, rng: torch.Tensor | None, withheld: dict[int, int]) -> Recomputed:
+        """Run ``recompute_fn`` for ``data_rank`` on this rank's module with ``rng``; never raises (a failure is
+        reported as a NaN energy and an empty gradient). Restores this rank's RNG afterwards."""
+        params = self.target.params
+        share_from = {p: start for slot, start in withheld.items() for p in self.target.slot_params(slot)}
+        result = Recomputed(total_p=[None] * len(params))
+        saved = rng_state(self.device)
+        self.engine.recomputing = True
+        try:
+            if rng is not None:
+                set_rng_state(rng, self.device)
+            with torch.enable_grad():
+                for micro_batch, loss in enumerate(self.recompute_fn(self.target.module, data_rank)):
+                    grads = torch.autograd.grad(loss * self.target.loss_factor, params, allow_unused=True)
+                    self._accumulate(result, micro_batch, grads, share_from)
+            self.calls += 1
+        except Exception as err:  # reported to every rank by the next collective
+            self.engine.log_warning(f"sdc recompute for rank {data_rank} failed: {type(err).__name__}: {err}")
+            return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False)
+        finally:
+            self.engine.recomputing = False
+            set_rng_state(saved, self.device)
+        self._judge(result, withheld)
+        return result
+
+    @torch.no_grad()
+    def _accumulate(self, result: Recomputed, micro_batch: int, grads: tuple[torch.Tensor | None, ...],
+                    share_from: dict[int, int]) -> None:
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            total = result.total_p[index]
+            result.total_p[index] = grad.detach().clone() if total is None else total.add_(grad)
+            start = share_from.get(index)
+            if start is not None and micro_batch >= start:
+                share = result.share_p.get(index)
+                result.share_p[index] = grad.detach().clone() if share is None else share.add_(grad)
+                if self.target.per_micro_batch:  # the gate judged this (parameter, micro-batch) observation
+                    self._observe(result, index, torch.linalg.vector_norm(grad, dtype=torch.float64).square())
+
+    def _observe(self, result: Recomputed, slot: int, norm_sq: torch.Tensor) -> None:
+        value = float(norm_sq)
+        result.energy += value
+        result.healthy = result.healthy and not self.gate.would_withhold(slot, value)
+
+    def _judge(self, result: Recomputed, withheld: dict[int, int]) -> None:
+        if self.target.per_micro_batch:
+            return
+        for slot in withheld:  # the gate judged each slot's accumulated gradient
+            grads = [result.total_p[p] for p in self.target.slot_params(slot) if result.total_p[p] is not None]
+            norm_sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads),
+                          torch.zeros((), dtype=torch.float64))
+            self._observe(result, slot, norm_sq)
+
+    def _share(self, num_rows: int, my_row: int, own: Recomputed | None) -> Any:
+        """All-reduce each suspect's [failed, healthy, recomputed energy, withheld energy] (one small collective)."""
+        verdict = torch.zeros(num_rows, 4, dtype=torch.float64, device=self.engine.pipeline.device)
+        if own is not None:
+            failed = not math.isfinite(own.energy) and all(g is None for g in own.total_p)
+            withheld_energy = float(self.gate.withheld_sq.sum())
+            verdict[my_row] = torch.tensor([float(failed), float(own.healthy and not failed), own.energy,
+                                            withheld_energy], dtype=torch.float64)
+        self._all_reduce(verdict)
+        return verdict.cpu().numpy()
+
+    def _peer_check(self, stats: GatheredStats, row: int, peer_row: int, my_row: int,
+                    withheld: dict[int, int]) -> tuple[float, dict[int, torch.Tensor] | None]:
+        """Collective: the suspect at ``row`` broadcasts its RNG state and withheld slots; the peer recomputes
+        the suspect's micro-batches; one all-reduce shares the peer's energy. Returns it (and the peer's shares,
+        on the peer)."""
+        device = self.engine.pipeline.device
+        rng_size = rng_state(self.device).numel()
+        num_slots = len(self.target.params)
+        package = torch.zeros(rng_size + num_slots, dtype=torch.float64, device=device)
+        if my_row == row:
+            package[:rng_size] = self._rng.double().to(device) if self._rng is not None else 0.0
+            for slot, start in withheld.items():
+                package[rng_size + slot] = start + 1.0
+        if self.engine.pipeline.num_ranks > 1:
+            dist.broadcast(package, src=stats.ranks[row], group=self.engine.group)
+        energy = torch.zeros(2, dtype=torch.float64, device=device)
+        share = None
+        if my_row == peer_row:
+            host = package.cpu()
+            their_withheld = {slot: int(v) - 1 for slot, v in enumerate(host[rng_size:].tolist()) if v > 0}
+            result = self._run(stats.ranks[row], host[:rng_size].to(torch.uint8), their_withheld)
+            energy[0], energy[1] = result.energy, 1.0
+            share = result.share_p
+        self._all_reduce(energy)
+        return float(energy[0]) if float(energy[1]) > 0 else math.nan, share
+
+    def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> list[int]:
+        """Collective: all-reduce every rank's shares (zeros elsewhere) plus a failure flag, divide by the group
+        size, hand them to the target. Returns the rows that reported a failure (then nothing is applied)."""
+        params = self.target.params
+        sizes = [p.numel() for p in params]
+        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=self.device)
+        pieces = list(flat[:-1].split(sizes))
+        for index, share in shares.items():
+            pieces[index].copy_(share.reshape(-1))
+        own_failed = self._own is not None and not math.isfinite(self._own.energy) and \
+            all(g is None for g in self._own.total_p)
+        flat[-1] = float(own_failed)
+        self._all_reduce(flat)
+        if float(flat[-1]) > 0:
+            return [-1]
+        flat[:-1].div_(self.engine.pipeline.num_ranks)
+        # Every rank applies every entry (zeros where nobody had a share): the same call on every rank.
+        self.target.apply([piece.view_as(param) for piece, param in zip(flat[:-1].split(sizes), params, strict=True)],
+                          replace)
+        return []
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.engine.pipeline.num_ranks > 1:
+            dist.all_reduce(tensor, group=self.engine.group)
+
+    # ------------------------------------------------------------------ reporting
+
+    def _findings(self, stats: GatheredStats, rows: list[int], verdict: Any, failed: list[int],
+                  classes: dict[int, tuple[str, float, float]]) -> list[Finding]:
+        sdc = self.engine.config.detectors.sdc
+        findings = []
+        for row in rows:
+            rank = stats.ranks[row]
+            where = f"rank {rank} ({self.engine.locations.get(rank, '?')})"
+            values: dict[str, Any] = {"withheld_energy": float(verdict[row, 3]),
+                                      "recomputed_energy": float(verdict[row, 2]),
+                                      "location": self.engine.locations.get(rank, "?")}
+            if failed and (row in failed or failed == [-1]):
+                findings.append(Finding("sdc_recompute", Action.parse(sdc.action), Severity.ERROR,
+                                        f"SDC suspected on {where}: the recomputation failed", (rank,),
+                                        {**values, "classification": "failed"}))
+            elif row not in classes:
+                findings.append(Finding("sdc_recompute", Action.WARN, Severity.WARNING,
+                                        f"SDC on {where}: its gradient was withheld, recomputed on that rank only "
+                                        f"and the transient fault corrected", (rank,),
+                                        {**values, "classification": "transient"}))
+            else:
+                findings.append(self._classified(rank, where, values, *classes[row]))
+        return findings
+
+    def _classified(self, rank: int, where: str, values: dict[str, Any], kind: str, suspect_energy: float,
+                    peer_energy: float) -> Finding:
+        values = {**values, "classification": kind, "peer_energy": peer_energy}
+        if kind == "data":
+            action = Action.parse(self.engine.config.detectors.loss_spike.action)
+            return Finding("sdc_recompute", action, Severity.WARNING,
+                           f"gradient anomaly on {where} reproduced by a healthy peer on the same micro-batches: "
+                           f"the data caused it, not the hardware", (rank,), values)
+        if kind == "unknown":
+            return Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
+                           f"gradient anomaly on {where} reproduced; no healthy peer to tell data from hardware",
+                           (rank,), values)
+        path = self._quarantine(rank, values)
+        abort = self.config.on_faulty_device == "abort"
+        values = {**values, "quarantine_file": str(path)}
+        if abort:
+            from arc_engine.policy.decision import EXIT_FAULTY_DEVICE
+
+            values["exit_code"] = EXIT_FAULTY_DEVICE
+        outcome = "stopping every rank" if abort else "its share replaced by the peer's recomputation"
+        return Finding("sdc_recompute", Action.ABORT if abort else Action.WARN, Severity.CRITICAL,
+                       f"faulty device: SDC on {where} reproduced there but not by a healthy peer; quarantined "
+                       f"({path}); {outcome}", (rank,), values)
+
+    def _quarantine(self, rank: int, values: dict[str, Any]) -> Path:
+        """Record ``rank``'s device in the run directory's quarantine file (rank 0 writes it, atomically; an
+        existing file's entries are kept). Returns the path."""
+        path = self.engine.run_dir / QUARANTINE_FILE
+        entry = {"rank": rank, "location": values.get("location", "?"), "step": self.engine.step,
+                 "iteration": self.engine.iteration, "withheld_energy": values["withheld_energy"],
+                 "recomputed_energy": values["recomputed_energy"], "peer_energy": values["peer_energy"]}
+        self.quarantined[rank] = entry
+        if self.engine.rank == 0:
+            write_quarantine(path, entry)
+        return path
+
+
+def write_quarantine(path: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` to the JSON quarantine file at ``path`` (written to a temporary file, fsynced, renamed: a
+    reader never sees half a file). A scheduler excludes the listed ``location`` (host:device) from the next
+    allocation."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries: list[dict[str, Any]] = []
+    if path.exists():
+        try:
+            entries = list(json.loads(path.read_text()).get("quarantined", []))
+        except (OSError, ValueError):
+            entries = []
+    if any(e.get("location") == entry["location"] and e.get("rank") == entry["rank"] for e in entries):
+        return
+    entries.append(entry)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as handle:
+        json.dump({"quarantined": entries}, handle, indent=2, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,165 @@
+"""SDC recovery by localized recomputation on real gloo ranks: the suspect withholds its gradient before the
+reduction, re-runs forward/backward alone, and the step goes on; a reproduced anomaly goes to a peer check that
+tells a faulty device (quarantine, exit code 5) from a data-caused spike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import arc_engine
+from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
+from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, cosine_to_peers, gate_flags
+from arc_engine.recovery.recompute import classify
+from arc_engine.sinks import read_jsonl
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+pytestmark = pytest.mark.timeout(300)
+
+WARMUP = 20
+
+
+def recompute_config(run_dir: Path, *overrides: str) -> Any:
+    return make_config(run_dir, "detectors.sdc.enabled=true", f"detectors.sdc.warmup_steps={WARMUP}",
+                       "detectors.sdc.recompute.enabled=true", "detectors.loss_spike.enabled=false",
+                       "detectors.grad_norm.enabled=false", *overrides)
+
+
+# ------------------------------------------------------------------ pure parts
+
+def test_gate_withholds_non_finite_and_jumps_after_warmup() -> None:
+    norm_sq = torch.tensor([1.0, float("inf"), 100.0, 100.0], dtype=torch.float64)
+    reference = torch.ones(4, dtype=torch.float64)
+    seen = torch.tensor([5, 0, 5, 1])
+    assert gate_flags(norm_sq, reference, seen, 8.0, 3).tolist() == [False, True, True, False]  # 100 > 64; warm-up
+    gate = LocalGate(8.0, 2, torch.device("cpu"))
+    for _ in range(3):
+        assert not bool(gate.check(0, torch.tensor(1.0)))
+    assert bool(gate.check(0, torch.tensor(1000.0), micro_batch=1))
+    assert bool(gate.check(0, torch.tensor(1.0), micro_batch=2))  # withheld once: the rest of the step too
+    assert gate.withheld() == {0: 1}
+    assert gate.would_withhold(0, 1000.0) and not gate.would_withhold(0, 2.0)
+    gate.reset_step()
+    assert gate.withheld() == {} and not bool(gate.check(0, torch.tensor(1.2)))
+
+
+def test_sketch_is_linear_and_the_corrupted_rank_points_away() -> None:
+    torch.manual_seed(0)
+    shared = torch.randn(4000)
+    grads = [shared + 0.3 * torch.randn(4000) for _ in range(4)]
+    grads[2] = grads[2].clone()
+    grads[2][100:120] *= 2.0**16  # an exponent flip in a block
+    sketches = np.zeros((4, 64))
+    for rank, grad in enumerate(grads):
+        sketch = torch.zeros(64, dtype=torch.float64)
+        add_gradient_sketch(sketch, [grad[:1000].view(10, 100), grad[1000:]], [0, 1])
+        sketches[rank] = sketch.numpy()
+    cosines = cosine_to_peers(sketches)
+    assert int(np.argmin(cosines)) == 2 and cosines[2] < 0.2 < min(np.delete(cosines, 2))
+    both = torch.zeros(64, dtype=torch.float64)
+    add_gradient_sketch(both, [grads[0] + grads[1]], [0])
+    parts = torch.zeros(64, dtype=torch.float64)
+    add_gradient_sketch(parts, [grads[0]], [0])
+    add_gradient_sketch(parts, [grads[1]], [0])
+    assert torch.allclose(both, parts)
+
+
+def test_peer_classification() -> None:
+    assert classify(10.0, 10.0001, 0.01) == "data"
+    assert classify(float("inf"), float("inf"), 0.01) == "data"
+    assert classify(1e12, 10.0, 0.01) == "device"
+    assert classify(float("nan"), 10.0, 0.01) == "device"
+
+
+# ------------------------------------------------------------------ DDP, 4 and 2 ranks
+
+def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any] | None,
+           overrides: tuple[str, ...] = (), crafted: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Train the tiny GPT under DDP with recomputation on; ``spec``: a bit flip; ``crafted``: (rank, step) whose
+    batch is a pathological one (inputs scaled in the embedding: a genuine, reproducible gradient spike)."""
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    ddp = DistributedDataParallel(model)
+    arc: Any = None
+
+    def batch(position: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = data.batch(position, data_rank, BATCH)
+        if crafted is not None and (data_rank, position) == crafted:
+            targets = torch.flip(targets, dims=[1])  # labels that contradict the inputs: a real loss spike
+        return inputs, targets
+
+    def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
+        return [module(*batch(arc.data_position, data_rank))]
+
+    arc = arc_engine.attach(ddp, optimizer, recompute_config(run_dir, *overrides), recompute_fn=recompute)
+    injector = None
+    if spec is not None:
+        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.iteration)
+        injector.install(model)
+    findings: dict[int, list[tuple[str, str, tuple[int, ...], str]]] = {}
+    exit_code = None
+    snapshots = {}
+    try:
+        while arc.step < steps:
+            step = arc.step
+            loss = ddp(*batch(arc.data_position, rank))
+            arc.record_loss(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            snapshots[step] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+            decision = arc.engine.last_decision
+            if decision is not None and decision.step == step and decision.findings:
+                findings[step] = [(f.detector, f.action.name.lower(), f.ranks, str(f.values.get("classification")))
+                                  for f in decision.findings]
+    except arc_engine.ArcAbort as err:
+        exit_code = err.exit_code
+    arc.close()
+    key_bias = slice(model.blocks[0].attn.qkv.bias.numel() // 3, 2 * model.blocks[0].attn.qkv.bias.numel() // 3)
+    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "snapshots": snapshots,
+            "key_bias": key_bias, "eval_loss": float(model(*data.batch(10_000, 0, 16)).detach()),
+            "calls": arc.engine.sdc_recompute.calls, "findings": findings, "exit_code": exit_code,
+            "step": arc.step, "fired": [f["step"] for f in injector.fired] if injector else []}
+
+
+def transient_flip(rank: int, step: int) -> dict[str, Any]:
+    # fp32 exponent bit 30 on 4 values of a backward GEMM output: an enormous (or infinite) local gradient.
+    return {"pattern": "blocks.0.mlp.0", "where": "backward", "rank": rank, "steps": [step], "count": 4, "bit": 30,
+            "max_per_step": 1}
+
+
+def test_transient_flip_on_rank_2_of_4_is_recomputed_there_only_and_training_matches_clean(tmp_path: Path) -> None:
+    clean = run_ranks(_train, 4, tmp_path / "clean", 40, None)
+    faulty = run_ranks(_train, 4, tmp_path / "faulty", 40, transient_flip(2, 30))
+    assert [r["fired"] for r in faulty] == [[], [], [30], []]
+    assert [r["calls"] for r in faulty] == [0, 0, 1, 0]  # only rank 2 re-ran forward/backward
+    assert all(r["calls"] == 0 and r["findings"] == {} for r in clean)
+    for result in faulty:
+        assert result["findings"] == {30: [("sdc_recompute", "warn", (2,), "transient")]}
+        assert result["step"] == 40
+    for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
+        assert_matches_clean(clean_rank, faulty_rank, 30)
+    events = [e for e in read_jsonl(tmp_path / "faulty" / "test" / "events.jsonl") if e["detector"] == "sdc_recompute"]
+    assert "rank 2 (" in events[0]["message"] and events[0]["values"]["location"].endswith(":cpu")
+
+
+def assert_matches_clean(clean: dict[str, Any], faulty: dict[str, Any], fault_step: int) -> None:
+    """Right after the corrected step every parameter equals the fault-free run's at fp32 tolerance (the corrected
+    reduction sums in another order). Later, every parameter still does except the attention key bias: its
+    gradient is zero up to rounding (softmax ignores a shift shared by all keys), so Adam turns rounding noise into
+    O(lr) moves that do not change the function -- the eval loss stays equal."""
+    torch.testing.assert_close(faulty["snapshots"][fault_step], clean["snapshots"][fault_step], rtol=1e-5, atol=1e-6)
+    for name, value in clean["params"].items():
+        other = faulty["params"][name]
+        if name.endswith("attn.qkv.bias"):
+            value, other = value.clone(), other.clone()
+            value[clean["key_bias"]] = other[clean["key_bias"]] = 0.0
+        torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-6, msg=name)
+    assert faulty["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
