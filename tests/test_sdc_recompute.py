@@ -89,14 +89,14 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
     ddp = DistributedDataParallel(model)
     arc: Any = None
 
-    def batch(position: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = data.batch(position, data_rank, BATCH)
+    def loss_of(module: torch.nn.Module, position: int, data_rank: int) -> torch.Tensor:
+        loss = module(*data.batch(position, data_rank, BATCH))
         if crafted is not None and (data_rank, position) == crafted:
-            targets = torch.flip(targets, dims=[1])  # labels that contradict the inputs: a real loss spike
-        return inputs, targets
+            loss = loss * 1000.0  # a pathological batch (e.g. a huge sample weight): real, and reproducible
+        return loss
 
     def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
-        return [module(*batch(arc.data_position, data_rank))]
+        return [loss_of(module, arc.data_position, data_rank)]
 
     arc = arc_engine.attach(ddp, optimizer, recompute_config(run_dir, *overrides), recompute_fn=recompute)
     injector = None
@@ -109,7 +109,7 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
     try:
         while arc.step < steps:
             step = arc.step
-            loss = ddp(*batch(arc.data_position, rank))
+            loss = loss_of(ddp, arc.data_position, rank)
             arc.record_loss(loss)
             loss.backward()
             optimizer.step()
@@ -121,6 +121,9 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
                                   for f in decision.findings]
     except arc_engine.ArcAbort as err:
         exit_code = err.exit_code
+        decision = arc.engine.last_decision
+        findings[decision.step] = [(f.detector, f.action.name.lower(), f.ranks, str(f.values.get("classification")))
+                                   for f in decision.findings]
     arc.close()
     key_bias = slice(model.blocks[0].attn.qkv.bias.numel() // 3, 2 * model.blocks[0].attn.qkv.bias.numel() // 3)
     return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "snapshots": snapshots,
@@ -163,3 +166,48 @@ def assert_matches_clean(clean: dict[str, Any], faulty: dict[str, Any], fault_st
             value[clean["key_bias"]] = other[clean["key_bias"]] = 0.0
         torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-6, msg=name)
     assert faulty["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
+
+
+def persistent_flip(rank: int, start: int) -> dict[str, Any]:
+    return {"pattern": "blocks.0.mlp.0", "where": "backward", "rank": rank, "persistent": True, "start_step": start,
+            "count": 4, "bit": 30}
+
+
+def test_persistent_fault_is_classified_as_a_faulty_device_quarantined_and_stops_with_exit_5(tmp_path: Path) -> None:
+    results = run_ranks(_train, 2, tmp_path, 40, persistent_flip(1, 30))
+    assert [r["exit_code"] for r in results] == [arc_engine.EXIT_FAULTY_DEVICE] * 2
+    assert [r["step"] for r in results] == [30, 30]  # stopped at the same step on every rank
+    assert [r["calls"] for r in results] == [1, 1]  # rank 1 recomputed its batch, then peer rank 0 did
+    for result in results:
+        assert ("sdc_recompute", "abort", (1,), "device") in result["findings"][30]
+    quarantine = json.loads((tmp_path / "test" / "quarantine.json").read_text())["quarantined"]
+    assert [(e["rank"], e["step"]) for e in quarantine] == [(1, 30)]
+    assert quarantine[0]["location"].endswith(":cpu")
+
+
+def test_faulty_device_excluded_keeps_training_like_a_clean_run(tmp_path: Path) -> None:
+    clean = run_ranks(_train, 2, tmp_path / "clean", 36, None)
+    results = run_ranks(_train, 2, tmp_path / "faulty", 36, persistent_flip(1, 30),
+                        ("detectors.sdc.recompute.on_faulty_device=exclude",))
+    assert [r["exit_code"] for r in results] == [None, None] and [r["step"] for r in results] == [36, 36]
+    assert [r["calls"] for r in results] == [6, 6]  # steps 30-35: the suspect once, its peer once
+    assert all(r["findings"][step] == [("sdc_recompute", "warn", (1,), "device")] for r in results
+               for step in range(30, 36))
+    for clean_rank, faulty_rank in zip(clean, results, strict=True):  # the peer's recomputation replaced rank 1's
+        assert_matches_clean(clean_rank, faulty_rank, 30)
+
+
+def test_a_crafted_batch_is_classified_as_data_not_hardware(tmp_path: Path) -> None:
+    results = run_ranks(_train, 2, tmp_path, 34, None, ("detectors.loss_spike.action=skip",), (1, 30))
+    assert [r["calls"] for r in results] == [1, 1]  # the suspect reproduced it, so the peer checked it
+    for result in results:
+        assert ("sdc_recompute", "skip", (1,), "data") in result["findings"][30]
+        assert all(f[3] != "device" for f in result["findings"][30])
+        assert torch.equal(result["snapshots"][30], result["snapshots"][29])  # the spike policy skipped it
+    assert not (tmp_path / "test" / "quarantine.json").exists()
+
+
+def test_no_recomputation_in_a_clean_1000_step_run(tmp_path: Path) -> None:
+    results = run_ranks(_train, 2, tmp_path, 1000, None, ("detectors.sdc.warmup_steps=100",))
+    assert [r["calls"] for r in results] == [0, 0]
+    assert [r["findings"] for r in results] == [{}, {}]
