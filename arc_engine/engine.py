@@ -201,6 +201,11 @@ class ArcEngine:
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1
 
+    @property
+    def micro_batches_recorded(self) -> int:
+        """Losses recorded so far in the current step (the running micro-batch's index + 1)."""
+        return self._loss_count
+
     def decide(self, extra_findings: tuple[Finding, ...] = (), only: tuple[str, ...] | None = None) -> Decision:
         """Collective on monitored steps: gather, judge, decide, report. Call once per optimizer step on every
         rank, after gradients are reduced and before they are applied. Raises :class:`ArcAbort` (on every rank)

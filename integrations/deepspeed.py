@@ -40,7 +40,9 @@ from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.integrations.torch_optim import drop_gradients
+from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
+from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
 
@@ -152,22 +154,38 @@ class LocalGradHooks:
     """Each rank's own gradient before ZeRO reduces it: a tensor hook on every trainable module parameter (it runs
     on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks). On monitored steps
     each hook adds its gradient's squared norm to a per-parameter accumulator (two small kernels, no sync; summed
-    over micro-batches); :meth:`flush` turns them into the PER_RANK ``grad_sq_local`` / ``grad_nonfinite_local``
-    slots once per step. The gradient itself is not modified."""
+    over micro-batches) and, with ``detectors.sdc`` on, the gradient's sketch; :meth:`flush` moves them into the
+    PER_RANK slots once per step. With a ``gate`` (``detectors.sdc.recompute``) a parameter's micro-batch gradient
+    the gate withholds is replaced by zeros before DeepSpeed sees it; otherwise the gradient is not modified."""
 
-    def __init__(self, engine: ArcEngine, param_groups: list[tuple[int, list[torch.Tensor]]]) -> None:
+    def __init__(self, engine: ArcEngine, param_groups: list[tuple[int, list[torch.Tensor]]],
+                 gate: LocalGate | None = None) -> None:
         self.engine = engine
+        self.gate = gate
         params = [(gid, p) for gid, ps in param_groups for p in ps if p.requires_grad]
         device = engine.pipeline.device
         self.sq_p = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.group_index_p = torch.tensor([gid for gid, _ in params], dtype=torch.long, device=device)
+        sketch = names.GRAD_SKETCH_LOCAL in engine.layout
+        self.sketch_k = torch.zeros(engine.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
+                                    dtype=torch.float64, device=device)
+        self._sketch_cache: dict = {}
         self.handles = [param.register_hook(self._hook(i)) for i, (_, param) in enumerate(params)]
 
-    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
         @torch.no_grad()
-        def hook(grad: torch.Tensor) -> None:
-            if self.engine.buffer is not None and self.engine.is_monitored():
-                self.sq_p[index].add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            engine = self.engine
+            if engine.buffer is None or not engine.is_monitored() or engine.recomputing:
+                return None
+            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            self.sq_p[index].add_(norm_sq.to(self.sq_p.device))
+            if self.sketch_k.numel():
+                add_gradient_sketch(self.sketch_k, [grad], [index], self._sketch_cache)
+            if self.gate is None:
+                return None
+            withheld = self.gate.check(index, norm_sq, micro_batch=max(engine.micro_batches_recorded - 1, 0))
+            return zero_where(withheld, grad.clone()) if grad.device.type != "cpu" or bool(withheld) else None
 
         return hook
 
@@ -180,6 +198,11 @@ class LocalGradHooks:
         buffer.index_add(names.GRAD_SQ_LOCAL, self.group_index_p, self.sq_p)
         buffer.index_add(names.GRAD_NONFINITE_LOCAL, self.group_index_p, (~torch.isfinite(self.sq_p)).double())
         self.sq_p.zero_()
+        if self.sketch_k.numel():
+            buffer.view(names.GRAD_SKETCH_LOCAL).add_(self.sketch_k)
+            self.sketch_k.zero_()
+        if self.gate is not None:
+            buffer.view(names.SDC_WITHHELD).add_(self.gate.withheld_count.to(buffer.device))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -209,6 +232,7 @@ class DeepSpeedAdapter:
         else:
             self.stats = ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
+        self.recompute_target: Any = None  # a ZeroGradientTarget when detectors.sdc.recompute is on
         self._saved_lrs: list[Any] | None = None
         self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and bool(getattr(self.zero, "dynamic_loss_scale",
@@ -246,6 +270,8 @@ class DeepSpeedAdapter:
                 self.local_grads.flush()
                 self.stats.record(self.engine.wants_optimizer_stats())
                 self.skip_this_step = not self.engine.decide().applies_update
+        elif self.recompute_target is not None and not self.skip_this_step:
+            self.recompute_target.rescale_group(optimizer.param_groups[0]["params"][0].grad)
         if self.skip_this_step:
             drop_gradients(optimizer)
         else:  # healing: this group's LR and gradient (DeepSpeed steps the torch optimizer once per group)
@@ -256,6 +282,8 @@ class DeepSpeedAdapter:
             restore_learning_rates(optimizer.param_groups, self._saved_lrs)
             self._saved_lrs = None
         if self.stats.is_last_call(optimizer):
+            if self.recompute_target is not None:
+                self.recompute_target.end_step()
             self.engine.finish_step()
 
 
@@ -271,7 +299,8 @@ class DeepSpeedArc(Arc):
 
 
 def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = None, *,
-                     group: torch.distributed.ProcessGroup | None = None) -> DeepSpeedArc:
+                     group: torch.distributed.ProcessGroup | None = None,
+                     recompute_fn: RecomputeFn | None = None) -> DeepSpeedArc:
     """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3. Collective: call on
     every rank, once, after ``deepspeed.initialize``. ``group``: defaults to DeepSpeed's data-parallel group.
 
@@ -280,6 +309,8 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     (rollbacks restore the engine's scheduler, loss scaler and step counters too). A SKIP
     applies nothing on any rank (the fp32 partitions and Adam moments are untouched, so the bit16 copies DeepSpeed
     re-gathers are unchanged too); ABORT raises ArcAbort from ``engine.step()`` on every rank.
+    ``recompute_fn``: see :func:`arc_engine.attach` (``detectors.sdc.recompute``, ZeRO-1/2; it gets
+    ``engine.module``; with gradient accumulation call ``record_loss`` once per micro-batch).
     Raises ValueError for ZeRO-0 and for offloaded optimizer states (not supported yet).
     """
     stage = int(ds_engine.zero_optimization_stage())
@@ -311,8 +342,19 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     injector = FaultInjector(config.faults.injections, runtime.global_rank(),
                              lambda: engine.iteration + int(ds_engine.global_steps) - step_offset - engine.step)
     injector.install(ds_engine.module)
-    local_hooks = LocalGradHooks(engine, module_param_groups(zero, stage))  # after the fault hooks: sees their output
+    wants_recompute = recompute_wanted(engine, recompute_fn, "DeepSpeed ZeRO-3", stage in (1, 2))
+    sdc = config.detectors.sdc
+    gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device) if wants_recompute else None
+    param_groups = module_param_groups(zero, stage)
+    local_hooks = LocalGradHooks(engine, param_groups, gate)  # after the fault hooks: sees their output
     adapter = DeepSpeedAdapter(engine, ds_engine, local_hooks)
+    if gate is not None:
+        from arc_engine.integrations.deepspeed_recompute import ZeroGradientTarget
+
+        target = ZeroGradientTarget(engine, ds_engine, adapter.stats, param_groups)
+        adapter.recompute_target = target
+        engine.restat = target.record_stats
+        engine.sdc_recompute = SDCRecompute(engine, sdc.recompute, gate, target, recompute_fn)
     handles = [zero.optimizer.register_step_pre_hook(adapter.pre_step),
                zero.optimizer.register_step_post_hook(adapter.post_step)]
     engine.lr_multipliers.append(injector.lr_multiplier)

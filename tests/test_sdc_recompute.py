@@ -211,3 +211,57 @@ def test_no_recomputation_in_a_clean_1000_step_run(tmp_path: Path) -> None:
     results = run_ranks(_train, 2, tmp_path, 1000, None, ("detectors.sdc.warmup_steps=100",))
     assert [r["calls"] for r in results] == [0, 0]
     assert [r["findings"] for r in results] == [{}, {}]
+
+
+# ------------------------------------------------------------------ DeepSpeed ZeRO-2
+
+def _train_zero2(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any] | None,
+                 clip: float) -> dict[str, Any]:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, 2, clip=clip)
+    arc: Any = None
+
+    def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
+        return [module(*data.batch(arc.data_position, data_rank, BATCH))]
+
+    arc = attach_deepspeed(engine, recompute_config(run_dir), recompute_fn=recompute)
+    injector = None
+    if spec is not None:
+        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.iteration)
+        injector.install(engine.module)
+    findings, snapshots = {}, {}
+    while arc.step < steps:
+        step = arc.step
+        loss = engine(*data.batch(arc.data_position, rank, BATCH))
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        snapshots[step] = torch.cat([p.detach().flatten() for p in engine.module.parameters()]).clone()
+        decision = arc.engine.last_decision
+        if decision is not None and decision.step == step and decision.findings:
+            findings[step] = [(f.detector, f.action.name.lower(), f.ranks, str(f.values.get("classification")))
+                              for f in decision.findings]
+    arc.close()
+    model = engine.module
+    key_bias = slice(model.blocks[0].attn.qkv.bias.numel() // 3, 2 * model.blocks[0].attn.qkv.bias.numel() // 3)
+    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "snapshots": snapshots,
+            "key_bias": key_bias, "eval_loss": float(model(*data.batch(10_000, 0, 16)).detach()),
+            "calls": arc.engine.sdc_recompute.calls, "findings": findings,
+            "fired": [f["step"] for f in injector.fired] if injector else []}
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["no-clip", "clip"])
+def test_transient_flip_under_zero2_is_recomputed_on_the_suspect_only(tmp_path: Path, clip: float) -> None:
+    """With clipping on, the corrected step is clipped with the corrected gradient's norm (the one DeepSpeed
+    computed lacked the withheld share)."""
+    pytest.importorskip("deepspeed")
+    clean = run_ranks(_train_zero2, 2, tmp_path / "clean", 36, None, clip)
+    faulty = run_ranks(_train_zero2, 2, tmp_path / "faulty", 36, transient_flip(1, 30), clip)
+    assert [r["fired"] for r in faulty] == [[], [30]]
+    assert [r["calls"] for r in faulty] == [0, 1]
+    assert all(r["findings"] == {30: [("sdc_recompute", "warn", (1,), "transient")]} for r in faulty)
+    assert all(r["calls"] == 0 and r["findings"] == {} for r in clean)
+    for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
+        assert_matches_clean(clean_rank, faulty_rank, 30)
