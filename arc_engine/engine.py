@@ -230,7 +230,9 @@ class ArcEngine:
         monitors = [m for m in self.monitors if only is None or m.name in only]
         findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
         if recompute is not None and only is None and not resolved and any(f.detector == "sdc" for f in findings):
-            extra += [*findings, *recompute.recompute_all()]  # the first verdict stays on record
+            first = [dataclasses.replace(f, action=Action.WARN, message=f"before recomputing: {f.message}")
+                     for f in findings]  # on record; the verdict on the recomputed step decides
+            extra += [*first, *recompute.recompute_all()]
             stats = self._regather()
             findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
         self.last_stats = stats

@@ -265,3 +265,20 @@ def test_transient_flip_under_zero2_is_recomputed_on_the_suspect_only(tmp_path: 
     assert all(r["calls"] == 0 and r["findings"] == {} for r in clean)
     for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
         assert_matches_clean(clean_rank, faulty_rank, 30)
+
+
+def test_update_rms_jump_with_nothing_withheld_recomputes_every_rank_once(tmp_path: Path) -> None:
+    """2^8 x 256 values of a backward GEMM output on rank 1, with the gate set too loose to see it: the ΔR / √ΔG
+    rule catches it after the reduction, no rank was withheld, so every rank recomputes once; the recomputed step
+    is clean and applied."""
+    flip = {**transient_flip(1, 40), "bit": 26, "count": 256}
+    loose = ("detectors.sdc.recompute.gate_factor=1000",)
+    clean = run_ranks(_train, 2, tmp_path / "clean", 44, None, loose)
+    faulty = run_ranks(_train, 2, tmp_path / "faulty", 44, flip, loose)
+    assert [r["calls"] for r in faulty] == [1, 1]
+    for result in faulty:
+        detectors = [(f[0], f[1], f[2]) for f in result["findings"][40]]
+        assert detectors == [("sdc", "warn", (1,)), ("sdc_recompute", "warn", ())]  # named, but after the fact
+        assert set(result["findings"]) == {40}
+    for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
+        assert_matches_clean(clean_rank, faulty_rank, 40)
