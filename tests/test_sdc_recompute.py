@@ -282,3 +282,41 @@ def test_update_rms_jump_with_nothing_withheld_recomputes_every_rank_once(tmp_pa
         assert set(result["findings"]) == {40}
     for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
         assert_matches_clean(clean_rank, faulty_rank, 40)
+
+
+BITFLIP_YAML = """
+faults:
+  injections:
+    - {kind: bitflip, rank: 1, step: 30, pattern: "blocks.0.mlp.0", where: backward, bit: 30, count: 4}
+"""
+
+
+def _train_from_yaml(rank: int, world: int, run_dir: Path, config_file: Path) -> dict[str, Any]:
+    from arc_engine.config import load_config
+
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    ddp = DistributedDataParallel(model)
+    config = load_config(config_file, ["run.run_id=test", f"run.run_dir={run_dir}", "sinks.console.enabled=false",
+                                       "detectors.sdc.enabled=true", f"detectors.sdc.warmup_steps={WARMUP}",
+                                       "detectors.sdc.recompute.enabled=true"])
+    arc: Any = None
+    arc = arc_engine.attach(ddp, optimizer, config,
+                            recompute_fn=lambda module, r: [module(*data.batch(arc.data_position, r, BATCH))])
+    while arc.step < 34:
+        loss = ddp(*data.batch(arc.data_position, rank, BATCH))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    arc.close()
+    return {"fired": [(f["step"], f["bit"], f["where"]) for f in arc.faults.bitflips_fired()],
+            "calls": arc.engine.sdc_recompute.calls, "recomputed": arc.summary()["detections"].get("sdc_recompute")}
+
+
+def test_bit_flips_from_the_yaml_config(tmp_path: Path) -> None:
+    config_file = tmp_path / "arc.yaml"
+    config_file.write_text(BITFLIP_YAML)
+    results = run_ranks(_train_from_yaml, 2, tmp_path, config_file)
+    assert [r["fired"] for r in results] == [[], [(30, 30, "backward")]]  # once: the recomputation is clean
+    assert [r["calls"] for r in results] == [0, 1] and [r["recomputed"] for r in results] == [1, 1]

@@ -22,7 +22,7 @@ from arc_engine.config.errors import ConfigError, require
 
 ActionName = Literal["warn", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
-FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale"]
+FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip"]
 
 
 @dataclass(kw_only=True)
@@ -246,6 +246,12 @@ class FaultSpec:
     multiplied by ``scale`` on ``rank`` (-1 = every rank), like a pathological batch.
     ``lr_scale``: the learning rate of every parameter group is multiplied by ``scale`` for that step's update on
     ``rank`` (use -1: a learning-rate spike on one DDP replica only would also desynchronize the replicas).
+    ``bitflip``: exponent-bit flips (:mod:`arc_engine.faults.bitflip`) in the outputs of the ``nn.Linear`` modules
+    matching ``pattern`` (fnmatch on module names), ``where`` = ``forward`` (the GEMM output), ``backward`` (the
+    backward-data GEMM output: the gradient of the layer's input) or ``weight_grad``; ``bit`` (None: the dtype's
+    default exponent bit), ``count`` elements or a ``rate``; transient (fires once per step, on the first GEMM of
+    each step in ``[step, step + steps)``, so a recomputation does not see it) or ``persistent`` (every call from
+    ``step`` on, recomputations included: a faulty device).
     ``steps``: how many consecutive steps from ``step`` the fault lasts (1 = transient).
 
     ``step`` counts step *attempts* (:attr:`ArcEngine.iteration`): it equals the optimizer step until a rollback
@@ -258,9 +264,20 @@ class FaultSpec:
     steps: int = 1
     param: str | None = None
     scale: float = 50.0
+    pattern: str | None = None
+    where: Literal["forward", "backward", "weight_grad"] = "backward"
+    bit: int | None = None
+    count: int | None = None
+    rate: float | None = None
+    persistent: bool = False
+    seed: int = 0
 
     def __post_init__(self) -> None:
         require(self.rank >= -1, "rank", self.rank, "a global rank >= 0, or -1 for every rank")
+        require(self.kind != "bitflip" or bool(self.pattern), "pattern", self.pattern,
+                "a Linear-module name pattern is required for kind 'bitflip'")
+        require(self.where in ("forward", "backward", "weight_grad"), "where", self.where,
+                "one of 'forward', 'backward', 'weight_grad'")
         require(self.step >= 0, "step", self.step, "must be an integer >= 0")
         require(self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
 

@@ -6,7 +6,7 @@ Loss faults are applied by the training loop through :meth:`FaultInjector.on_los
 (``lr_scale``) scale the learning rate of the step through the engine (:meth:`FaultInjector.lr_multiplier`).
 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
-a rollback replays its step.
+a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ from collections.abc import Callable
 import torch
 
 from arc_engine.config.schema import FaultSpec
+from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
+
+
+def bitflip_spec(spec: FaultSpec) -> BitFlipSpec:
+    """The :class:`BitFlipSpec` of a ``bitflip`` fault from the config (see :class:`FaultSpec`)."""
+    timing: dict = {"persistent": True, "start_step": spec.step} if spec.persistent else \
+        {"steps": range(spec.step, spec.step + spec.steps), "max_per_step": 1}
+    return BitFlipSpec(pattern=spec.pattern or "", where=spec.where, rank=spec.rank, bit=spec.bit, count=spec.count,
+                       rate=spec.rate, seed=spec.seed, **timing)
 
 
 class FaultInjector:
@@ -26,6 +35,8 @@ class FaultInjector:
         self.rank = rank
         self.current_step = current_step
         self.fired: list[tuple[int, str]] = []
+        self.bitflips = [BitFlipInjector(bitflip_spec(s), rank=rank, current_step=current_step)
+                         for s in self.specs if s.kind == "bitflip"]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _active(self, spec: FaultSpec) -> bool:
@@ -34,6 +45,8 @@ class FaultInjector:
     def install(self, model: torch.nn.Module) -> None:
         """Register gradient-fault hooks on ``model``'s parameters (raises ValueError on an unknown name)."""
         named = dict(model.named_parameters())
+        for injector in self.bitflips:
+            injector.install(model)
         for spec in self.specs:
             if spec.kind not in ("nan_grad", "inf_grad"):
                 continue
@@ -80,7 +93,13 @@ class FaultInjector:
                 loss = loss * spec.scale
         return loss
 
+    def bitflips_fired(self) -> list[dict]:
+        """Every bit-flip injection so far (``step``, ``module``, ``where``, ``bit``, ``num_flipped``, ...)."""
+        return [record for injector in self.bitflips for record in injector.fired]
+
     def remove(self) -> None:
+        for injector in self.bitflips:
+            injector.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
