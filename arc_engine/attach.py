@@ -135,11 +135,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         group = model.process_group
     groups = ParamGroupIndex(optimizer.param_groups)
     engine = ArcEngine(config, group=group, group_names=groups.names, shard_reduce=Reduce.REPLICATED)
+    wants_recompute = recompute_wanted(engine, recompute_fn, "a plain (non-DDP) module", is_ddp)  # before start
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
     injector.install(model.module if is_ddp else model)
     engine.start()
     engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
-    wants_recompute = recompute_wanted(engine, recompute_fn, "a plain (non-DDP) module", is_ddp)
     if is_ddp:
         from arc_engine.integrations.ddp import DDPGradientTarget
         from arc_engine.integrations.torch_optim import optimizer_stats

@@ -44,7 +44,14 @@ from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_w
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, update_sq_sums, weight_sq_sums
+from arc_engine.stats.optim_stats import (
+    AdamHyper,
+    AdamViews,
+    is_decoupled,
+    sampled,
+    update_sq_sums,
+    weight_sq_sums,
+)
 
 CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
 
@@ -126,11 +133,15 @@ class ZeroPartitionStats:
         views = self._views(group_id, partition, pieces)
         if views is None:
             return
+        views = sampled(views, self.engine.config.detectors.sdc.update_sample)
         update_sq = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
                                    views.hyper, grad_scale=grad_scale)
         buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.sum().to(buffer.device))
-        padding = int(self.zero.groups_padding[group_id])
-        buffer.view(names.UPDATE_COUNT)[slot].add_(float(partition.numel() - padding))
+        if self.engine.config.detectors.sdc.update_sample < 1.0:
+            buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(g.numel() for g in views.grads)))
+        else:
+            padding = int(self.zero.groups_padding[group_id])
+            buffer.view(names.UPDATE_COUNT)[slot].add_(float(partition.numel() - padding))
 
     def _views(self, group_id: int, partition: torch.Tensor, pieces: list[torch.Tensor]) -> AdamViews | None:
         """Adam views of the flat partition, split like the gradient pieces (padding's U is exactly 0)."""
@@ -329,6 +340,7 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     group = group or zero.dp_process_group
     names_g = [str(g.get("name") or f"group{i}") for i, g in enumerate(zero.optimizer.param_groups)]
     engine = ArcEngine(config, group=group, group_names=names_g, shard_reduce=Reduce.SUM)
+    wants_recompute = recompute_wanted(engine, recompute_fn, "DeepSpeed ZeRO-3", stage in (1, 2))
     engine.start()
     if config.recovery.enabled:
         if stage == 3:
@@ -342,7 +354,6 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     injector = FaultInjector(config.faults.injections, runtime.global_rank(),
                              lambda: engine.iteration + int(ds_engine.global_steps) - step_offset - engine.step)
     injector.install(ds_engine.module)
-    wants_recompute = recompute_wanted(engine, recompute_fn, "DeepSpeed ZeRO-3", stage in (1, 2))
     sdc = config.detectors.sdc
     gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device) if wants_recompute else None
     param_groups = module_param_groups(zero, stage)

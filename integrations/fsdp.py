@@ -40,6 +40,7 @@ from arc_engine.attach import Arc, register_step_start
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
+from arc_engine.recovery.recompute import recompute_wanted
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
@@ -169,6 +170,7 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     groups = ParamGroupIndex(optimizer.param_groups)
     engine = ArcEngine(config, group=group or fsdp_pg, group_names=groups.names, shard_reduce=Reduce.SUM)
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
+    recompute_wanted(engine, None, "FSDP2", supported=False)  # a clear error when the config asks for it
     engine.start()
     engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
     producer = FSDPGradStats(engine, groups, params, pre_reduce=pre_reduce_stats)

@@ -98,11 +98,11 @@ def train_with_flips(model: torch.nn.Module, arc: Any, data: Any, rank: int, ste
 
 
 def _run(rank: int, world: int, run_dir: Path, steps: int, flip_at: list[int], flip_rank: int,
-         bit: int = 30, count: int = 4) -> dict[str, Any]:
+         bit: int = 30, count: int = 4, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
     wrapped = DistributedDataParallel(model) if world > 1 else model
-    arc = arc_engine.attach(wrapped, optimizer, sdc_config(run_dir))
+    arc = arc_engine.attach(wrapped, optimizer, sdc_config(run_dir, *overrides))
     arc.optimizer = optimizer
     spec = BitFlipSpec(pattern="blocks.0.mlp.0", where="backward", rank=flip_rank, steps=flip_at, count=count, bit=bit,
                        max_per_step=1)
@@ -122,6 +122,25 @@ def test_bit_flip_in_backward_is_flagged_before_the_update_is_applied(tmp_path: 
     assert result["fired"] == [50]
     assert result["flagged"] == [50]
     assert result["unchanged_after_flag"] == {50: True}  # the corrupted update was never applied
+
+
+def test_a_sampled_update_rms_still_flags_the_flip(tmp_path: Path) -> None:
+    """update_sample = 0.25: R_t over one fixed quarter-window per tensor; the corruption spreads through the
+    backward pass, so the windows see it."""
+    result = _run(0, 1, tmp_path, 80, [50], 0, 26, 256, ("detectors.sdc.update_sample=0.25",))
+    assert result["fired"] == [50] and result["flagged"] == [50]
+    clean = _run(0, 1, tmp_path / "clean", 300, [], 0, overrides=("detectors.sdc.update_sample=0.25",))
+    assert clean["flagged"] == []
+
+
+def test_sample_windows_are_fixed_views() -> None:
+    from arc_engine.stats.optim_stats import sample_window
+
+    tensor = torch.arange(100.0)
+    window = sample_window(tensor, 0.25, 3)
+    assert window.numel() == 25 and window.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    assert torch.equal(window, sample_window(tensor.clone(), 0.25, 3))  # same place for the same index
+    assert sample_window(tensor, 1.0, 3) is tensor
 
 
 def test_no_false_flag_in_a_clean_1000_step_run(tmp_path: Path) -> None:

@@ -320,3 +320,21 @@ def test_bit_flips_from_the_yaml_config(tmp_path: Path) -> None:
     results = run_ranks(_train_from_yaml, 2, tmp_path, config_file)
     assert [r["fired"] for r in results] == [[], [(30, 30, "backward")]]  # once: the recomputation is clean
     assert [r["calls"] for r in results] == [0, 1] and [r["recomputed"] for r in results] == [1, 1]
+
+
+def _attach_errors(rank: int, world: int, run_dir: Path) -> list[str]:
+    model, _ = tiny_model_and_data()
+    errors = []
+    for wrapped, kwargs in ((DistributedDataParallel(model), {}), (model, {"recompute_fn": lambda m, r: []})):
+        try:
+            arc_engine.attach(wrapped, make_optimizer(model), recompute_config(run_dir), **kwargs).close()
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_recompute_without_a_function_or_on_a_plain_module_is_a_clear_error(tmp_path: Path) -> None:
+    errors = run_ranks(_attach_errors, 2, tmp_path)[0]
+    assert len(errors) == 2
+    assert "pass recompute_fn=" in errors[0]
+    assert "not supported on a plain (non-DDP) module" in errors[1]

@@ -87,12 +87,12 @@ def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backen
     ``recompute_fn`` is given but the recomputation is off."""
     sdc = engine.config.detectors.sdc
     wanted = sdc.enabled and sdc.recompute.enabled
-    if wanted and recompute_fn is None:
-        raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) -> micro-batch "
-                         "losses to attach (it re-runs a rank's forward for the current step)")
     if wanted and not supported:
         raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP and DeepSpeed ZeRO-1/2 "
                          f"are); set detectors.sdc.recompute.enabled: false")
+    if wanted and recompute_fn is None:
+        raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) -> micro-batch "
+                         "losses to attach (it re-runs a rank's forward for the current step)")
     if recompute_fn is not None and not wanted:
         engine.log_warning("recompute_fn has no effect: detectors.sdc.enabled and detectors.sdc.recompute.enabled "
                            "are not both true")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,6 +126,30 @@ class AdamViews:
     exp_avg_sqs: list[torch.Tensor | None]
     step: int
     hyper: AdamHyper
+
+
+def sample_window(tensor: torch.Tensor | None, fraction: float, index: int) -> torch.Tensor | None:
+    """A fixed contiguous window of ``fraction`` of ``tensor``'s elements (a view; at least one element), placed
+    by ``index`` alone, so the same window is taken of a parameter, its gradient and its moments at every step."""
+    if tensor is None or fraction >= 1.0:
+        return tensor
+    flat = tensor.reshape(-1)
+    length = max(1, min(flat.numel(), math.ceil(fraction * flat.numel())))
+    start = (index * 2654435761) % (flat.numel() - length + 1)
+    return flat[start:start + length]
+
+
+def sampled(views: AdamViews, fraction: float) -> AdamViews:
+    """``views`` cut to one fixed window per tensor (:func:`sample_window`): Σ U² over the windows divided by their
+    element count estimates the update's mean square at ``fraction`` of the cost. ``fraction`` 1: unchanged."""
+    if fraction >= 1.0:
+        return views
+
+    def cut(tensors: list[torch.Tensor | None]) -> list[Any]:
+        return [sample_window(t, fraction, i) for i, t in enumerate(tensors)]
+
+    return AdamViews(cut(views.params), cut(views.grads), cut(views.exp_avgs), cut(views.exp_avg_sqs), views.step,
+                     views.hyper)
 
 
 def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
