@@ -138,7 +138,6 @@ class SDCRecompute:
         self.device = target.params[0].device if target.params else torch.device("cpu")
         self._rng: torch.Tensor | None = None
         self._own: Recomputed | None = None   # this rank's recomputation on the current step
-        self.resolved_step = -1
         self.calls = 0                         # forward/backward passes run by recompute_fn on this rank
         self.quarantined: dict[int, dict[str, Any]] = {}
 
@@ -172,8 +171,9 @@ class SDCRecompute:
                 classes[row] = ("unknown", float(verdict[row, 2]), math.nan)
                 continue
             peer_energy, peer_share = self._peer_check(stats, row, peers[0], my_row, withheld)
-            classes[row] = (classify(float(verdict[row, 2]), peer_energy, self.config.peer_rtol),
-                            float(verdict[row, 2]), peer_energy)
+            kind = "unknown" if peer_energy is None else \
+                classify(float(verdict[row, 2]), peer_energy, self.config.peer_rtol)
+            classes[row] = (kind, float(verdict[row, 2]), math.nan if peer_energy is None else peer_energy)
             if peer_share is not None:
                 peer_shares[row] = peer_share
         shares: dict[int, torch.Tensor] = {}
@@ -279,10 +279,10 @@ class SDCRecompute:
         return verdict.cpu().numpy()
 
     def _peer_check(self, stats: GatheredStats, row: int, peer_row: int, my_row: int,
-                    withheld: dict[int, int]) -> tuple[float, dict[int, torch.Tensor] | None]:
+                    withheld: dict[int, int]) -> tuple[float | None, dict[int, torch.Tensor] | None]:
         """Collective: the suspect at ``row`` broadcasts its RNG state and withheld slots; the peer recomputes
-        the suspect's micro-batches; one all-reduce shares the peer's energy. Returns it (and the peer's shares,
-        on the peer)."""
+        the suspect's micro-batches; one all-reduce shares the peer's energy. Returns it (None when the peer's
+        recomputation failed) and, on the peer, its shares."""
         device = self.engine.pipeline.device
         rng_size = rng_state(self.device).numel()
         num_slots = len(self.target.params)
@@ -299,10 +299,11 @@ class SDCRecompute:
             host = package.cpu()
             their_withheld = {slot: int(v) - 1 for slot, v in enumerate(host[rng_size:].tolist()) if v > 0}
             result = self._run(stats.ranks[row], host[:rng_size].to(torch.uint8), their_withheld)
-            energy[0], energy[1] = result.energy, 1.0
+            succeeded = not all(g is None for g in result.total_p)
+            energy[0], energy[1] = result.energy, float(succeeded)
             share = result.share_p
         self._all_reduce(energy)
-        return float(energy[0]) if float(energy[1]) > 0 else math.nan, share
+        return (float(energy[0]) if float(energy[1]) > 0 else None), share
 
     def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> list[int]:
         """Collective: all-reduce every rank's shares (zeros elsewhere) plus a failure flag, divide by the group
