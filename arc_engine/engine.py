@@ -185,9 +185,14 @@ class ArcEngine:
         return self.step % self.config.stats.interval == 0
 
     def wants_optimizer_stats(self) -> bool:
-        """Whether producers should compute weight norms and the update RMS on the current step."""
+        """Whether producers should compute the update RMS on the current step (every monitored step with SDC)."""
         if self.config.detectors.sdc.enabled:
             return self.is_monitored()
+        return self.wants_weight_stats()
+
+    def wants_weight_stats(self) -> bool:
+        """Whether producers should also compute weight norms (``stats.optimizer_stats_every``; the SDC rule does
+        not need them, so it does not make them run every step)."""
         every = self.config.stats.optimizer_stats_every
         return bool(every) and self.step % (self.config.stats.interval * every) == 0
 

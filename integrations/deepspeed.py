@@ -129,7 +129,8 @@ class ZeroPartitionStats:
                          grad_scale: float | torch.Tensor) -> None:
         buffer = self.engine.buffer
         slot = slice(group_id, group_id + 1)
-        buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums([partition.view(-1)]).sum().to(buffer.device))
+        if self.engine.wants_weight_stats():
+            buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums([partition.view(-1)]).sum().to(buffer.device))
         views = self._views(group_id, partition, pieces)
         if views is None:
             return

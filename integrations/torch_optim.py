@@ -59,7 +59,7 @@ def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, loca
             weights = [p for p in group["params"] if p.grad is not None]
             weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
         record_group_optimizer_stats(engine.buffer, group_id, weights, views,
-                                     engine.config.detectors.sdc.update_sample)
+                                     engine.config.detectors.sdc.update_sample, engine.wants_weight_stats())
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:

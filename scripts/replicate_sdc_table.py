@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +105,9 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it after the results are written
 
 
 def run_job(arm: str, seed: int, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -117,22 +118,24 @@ def run_job(arm: str, seed: int, args: argparse.Namespace, workdir: Path) -> lis
 
 
 def summarize(results: dict[str, list[list[dict[str, Any]]]]) -> str:
-    lines = ["| arm | final eval loss (mean ± sd over seeds) | per seed | flips injected | recomputations "
-             "(rank 0 / rank 1) |", "|---|---|---|---|---|"]
+    lines = ["| arm | final eval loss (mean ± sd over seeds) | per seed | minus baseline, per seed | flips injected | "
+             "recomputations (rank 0 / rank 1) |", "|---|---|---|---|---|---|"]
+    baseline = [ranks[0]["eval_loss"] for ranks in results["baseline"]]
     for arm, runs in results.items():
         losses = [ranks[0]["eval_loss"] for ranks in runs]
         spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
         flips = sum(r["injections"] for ranks in runs for r in ranks)
         calls = [sum(ranks[k]["recomputations"] for ranks in runs) for k in range(2)]
+        paired = ", ".join(f"{x - b:+.4f}" for x, b in zip(losses, baseline, strict=False))
         lines.append(f"| {arm} | {statistics.mean(losses):.4f} ± {spread:.4f} | "
-                     f"{', '.join(f'{x:.4f}' for x in losses)} | {flips} | {calls[0]} / {calls[1]} |")
+                     f"{', '.join(f'{x:.4f}' for x in losses)} | {paired} | {flips} | {calls[0]} / {calls[1]} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     args = parse_args()
     results: dict[str, list[list[dict[str, Any]]]] = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as tmp, nullcontext():
+    with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             for arm in ARMS:
                 results[arm].append(run_job(arm, seed, args, Path(tmp)))

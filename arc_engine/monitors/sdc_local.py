@@ -49,9 +49,9 @@ def add_gradient_sketch(sketch_k: torch.Tensor, grads: list[torch.Tensor], indic
         if blocks == 0:
             continue
         usable = (flat.numel() // blocks) * blocks
-        sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float64)
+        sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float32).double()  # no float64 copy
         if usable < flat.numel():
-            sums[-1] += flat[usable:].sum(dtype=torch.float64)
+            sums[-1] += flat[usable:].sum(dtype=torch.float32).double()
         slots, signs = _sketch_plan(index, blocks, size, sums.device, cache)
         sketch_k.index_add_(0, slots.to(sketch_k.device), (sums * signs).to(sketch_k.device))
 

@@ -13,7 +13,8 @@ from arc_engine.stats.optim_stats import AdamViews, sampled, update_sq_sums, wei
 
 @torch.no_grad()
 def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Sequence[torch.Tensor],
-                                 views: AdamViews | None, update_sample: float = 1.0) -> None:
+                                 views: AdamViews | None, update_sample: float = 1.0,
+                                 with_weights: bool = True) -> None:
     """Add this rank's part of group ``group_id``'s weight squared norm and, for Adam-family optimizers, the
     prospective update Σ U² and element count (over :func:`sampled` windows when ``update_sample`` < 1). No-op when
     the layout has no optimizer-statistics slots."""
@@ -21,7 +22,8 @@ def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Seq
         return
     slot = slice(group_id, group_id + 1)
     device = buffer.device
-    buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums(weights).sum().to(device))
+    if with_weights:
+        buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums(weights).sum().to(device))
     if views is None or not views.grads:
         return
     views = sampled(views, update_sample)
