@@ -142,11 +142,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
     if is_ddp:
         from arc_engine.integrations.ddp import DDPGradientTarget
-        from arc_engine.integrations.torch_optim import optimizer_stats
 
         hook_state = register_stats_hook(engine, model, groups)
         if wants_recompute:
-            target = DDPGradientTarget(model, hook_state, optimizer, optimizer_stats)
+            target = DDPGradientTarget(model, hook_state, optimizer)
             engine.restat = target.record_stats
             engine.sdc_recompute = SDCRecompute(engine, config.detectors.sdc.recompute, hook_state.gate, target,
                                                 recompute_fn)

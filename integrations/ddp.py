@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations.torch_optim import optimizer_stats
 from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
@@ -123,14 +124,13 @@ class DDPGradientTarget:
     per_micro_batch = False
     loss_factor = 1.0
 
-    def __init__(self, model: DistributedDataParallel, hook_state: StatsHookState, optimizer: torch.optim.Optimizer,
-                 record_optimizer_stats: object) -> None:
+    def __init__(self, model: DistributedDataParallel, hook_state: StatsHookState,
+                 optimizer: torch.optim.Optimizer) -> None:
         self.module = model.module
         self.params = [p for p in model.module.parameters() if p.requires_grad]
         self.group_of_p = [hook_state.groups.group_of.get(id(p), 0) for p in self.params]
         self.hook_state = hook_state
         self.optimizer = optimizer
-        self.record_optimizer_stats = record_optimizer_stats
 
     def slot_params(self, slot: int) -> list[int]:
         return [i for i in self.hook_state.bucket_positions(slot) if i >= 0]
@@ -148,9 +148,9 @@ class DDPGradientTarget:
     @torch.no_grad()
     def record_stats(self) -> None:
         engine = self.hook_state.engine
-        with_grad = [(p, g) for p, g in zip(self.params, self.group_of_p, strict=True) if p.grad is not None]
+        with_grad = [p for p in self.params if p.grad is not None]
         if with_grad:
-            index = torch.tensor([g for _, g in with_grad], dtype=torch.long, device=engine.pipeline.device)
-            accumulate_grad_stats(engine.buffer, [p.grad for p, _ in with_grad], index, names.GRAD_SQ)
+            index = self.hook_state.groups.index_tensor(with_grad, engine.pipeline.device)
+            accumulate_grad_stats(engine.buffer, [p.grad for p in with_grad], index, names.GRAD_SQ)
         if engine.wants_optimizer_stats():
-            self.record_optimizer_stats(engine, self.optimizer, local_shards=False)  # type: ignore[operator]
+            optimizer_stats(engine, self.optimizer, local_shards=False)

@@ -81,7 +81,8 @@ def test_peer_classification() -> None:
 # ------------------------------------------------------------------ DDP, 4 and 2 ranks
 
 def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any] | None,
-           overrides: tuple[str, ...] = (), crafted: tuple[int, int] | None = None) -> dict[str, Any]:
+           overrides: tuple[str, ...] = (), crafted: tuple[int, int] | None = None,
+           broken: bool = False) -> dict[str, Any]:
     """Train the tiny GPT under DDP with recomputation on; ``spec``: a bit flip; ``crafted``: (rank, step) whose
     batch is a pathological one (inputs scaled in the embedding: a genuine, reproducible gradient spike)."""
     model, data = tiny_model_and_data()
@@ -96,6 +97,8 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
         return loss
 
     def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
+        if broken:
+            raise RuntimeError("the data loader cannot rebuild this batch")
         return [loss_of(module, arc.data_position, data_rank)]
 
     arc = arc_engine.attach(ddp, optimizer, recompute_config(run_dir, *overrides), recompute_fn=recompute)
@@ -338,3 +341,11 @@ def test_recompute_without_a_function_or_on_a_plain_module_is_a_clear_error(tmp_
     assert len(errors) == 2
     assert "pass recompute_fn=" in errors[0]
     assert "not supported on a plain (non-DDP) module" in errors[1]
+
+
+def test_a_recomputation_that_raises_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_train, 2, tmp_path, 33, transient_flip(1, 30), (), None, True)
+    for result in results:
+        assert ("sdc_recompute", "skip", (1,), "failed") in result["findings"][30]
+        assert torch.equal(result["snapshots"][30], result["snapshots"][29])  # nothing applied
+        assert result["step"] == 33  # and training went on

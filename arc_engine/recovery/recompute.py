@@ -39,6 +39,7 @@ from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.stats import GatheredStats, names
+from arc_engine.stats.grad_stats import accumulate_grad_stats
 
 if TYPE_CHECKING:
     from arc_engine.engine import ArcEngine
@@ -79,6 +80,7 @@ class Recomputed:
     share_p: dict[int, torch.Tensor] = field(default_factory=dict)
     energy: float = 0.0   # Σ squared norms of the withheld observations
     healthy: bool = True  # the gate would let every withheld observation through now
+    failed: bool = False  # recompute_fn raised: nothing above is usable
 
 
 def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool) -> bool:
@@ -177,39 +179,41 @@ class SDCRecompute:
             if peer_share is not None:
                 peer_shares[row] = peer_share
         shares: dict[int, torch.Tensor] = {}
-        if my_row in rows and self._own is not None and classes.get(my_row, ("",))[0] != "device":
+        if my_row in rows and self._own is not None:
+            if classes.get(my_row, ("",))[0] == "device":  # its share comes from the peer; its own stats go too
+                self._own = Recomputed(total_p=[None] * len(self.target.params))
             shares = self._own.share_p
         for row, share in peer_shares.items():  # this rank is the peer of a faulty device
             if classes[row][0] == "device":
                 shares = {**shares, **share}
-        failed += self._correct(shares, replace=False)
-        return self._findings(stats, rows, verdict, sorted(set(failed)), classes)
+        if self._correct(shares, replace=False):  # a failure anywhere: nothing was applied
+            failed = rows
+        return self._findings(stats, rows, verdict, set(failed), classes)
 
     def recompute_all(self) -> list[Finding]:
         """Collective fallback when the update-RMS rule fired with nothing withheld: every rank recomputes its own
         micro-batches once and the reduced gradient is replaced by the reduction of the recomputed ones."""
         self._own = self._run(self.engine.rank, self._rng, {})
-        failed = self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True)
-        if failed:
+        if self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True):
             return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
-                            "recomputation of the step on every rank failed", (), {"failed_ranks": failed})]
+                            "recomputation of the step failed on some rank: the gradient was left as reduced", (),
+                            {"classification": "failed"})]
         return [Finding("sdc_recompute", Action.WARN, Severity.WARNING,
                         "update-RMS jump with no rank standing out: the step was recomputed on every rank", (),
                         {"recomputed_ranks": "all"})]
 
     def write_local_stats(self, buffer: Any) -> None:
-        """After a correction, replace this rank's pre-reduction statistics by those of its recomputation."""
+        """After a correction, replace this rank's pre-reduction statistics by those of its recomputation (by
+        nothing when its device was found faulty: its own contribution was excluded)."""
         if self._own is None:
             return
         for slot in (names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL):
             buffer.view(slot).zero_()
-        for index, grad in enumerate(self._own.total_p):
-            if grad is None:
-                continue
-            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square().to(buffer.device)
-            group = self.target.group_of_p[index]
-            buffer.view(names.GRAD_SQ_LOCAL)[group] += norm_sq
-            buffer.view(names.GRAD_NONFINITE_LOCAL)[group] += (~torch.isfinite(norm_sq)).double()
+        present = [(g, self.target.group_of_p[i]) for i, g in enumerate(self._own.total_p) if g is not None]
+        if present:
+            index = torch.tensor([group for _, group in present], dtype=torch.long, device=buffer.device)
+            accumulate_grad_stats(buffer, [g for g, _ in present], index, names.GRAD_SQ_LOCAL,
+                                  names.GRAD_NONFINITE_LOCAL)
 
     # ------------------------------------------------------------------ pieces
 
@@ -231,7 +235,7 @@ class SDCRecompute:
             self.calls += 1
         except Exception as err:  # reported to every rank by the next collective
             self.engine.log_warning(f"sdc recompute for rank {data_rank} failed: {type(err).__name__}: {err}")
-            return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False)
+            return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False, failed=True)
         finally:
             self.engine.recomputing = False
             set_rng_state(saved, self.device)
@@ -271,7 +275,7 @@ class SDCRecompute:
         """All-reduce each suspect's [failed, healthy, recomputed energy, withheld energy] (one small collective)."""
         verdict = torch.zeros(num_rows, 4, dtype=torch.float64, device=self.engine.pipeline.device)
         if own is not None:
-            failed = not math.isfinite(own.energy) and all(g is None for g in own.total_p)
+            failed = own.failed
             withheld_energy = float(self.gate.withheld_sq.sum())
             verdict[my_row] = torch.tensor([float(failed), float(own.healthy and not failed), own.energy,
                                             withheld_energy], dtype=torch.float64)
@@ -299,32 +303,29 @@ class SDCRecompute:
             host = package.cpu()
             their_withheld = {slot: int(v) - 1 for slot, v in enumerate(host[rng_size:].tolist()) if v > 0}
             result = self._run(stats.ranks[row], host[:rng_size].to(torch.uint8), their_withheld)
-            succeeded = not all(g is None for g in result.total_p)
-            energy[0], energy[1] = result.energy, float(succeeded)
+            energy[0], energy[1] = result.energy, float(not result.failed)
             share = result.share_p
         self._all_reduce(energy)
         return (float(energy[0]) if float(energy[1]) > 0 else None), share
 
-    def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> list[int]:
+    def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> bool:
         """Collective: all-reduce every rank's shares (zeros elsewhere) plus a failure flag, divide by the group
-        size, hand them to the target. Returns the rows that reported a failure (then nothing is applied)."""
+        size, hand them to the target. Returns True when some rank reported a failure (then nothing is applied)."""
         params = self.target.params
         sizes = [p.numel() for p in params]
         flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=self.device)
         pieces = list(flat[:-1].split(sizes))
         for index, share in shares.items():
             pieces[index].copy_(share.reshape(-1))
-        own_failed = self._own is not None and not math.isfinite(self._own.energy) and \
-            all(g is None for g in self._own.total_p)
-        flat[-1] = float(own_failed)
+        flat[-1] = float(self._own is not None and self._own.failed)
         self._all_reduce(flat)
         if float(flat[-1]) > 0:
-            return [-1]
+            return True
         flat[:-1].div_(self.engine.pipeline.num_ranks)
         # Every rank applies every entry (zeros where nobody had a share): the same call on every rank.
         self.target.apply([piece.view_as(param) for piece, param in zip(flat[:-1].split(sizes), params, strict=True)],
                           replace)
-        return []
+        return False
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.engine.pipeline.num_ranks > 1:
@@ -332,7 +333,7 @@ class SDCRecompute:
 
     # ------------------------------------------------------------------ reporting
 
-    def _findings(self, stats: GatheredStats, rows: list[int], verdict: Any, failed: list[int],
+    def _findings(self, stats: GatheredStats, rows: list[int], verdict: Any, failed: set[int],
                   classes: dict[int, tuple[str, float, float]]) -> list[Finding]:
         sdc = self.engine.config.detectors.sdc
         findings = []
@@ -342,7 +343,7 @@ class SDCRecompute:
             values: dict[str, Any] = {"withheld_energy": float(verdict[row, 3]),
                                       "recomputed_energy": float(verdict[row, 2]),
                                       "location": self.engine.locations.get(rank, "?")}
-            if failed and (row in failed or failed == [-1]):
+            if row in failed:
                 findings.append(Finding("sdc_recompute", Action.parse(sdc.action), Severity.ERROR,
                                         f"SDC suspected on {where}: the recomputation failed", (rank,),
                                         {**values, "classification": "failed"}))
