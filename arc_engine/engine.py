@@ -33,7 +33,9 @@ from arc_engine.monitors import (
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
 from arc_engine.recovery.state import TrainState
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
+from arc_engine.sinks.wandb_sink import WandbSink, active_wandb_run
 from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+from arc_engine.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
     from arc_engine.recovery.recompute import SDCRecompute
@@ -96,6 +98,8 @@ class ArcEngine:
         self.framework_skipped_steps = 0
         self._metrics_due = 0
         self._closed = False
+        self.watchdog: HangWatchdog | None = None
+        self.wandb_owner = False  # this rank talks to W&B (one rank per job; see start())
 
     # ------------------------------------------------------------------ setup
 
@@ -109,11 +113,15 @@ class ArcEngine:
         """Collective (once): agree on the run id, freeze and verify the statistics layout, open sinks."""
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
-        if self.config.detectors.sdc.enabled:  # SDC findings name the host and device of the suspect rank
-            self.locations = runtime.gather_locations(self.group)
-            for monitor in self.monitors:
-                if isinstance(monitor, SDCMonitor):
-                    monitor.locations = self.locations
+        # findings and alerts name the host and device of a rank
+        self.locations = runtime.gather_locations(self.group)
+        for monitor in self.monitors:
+            if isinstance(monitor, SDCMonitor):
+                monitor.locations = self.locations
+        wandb_cfg = self.config.sinks.wandb
+        if wandb_cfg.enabled:  # one rank per job: the one holding the script's W&B run, else the lowest rank
+            holds_run = wandb_cfg.reuse_run and active_wandb_run() is not None
+            self.wandb_owner = runtime.elect_rank(holds_run, self.group) == self.rank
         for monitor in list(self.monitors):
             lacking = missing_stats(monitor, self.layout)
             if lacking:
@@ -122,6 +130,12 @@ class ArcEngine:
         self.buffer = self.pipeline.start()
         if self._owns_sinks():
             self._open_default_sinks()
+        if self.wandb_owner:
+            self.sinks.add(WandbSink(wandb_cfg, self.run_id, str(self.run_dir), self.locations,
+                                     dataclasses.asdict(self.config)))
+        if self.config.watchdog.enabled:
+            self.watchdog = HangWatchdog(self.config.watchdog, self.rank, self.run_dir, self._watchdog_report,
+                                         lambda: self.iteration).start()
         self._emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                              f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
@@ -147,7 +161,11 @@ class ArcEngine:
             return
         self._step_open = True
         if self.recovery is not None:
-            self.recovery.on_step_start()
+            if self.watchdog is not None:  # a rollback's restore or a snapshot is not a hang
+                with self.watchdog.paused():
+                    self.recovery.on_step_start()
+            else:
+                self.recovery.on_step_start()
         if self.sdc_recompute is not None:
             self.sdc_recompute.capture()
 
@@ -167,7 +185,18 @@ class ArcEngine:
         return monitors
 
     def _owns_sinks(self) -> bool:
+        """Whether this rank writes the console and JSONL sinks (global rank 0 unless ``sinks.all_ranks``)."""
         return self.config.sinks.all_ranks or self.rank == 0
+
+    def _emits(self) -> bool:
+        """Whether this rank has sinks to report to (its own, or the job's W&B sink)."""
+        return self._owns_sinks() or self.wandb_owner
+
+    def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
+        """From the watchdog thread: a hang (critical) or its end (info), through this rank's sinks."""
+        severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
+        self._emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message, (self.rank,),
+                         values, iteration=self.iteration))
 
     def _open_default_sinks(self) -> None:
         cfg = self.config.sinks
@@ -315,6 +344,8 @@ class ArcEngine:
         self.data_position += 1
         if self.recovery is not None:
             self.recovery.on_step_end(decision)
+        if self.watchdog is not None:
+            self.watchdog.heartbeat()
 
     def step_lr_factor(self) -> float:
         """What the integrations multiply this step's learning rate by (and undo after the step): recovery's
@@ -361,17 +392,18 @@ class ArcEngine:
 
     def _maybe_log_metrics(self, stats: GatheredStats) -> None:
         interval = self.config.sinks.metrics_interval
-        if not interval or not self._owns_sinks():
+        if not interval or not self._emits():
             return
         self._metrics_due += 1
         if self._metrics_due % interval:
             return
         metrics = {f"arc/{m.name}/{k}": v for m in self.monitors for k, v in m.metrics().items()}
         metrics["arc/skipped_steps"] = float(self.policy.skipped_steps)
+        metrics["arc/iteration"] = float(self.iteration)
         self.sinks.log_metrics(self.step, metrics)
 
     def _emit(self, event: Event) -> None:
-        if self._owns_sinks():
+        if self._emits():
             self.sinks.emit(dataclasses.replace(event, iteration=self.iteration) if event.iteration < 0 else event)
 
     def _emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
@@ -406,6 +438,8 @@ class ArcEngine:
         if self._closed:
             return
         self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.recovery is not None:
             self.recovery.close()
         summary = self.summary()

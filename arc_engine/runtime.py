@@ -64,3 +64,16 @@ def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
     gathered: list[tuple[int, str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, here, group=group)
     return dict(item for item in gathered if item is not None)
+
+
+def elect_rank(candidate: bool, group: dist.ProcessGroup | None) -> int:
+    """The lowest global rank of ``group`` whose ``candidate`` is true, else the group's lowest global rank.
+    Collective (one ``all_gather_object``) when distributed; call it at attach time, on every rank of ``group``."""
+    here = (global_rank(), bool(candidate))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return here[0]
+    gathered: list[tuple[int, bool] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, here, group=group)
+    items = [item for item in gathered if item is not None]
+    chosen = [rank for rank, wanted in items if wanted]
+    return min(chosen) if chosen else min(rank for rank, _ in items)

@@ -9,9 +9,9 @@ Per bucket, on monitored steps only:
 * in the future's callback, on the reduced bucket: per-group squared norm (``grad_sq``) -- the pre-clip norm
   of the gradient the optimizer will see.
 
-With ``detectors.sdc`` on, each rank also adds its bucket's gradient sketch (``grad_sketch_local``), and with
-``detectors.sdc.recompute`` on, its :class:`~arc_engine.monitors.sdc_local.LocalGate` judges the bucket before the
-all-reduce: a withheld bucket contributes zeros (counted in ``sdc_withheld``) and
+With ``detectors.sdc`` on, each rank also adds its bucket's gradient sketch (``grad_sketch_local``, taken of the
+bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its :class:`~arc_engine.monitors.sdc_local.LocalGate`
+judges the bucket before the all-reduce: a withheld bucket contributes zeros (counted in ``sdc_withheld``) and
 :class:`DDPGradientTarget` lets :mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
 
 Otherwise the gradient values are never modified beyond what the default hook does: training is bitwise unchanged.
@@ -30,6 +30,9 @@ from arc_engine.integrations.torch_optim import optimizer_stats
 from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+
+#: Sketch plan index of DDP bucket 0 (bucket ``b`` uses ``SKETCH_BUCKET_INDEX + b``).
+SKETCH_BUCKET_INDEX = 1 << 20
 
 
 @dataclass
@@ -76,8 +79,9 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         index = state.group_index(bucket, params)
         norms_sq = accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
         if names.GRAD_SKETCH_LOCAL in engine.layout:
-            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), grads,
-                                state.bucket_positions(bucket.index()), state._sketch_cache)
+            # the bucket's flat buffer (same layout on every rank) as one tensor: a few kernels per bucket
+            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [bucket.buffer()],
+                                [SKETCH_BUCKET_INDEX + bucket.index()], state._sketch_cache)
         if state.gate is not None and norms_sq is not None:
             withheld = state.gate.check(bucket.index(), norms_sq.sum())
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))

@@ -49,7 +49,7 @@ from arc_engine.stats.optim_stats import (
     AdamViews,
     is_decoupled,
     sampled,
-    update_sq_sums,
+    update_sq_total,
     weight_sq_sums,
 )
 
@@ -135,9 +135,9 @@ class ZeroPartitionStats:
         if views is None:
             return
         views = sampled(views, self.engine.config.detectors.sdc.update_sample)
-        update_sq = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
-                                   views.hyper, grad_scale=grad_scale)
-        buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.sum().to(buffer.device))
+        update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                    views.hyper, grad_scale=grad_scale)
+        buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(buffer.device))
         if self.engine.config.detectors.sdc.update_sample < 1.0:
             buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(g.numel() for g in views.grads)))
         else:

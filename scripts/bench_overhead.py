@@ -140,6 +140,10 @@ def worker(args: argparse.Namespace) -> None:
         print(f"median step time without arc_engine: {plain_median * 1e3:.1f} ms")
         print(f"median step time with arc_engine:    {arc_median * 1e3:.1f} ms")
         print(f"overhead: {(arc_median / plain_median - 1) * 100:+.2f}%")
+        per = args.steps_per_block
+        ratios = [statistics.median(arc_times[b * per:(b + 1) * per])
+                  / statistics.median(plain_times[b * per:(b + 1) * per]) for b in range(args.blocks)]
+        print(f"overhead, median of per-block ratios: {(statistics.median(ratios) - 1) * 100:+.2f}%")
         plain_mean, arc_mean = statistics.fmean(plain_times), statistics.fmean(arc_times)
         print(f"overhead of the mean step time (includes periodic work such as snapshots): "
               f"{(arc_mean / plain_mean - 1) * 100:+.2f}%")

@@ -70,7 +70,8 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
     if arm == "recompute":
         config = load_config(None, [f"run.run_dir={Path(out).parent / 'runs'}", f"run.run_id={arm}-{seed}",
                                     "sinks.console.enabled=false", "detectors.sdc.enabled=true",
-                                    "detectors.sdc.warmup_steps=50", "detectors.sdc.recompute.enabled=true"])
+                                    "detectors.sdc.warmup_steps=50", "detectors.sdc.recompute.enabled=true",
+                                    "detectors.sdc.update_sample=1.0"])
         arc = arc_engine.attach(ddp, optimizer, config,
                                 recompute_fn=lambda module, r: [loss_of(module, arc.data_position, r)])
     injectors = []

@@ -18,6 +18,7 @@ from arc_engine.stats import names
 from tests.dist_harness import run_ranks
 from tests.training import (
     BATCH,
+    EXACT_UPDATE_RMS,
     count_c10d_ops,
     make_config,
     make_optimizer,
@@ -35,7 +36,7 @@ def _first_step_stats(rank: int, world: int, run_dir: Path) -> dict:
     model, data = tiny_model_and_data()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets, groups split across them
     optimizer = make_optimizer(model)
-    arc = arc_engine.attach(ddp, optimizer, make_config(run_dir))
+    arc = arc_engine.attach(ddp, optimizer, make_config(run_dir, EXACT_UPDATE_RMS))
     inputs, targets = data.batch(0, rank, BATCH)
     loss = ddp(inputs, targets)
     arc.record_loss(loss)
@@ -147,7 +148,7 @@ def _with_and_without(rank: int, world: int, steps: int, config) -> bool:
 
 
 def test_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path) -> None:
-    config = make_config(tmp_path, "stats.optimizer_stats_every=1")  # every statistic on every step
+    config = make_config(tmp_path, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS)  # every statistic on every step
     assert run_ranks(_with_and_without, 2, 6, config) == [True, True]
 
 

@@ -14,7 +14,14 @@ from arc_engine.demo.gpt import param_groups
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, count_c10d_ops, make_config, reference_clipped_adamw, tiny_model_and_data
+from tests.training import (
+    BATCH,
+    EXACT_UPDATE_RMS,
+    count_c10d_ops,
+    make_config,
+    reference_clipped_adamw,
+    tiny_model_and_data,
+)
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.timeout(300)
@@ -60,7 +67,7 @@ def _stats_rank(rank: int, world: int, stage: int, run_dir: Path) -> list[dict]:
     from arc_engine.integrations.deepspeed import attach_deepspeed
 
     engine, data = ds_engine(rank, world, stage)
-    arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1"))
+    arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS))
     records = train(engine, data, arc, rank, 3)
     arc.close()
     return [{k: v for k, v in r.items() if k != "params"} for r in records]
@@ -95,7 +102,7 @@ def _bitwise_rank(rank: int, world: int, stage: int, run_dir: Path) -> bool:
     train(engine, data, None, rank, 4)
     plain = master_weights(engine)
     engine, data = ds_engine(rank, world, stage)
-    arc = arc_engine.attach(engine, None, make_config(run_dir, "stats.optimizer_stats_every=1"))
+    arc = arc_engine.attach(engine, None, make_config(run_dir, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS))
     train(engine, data, arc, rank, 4)
     arc.close()
     return torch.equal(plain, master_weights(engine))

@@ -18,7 +18,7 @@ from arc_engine.config import ArcConfig
 from arc_engine.demo.gpt import param_groups
 from arc_engine.stats import names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, reference_clipped_adamw, tiny_model_and_data
+from tests.training import BATCH, EXACT_UPDATE_RMS, make_config, reference_clipped_adamw, tiny_model_and_data
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.timeout(300)
@@ -74,7 +74,8 @@ def train(rank: int, world: int, steps: int, config: ArcConfig, sub_group_size: 
 
 
 def _stats_rank(rank: int, world: int, run_dir: Path, sub_group_size: int | None) -> dict:
-    return train(rank, world, 3, make_config(run_dir, "stats.optimizer_stats_every=1"), sub_group_size)
+    config = make_config(run_dir, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS)
+    return train(rank, world, 3, config, sub_group_size)
 
 
 @pytest.mark.parametrize(("world", "sub_group_size"), [(2, None), (2, 1000), (3, None)])

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.wandb_records import alerts, history, read_records, transaction_logs
+
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,16 @@ def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "checkpoints" / "latest").exists()
     assert (tmp_path / "demo" / "events.jsonl").stat().st_size > 0
     assert (tmp_path / "demo" / "metrics.jsonl").stat().st_size > 0
+    # one offline W&B run with the alerts, and a step axis that keeps increasing across the rollback
+    (log,) = transaction_logs(tmp_path / "demo")
+    records = read_records(log)
+    titles = [a["title"] for a in alerts(records)]
+    assert any(t.startswith("NaN/Inf values on rank 1 (") for t in titles), titles
+    assert "Rolled back" in titles, titles
+    rows = [row for row in history(records) if "arc/step" in row]
+    assert [row["_step"] for row in rows] == sorted(row["_step"] for row in rows)
+    arc_steps = [row["arc/step"] for row in rows]
+    assert arc_steps != sorted(arc_steps)  # the training step went back at the rollback
 
 
 def test_demo_bad_config_exits_2_with_one_message(tmp_path: Path) -> None:

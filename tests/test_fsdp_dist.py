@@ -20,7 +20,15 @@ from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, update_sq_sums
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, optimizer_steps, tiny_model_and_data
+from tests.training import (
+    BATCH,
+    EXACT_UPDATE_RMS,
+    count_c10d_ops,
+    make_config,
+    make_optimizer,
+    optimizer_steps,
+    tiny_model_and_data,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,7 +160,7 @@ def test_statistics_match_unsharded_reference(tmp_path: Path, micro_batches: int
     """Pre-clip reduced and per-rank pre-reduction gradient norms, weight norms and Adam update RMS per group,
     with gradient accumulation reduced per micro-batch or once (``set_requires_gradient_sync(False)``)."""
     world, steps = 2, 4
-    config = make_config(tmp_path, "stats.optimizer_stats_every=1")
+    config = make_config(tmp_path, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS)
     results = run_ranks(_train_with_clip, world, steps, config, micro_batches, no_sync)
     reference = reference_stats(world, steps, micro_batches, no_sync)
     num_params = sum(p.numel() for p in tiny_model_and_data()[0].parameters())
@@ -179,7 +187,8 @@ def _with_and_without(rank: int, world: int, steps: int, config: ArcConfig) -> l
 
 
 def test_parameters_and_adam_state_bitwise_identical_with_and_without_arc(tmp_path: Path) -> None:
-    assert run_ranks(_with_and_without, 2, 4, make_config(tmp_path, "stats.optimizer_stats_every=1")) == [[], []]
+    config = make_config(tmp_path, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS)
+    assert run_ranks(_with_and_without, 2, 4, config) == [[], []]
 
 
 # --------------------------------------------------------------------- agreed skips

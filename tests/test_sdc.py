@@ -125,11 +125,11 @@ def test_bit_flip_in_backward_is_flagged_before_the_update_is_applied(tmp_path: 
 
 
 def test_a_sampled_update_rms_still_flags_the_flip(tmp_path: Path) -> None:
-    """update_sample = 0.25: R_t over one fixed quarter-window per tensor; the corruption spreads through the
+    """update_sample = 1/32 (the default): R_t over one fixed 1/32 window per tensor; the corruption spreads through the
     backward pass, so the windows see it."""
-    result = _run(0, 1, tmp_path, 80, [50], 0, 26, 256, ("detectors.sdc.update_sample=0.25",))
+    result = _run(0, 1, tmp_path, 80, [50], 0, 26, 256, ("detectors.sdc.update_sample=0.03125",))
     assert result["fired"] == [50] and result["flagged"] == [50]
-    clean = _run(0, 1, tmp_path / "clean", 300, [], 0, overrides=("detectors.sdc.update_sample=0.25",))
+    clean = _run(0, 1, tmp_path / "clean", 300, [], 0, overrides=("detectors.sdc.update_sample=0.03125",))
     assert clean["flagged"] == []
 
 

@@ -19,6 +19,10 @@ SEQ_LEN = 16
 BATCH = 4
 
 
+#: Override for tests that compare the update RMS with the optimizer's own: every element, not the default sample.
+EXACT_UPDATE_RMS = "detectors.sdc.update_sample=1.0"
+
+
 def make_config(run_dir: Path, *overrides: str) -> ArcConfig:
     """Defaults with a quiet console, the run under ``run_dir``, plus dotted overrides."""
     return load_config(None, ["run.run_id=test", f"run.run_dir={run_dir}", "sinks.console.enabled=false",

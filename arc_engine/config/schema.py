@@ -22,7 +22,7 @@ from arc_engine.config.errors import ConfigError, require
 
 ActionName = Literal["warn", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
-FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip"]
+FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip", "stall"]
 
 
 @dataclass(kw_only=True)
@@ -160,7 +160,7 @@ class SDCConfig:
     warmup_steps: int = 100
     localize_factor: float = 4.0
     action: ActionName = "skip"
-    update_sample: float = 1.0
+    update_sample: float = 0.03125
     sketch_size: int = 256
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
@@ -219,6 +219,45 @@ class JsonlSinkConfig:
 
 
 @dataclass(kw_only=True)
+class WandbSinkConfig:
+    """Weights & Biases (the ``wandb`` extra): alerts for events at or above ``alert_min_severity`` and the monitors'
+    metrics (under ``arc/``, every ``sinks.metrics_interval`` monitored steps), from one rank only.
+
+    If a W&B run is already active in the process when arc_engine attaches (DeepSpeed's W&B monitor, Megatron's
+    ``--wandb-project``, your own ``wandb.init``), it is reused (on whichever rank holds it); otherwise global rank
+    0 starts one with ``project`` / ``entity`` / ``name`` / ``group`` / ``mode`` (None: wandb's own default or
+    ``WANDB_MODE``), its files under ``dir`` (None: the arc run directory) and the W&B run id ``arc-<run id>``
+    (``resume="allow"``, so a restart with the same ``run.run_id`` continues the same W&B run).
+    ``alert_wait_s``: repeats of an alert with the same key (detector + ranks) within this window are counted, not
+    sent; the count goes out in a summary alert when the window ends (and at close); also passed to W&B as
+    ``wait_duration``. ``queue_size``: events and metrics wait in a bounded queue for the background thread (the
+    training thread never blocks on W&B; overflow is dropped and counted). ``init_timeout_s`` bounds
+    ``wandb.init``; ``close_timeout_s`` bounds the flush at close.
+    """
+
+    enabled: bool = False
+    project: str = "arc_engine"
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None
+    dir: str | None = None
+    reuse_run: bool = True
+    alert_min_severity: SeverityName = "error"
+    alert_wait_s: float = 600.0
+    queue_size: int = 1000
+    init_timeout_s: float = 90.0
+    close_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        require(bool(self.project), "project", self.project, "a non-empty W&B project name")
+        require(self.alert_wait_s >= 0, "alert_wait_s", self.alert_wait_s, "must be >= 0 seconds")
+        require(self.queue_size >= 1, "queue_size", self.queue_size, "must be an integer >= 1")
+        require(self.init_timeout_s > 0, "init_timeout_s", self.init_timeout_s, "must be > 0 seconds")
+        require(self.close_timeout_s > 0, "close_timeout_s", self.close_timeout_s, "must be > 0 seconds")
+
+
+@dataclass(kw_only=True)
 class SinksConfig:
     """Where events and metrics go.
 
@@ -229,6 +268,7 @@ class SinksConfig:
 
     console: ConsoleSinkConfig = field(default_factory=ConsoleSinkConfig)
     jsonl: JsonlSinkConfig = field(default_factory=JsonlSinkConfig)
+    wandb: WandbSinkConfig = field(default_factory=WandbSinkConfig)
     metrics_interval: int = 10
     all_ranks: bool = False
 
@@ -252,6 +292,8 @@ class FaultSpec:
     default exponent bit), ``count`` elements or a ``rate``; transient (fires once per step, on the first GEMM of
     each step in ``[step, step + steps)``, so a recomputation does not see it) or ``persistent`` (every call from
     ``step`` on, recomputations included: a faulty device).
+    ``stall``: ``rank`` sleeps ``seconds`` at the start of the step (a hung data loader or a stuck device), so it
+    stops stepping and its peers wait in the next collective (what the hang watchdog is for).
     ``steps``: how many consecutive steps from ``step`` the fault lasts (1 = transient).
 
     ``step`` counts step *attempts* (:attr:`ArcEngine.iteration`): it equals the optimizer step until a rollback
@@ -271,6 +313,7 @@ class FaultSpec:
     rate: float | None = None
     persistent: bool = False
     seed: int = 0
+    seconds: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.rank >= -1, "rank", self.rank, "a global rank >= 0, or -1 for every rank")
@@ -280,6 +323,7 @@ class FaultSpec:
                 "one of 'forward', 'backward', 'weight_grad'")
         require(self.step >= 0, "step", self.step, "must be an integer >= 0")
         require(self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
+        require(self.kind != "stall" or self.seconds > 0, "seconds", self.seconds, "must be > 0 for kind 'stall'")
 
 
 @dataclass(kw_only=True)
@@ -364,6 +408,35 @@ class RecoveryConfig:
 
 
 @dataclass(kw_only=True)
+class WatchdogConfig:
+    """The hang watchdog: a background thread on every rank that fires when no step completes in time.
+
+    Before ``warmup_steps`` steps have completed the timeout is ``initial_timeout_s`` (first steps compile, build
+    communicators, load data); after, ``safety_factor`` x the longest step seen since warm-up, clamped to
+    [``min_timeout_s``, ``max_timeout_s``]. On firing: a critical ``hang`` event through every sink of the rank
+    (alerts included) and, with ``dump_stacks``, every thread's Python stack in
+    ``<run_dir>/stacks/rank<N>-<iteration>.txt``. Once per hang; re-armed by the next completed step. It only reads
+    clocks and writes local files: it never takes part in a collective, so a dead collective cannot hang it.
+    """
+
+    enabled: bool = True
+    warmup_steps: int = 10
+    initial_timeout_s: float = 1800.0
+    safety_factor: float = 5.0
+    min_timeout_s: float = 300.0
+    max_timeout_s: float = 3600.0
+    dump_stacks: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+        require(self.initial_timeout_s > 0, "initial_timeout_s", self.initial_timeout_s, "must be > 0 seconds")
+        require(self.safety_factor >= 1, "safety_factor", self.safety_factor, "must be >= 1")
+        require(self.min_timeout_s > 0, "min_timeout_s", self.min_timeout_s, "must be > 0 seconds")
+        require(self.max_timeout_s >= self.min_timeout_s, "max_timeout_s", self.max_timeout_s,
+                "must be >= min_timeout_s")
+
+
+@dataclass(kw_only=True)
 class ArcConfig:
     """The root of the arc_engine configuration (what ``--arc-config arc.yaml`` holds)."""
 
@@ -374,6 +447,7 @@ class ArcConfig:
     sinks: SinksConfig = field(default_factory=SinksConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
 
 __all__ = [
@@ -394,4 +468,6 @@ __all__ = [
     "SDCConfig",
     "SinksConfig",
     "StatsConfig",
+    "WandbSinkConfig",
+    "WatchdogConfig",
 ]

@@ -14,7 +14,8 @@ DEMO_CONFIG: dict[str, Any] = {
         "grad_norm": {"explosion_threshold": 1.0e4},
     },
     "policy": {"max_consecutive_skips": 3, "on_persistent_failure": "rollback"},
-    "sinks": {"console": {"min_severity": "info"}, "metrics_interval": 10},
+    "sinks": {"console": {"min_severity": "info"}, "metrics_interval": 10,
+              "wandb": {"enabled": True, "mode": "offline", "project": "arc-demo"}},
     "faults": {"injections": [
         {"kind": "nan_grad", "rank": 1, "step": 40, "param": "blocks.0.ln1.weight"},
         {"kind": "loss_scale", "rank": -1, "step": 80, "scale": 30.0},

@@ -4,6 +4,7 @@ Gradient faults use a tensor hook on the chosen parameter, which runs before the
 so before DDP's reduction sees it: the corruption is local to the chosen rank, as a faulty device's would be.
 Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`. Learning-rate faults
 (``lr_scale``) scale the learning rate of the step through the engine (:meth:`FaultInjector.lr_multiplier`).
+``stall`` sleeps in a forward pre-hook at the step's first forward.
 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
 a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`.
@@ -11,6 +12,7 @@ a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_en
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -47,6 +49,9 @@ class FaultInjector:
         named = dict(model.named_parameters())
         for injector in self.bitflips:
             injector.install(model)
+        stalls = [spec for spec in self.specs if spec.kind == "stall"]
+        if stalls:
+            self._handles.append(model.register_forward_pre_hook(lambda module, args: self._stall(stalls)))
         for spec in self.specs:
             if spec.kind not in ("nan_grad", "inf_grad"):
                 continue
@@ -67,6 +72,13 @@ class FaultInjector:
             return corrupted
 
         return hook
+
+    def _stall(self, specs: list[FaultSpec]) -> None:
+        """``stall``: sleep at the step's first forward (once per step)."""
+        for spec in specs:
+            if self._active(spec) and (self.current_step(), spec.kind) not in self.fired:
+                self.fired.append((self.current_step(), spec.kind))
+                time.sleep(spec.seconds)
 
     def lr_multiplier(self) -> float:
         """The product of the active ``lr_scale`` faults' scales (1 when none is active). The engine's optimizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Protocol, runtime_checkable
 
 from arc_engine.events import Event
@@ -26,13 +27,17 @@ class Sink(Protocol):
 
 class SinkSet:
     """Fans events out to sinks. A sink that raises is reported once (logging) and disabled after
-    ``max_failures`` consecutive errors; training never sees the exception."""
+    ``max_failures`` consecutive errors; training never sees the exception. Thread-safe: the hang watchdog reports
+    from its own thread; a call waits at most ``LOCK_TIMEOUT_S`` for another one and is dropped (logged) after."""
+
+    LOCK_TIMEOUT_S = 10.0
 
     def __init__(self, sinks: list[Sink] | None = None, max_failures: int = 3) -> None:
         self.sinks: list[Sink] = list(sinks or [])
         self.max_failures = max_failures
         self._failures: dict[str, int] = {}
         self.disabled: set[str] = set()
+        self._lock = threading.RLock()
 
     def add(self, sink: Sink) -> None:
         self.sinks.append(sink)
@@ -53,6 +58,10 @@ class SinkSet:
         return [s for s in self.sinks if s.name not in self.disabled]
 
     def _call(self, sink: Sink, method: str, *args: object) -> None:
+        if not self._lock.acquire(timeout=self.LOCK_TIMEOUT_S):
+            log.warning("arc_engine sink %r: %s dropped (another thread has held the sinks for %.0f s)",
+                        sink.name, method, self.LOCK_TIMEOUT_S)
+            return
         try:
             getattr(sink, method)(*args)
             self._failures[sink.name] = 0
@@ -65,3 +74,5 @@ class SinkSet:
             if count >= self.max_failures:
                 self.disabled.add(sink.name)
                 log.warning("arc_engine sink %r disabled after %d consecutive failures", sink.name, count)
+        finally:
+            self._lock.release()

@@ -3,7 +3,7 @@ partitions under ZeRO, DTensor local shards under FSDP2): weight squared norms a
 SDC paper, U = m̂ / (√v̂ + ε), computed *prospectively* -- from the gradient about to be applied and the current
 moments -- so a verdict can stop the update before the optimizer applies it.
 
-All functions return device tensors (fused ``torch._foreach_*`` kernels, no host sync). Sums over a rank's
+All functions return device tensors (a few element-wise passes, no host sync). Sums over a rank's
 elements are partial sums: added over ranks they give the exact global value.
 """
 
@@ -45,8 +45,48 @@ def weight_sq_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).double().square()
 
 
-#: Elements processed at once by :func:`update_sq_sums`: bounds its temporaries to a few x 64 MiB (fp32).
+#: Elements processed at once by :func:`update_sq_total`: bounds its temporaries to a few x 64 MiB (fp32).
 CHUNK_ELEMENTS = 1 << 24
+#: Slices at least this large are processed on their own; smaller ones are concatenated into shared batches.
+OWN_BATCH_ELEMENTS = 1 << 16
+
+
+@torch.no_grad()
+def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
+                    step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
+                    grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """0-dim float64: Σ U² over every element of ``grads`` for the Adam update the optimizer is *about to* apply.
+
+    ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
+    ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the number of
+    updates already applied (0 before the first). Inputs are not modified. Tensors are cut into slices of at most
+    ``chunk_elements`` elements; a slice of at least :data:`OWN_BATCH_ELEMENTS` is processed in place, smaller ones are
+    concatenated into shared batches (one flat tensor per operand), so the cost is a handful of element-wise passes
+    whatever the number of tensors: many small windows cost no more than one large one. ``grad_scale`` multiplies the
+    gradients first (e.g. DeepSpeed's 1/(loss scale x clip factor) for gradients it has not unscaled yet); a 0-dim
+    tensor avoids a host sync.
+    """
+    device = grads[0].device if grads else None
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    batch_elements = 0
+    for param, grad, mean, sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        numel = grad.numel()
+        for start in range(0, numel, chunk_elements):
+            length = min(chunk_elements, numel - start)
+            piece = tuple(_piece(t, start, length, numel) for t in (param, grad, mean, sq))  # type: ignore[arg-type]
+            if length >= OWN_BATCH_ELEMENTS:  # large enough to be its own batch: no concatenation copy
+                total += _batch_update_sq([piece], step, hyper, grad_scale)
+                continue
+            batch.append(piece)
+            batch_elements += length
+            if batch_elements >= chunk_elements:
+                total += _batch_update_sq(batch, step, hyper, grad_scale)
+                batch, batch_elements = [], 0
+    if batch:
+        total += _batch_update_sq(batch, step, hyper, grad_scale)
+    return total
 
 
 @torch.no_grad()
@@ -54,56 +94,61 @@ def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                    exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
                    step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
                    grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``[n]`` float64: Σ U² per tensor for the Adam update the optimizer is *about to* apply.
-
-    ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
-    ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the
-    number of updates already applied (0 before the first). Inputs are not modified; tensors are processed in
-    slices of at most ``chunk_elements`` so the temporaries stay small whatever the model size.
-    ``grad_scale`` multiplies the gradients first (e.g. DeepSpeed's 1/(loss scale x clip factor) for gradients
-    it has not unscaled yet); a 0-dim tensor avoids a host sync.
-    """
+    """``[n]`` float64: :func:`update_sq_total` of each tensor on its own (diagnostics and tests; the hot path
+    takes the total)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
-    sums = torch.zeros(len(grads), dtype=torch.float64, device=grads[0].device)
-    batch: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-    batch_elements = 0
-    for index, (param, grad, mean, sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
-        pieces = [t.reshape(-1).split(chunk_elements) if t is not None else None for t in (param, grad, mean, sq)]
-        for k, grad_piece in enumerate(pieces[1]):
-            batch.append((index, pieces[0][k], grad_piece, *(p[k] if p is not None else None for p in pieces[2:])))
-            batch_elements += grad_piece.numel()
-            if batch_elements >= chunk_elements:
-                _add_batch(sums, batch, step, hyper, grad_scale)
-                batch, batch_elements = [], 0
-    if batch:
-        _add_batch(sums, batch, step, hyper, grad_scale)
-    return sums
+    return torch.stack([update_sq_total([p], [g], [m], [v], step, hyper, chunk_elements, grad_scale)
+                        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)])
 
 
-def _add_batch(sums: torch.Tensor, batch: list, step: int, hyper: AdamHyper,
-               grad_scale: float | torch.Tensor = 1.0) -> None:
-    """Fused (``torch._foreach_*``) Σ U² of a batch of slices, added to ``sums`` at each slice's tensor index."""
-    index = torch.tensor([item[0] for item in batch], device=sums.device)
-    grads = [item[2].float() for item in batch]
+def _piece(tensor: torch.Tensor | None, start: int, length: int, numel: int) -> torch.Tensor | None:
+    """Elements ``start:start+length`` of ``tensor`` as a flat view (the cheapest call that gives one)."""
+    if tensor is None:
+        return None
+    if tensor.is_contiguous():
+        if length == numel:
+            return tensor if tensor.dim() == 1 else tensor.view(-1)
+        return tensor.as_strided((length,), (1,), tensor.storage_offset() + start)
+    flat = tensor.reshape(-1)
+    return flat if length == numel else flat[start:start + length]
+
+
+def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat fp32 tensor of ``pieces`` (zeros where a piece is None; None when all are); the piece itself (no
+    copy) when there is just one."""
+    if all(piece is None for piece in pieces):
+        return None
+    if len(pieces) == 1:
+        return pieces[0].float()  # type: ignore[union-attr]
+    return torch.cat([torch.zeros_like(ref) if piece is None else piece for piece, ref in zip(pieces, like,
+                                                                                                 strict=True)]).float()
+
+
+def _batch_update_sq(batch: list, step: int, hyper: AdamHyper, grad_scale: float | torch.Tensor) -> torch.Tensor:
+    """Σ U² of a batch of (param, grad, exp_avg, exp_avg_sq) slices, as a 0-dim float64 tensor. Never writes to a
+    slice: the first operation on the gradient is out of place."""
+    grad_pieces = [item[1] for item in batch]
+    grads = _flat(grad_pieces, grad_pieces)
+    assert grads is not None
     if not (isinstance(grad_scale, float) and grad_scale == 1.0):
-        grads = torch._foreach_mul(grads, grad_scale)
+        grads = grads * grad_scale
     if hyper.l2_weight_decay:
-        grads = torch._foreach_add(grads, [item[1].float() for item in batch], alpha=hyper.l2_weight_decay)
-    means = [torch.zeros_like(g) if item[3] is None else item[3].float() for g, item in zip(grads, batch, strict=True)]
-    sqs = [torch.zeros_like(g) if item[4] is None else item[4].float() for g, item in zip(grads, batch, strict=True)]
-    new_means = torch._foreach_lerp(means, grads, 1.0 - hyper.beta1)
-    new_sqs = torch._foreach_mul(sqs, hyper.beta2)
-    torch._foreach_addcmul_(new_sqs, grads, grads, value=1.0 - hyper.beta2)
+        grads = grads + hyper.l2_weight_decay * _flat([item[0] for item in batch], grad_pieces)
+    means = _flat([item[2] for item in batch], grad_pieces)
+    sqs = _flat([item[3] for item in batch], grad_pieces)
+    new_means = grads * (1.0 - hyper.beta1) if means is None else torch.lerp(means, grads, 1.0 - hyper.beta1)
+    if sqs is None:
+        new_sqs = grads.square().mul_(1.0 - hyper.beta2)
+    else:
+        new_sqs = torch.addcmul(sqs * hyper.beta2, grads, grads, value=1.0 - hyper.beta2)
     # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
-    # corrections become one scalar applied to the final sum, saving two passes over the slices.
+    # corrections become one scalar applied to the final sum, saving two passes.
     t = step + 1
     bias1, sqrt_bias2 = 1.0 - hyper.beta1 ** t, math.sqrt(1.0 - hyper.beta2 ** t)
-    torch._foreach_sqrt_(new_sqs)
-    torch._foreach_add_(new_sqs, hyper.eps * sqrt_bias2)
-    torch._foreach_div_(new_means, new_sqs)
-    norms = torch.stack(torch._foreach_norm(new_means, 2, dtype=torch.float32)).double() * (sqrt_bias2 / bias1)
-    sums.index_add_(0, index, norms.square())
+    new_means.div_(new_sqs.sqrt_().add_(hyper.eps * sqrt_bias2))
+    norm = torch.linalg.vector_norm(new_means, dtype=torch.float32).double() * (sqrt_bias2 / bias1)
+    return norm.square()
 
 
 def numel_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -133,10 +178,10 @@ def sample_window(tensor: torch.Tensor | None, fraction: float, index: int) -> t
     by ``index`` alone, so the same window is taken of a parameter, its gradient and its moments at every step."""
     if tensor is None or fraction >= 1.0:
         return tensor
-    flat = tensor.reshape(-1)
-    length = max(1, min(flat.numel(), math.ceil(fraction * flat.numel())))
-    start = (index * 2654435761) % (flat.numel() - length + 1)
-    return flat[start:start + length]
+    numel = tensor.numel()
+    length = max(1, min(numel, math.ceil(fraction * numel)))
+    start = (index * 2654435761) % (numel - length + 1)
+    return _piece(tensor, start, length, numel)
 
 
 def sampled(views: AdamViews, fraction: float) -> AdamViews:

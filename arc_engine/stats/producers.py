@@ -8,7 +8,7 @@ import torch
 
 from arc_engine.stats import names
 from arc_engine.stats.layout import StatBuffer
-from arc_engine.stats.optim_stats import AdamViews, sampled, update_sq_sums, weight_sq_sums
+from arc_engine.stats.optim_stats import AdamViews, sampled, update_sq_total, weight_sq_sums
 
 
 @torch.no_grad()
@@ -27,6 +27,6 @@ def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Seq
     if views is None or not views.grads:
         return
     views = sampled(views, update_sample)
-    update_sq = update_sq_sums(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper)
-    buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.sum().to(device))
+    update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper)
+    buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(device))
     buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(g.numel() for g in views.grads)))

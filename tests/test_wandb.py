@@ -1,0 +1,266 @@
+"""W&B alerts and metrics from one rank, read back from the real offline run's ``.wandb`` transaction log, and the
+hang watchdog (issue 6)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arc_engine.config import load_config
+from arc_engine.events import Event, Severity
+from arc_engine.sinks.alerts import AlertLimiter, alert_level, alert_title, redact, summary_title
+from arc_engine.watchdog import HangWatchdog, hang_timeout
+from tests.dist_harness import run_ranks
+from tests.training import make_config, train_ddp
+from tests.wandb_records import alerts, history, read_records, run_ids, transaction_logs
+
+pytest.importorskip("wandb")
+
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex characters, shaped like a W&B API key
+
+
+def _event(detector: str = "sdc", ranks: tuple[int, ...] = (5,), severity: Severity = Severity.ERROR,
+           step: int = 7) -> Event:
+    return Event("run-x", step, "detection", detector, severity, "skip", f"{detector} tripped", ranks,
+                 {"r_jump": 0.5, "threshold": float("inf")}, iteration=step)
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_alert_titles_say_what_and_where_under_64_characters() -> None:
+    locations = {5: "node-3:gpu1", 1: "a-very-long-hostname-of-a-cluster-node-in-some-datacenter:cuda:7"}
+    assert alert_title(_event(), locations) == "SDC suspected on rank 5 (node-3:gpu1)"
+    assert alert_title(_event("non_finite", (1, 3)), locations) == "NaN/Inf values on ranks 1, 3"
+    assert alert_title(_event("loss_spike", ()), locations) == "Loss spike"
+    rollback = Event("run-x", 9, "action", "recovery", Severity.ERROR, "rollback", "rollback: ...", ())
+    assert alert_title(rollback, locations) == "Rolled back"
+    long_title = alert_title(_event("non_finite", (1,)), locations)
+    assert len(long_title) < 64 and long_title.startswith("NaN/Inf values on rank 1 (")
+    assert alert_title(_event("non_finite", tuple(range(64))), locations) == "NaN/Inf values on 64 ranks"
+    summary = summary_title(long_title, 41, 600)
+    assert len(summary) < 64 and summary.endswith(": 41 more in the last 10 min")
+    assert [alert_level(s) for s in Severity] == ["INFO", "INFO", "WARN", "ERROR", "ERROR"]
+
+
+def test_limiter_sends_the_first_counts_repeats_and_summarizes_when_the_window_ends() -> None:
+    limiter = AlertLimiter(window_s=600, locations={3: "h:cpu"}, run_dir="/runs/x")
+    first = limiter.offer(_event("non_finite", (3,)), now=0.0)
+    assert first is not None and first.title == "NaN/Inf values on rank 3 (h:cpu)" and first.level == "ERROR"
+    assert "step 7 (iteration 7)" in first.text and "/runs/x" in first.text and '"threshold": "inf"' in first.text
+    assert all(limiter.offer(_event("non_finite", (3,), step=8 + i), now=1.0 + i) is None for i in range(41))
+    assert limiter.offer(_event("non_finite", (2,)), now=50.0) is not None  # another rank: another key
+    assert limiter.due(now=100.0) == []  # window still open
+    (summary,) = limiter.due(now=600.5)
+    assert summary.title == "NaN/Inf values on rank 3 (h:cpu): 41 more in the last 10 min"
+    assert "step 48" in summary.text  # the latest repeat
+    assert limiter.due(now=2000.0) == []  # nothing pending any more
+    again = limiter.offer(_event("non_finite", (3,)), now=2000.0)
+    assert again is not None and (limiter.sent, limiter.suppressed) == (4, 41)
+
+
+def test_redact_removes_the_api_key_and_long_tokens() -> None:
+    text = f"init failed: bad key {FAKE_KEY} for https://api.example/?k=local-{FAKE_KEY}"
+    cleaned = redact(text, (FAKE_KEY,))
+    assert FAKE_KEY not in cleaned and "***" in cleaned
+    assert "abcdef0123456789abcdef" not in redact("token abcdef0123456789abcdef0123456789abcdef", ())
+
+
+def test_hang_timeout_derivation() -> None:
+    config = load_config(None, ["watchdog.warmup_steps=3", "watchdog.safety_factor=4", "watchdog.min_timeout_s=10",
+                                "watchdog.max_timeout_s=100", "watchdog.initial_timeout_s=900"]).watchdog
+    assert hang_timeout(config, 2, 50.0) == 900  # still warming up
+    assert hang_timeout(config, 3, 1.0) == 10  # 4 s, clamped up
+    assert hang_timeout(config, 3, 5.0) == 20
+    assert hang_timeout(config, 3, 60.0) == 100  # 240 s, clamped down
+
+
+def test_watchdog_fires_once_with_a_stack_dump_and_rearms(tmp_path: Path) -> None:
+    config = load_config(None, ["watchdog.warmup_steps=2", "watchdog.safety_factor=2", "watchdog.min_timeout_s=0.3",
+                                "watchdog.initial_timeout_s=30"]).watchdog
+    reports: list[tuple[str, str, dict]] = []
+    watchdog = HangWatchdog(config, 0, tmp_path, lambda *r: reports.append(r), lambda: 42).start()
+    try:
+        for _ in range(4):
+            time.sleep(0.01)
+            watchdog.heartbeat()
+        assert watchdog.timeout_s == pytest.approx(0.3)
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)  # this thread "hangs" here
+        time.sleep(0.5)  # longer than the timeout again: still one report
+        assert [r[0] for r in reports] == ["hang"]
+        dump = tmp_path / "stacks" / "rank0-iter42.txt"
+        assert reports[0][2]["stack_dump"] == str(dump)
+        assert 0.3 <= reports[0][2]["stalled_s"] < 3.0
+        text = dump.read_text()
+        assert "test_watchdog_fires_once_with_a_stack_dump_and_rearms" in text and "arc-hang-watchdog" in text
+        watchdog.heartbeat()
+        assert [r[0] for r in reports] == ["hang", "resumed"]
+        with watchdog.paused():
+            time.sleep(0.8)  # a known long phase: no report
+        assert len(reports) == 2
+    finally:
+        watchdog.stop()
+
+
+# ---------------------------------------------------------------- real runs, real wandb (offline)
+
+
+def _wandb_overrides(run_dir: Path, *extra: str) -> list[str]:
+    return ["sinks.wandb.enabled=true", "sinks.wandb.mode=offline", f"sinks.wandb.dir={run_dir}",
+            "sinks.metrics_interval=5", *extra]
+
+
+def _train(rank: int, world: int, run_dir: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
+    os.environ["WANDB_SILENT"] = "true"
+    return train_ddp(rank, steps, make_config(run_dir, *overrides))
+
+
+def _wandb_log(run_dir: Path) -> list[Any]:
+    logs = transaction_logs(run_dir)
+    assert len(logs) == 1, f"expected exactly one W&B run, found {logs}"
+    return read_records(logs[0])
+
+
+def test_nan_flood_gives_bounded_alerts_a_summary_and_metrics_from_one_run(tmp_path: Path) -> None:
+    """100 NaN steps on rank 1 of a 2-rank DDP run: one W&B run (rank 0's), one alert per key, a summary of the
+    repeats, and the monitors' metrics under arc/."""
+    overrides = _wandb_overrides(tmp_path, "faults.injections=[{kind: nan_grad, rank: 1, step: 5, steps: 100}]",
+                                 "policy.max_consecutive_skips=1000")
+    results = run_ranks(_train, 2, tmp_path, 110, overrides, timeout_s=300)
+    assert all("aborted_at" not in r for r in results)
+    records = _wandb_log(tmp_path)
+    assert run_ids(records) == {"arc-test"}
+    sent = alerts(records)
+    titles = [a["title"] for a in sent]
+    assert all(len(t) < 64 for t in titles)
+    nan_alerts = [a for a in sent if a["title"].startswith("NaN/Inf values on rank 1 (")]
+    assert len(nan_alerts) == 2, titles  # the first one, then the summary at close
+    first, summary = nan_alerts
+    assert first["level"] == "ERROR" and first["wait_duration"] == 600_000
+    assert "step 5 (iteration 5)" in first["text"] and "detector: non_finite" in first["text"]
+    assert "action taken: skip" in first["text"] and str(tmp_path) in first["text"]
+    assert summary["title"].endswith(": 99 more in the last 10 min")
+    assert len(sent) <= 4, titles  # bounded: 100 bad steps, a handful of alerts
+    rows = history(records)
+    keys = set().union(*rows)
+    assert {"arc/iteration", "arc/step", "arc/skipped_steps"} <= keys
+    assert any(k.startswith("arc/non_finite/") for k in keys) and any(k.startswith("arc/loss_spike/") for k in keys)
+    skipped = [row["arc/skipped_steps"] for row in rows if "arc/skipped_steps" in row]
+    assert skipped == sorted(skipped) and skipped[-1] == 100
+    iterations = [row["arc/iteration"] for row in rows]
+    assert iterations == sorted(iterations)
+
+
+def _train_with_failing_sinks(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, Any]:
+    """wandb.init raising (online, a bogus key, an unreachable server) and a user sink that throws."""
+    import arc_engine
+    from tests.training import make_optimizer, tiny_model_and_data
+
+    class ThrowingSink:
+        name = "throwing"
+
+        def emit(self, event: Event) -> None:
+            raise RuntimeError("sink down")
+
+        def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            raise RuntimeError("sink down")
+
+        def close(self) -> None:
+            raise RuntimeError("sink down")
+
+    os.environ.update(WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_SILENT="true")
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("arc_engine").addHandler(Capture())
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    config = make_config(run_dir, "sinks.wandb.enabled=true", "sinks.wandb.mode=online",
+                         "sinks.wandb.init_timeout_s=5", "sinks.wandb.close_timeout_s=20", "sinks.metrics_interval=1",
+                         "faults.injections=[{kind: nan_loss, rank: 0, step: 3}]")
+    arc = arc_engine.attach(model, optimizer, config)
+    arc.engine.sinks.add(ThrowingSink())
+    started = time.monotonic()
+    for step in range(steps):
+        inputs, targets = data.batch(step, rank, 4)
+        loss = arc.faults.on_loss(model(inputs, targets))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    train_s = time.monotonic() - started
+    wandb_sink = next(s for s in arc.engine.sinks.sinks if s.name == "wandb")
+    deadline = time.monotonic() + 60
+    while wandb_sink.failed is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    summary = arc.summary()
+    arc.close()
+    return {"steps": summary["steps"], "skipped": summary["skipped_steps"], "failed": wandb_sink.failed,
+            "logs": records, "train_s": train_s, "disabled": sorted(arc.engine.sinks.disabled)}
+
+
+def test_wandb_init_raising_and_a_throwing_sink_leave_training_running(tmp_path: Path) -> None:
+    (result,) = run_ranks(_train_with_failing_sinks, 1, tmp_path, 30, timeout_s=240)
+    assert result["steps"] == 30 and result["skipped"] == 1  # trained to the end, the NaN step skipped
+    assert result["failed"] is not None  # W&B gave up (init raised), reported once
+    assert "throwing" in result["disabled"]
+    logs = "\n".join(result["logs"])
+    assert logs.count("arc_engine W&B sink disabled") == 1
+    assert FAKE_KEY not in logs and FAKE_KEY not in result["failed"]
+    events = (tmp_path / "test" / "events.jsonl").read_text()
+    assert FAKE_KEY not in events and json.loads(events.splitlines()[-1])["detector"] == "summary"
+
+
+def test_a_stalled_rank_triggers_the_watchdog_alert_and_stack_dumps(tmp_path: Path) -> None:
+    """Rank 1 sleeps 8 s at step 12 (its peer waits in DDP's all-reduce); with steps of a few ms the derived
+    timeout is min_timeout_s = 1.5 s: both ranks dump their stacks, rank 0 alerts through every sink, and
+    training resumes when rank 1 wakes up."""
+    overrides = _wandb_overrides(tmp_path, "faults.injections=[{kind: stall, rank: 1, step: 12, seconds: 8}]",
+                                 "watchdog.warmup_steps=3", "watchdog.safety_factor=3", "watchdog.min_timeout_s=1.5")
+    results = run_ranks(_train, 2, tmp_path, 20, overrides, timeout_s=300)
+    assert all(r["summary"]["steps"] == 20 for r in results)
+    stacks = tmp_path / "test" / "stacks"
+    dumps = sorted(p.name for p in stacks.iterdir())
+    assert dumps == ["rank0-iter12.txt", "rank1-iter12.txt"], dumps
+    assert "_stall" in (stacks / "rank1-iter12.txt").read_text()  # the sleeping rank shows where it sleeps
+    events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
+    hangs = [e for e in events if e["detector"] == "hang"]
+    assert [e["severity"] for e in hangs] == ["critical", "info"]  # the hang, then the step that ended it
+    assert 1.5 <= hangs[0]["values"]["stalled_s"] < 4.0  # fired after the timeout, long before the stall ended
+    assert hangs[0]["values"]["timeout_s"] == pytest.approx(1.5)
+    hang_alerts = [a for a in alerts(_wandb_log(tmp_path)) if a["title"].startswith("No step completed")]
+    assert len(hang_alerts) == 1 and hang_alerts[0]["level"] == "ERROR"
+    assert "rank0-iter12.txt" in hang_alerts[0]["text"]
+
+
+def test_a_restart_logs_to_the_same_wandb_run(tmp_path: Path) -> None:
+    """Two launches with the same arc run id (a restart): both log to W&B run ``arc-test`` (``resume="allow"``);
+    within each, W&B's step only increases. Offline, each launch writes its own log, merged by ``wandb sync``."""
+    overrides = _wandb_overrides(tmp_path, "faults.injections=[{kind: nan_loss, rank: 0, step: 3}]")
+    for _ in range(2):
+        run_ranks(_train, 1, tmp_path, 12, overrides, timeout_s=180)
+    logs = transaction_logs(tmp_path)
+    assert len(logs) == 2
+    for log in logs:
+        records = read_records(log)
+        assert run_ids(records) == {"arc-test"}
+        steps = [row["_step"] for row in history(records)]
+        assert steps == sorted(steps) and len(steps) >= 2
+        assert [a["title"] for a in alerts(records)] == ["NaN/Inf values on rank 0 (" + _location() + ")"]
+
+
+def _location() -> str:
+    from arc_engine import runtime
+
+    return f"{runtime.hostname()}:{runtime.device_name()}"
