@@ -264,3 +264,48 @@ def _location() -> str:
     from arc_engine import runtime
 
     return f"{runtime.hostname()}:{runtime.device_name()}"
+
+
+def _train_into_the_scripts_run(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Megatron-style: the script's own W&B run lives on the last rank only, started before attach, and the script
+    logs its loss there every step with an explicit step."""
+    import wandb
+    from torch.nn.parallel import DistributedDataParallel
+
+    import arc_engine
+    from tests.training import BATCH, make_optimizer, tiny_model_and_data
+
+    os.environ["WANDB_SILENT"] = "true"
+    run = wandb.init(project="user", mode="offline", dir=str(run_dir), id="user-run-1") if rank == world - 1 else None
+    model, data = tiny_model_and_data()
+    ddp = DistributedDataParallel(model)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, make_config(
+        run_dir, "sinks.wandb.enabled=true", "sinks.metrics_interval=2",
+        "faults.injections=[{kind: nan_grad, rank: 0, step: 4}]"))
+    for step in range(steps):
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = ddp(inputs, targets)
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if run is not None:
+            run.log({"user/loss": float(loss)}, step=step)
+    owner = arc.engine.wandb_owner
+    arc.close()
+    if run is not None:
+        run.finish()
+    return {"owner": owner}
+
+
+def test_an_active_run_on_another_rank_is_reused_and_its_step_kept(tmp_path: Path) -> None:
+    results = run_ranks(_train_into_the_scripts_run, 2, tmp_path, 12, timeout_s=240)
+    assert [r["owner"] for r in results] == [False, True]  # the rank holding the script's run talks to W&B
+    records = _wandb_log(tmp_path)  # exactly one W&B run: the script's
+    assert run_ids(records) == {"user-run-1"}
+    assert [a["title"] for a in alerts(records)] == ["NaN/Inf values on rank 0 (" + _location() + ")"]
+    rows = history(records)
+    assert [row["_step"] for row in rows] == list(range(12))  # the script's steps, not moved by arc_engine
+    assert any("arc/non_finite/nonfinite_steps" in row or "arc/skipped_steps" in row for row in rows)
+    assert all("user/loss" in row for row in rows)
