@@ -8,6 +8,7 @@ the same numbers, so every rank takes the same action at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -160,11 +161,8 @@ class ArcEngine:
         if self._step_open:
             return
         self._step_open = True
-        if self.recovery is not None:
-            if self.watchdog is not None:  # a rollback's restore or a snapshot is not a hang
-                with self.watchdog.paused():
-                    self.recovery.on_step_start()
-            else:
+        if self.recovery is not None:  # a rollback's restore or a snapshot is not a hang
+            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
                 self.recovery.on_step_start()
         if self.sdc_recompute is not None:
             self.sdc_recompute.capture()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,25 +56,25 @@ def device_name() -> str:
     return f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
 
 
-def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
-    """``{global rank: "host:device"}`` for every rank of ``group``. Collective (one ``all_gather_object``) when
-    distributed; call it once, at attach time."""
-    here = (global_rank(), f"{hostname()}:{device_name()}")
+def gather_by_rank(value: Any, group: dist.ProcessGroup | None) -> dict[int, Any]:
+    """``{global rank: value}`` for every rank of ``group`` (each passes its own picklable ``value``). Collective
+    (one ``all_gather_object``) when distributed; for attach-time facts, never on the training path."""
+    here = (global_rank(), value)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return dict([here])
-    gathered: list[tuple[int, str] | None] = [None] * dist.get_world_size(group)
+    gathered: list[tuple[int, Any] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, here, group=group)
     return dict(item for item in gathered if item is not None)
 
 
+def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
+    """``{global rank: "host:device"}`` for every rank of ``group`` (collective: :func:`gather_by_rank`)."""
+    return gather_by_rank(f"{hostname()}:{device_name()}", group)
+
+
 def elect_rank(candidate: bool, group: dist.ProcessGroup | None) -> int:
     """The lowest global rank of ``group`` whose ``candidate`` is true, else the group's lowest global rank.
-    Collective (one ``all_gather_object``) when distributed; call it at attach time, on every rank of ``group``."""
-    here = (global_rank(), bool(candidate))
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return here[0]
-    gathered: list[tuple[int, bool] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, here, group=group)
-    items = [item for item in gathered if item is not None]
-    chosen = [rank for rank, wanted in items if wanted]
-    return min(chosen) if chosen else min(rank for rank, _ in items)
+    Collective (:func:`gather_by_rank`); call it at attach time, on every rank of ``group``."""
+    candidates = gather_by_rank(bool(candidate), group)
+    chosen = [rank for rank, wanted in candidates.items() if wanted]
+    return min(chosen or candidates)

@@ -263,7 +263,7 @@ def test_a_restart_logs_to_the_same_wandb_run(tmp_path: Path) -> None:
 def _location() -> str:
     from arc_engine import runtime
 
-    return f"{runtime.hostname()}:{runtime.device_name()}"
+    return runtime.gather_locations(None)[0]  # this process is not in a process group: rank 0, local
 
 
 def _train_into_the_scripts_run(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, Any]:

@@ -59,13 +59,17 @@ def where(ranks: tuple[int, ...], locations: dict[int, str]) -> str:
     return f" on ranks {listed}" if len(listed) <= 20 else f" on {len(ranks)} ranks"
 
 
+def alert_what(event: Event) -> str:
+    """What happened, in words: the action for the engine's and recovery's action events, else the detector.
+    Also the first half of the rate-limit key (:class:`AlertLimiter`)."""
+    if event.detector in ("engine", "recovery") and event.action in ACTION_WHAT:
+        return ACTION_WHAT[event.action]
+    return WHAT.get(event.detector, event.detector.replace("_", " ").capitalize())
+
+
 def alert_title(event: Event, locations: dict[int, str]) -> str:
     """What and where, at most :data:`MAX_TITLE` characters."""
-    if event.detector in ("engine", "recovery") and event.action in ACTION_WHAT:
-        what = ACTION_WHAT[event.action]
-    else:
-        what = WHAT.get(event.detector, event.detector.replace("_", " ").capitalize())
-    return _clip(what + where(event.ranks, locations), MAX_TITLE)
+    return _clip(alert_what(event) + where(event.ranks, locations), MAX_TITLE)
 
 
 def alert_text(event: Event, locations: dict[int, str], run_dir: str, repeats: int = 0) -> str:
@@ -117,12 +121,12 @@ class Outgoing:
     title: str
     text: str
     level: str
-    key: tuple[str, tuple[int, ...]]
 
 
 @dataclass
 class AlertLimiter:
-    """Deduplicates and rate-limits alerts per key = (detector, ranks). Not thread-safe (one owner thread).
+    """Deduplicates and rate-limits alerts per key = (:func:`alert_what`, ranks). Not thread-safe (one owner
+    thread).
 
     :meth:`offer`: the alert for an event if its key has not alerted within ``window_s``, else None (counted).
     :meth:`due`: summaries of the keys whose window has ended with repeats pending (all of them with ``force``).
@@ -136,7 +140,7 @@ class AlertLimiter:
     suppressed: int = 0
 
     def offer(self, event: Event, now: float) -> Outgoing | None:
-        key = (event.detector if event.detector != "engine" else f"engine:{event.action}", event.ranks)
+        key = (alert_what(event), event.ranks)
         state = self.pending.get(key)
         if state is not None and now - state.last_sent < self.window_s:
             state.count += 1
@@ -147,18 +151,18 @@ class AlertLimiter:
         self.pending[key] = Pending(last_sent=now)
         self.sent += 1
         return Outgoing(alert_title(event, self.locations), alert_text(event, self.locations, self.run_dir, repeats),
-                        alert_level(event.severity), key)
+                        alert_level(event.severity))
 
     def due(self, now: float, force: bool = False) -> list[Outgoing]:
         out = []
-        for key, state in self.pending.items():
+        for state in self.pending.values():
             if state.count and state.last_event is not None and (force or now - state.last_sent >= self.window_s):
                 event = state.last_event
                 title = summary_title(alert_title(event, self.locations), state.count, self.window_s)
                 text = (f"{state.count} more alert(s) like this one were suppressed in the last "
                         f"{_duration(self.window_s)}; the latest:\n"
                         + alert_text(event, self.locations, self.run_dir))
-                out.append(Outgoing(title, text, alert_level(event.severity), key))
+                out.append(Outgoing(title, text, alert_level(event.severity)))
                 state.count, state.last_event, state.last_sent = 0, None, now
                 self.sent += 1
         return out

@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import queue
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,8 +47,6 @@ def wandb_run_id(run_id: str) -> str:
 def active_wandb_run() -> Any | None:
     """The W&B run active in this process (``wandb.run``), or None (also when wandb is not installed). Does not
     import wandb if the process has not."""
-    import sys
-
     module = sys.modules.get("wandb")
     return getattr(module, "run", None) if module is not None else None
 
@@ -76,7 +75,6 @@ class WandbSink:
         self.failed: str | None = None  # why the sink stopped talking to W&B (redacted), None while healthy
         self.reused = False
         self.run: Any | None = None
-        self.alerts_sent = 0
         self._closed = False
         if importlib.util.find_spec("wandb") is None:
             self.failed = "the wandb package is not installed (pip install 'arc_engine[wandb]')"
@@ -179,7 +177,6 @@ class WandbSink:
     def _send(self, outgoing: Outgoing) -> None:
         self._attach().alert(title=outgoing.title, text=outgoing.text, level=outgoing.level,
                              wait_duration=self.config.alert_wait_s)
-        self.alerts_sent += 1
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         run = self._attach()
