@@ -36,8 +36,36 @@ SKETCH_BUCKET_INDEX = 1 << 20
 
 
 @dataclass
+class _BucketPlan:
+    """What the hook needs of one DDP bucket, built once per bucket layout (DDP rebuilds its buckets after the first
+    iteration): the group index of its parameters, their positions, their sizes, and flat views of its buffer."""
+
+    key: tuple[int, int, int]
+    index: torch.Tensor
+    positions: list[int]
+    sizes: list[int]
+    buffer_ptr: int = -1
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def grads(self, buffer: torch.Tensor, bucket: dist.GradBucket) -> list[torch.Tensor]:
+        """The bucket's per-parameter gradients as flat views of ``buffer`` (the bucket's flat buffer, or the reduced
+        tensor when it has the same length), cached while ``buffer`` is the same memory: the views keep that memory
+        alive, so an equal address is the same buffer. Otherwise ``bucket.gradients()``."""
+        if buffer.numel() != self.total:
+            return list(bucket.gradients())
+        if buffer.data_ptr() != self.buffer_ptr:
+            self.views = list(buffer.reshape(-1).split(self.sizes))
+            self.buffer_ptr = buffer.data_ptr()
+        return self.views
+
+
+@dataclass
 class StatsHookState:
-    """State handed to DDP with the hook: the engine, the reduction group and a per-bucket index cache."""
+    """State handed to DDP with the hook: the engine, the reduction group and a per-bucket plan cache."""
 
     engine: ArcEngine
     process_group: dist.ProcessGroup | None
@@ -46,27 +74,26 @@ class StatsHookState:
     inner_state: object | None = None
     gate: LocalGate | None = None
     position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
-    _index_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor, list[int]]] = field(default_factory=dict)
+    _plans: dict[int, _BucketPlan] = field(default_factory=dict)
     _sketch_cache: dict = field(default_factory=dict)
-
-    def group_index(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> torch.Tensor:
-        return self._cached(bucket, params)[1]
 
     def bucket_positions(self, bucket_index: int) -> list[int]:
         """Indices (into the module's trainable parameters) of the parameters in bucket ``bucket_index``."""
-        return self._index_cache[bucket_index][2]
+        return self._plans[bucket_index].positions
 
-    def _cached(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> tuple:
-        # DDP rebuilds its buckets after the first iteration: validate the cached entry cheaply.
+    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
+        """This bucket's plan, rebuilt when its parameters change (checked cheaply on every call)."""
+        params = bucket.parameters()
         key = (len(params), id(params[0]), id(params[-1]))
-        cached = self._index_cache.get(bucket.index())
-        if cached is None or cached[0] != key:
+        plan = self._plans.get(bucket.index())
+        if plan is None or plan.key != key:
             device = self.engine.pipeline.device
-            cached = (key, self.groups.index_tensor(params, device), [self.position.get(id(p), -1) for p in params])
-            self._index_cache[bucket.index()] = cached
+            plan = _BucketPlan(key, self.groups.index_tensor(params, device),
+                               [self.position.get(id(p), -1) for p in params], [p.numel() for p in params])
+            self._plans[bucket.index()] = plan
             if self.gate is not None:
                 self.gate.reset_slot(bucket.index())
-        return cached
+        return plan
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -74,18 +101,19 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
     engine = state.engine
     monitored = engine.buffer is not None and engine.is_monitored()
     if monitored:
-        grads = list(bucket.gradients())
-        params = list(bucket.parameters())
-        index = state.group_index(bucket, params)
-        norms_sq = accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+        plan = state.plan(bucket)
+        buffer = bucket.buffer()
+        index = plan.index
+        norms_sq = accumulate_grad_stats(engine.buffer, plan.grads(buffer, bucket), index, names.GRAD_SQ_LOCAL,
+                                         names.GRAD_NONFINITE_LOCAL)
         if names.GRAD_SKETCH_LOCAL in engine.layout:
             # the bucket's flat buffer (same layout on every rank) as one tensor: a few kernels per bucket
-            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [bucket.buffer()],
+            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [buffer],
                                 [SKETCH_BUCKET_INDEX + bucket.index()], state._sketch_cache)
         if state.gate is not None and norms_sq is not None:
             withheld = state.gate.check(bucket.index(), norms_sq.sum())
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
-            zero_where(withheld, bucket.buffer())
+            zero_where(withheld, buffer)
     if state.inner_hook is not None:
         future = state.inner_hook(state.inner_state, bucket)  # type: ignore[operator]
     else:
@@ -96,9 +124,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
         reduced = reduced[0] if isinstance(reduced, list) else reduced
-        sizes = [g.numel() for g in grads]
-        views = list(reduced.split(sizes)) if sum(sizes) == reduced.numel() else list(bucket.gradients())
-        accumulate_grad_stats(engine.buffer, views, index, names.GRAD_SQ)
+        accumulate_grad_stats(engine.buffer, plan.grads(reduced, bucket), index, names.GRAD_SQ)
         return reduced
 
     return future.then(record_reduced)

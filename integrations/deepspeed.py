@@ -49,6 +49,7 @@ from arc_engine.stats.optim_stats import (
     AdamViews,
     is_decoupled,
     sampled,
+    step_count,
     update_sq_total,
     weight_sq_sums,
 )
@@ -152,8 +153,7 @@ class ZeroPartitionStats:
             return None
         state = self.torch_optimizer.state.get(partition, {})
         sizes = [p.numel() for p in pieces]
-        step = state.get("step", 0)
-        step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        step = step_count(state.get("step", 0))
 
         def split(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
             return [None] * len(sizes) if tensor is None else list(tensor.view(-1).split(sizes))

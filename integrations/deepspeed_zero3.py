@@ -27,7 +27,7 @@ import torch
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations.deepspeed import add_pre_clip_grad_sq, device_divisor
 from arc_engine.stats import names
-from arc_engine.stats.optim_stats import AdamHyper, is_decoupled, update_sq_total, weight_sq_sums
+from arc_engine.stats.optim_stats import AdamHyper, is_decoupled, step_count, update_sq_total, weight_sq_sums
 
 
 def check_supported(zero_optimizer: Any) -> None:
@@ -118,8 +118,7 @@ class Zero3PartitionStats:
         if decoupled is None:
             return
         state = self.torch_optimizer.state.get(partition, {})
-        step = state.get("step", 0)
-        step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        step = step_count(state.get("step", 0))
         update_sq = update_sq_total(weights, grads, self.real_pieces(sub_group_id, state.get("exp_avg")),
                                     self.real_pieces(sub_group_id, state.get("exp_avg_sq")), step,
                                     AdamHyper.from_group(group, decoupled), grad_scale=grad_scale)

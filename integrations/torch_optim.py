@@ -15,7 +15,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
-from arc_engine.stats.optim_stats import adam_views
+from arc_engine.stats.optim_stats import WindowCache, adam_views
 from arc_engine.stats.producers import record_group_optimizer_stats
 
 
@@ -49,8 +49,10 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
     engine.buffer.view(names.GRAD_SQ).copy_(engine.buffer.view(names.GRAD_SQ_LOCAL))
 
 
-def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool) -> None:
-    """Per-group weight norms and prospective Adam update Σ U², before the optimizer applies the step."""
+def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool,
+                    windows: dict[int, WindowCache] | None = None) -> None:
+    """Per-group weight norms and prospective Adam update Σ U², before the optimizer applies the step. ``windows``:
+    per-group caches of the sampled windows, kept by the caller between steps."""
     for group_id, group in enumerate(optimizer.param_groups):
         views = adam_views(optimizer, group, local=local_shards)
         if views is not None:
@@ -58,8 +60,9 @@ def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, loca
         else:
             weights = [p for p in group["params"] if p.grad is not None]
             weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
+        cache = None if windows is None else windows.setdefault(group_id, WindowCache())
         record_group_optimizer_stats(engine.buffer, group_id, weights, views,
-                                     engine.config.detectors.sdc.update_sample, engine.wants_weight_stats())
+                                     engine.config.detectors.sdc.update_sample, engine.wants_weight_stats(), cache)
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
@@ -78,6 +81,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
     (FSDP2) and statistics are taken on their local shards.
     """
     index_cache: dict[str, object] = {}
+    windows: dict[int, WindowCache] = {}
     saved_lrs: list[list[object]] = []
 
     @torch.no_grad()
@@ -86,7 +90,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             if not grads_from_hook:
                 local_grad_stats(engine, opt, groups, index_cache)
             if engine.wants_optimizer_stats():
-                optimizer_stats(engine, opt, local_shards=local_shards)
+                optimizer_stats(engine, opt, local_shards=local_shards, windows=windows)
             if not engine.decide().applies_update:
                 drop_gradients(opt)
                 return

@@ -3,16 +3,21 @@
     .venv/bin/python scripts/bench_overhead.py            # re-launches itself under torchrun, 2 ranks (gloo, CPU)
 
 Both variants -- the same GPT (4 layers, d_model 256, seq 256, micro-batch 8 per rank) under DeepSpeed ZeRO-2
-(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config) -- live in
-the same processes and alternate in blocks of steps, so machine noise hits both alike. Reported: the median step
-time of each, the overhead ratio, and arc_engine's collectives and host copies per monitored step (from the
-profiler: c10d ops with minus without arc_engine).
+(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config plus any
+``--arc`` overrides) -- live in the same processes and alternate in blocks of steps, so machine noise hits both
+alike. A block is timed as a whole between two barriers (steady-state throughput: the ranks of a data-parallel job
+wait for each other once per step anyway, so a wait that only moves where the slower rank is waited for is not
+counted as overhead, and one that adds time is). Reported: the median over block pairs of the ratio of the two
+variants' mean step times in adjacent blocks (the headline), the ratio of the median block step times, and
+arc_engine's collectives and host copies per monitored step (from the profiler: c10d ops with minus without
+arc_engine).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
@@ -38,21 +44,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--blocks", type=int, default=8, help="alternating blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=80, help="alternating blocks per variant")
+    parser.add_argument("--steps-per-block", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--backend", choices=("deepspeed", "ddp"), default="deepspeed",
                         help="deepspeed: ZeRO-2 (the standard configuration); ddp: PyTorch DDP")
     parser.add_argument("--optimizer-stats-every", type=int, default=None,
                         help="override stats.optimizer_stats_every (default: the config default, 10)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each rank to its own core (default; --no-pin to let the OS schedule)")
+    parser.add_argument("--control", choices=("none", "plain", "torch-hook"), default="none",
+                        help="calibration: replace the arc_engine variant by a second plain model (plain: the noise "
+                             "floor) or by DDP with torch's default all-reduce as a Python comm hook (torch-hook: "
+                             "what any comm-hook-based monitor pays on DDP before computing anything)")
     parser.add_argument("--arc", action="append", default=[], metavar="KEY=VALUE",
                         help="extra arc config override, repeatable (e.g. --arc recovery.enabled=true)")
     return parser.parse_args()
 
 
-def build(args: argparse.Namespace, data: CharDataset, config) -> tuple[Callable, object]:
-    """One variant: a ``step(inputs, targets)`` closure and its arc handle (None without arc_engine)."""
+def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool = False) -> tuple[Callable, object]:
+    """One variant: a ``step(inputs, targets)`` closure and its arc handle (None without arc_engine).
+    ``torch_hook``: no arc_engine, but torch's own default all-reduce registered as a DDP comm hook (a control)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=args.seq_len, num_layers=args.layers,
                           d_model=args.d_model, num_heads=max(1, args.d_model // 64)))
@@ -75,6 +88,8 @@ def build(args: argparse.Namespace, data: CharDataset, config) -> tuple[Callable
         return ds_step, arc
     ddp = DistributedDataParallel(model)
     arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
+    if torch_hook:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
 
     def ddp_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         loss = ddp(inputs, targets)
@@ -89,15 +104,26 @@ def build(args: argparse.Namespace, data: CharDataset, config) -> tuple[Callable
 
 
 def run_steps(step_fn: Callable, data: CharDataset, rank: int, first_step: int, count: int,
-              micro_batch: int) -> list[float]:
-    times = []
+              micro_batch: int) -> tuple[float, float]:
+    """Run ``count`` steps between two barriers; returns the mean wall time and the mean CPU time of this process
+    (all its threads) per step, in seconds."""
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for step in range(first_step, first_step + count):
         inputs, targets = data.batch(step, rank, micro_batch)
-        dist.barrier()
-        start = time.perf_counter()
         step_fn(inputs, targets)
-        times.append(time.perf_counter() - start)
-    return times
+    dist.barrier()
+    return (time.perf_counter() - start) / count, (time.process_time() - cpu_start) / count
+
+
+def overhead_figures(plain_blocks: list[float], arc_blocks: list[float]) -> dict[str, float]:
+    """Overheads (fractions) from per-block mean step times of the two variants, block ``b`` of each run next to
+    each other: the median of per-pair ratios (the headline: robust to slow phases of the machine, which hit both
+    blocks of a pair), the ratio of medians, and the ratio of means. Pure."""
+    ratios = [a / p for p, a in zip(plain_blocks, arc_blocks, strict=True)]
+    return {"pair_median": statistics.median(ratios) - 1,
+            "median_ratio": statistics.median(arc_blocks) / statistics.median(plain_blocks) - 1,
+            "mean_ratio": statistics.fmean(arc_blocks) / statistics.fmean(plain_blocks) - 1}
 
 
 def count_collectives(step_fn: Callable, data: CharDataset, rank: int, steps: int, micro_batch: int) -> int:
@@ -106,7 +132,17 @@ def count_collectives(step_fn: Callable, data: CharDataset, rank: int, steps: in
     return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::") and "barrier" not in e.key)
 
 
+def pin_to_core(local_rank: int) -> None:
+    """Pin this rank (and the threads it starts later, gloo's included) to one core when there are enough, so the
+    ranks do not migrate between cores: it cuts the step-to-step jitter both variants see."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and local_rank < len(cores):
+        os.sched_setaffinity(0, {cores[local_rank]})
+
+
 def worker(args: argparse.Namespace) -> None:
+    if args.pin:
+        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank = dist.get_rank()
     data = CharDataset(generate_corpus(), args.seq_len)
@@ -116,41 +152,52 @@ def worker(args: argparse.Namespace) -> None:
     if args.optimizer_stats_every is not None:
         overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
     config = load_config(None, overrides + args.arc)
+    if args.control == "torch-hook" and args.backend != "ddp":
+        raise SystemExit("--control torch-hook needs --backend ddp")
     plain_step, _ = build(args, data, None)
-    arc_step, arc = build(args, data, config)
+    arc_step, arc = build(args, data, config)  # built in every mode: the same allocations
+    if args.control != "none":
+        arc_step, _ = build(args, data, None, torch_hook=args.control == "torch-hook")
     run_steps(plain_step, data, rank, 0, args.warmup, args.micro_batch)
     run_steps(arc_step, data, rank, 0, args.warmup, args.micro_batch)
-    plain_times, arc_times = [], []
+    plain_times: list[tuple[float, float]] = []
+    arc_times: list[tuple[float, float]] = []
     for block in range(args.blocks):
         first = args.warmup + block * args.steps_per_block
         variants = [(plain_step, plain_times), (arc_step, arc_times)]
         for step_fn, sink in variants if block % 2 == 0 else variants[::-1]:
-            sink.extend(run_steps(step_fn, data, rank, first, args.steps_per_block, args.micro_batch))
+            sink.append(run_steps(step_fn, data, rank, first, args.steps_per_block, args.micro_batch))
     copies_before = arc.engine.pipeline.host_copies
     arc_ops = count_collectives(arc_step, data, rank, 2, args.micro_batch)
     host_copies = (arc.engine.pipeline.host_copies - copies_before) / 2
     plain_ops = count_collectives(plain_step, data, rank, 2, args.micro_batch)
     if rank == 0:
-        plain_median, arc_median = statistics.median(plain_times), statistics.median(arc_times)
+        figures = overhead_figures([t[0] for t in plain_times], [t[0] for t in arc_times])
+        cpu = overhead_figures([t[1] for t in plain_times], [t[1] for t in arc_times])
+        if os.environ.get("ARC_BENCH_DEBUG"):
+            print([round(t[0] * 1e3) for t in plain_times], [round(t[0] * 1e3) for t in arc_times])
+            print([round(t[1] * 1e3) for t in plain_times], [round(t[1] * 1e3) for t in arc_times])
         backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
         print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
               f"{args.micro_batch}; {backend}, AdamW, clip 1.0, {dist.get_world_size()} ranks, gloo, CPU")
         print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}; overrides {args.arc or 'none'}")
-        print(f"steps timed per variant: {len(plain_times)} (blocks of {args.steps_per_block}, interleaved)")
-        print(f"median step time without arc_engine: {plain_median * 1e3:.1f} ms")
-        print(f"median step time with arc_engine:    {arc_median * 1e3:.1f} ms")
-        print(f"overhead: {(arc_median / plain_median - 1) * 100:+.2f}%")
-        per = args.steps_per_block
-        ratios = [statistics.median(arc_times[b * per:(b + 1) * per])
-                  / statistics.median(plain_times[b * per:(b + 1) * per]) for b in range(args.blocks)]
-        print(f"overhead, median of per-block ratios: {(statistics.median(ratios) - 1) * 100:+.2f}%")
-        plain_mean, arc_mean = statistics.fmean(plain_times), statistics.fmean(arc_times)
-        print(f"overhead of the mean step time (includes periodic work such as snapshots): "
-              f"{(arc_mean / plain_mean - 1) * 100:+.2f}%")
+        if args.control != "none":
+            print(f"CONTROL RUN: the second variant is {args.control}, not arc_engine")
+        print(f"blocks per variant: {args.blocks} of {args.steps_per_block} steps, interleaved")
+        print(f"median step time without arc_engine: {statistics.median(t[0] for t in plain_times) * 1e3:.1f} ms")
+        print(f"median step time with arc_engine:    {statistics.median(t[0] for t in arc_times) * 1e3:.1f} ms")
+        print(f"overhead (median of per-block-pair ratios): {figures['pair_median'] * 100:+.2f}%")
+        print(f"overhead (ratio of median block step times): {figures['median_ratio'] * 100:+.2f}%")
+        print(f"overhead (ratio of mean step times, includes periodic work such as snapshots): "
+              f"{figures['mean_ratio'] * 100:+.2f}%")
+        print(f"CPU time per step (rank 0, all threads), median of per-block-pair ratios: "
+              f"{cpu['pair_median'] * 100:+.2f}%")
         print(f"arc_engine collectives per monitored step: {(arc_ops - plain_ops) / 2:g}; "
               f"host copies per monitored step: {host_copies:g}")
     arc.close()
     dist.barrier()
+    if rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
     dist.destroy_process_group()
 
 

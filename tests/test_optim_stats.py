@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arc_engine.stats.optim_stats import AdamHyper, adam_views, rms_per_group, update_sq_sums, weight_sq_sums
+from arc_engine.stats.optim_stats import (
+    AdamHyper,
+    WindowCache,
+    adam_views,
+    rms_per_group,
+    sampled,
+    step_count,
+    update_sq_sums,
+    update_sq_total,
+    weight_sq_sums,
+)
 
 
 def applied_update_sq(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[float]:
@@ -73,6 +83,50 @@ def test_weight_sq_sums_and_non_adam() -> None:
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     assert adam_views(sgd, sgd.param_groups[0]) is None
     assert rms_per_group([0.0], [0.0]) == [0.0]
+
+
+def sampled_update_sq(optimizer: torch.optim.Optimizer, cache: WindowCache | None) -> float:
+    views = adam_views(optimizer, optimizer.param_groups[0])
+    assert views is not None
+    views = sampled(views, 0.25, cache)
+    return float(update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                 views.hyper))
+
+
+def test_cached_windows_follow_the_tensors_they_were_cut_from() -> None:
+    """The window cache gives the uncached result at every step: moments updated in place are seen through the
+    cached views, and a fresh gradient, a replaced optimizer state or a swapped ``param.data`` gets new windows."""
+    torch.manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(64, 5)), torch.nn.Parameter(torch.randn(33))]
+    optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.1)  # L2 decay: the parameter enters U
+    cache = WindowCache()
+    for step in range(6):
+        for param in params:
+            param.grad = torch.randn_like(param)  # a new tensor every step, as with zero_grad(set_to_none=True)
+        if step == 3:  # optimizer state replaced by new tensors (as by load_state_dict)
+            optimizer.load_state_dict(optimizer.state_dict())
+        if step == 4:  # the parameter's storage swapped under the same Parameter object
+            params[0].data = params[0].data.clone() * 2.0
+        assert sampled_update_sq(optimizer, cache) == sampled_update_sq(optimizer, None)
+        optimizer.step()
+    exp_avg = optimizer.state[params[0]]["exp_avg"]
+    entry = cache.windows("exp_avgs", [exp_avg, optimizer.state[params[1]]["exp_avg"]], 0.25)
+    assert entry is cache.windows("exp_avgs", [exp_avg, optimizer.state[params[1]]["exp_avg"]], 0.25)  # reused
+    assert entry[0].data_ptr() >= exp_avg.data_ptr()  # a view into the live moment
+    assert cache.windows("exp_avgs", [exp_avg.clone(), optimizer.state[params[1]]["exp_avg"]], 0.25) is not entry
+
+
+def test_step_count_on_a_tensor_gives_the_same_update() -> None:
+    """A step count kept as a tensor (fused/capturable Adam keep it on the accelerator: no ``.item()`` there) gives
+    the update an int step gives."""
+    torch.manual_seed(3)
+    param, grad, mean, sq = torch.randn(40), torch.randn(40), torch.randn(40) * 0.1, torch.rand(40) * 0.01
+    hyper = AdamHyper(0.9, 0.95, 1e-8)
+    as_int = update_sq_total([param], [grad], [mean], [sq], 7, hyper)
+    as_tensor = update_sq_total([param], [grad], [mean], [sq], torch.tensor(7.0), hyper)
+    torch.testing.assert_close(as_tensor, as_int, rtol=1e-12, atol=0.0)
+    assert step_count(torch.tensor(7.0)) == 7 and isinstance(step_count(torch.tensor(7.0)), int)  # CPU: an int
+    assert step_count(5) == 5
 
 
 def test_apex_fused_adam_state_is_read_like_torch_adam() -> None:

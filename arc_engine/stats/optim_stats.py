@@ -54,7 +54,7 @@ OWN_BATCH_ELEMENTS = 1 << 16
 @torch.no_grad()
 def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
-                    step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
+                    step: int | torch.Tensor, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
                     grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """0-dim float64: Σ U² over every element of ``grads`` for the Adam update the optimizer is *about to* apply.
 
@@ -92,7 +92,7 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 @torch.no_grad()
 def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    exp_avgs: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
-                   step: int, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
+                   step: int | torch.Tensor, hyper: AdamHyper, chunk_elements: int = CHUNK_ELEMENTS,
                    grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``[n]`` float64: :func:`update_sq_total` of each tensor on its own (diagnostics and tests; the hot path
     takes the total)."""
@@ -125,7 +125,8 @@ def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.
                                                                                                  strict=True)]).float()
 
 
-def _batch_update_sq(batch: list, step: int, hyper: AdamHyper, grad_scale: float | torch.Tensor) -> torch.Tensor:
+def _batch_update_sq(batch: list, step: int | torch.Tensor, hyper: AdamHyper,
+                     grad_scale: float | torch.Tensor) -> torch.Tensor:
     """Σ U² of a batch of (param, grad, exp_avg, exp_avg_sq) slices, as a 0-dim float64 tensor. Never writes to a
     slice: the first operation on the gradient is out of place."""
     grad_pieces = [item[1] for item in batch]
@@ -144,11 +145,28 @@ def _batch_update_sq(batch: list, step: int, hyper: AdamHyper, grad_scale: float
         new_sqs = torch.addcmul(sqs * hyper.beta2, grads, grads, value=1.0 - hyper.beta2)
     # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
     # corrections become one scalar applied to the final sum, saving two passes.
-    t = step + 1
-    bias1, sqrt_bias2 = 1.0 - hyper.beta1 ** t, math.sqrt(1.0 - hyper.beta2 ** t)
+    bias1, sqrt_bias2 = _bias_corrections(step, hyper)
     new_means.div_(new_sqs.sqrt_().add_(hyper.eps * sqrt_bias2))
     norm = torch.linalg.vector_norm(new_means, dtype=torch.float32).double() * (sqrt_bias2 / bias1)
     return norm.square()
+
+
+def _bias_corrections(step: int | torch.Tensor, hyper: AdamHyper) -> tuple[Any, Any]:
+    """Adam's 1 - β1^t and sqrt(1 - β2^t) for the step about to be taken (t = step + 1): floats, or 0-dim tensors on
+    the step tensor's device when the optimizer keeps its step count on an accelerator (no host sync)."""
+    if isinstance(step, torch.Tensor):
+        t = step.detach().double() + 1.0
+        return 1.0 - torch.pow(hyper.beta1, t), (1.0 - torch.pow(hyper.beta2, t)).sqrt()
+    t = step + 1
+    return 1.0 - hyper.beta1 ** t, math.sqrt(1.0 - hyper.beta2 ** t)
+
+
+def step_count(step: object) -> int | torch.Tensor:
+    """An optimizer state's step count for the functions above: an int, or the 0-dim tensor itself when it lives on
+    an accelerator (fused/capturable Adam), so reading it costs no host sync."""
+    if isinstance(step, torch.Tensor):
+        return int(step.item()) if step.device.type == "cpu" else step.detach()
+    return int(step)  # type: ignore[call-overload]
 
 
 def numel_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -169,7 +187,7 @@ class AdamViews:
     grads: list[torch.Tensor]
     exp_avgs: list[torch.Tensor | None]
     exp_avg_sqs: list[torch.Tensor | None]
-    step: int
+    step: int | torch.Tensor  # updates already applied (see step_count)
     hyper: AdamHyper
 
 
@@ -184,17 +202,46 @@ def sample_window(tensor: torch.Tensor | None, fraction: float, index: int) -> t
     return _piece(tensor, start, length, numel)
 
 
-def sampled(views: AdamViews, fraction: float) -> AdamViews:
+def sampled(views: AdamViews, fraction: float, cache: WindowCache | None = None) -> AdamViews:
     """``views`` cut to one fixed window per tensor (:func:`sample_window`): Σ U² over the windows divided by their
-    element count estimates the update's mean square at ``fraction`` of the cost. ``fraction`` 1: unchanged."""
+    element count estimates the update's mean square at ``fraction`` of the cost. ``fraction`` 1: unchanged.
+    ``cache``: keeps the windows of tensors that persist between steps (parameters, moments; see
+    :class:`WindowCache`), which saves the per-tensor view creation on every step but the first."""
     if fraction >= 1.0:
         return views
+    if cache is None:
+        cache = WindowCache()
+    return AdamViews(cache.windows("params", views.params, fraction), cache.windows("grads", views.grads, fraction),
+                     cache.windows("exp_avgs", views.exp_avgs, fraction),
+                     cache.windows("exp_avg_sqs", views.exp_avg_sqs, fraction), views.step, views.hyper)
 
-    def cut(tensors: list[torch.Tensor | None]) -> list[Any]:
-        return [sample_window(t, fraction, i) for i, t in enumerate(tensors)]
 
-    return AdamViews(cut(views.params), cut(views.grads), cut(views.exp_avgs), cut(views.exp_avg_sqs), views.step,
-                     views.hyper)
+class WindowCache:
+    """The :func:`sample_window` views of one parameter group's tensor lists, reused while the lists hold the same
+    tensor objects over the same memory (identity and ``data_ptr`` checked on every call, so a replaced optimizer
+    state, a swapped ``param.data`` or a fresh ``.grad`` gets new windows). One entry per list name; it holds the
+    tensors it was built from, so their ids cannot be reused while cached."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, list[torch.Tensor | None], list[int], list[Any]]] = {}
+
+    def windows(self, name: str, tensors: list[torch.Tensor | None], fraction: float) -> list[Any]:
+        entry = self._entries.get(name)
+        if entry is not None and entry[0] == fraction and _same_tensors(entry[1], entry[2], tensors):
+            return entry[3]
+        windows = [sample_window(t, fraction, i) for i, t in enumerate(tensors)]
+        self._entries[name] = (fraction, list(tensors), _pointers(tensors), windows)
+        return windows
+
+
+def _pointers(tensors: list[torch.Tensor | None]) -> list[int]:
+    return [0 if t is None else t.data_ptr() for t in tensors]
+
+
+def _same_tensors(cached: list[torch.Tensor | None], pointers: list[int], tensors: list[torch.Tensor | None]) -> bool:
+    if len(cached) != len(tensors) or any(a is not b for a, b in zip(cached, tensors, strict=True)):
+        return False
+    return _pointers(tensors) == pointers
 
 
 def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
@@ -230,9 +277,8 @@ def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = Fals
         steps.append(state.get("step", group.get("step", 0)))
     if local:
         params, grads, means, sqs = ([_local(t) for t in ts] for ts in (params, grads, means, sqs))
-    step = steps[0] if steps else 0
-    step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-    return AdamViews(params, grads, means, sqs, step, AdamHyper.from_group(group, decoupled))
+    return AdamViews(params, grads, means, sqs, step_count(steps[0] if steps else 0),
+                     AdamHyper.from_group(group, decoupled))
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
