@@ -44,12 +44,9 @@ class _BucketPlan:
     index: torch.Tensor
     positions: list[int]
     sizes: list[int]
+    total: int  # sum(sizes): the buffer length the views cover
     buffer_ptr: int = -1
     views: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
 
     def grads(self, buffer: torch.Tensor, bucket: dist.GradBucket) -> list[torch.Tensor]:
         """The bucket's per-parameter gradients as flat views of ``buffer`` (the bucket's flat buffer, or the reduced
@@ -88,8 +85,9 @@ class StatsHookState:
         plan = self._plans.get(bucket.index())
         if plan is None or plan.key != key:
             device = self.engine.pipeline.device
+            sizes = [p.numel() for p in params]
             plan = _BucketPlan(key, self.groups.index_tensor(params, device),
-                               [self.position.get(id(p), -1) for p in params], [p.numel() for p in params])
+                               [self.position.get(id(p), -1) for p in params], sizes, sum(sizes))
             self._plans[bucket.index()] = plan
             if self.gate is not None:
                 self.gate.reset_slot(bucket.index())
