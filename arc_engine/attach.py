@@ -33,6 +33,7 @@ from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_w
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce
 from arc_engine.stats.grad_stats import ParamGroupIndex
+from arc_engine.stats.partition import owned_ids
 
 
 @dataclass
@@ -134,7 +135,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if group is None and is_ddp:
         group = model.process_group
     groups = ParamGroupIndex(optimizer.param_groups)
-    engine = ArcEngine(config, group=group, group_names=groups.names, shard_reduce=Reduce.REPLICATED)
+    owned = ddp_owned_params(model, group) if is_ddp else None
+    engine = ArcEngine(config, group=group, group_names=groups.names,
+                       shard_reduce=Reduce.REPLICATED if owned is None else Reduce.SUM)
     wants_recompute = recompute_wanted(engine, recompute_fn, "a plain (non-DDP) module", is_ddp)  # before start
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
     injector.install(model.module if is_ddp else model)
@@ -143,15 +146,25 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if is_ddp:
         from arc_engine.integrations.ddp import DDPGradientTarget
 
-        hook_state = register_stats_hook(engine, model, groups)
+        hook_state = register_stats_hook(engine, model, groups, owned=owned)
         if wants_recompute:
             target = DDPGradientTarget(model, hook_state, optimizer)
             engine.restat = target.record_stats
             engine.sdc_recompute = SDCRecompute(engine, config.detectors.sdc.recompute, hook_state.gate, target,
                                                 recompute_fn)
-    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp)
+    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp, owned=owned)
     engine.lr_multipliers.append(injector.lr_multiplier)
     return Arc(engine, injector, [hooks.remove, register_step_start(engine, model)])
+
+
+def ddp_owned_params(model: DistributedDataParallel, group: dist.ProcessGroup | None) -> set[int] | None:
+    """The parameters (``id()``) whose replicated statistics -- reduced-gradient, weight and update norms -- this
+    rank computes (:mod:`arc_engine.stats.partition`), when the decision group is DDP's own (every rank of it holds
+    the same replica); None otherwise (every rank computes all of them, ``Reduce.REPLICATED``)."""
+    if not dist.is_initialized() or group is not model.process_group:
+        return None
+    trainable = [p for p in model.module.parameters() if p.requires_grad]
+    return owned_ids(trainable, dist.get_rank(group), dist.get_world_size(group))
 
 
 def register_step_start(engine: ArcEngine, model: torch.nn.Module) -> Any:

@@ -49,8 +49,9 @@ class ArcEngine:
     """Per-rank engine. Construct on every rank of ``group`` with the same arguments, then :meth:`start`.
 
     ``group_names``: names of the optimizer's parameter groups (G slots per gradient statistic).
-    ``shard_reduce``: how ranks' gradient/weight/update slots combine: REPLICATED for DDP (every rank holds the
-    reduced gradient and full parameters), SUM for sharded optimizers (each rank holds its partition).
+    ``shard_reduce``: how ranks' gradient/weight/update slots combine: SUM for sharded optimizers (each rank holds
+    its partition) and for DDP when each rank takes the parameters it owns (:mod:`arc_engine.stats.partition`);
+    REPLICATED when every rank computes the whole value (the first rank's is used).
     """
 
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,

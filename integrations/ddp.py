@@ -7,7 +7,9 @@ Per bucket, on monitored steps only:
   (``grad_sq_local``) and per-group count of tensors holding NaN/Inf (``grad_nonfinite_local``);
 * then the default DDP reduction (divide by the group size, all-reduce sum);
 * in the future's callback, on the reduced bucket: per-group squared norm (``grad_sq``) -- the pre-clip norm
-  of the gradient the optimizer will see.
+  of the gradient the optimizer will see. The reduced bucket is the same on every rank, so with an ownership map
+  (:mod:`arc_engine.stats.partition`, set by ``attach``) each rank takes only the parameters it owns and the slot is
+  ``Reduce.SUM``: 1/N of the pass per rank, the same total.
 
 With ``detectors.sdc`` on, each rank also adds its bucket's gradient sketch (``grad_sketch_local``, taken of the
 bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its :class:`~arc_engine.monitors.sdc_local.LocalGate`
@@ -45,6 +47,8 @@ class _BucketPlan:
     positions: list[int]
     sizes: list[int]
     total: int  # sum(sizes): the buffer length the views cover
+    owned: list[int] | None = None  # indices (in the bucket) of the parameters whose reduced statistics are ours
+    owned_index: torch.Tensor | None = None  # their group ids
     buffer_ptr: int = -1
     views: list[torch.Tensor] = field(default_factory=list)
 
@@ -59,6 +63,15 @@ class _BucketPlan:
             self.buffer_ptr = buffer.data_ptr()
         return self.views
 
+    def reduced_share(self, reduced: torch.Tensor, bucket: dist.GradBucket) -> tuple[list[torch.Tensor],
+                                                                                       torch.Tensor]:
+        """The reduced gradients this rank takes statistics of (all, or the ones it owns) and their group ids."""
+        grads = self.grads(reduced, bucket)
+        if self.owned is None:
+            return grads, self.index
+        assert self.owned_index is not None
+        return [grads[i] for i in self.owned], self.owned_index
+
 
 @dataclass
 class StatsHookState:
@@ -71,6 +84,7 @@ class StatsHookState:
     inner_state: object | None = None
     gate: LocalGate | None = None
     position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
+    owned: set[int] | None = None  # id() of the parameters whose reduced statistics this rank computes (None: all)
     _plans: dict[int, _BucketPlan] = field(default_factory=dict)
     _sketch_cache: dict = field(default_factory=dict)
 
@@ -88,6 +102,9 @@ class StatsHookState:
             sizes = [p.numel() for p in params]
             plan = _BucketPlan(key, self.groups.index_tensor(params, device),
                                [self.position.get(id(p), -1) for p in params], sizes, sum(sizes))
+            if self.owned is not None:
+                plan.owned = [i for i, p in enumerate(params) if id(p) in self.owned]
+                plan.owned_index = self.groups.index_tensor([params[i] for i in plan.owned], device)
             self._plans[bucket.index()] = plan
             if self.gate is not None:
                 self.gate.reset_slot(bucket.index())
@@ -122,20 +139,24 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
         reduced = reduced[0] if isinstance(reduced, list) else reduced
-        accumulate_grad_stats(engine.buffer, plan.grads(reduced, bucket), index, names.GRAD_SQ)
+        share, share_index = plan.reduced_share(reduced, bucket)
+        accumulate_grad_stats(engine.buffer, share, share_index, names.GRAD_SQ)
         return reduced
 
     return future.then(record_reduced)
 
 
 def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, groups: ParamGroupIndex,
-                        inner_hook: object | None = None, inner_state: object | None = None) -> StatsHookState:
+                        inner_hook: object | None = None, inner_state: object | None = None,
+                        owned: set[int] | None = None) -> StatsHookState:
     """Install the statistics hook on ``model`` (call once, before the first backward, on every rank).
 
     DDP accepts a single comm hook: to keep a hook of your own (e.g. fp16 compression), pass it as
-    ``inner_hook``/``inner_state`` and arc_engine's hook calls it instead of the default all-reduce.
+    ``inner_hook``/``inner_state`` and arc_engine's hook calls it instead of the default all-reduce. ``owned``:
+    ``id()`` of the parameters whose reduced-gradient statistics this rank computes (the engine's ``grad_sq`` slot
+    must then be ``Reduce.SUM``); None: all of them (``Reduce.REPLICATED``).
     """
-    state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state)
+    state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state, owned=owned)
     trainable = [p for p in model.module.parameters() if p.requires_grad]
     state.position = {id(p): i for i, p in enumerate(trainable)}
     sdc = engine.config.detectors.sdc
@@ -176,9 +197,10 @@ class DDPGradientTarget:
     @torch.no_grad()
     def record_stats(self) -> None:
         engine = self.hook_state.engine
-        with_grad = [p for p in self.params if p.grad is not None]
+        owned = self.hook_state.owned
+        with_grad = [p for p in self.params if p.grad is not None and (owned is None or id(p) in owned)]
         if with_grad:
             index = self.hook_state.groups.index_tensor(with_grad, engine.pipeline.device)
             accumulate_grad_stats(engine.buffer, [p.grad for p in with_grad], index, names.GRAD_SQ)
         if engine.wants_optimizer_stats():
-            optimizer_stats(engine, self.optimizer, local_shards=False)
+            optimizer_stats(engine, self.optimizer, local_shards=False, owned=owned)

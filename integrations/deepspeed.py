@@ -27,6 +27,7 @@ skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.integrations.torch_optim import drop_gradients
-from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
+from arc_engine.monitors.sdc_local import LocalGate, add_block_sums, block_sums, zero_where
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
 from arc_engine.stats import Reduce, names
@@ -54,6 +55,10 @@ from arc_engine.stats.optim_stats import (
     weight_sq_sums,
 )
 
+log = logging.getLogger("arc_engine")
+
+#: Sketch plan index of the ZeRO bucket starting with parameter ``i``: ``BUCKET_SKETCH_INDEX + i``.
+BUCKET_SKETCH_INDEX = 1 << 20
 CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
 
 
@@ -163,18 +168,35 @@ class ZeroPartitionStats:
 
 
 class LocalGradHooks:
-    """Each rank's own gradient before ZeRO reduces it: a tensor hook on every trainable module parameter (it runs
-    on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks). On monitored steps
-    each hook adds its gradient's squared norm to a per-parameter accumulator (two small kernels, no sync; summed
-    over micro-batches) and, with ``detectors.sdc`` on, the gradient's sketch; :meth:`flush` moves them into the
-    PER_RANK slots once per step. With a ``gate`` (``detectors.sdc.recompute``) a parameter's micro-batch gradient
-    the gate withholds is replaced by zeros before DeepSpeed sees it; otherwise the gradient is not modified."""
+    """Each rank's own gradient before ZeRO reduces it, taken in one of two places:
+
+    * **ZeRO-1/2 buckets** (``zero`` given, ``contiguous_gradients`` on, no gate): DeepSpeed copies each gradient
+      into a contiguous bucket and hands the bucket to ``average_tensor`` to reduce; arc_engine wraps that method of
+      the optimizer instance and, on monitored steps, takes per-parameter norms of the bucket's slices (one fused
+      kernel) and the bucket's :func:`block_sums` before the reduction -- a few kernels per bucket, like the DDP
+      comm hook. Stage 2 reduces every micro-batch (the same per-micro-batch norms as the tensor hooks); stage 1
+      reduces the accumulated gradient at the accumulation boundary. If a monitored step's gradients never reach
+      ``average_tensor`` (a DeepSpeed path that bypasses it), the wrapper is removed and the tensor hooks take over
+      from the next step, with a warning.
+    * **Tensor hooks** on every trainable module parameter otherwise (ZeRO-3, a gate, non-contiguous gradients):
+      they run on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks.
+
+    Either way the per-call results are queued with no sync; :meth:`flush` folds the queue into per-parameter
+    squared norms (summed over micro-batches) and the sketch with a few batched kernels and moves them into the
+    PER_RANK slots, once per step. The queue is folded early once it holds :data:`MAX_PENDING_PER_PARAM` entries
+    per parameter (backward passes without a step), so its memory stays bounded. With a ``gate``
+    (``detectors.sdc.recompute``) a parameter's micro-batch gradient the gate withholds is replaced by zeros before
+    DeepSpeed sees it; otherwise the gradient is not modified."""
+
+    #: Queued entries per parameter before the queue is folded into the accumulators without waiting for a step.
+    MAX_PENDING_PER_PARAM = 8
 
     def __init__(self, engine: ArcEngine, param_groups: list[tuple[int, list[torch.Tensor]]],
-                 gate: LocalGate | None = None) -> None:
+                 gate: LocalGate | None = None, zero: Any = None) -> None:
         self.engine = engine
         self.gate = gate
         params = [(gid, p) for gid, ps in param_groups for p in ps if p.requires_grad]
+        self.params = [p for _, p in params]
         device = engine.pipeline.device
         self.sq_p = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.group_index_p = torch.tensor([gid for gid, _ in params], dtype=torch.long, device=device)
@@ -182,7 +204,77 @@ class LocalGradHooks:
         self.sketch_k = torch.zeros(engine.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
                                     dtype=torch.float64, device=device)
         self._sketch_cache: dict = {}
-        self.handles = [param.register_hook(self._hook(i)) for i, (_, param) in enumerate(params)]
+        self._norms: list[torch.Tensor] = []  # queued: one gradient norm per hook call
+        self._norm_index: list[int] = []
+        self._sums: list[torch.Tensor] = []  # queued: block sums for the sketch
+        self._sum_index: list[int] = []
+        self._max_pending = self.MAX_PENDING_PER_PARAM * max(1, len(params))
+        self.handles: list[Any] = []
+        self._zero: Any = None
+        self._bucket_calls = 0
+        self._bucket_plans: dict[tuple[int, ...], tuple[list[int], int, torch.Tensor, int, bool]] = {}
+        self._original_average: Any = None
+        self._had_own_average = False
+        if gate is None and zero is not None and getattr(zero, "contiguous_gradients", False) \
+                and hasattr(zero, "ipg_buckets") and hasattr(zero, "bit16_groups") and hasattr(zero, "average_tensor"):
+            self._zero = zero
+            self._position = {id(p): i for i, p in enumerate(self.params)}
+            self._original_average = zero.average_tensor
+            self._had_own_average = "average_tensor" in vars(zero)
+            zero.average_tensor = self._average_tensor  # an instance attribute: shadows the method
+        else:
+            self._register_tensor_hooks()
+
+    @property
+    def by_bucket(self) -> bool:
+        """Whether the statistics come from DeepSpeed's reduction buckets (else from tensor hooks)."""
+        return self._zero is not None
+
+    def _register_tensor_hooks(self) -> None:
+        self.handles = [param.register_hook(self._hook(i)) for i, param in enumerate(self.params)]
+
+    def _unwrap(self) -> None:
+        if self._zero is not None:
+            if vars(self._zero).get("average_tensor") == self._average_tensor:
+                if self._had_own_average:
+                    self._zero.average_tensor = self._original_average
+                else:
+                    del self._zero.average_tensor
+            self._zero = None
+
+    def _average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype) -> Any:
+        zero = self._zero
+        engine = self.engine
+        if zero is not None and engine.buffer is not None and engine.is_monitored() and not engine.recomputing:
+            self._bucket_calls += 1
+            self._record_bucket(tensor, zero.ipg_buckets[communication_data_type].params)
+        return self._original_average(tensor, communication_data_type)
+
+    @torch.no_grad()
+    def _record_bucket(self, tensor: torch.Tensor, bucket_params: list[tuple[int, int, int]]) -> None:
+        """Queue the norms of a bucket's per-parameter slices and its block sums (``bucket_params``: DeepSpeed's
+        (group, index in group, param id) of each gradient in the bucket, in bucket order)."""
+        key = tuple(entry[2] for entry in bucket_params)
+        plan = self._bucket_plans.get(key)
+        if plan is None:
+            params = [self._zero.bit16_groups[g][i] for g, i, _ in bucket_params]
+            positions = [self._position.get(id(p), -1) for p in params]
+            if len(self._bucket_plans) >= 64:
+                self._bucket_plans.clear()
+            plan = self._bucket_plans[key] = ([p.numel() for p in params], sum(p.numel() for p in params),
+                                              torch.tensor(positions, dtype=torch.long, device=self.sq_p.device),
+                                              positions[0] if positions else -1,
+                                              bool(positions) and min(positions) >= 0)
+        sizes, total, positions_t, first, known = plan
+        if not known or total != tensor.numel():
+            return  # not a bucket of our parameters as we know them
+        norms = torch._foreach_norm(list(tensor.view(-1).split(sizes)), 2, dtype=torch.float32)
+        self.sq_p.index_add_(0, positions_t, torch.stack(norms).to(self.sq_p.device).square())
+        if self.sketch_k.numel():
+            sums = block_sums(tensor, self.sketch_k.numel())
+            if sums is not None:  # bucket contents are the same on every rank: index it by its first parameter
+                self._sums.append(sums)
+                self._sum_index.append(BUCKET_SKETCH_INDEX + first)
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
         @torch.no_grad()
@@ -190,23 +282,51 @@ class LocalGradHooks:
             engine = self.engine
             if engine.buffer is None or not engine.is_monitored() or engine.recomputing:
                 return None
-            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-            self.sq_p[index].add_(norm_sq.to(self.sq_p.device))
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            self._norms.append(norm)
+            self._norm_index.append(index)
             if self.sketch_k.numel():
-                add_gradient_sketch(self.sketch_k, [grad], [index], self._sketch_cache)
+                sums = block_sums(grad, self.sketch_k.numel())
+                if sums is not None:
+                    self._sums.append(sums)
+                    self._sum_index.append(index)
+            if len(self._norms) >= self._max_pending:
+                self._fold()
             if self.gate is None:
                 return None
-            withheld = self.gate.check(index, norm_sq, micro_batch=max(engine.micro_batches_recorded - 1, 0))
+            withheld = self.gate.check(index, norm.square(), micro_batch=max(engine.micro_batches_recorded - 1, 0))
             return zero_where(withheld, grad.clone()) if grad.device.type != "cpu" or bool(withheld) else None
 
         return hook
 
     @torch.no_grad()
-    def flush(self) -> None:
-        """Move this step's accumulators into the engine's buffer and clear them (local, device-side)."""
+    def _fold(self) -> None:
+        """Fold the queue into ``sq_p`` and ``sketch_k`` (batched: a stack, a square and an index_add for the norms;
+        a concatenation and an index_add for the sketch) and empty it."""
+        if self._norms:
+            index = torch.tensor(self._norm_index, dtype=torch.long, device=self.sq_p.device)
+            self.sq_p.index_add_(0, index, torch.stack(self._norms).to(self.sq_p.device).square())
+            self._norms, self._norm_index = [], []
+        if self._sums:
+            add_block_sums(self.sketch_k, self._sums, self._sum_index, self._sketch_cache)
+            self._sums, self._sum_index = [], []
+
+    @torch.no_grad()
+    def flush(self, stepped: bool = True) -> None:
+        """Move this step's accumulators into the engine's buffer and clear them (local, device-side).
+        ``stepped``: called at the optimizer step of a monitored step (not for a step DeepSpeed skipped), where the
+        bucket path must have seen this step's gradients."""
         buffer = self.engine.buffer
         if buffer is None:
             return
+        if self._zero is not None and stepped:
+            if self._bucket_calls == 0 and self.engine.is_monitored():
+                log.warning("arc_engine: DeepSpeed reduced this step's gradients without average_tensor; local "
+                            "gradient statistics switch to tensor hooks from the next step")
+                self._unwrap()
+                self._register_tensor_hooks()
+            self._bucket_calls = 0
+        self._fold()
         buffer.index_add(names.GRAD_SQ_LOCAL, self.group_index_p, self.sq_p)
         buffer.index_add(names.GRAD_NONFINITE_LOCAL, self.group_index_p, (~torch.isfinite(self.sq_p)).double())
         self.sq_p.zero_()
@@ -217,6 +337,7 @@ class LocalGradHooks:
             buffer.view(names.SDC_WITHHELD).add_(self.gate.withheld_count.to(buffer.device))
 
     def remove(self) -> None:
+        self._unwrap()
         for handle in self.handles:
             handle.remove()
 
@@ -264,7 +385,7 @@ class DeepSpeedAdapter:
                               "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
                               "norm)", (), values)
             if self.engine.is_monitored():
-                self.local_grads.flush()
+                self.local_grads.flush(stepped=False)
                 # Under fp16 dynamic loss scaling overflow is routine (the scale is being calibrated): report it,
                 # but do not let the non-finite detector turn it into skips that escalate.
                 monitors = ("loss_spike",) if self.dynamic_loss_scale else ("non_finite", "loss_spike")
@@ -358,7 +479,8 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     sdc = config.detectors.sdc
     gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device) if wants_recompute else None
     param_groups = module_param_groups(zero, stage)
-    local_hooks = LocalGradHooks(engine, param_groups, gate)  # after the fault hooks: sees their output
+    # after the fault hooks: sees their output; ZeRO-1/2 take the statistics from DeepSpeed's reduction buckets
+    local_hooks = LocalGradHooks(engine, param_groups, gate, zero if stage in (1, 2) else None)
     adapter = DeepSpeedAdapter(engine, ds_engine, local_hooks)
     if gate is not None:
         from arc_engine.integrations.deepspeed_recompute import ZeroGradientTarget

@@ -50,15 +50,16 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
 
 
 def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool,
-                    windows: dict[int, WindowCache] | None = None) -> None:
+                    windows: dict[int, WindowCache] | None = None, owned: set[int] | None = None) -> None:
     """Per-group weight norms and prospective Adam update Σ U², before the optimizer applies the step. ``windows``:
-    per-group caches of the sampled windows, kept by the caller between steps."""
+    per-group caches of the sampled windows, kept by the caller between steps. ``owned``: take only these
+    parameters (``id()``; the replicated parameters this rank owns, see :mod:`arc_engine.stats.partition`)."""
     for group_id, group in enumerate(optimizer.param_groups):
-        views = adam_views(optimizer, group, local=local_shards)
+        views = adam_views(optimizer, group, local=local_shards, owned=owned)
         if views is not None:
             weights = views.params
         else:
-            weights = [p for p in group["params"] if p.grad is not None]
+            weights = [p for p in group["params"] if p.grad is not None and (owned is None or id(p) in owned)]
             weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
         cache = None if windows is None else windows.setdefault(group_id, WindowCache())
         record_group_optimizer_stats(engine.buffer, group_id, weights, views,
@@ -73,12 +74,14 @@ def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 
 def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups: ParamGroupIndex,
-                             *, grads_from_hook: bool, local_shards: bool = False) -> OptimizerHooks:
+                             *, grads_from_hook: bool, local_shards: bool = False,
+                             owned: set[int] | None = None) -> OptimizerHooks:
     """Install the pre/post step hooks on every rank.
 
     ``grads_from_hook``: gradient statistics are produced elsewhere (a DDP comm hook or a sharded adapter);
     otherwise they are computed from ``param.grad`` in the pre-hook. ``local_shards``: parameters are DTensors
-    (FSDP2) and statistics are taken on their local shards.
+    (FSDP2) and statistics are taken on their local shards. ``owned``: optimizer statistics of these parameters
+    only (``id()``; replicated parameters split across ranks, slots ``Reduce.SUM``).
     """
     index_cache: dict[str, object] = {}
     windows: dict[int, WindowCache] = {}
@@ -90,7 +93,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             if not grads_from_hook:
                 local_grad_stats(engine, opt, groups, index_cache)
             if engine.wants_optimizer_stats():
-                optimizer_stats(engine, opt, local_shards=local_shards, windows=windows)
+                optimizer_stats(engine, opt, local_shards=local_shards, windows=windows, owned=owned)
             if not engine.decide().applies_update:
                 drop_gradients(opt)
                 return

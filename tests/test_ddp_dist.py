@@ -45,6 +45,7 @@ def _first_step_stats(rank: int, world: int, run_dir: Path) -> dict:
     stats = arc.engine.last_stats
     arc.close()
     return {"local_sq_rg": stats.per_rank(names.GRAD_SQ_LOCAL), "global_sq_g": stats.total(names.GRAD_SQ),
+            "global_sq_rg": stats.per_rank(names.GRAD_SQ), "update_count_rg": stats.per_rank(names.UPDATE_COUNT),
             "loss_r": stats.per_rank(names.LOSS)[:, 0], "weight_sq_g": stats.total(names.WEIGHT_SQ),
             "update_rms_g": np.sqrt(stats.total(names.UPDATE_SQ) / stats.total(names.UPDATE_COUNT))}
 
@@ -70,6 +71,10 @@ def test_gradient_statistics_match_single_process_reference(tmp_path: Path) -> N
                    for ga, gb in zip(per_rank_grads[0], per_rank_grads[1], strict=True)]
         np.testing.assert_allclose(result["global_sq_g"], mean_sq, rtol=1e-5)
         np.testing.assert_array_equal(result["local_sq_rg"], results[0]["local_sq_rg"])
+        # the replicated statistics are split: each rank computed a part of the reduced norm and of the update
+        for slot in ("global_sq_rg", "update_count_rg"):
+            per_rank = result[slot].sum(axis=1)
+            assert (per_rank > 0).all() and (per_rank < per_rank.sum()).all(), (slot, per_rank)
     # weights before the step, and the update AdamW then applies with the averaged gradient (U = m̂/(√v̂+ε))
     weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]
     optimizer = make_optimizer(model)

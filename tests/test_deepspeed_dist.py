@@ -42,9 +42,9 @@ def ds_engine(rank: int, world: int, stage: int, clip: float = CLIP):
     return engine, data
 
 
-def train(engine, data, arc, rank: int, steps: int) -> list[dict]:
+def train(engine, data, arc, rank: int, steps: int, first: int = 0) -> list[dict]:
     out = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         inputs, targets = data.batch(step, rank, BATCH)
         loss = engine(inputs, targets)
         if arc is not None:
@@ -68,8 +68,12 @@ def _stats_rank(rank: int, world: int, stage: int, run_dir: Path) -> list[dict]:
 
     engine, data = ds_engine(rank, world, stage)
     arc = attach_deepspeed(engine, make_config(run_dir, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS))
-    records = train(engine, data, arc, rank, 3)
+    by_bucket = arc.adapter.local_grads.by_bucket
+    records = train(engine, data, arc, rank, 1)
+    local_sq_rg = arc.engine.last_stats.per_rank(names.GRAD_SQ_LOCAL)
+    records += train(engine, data, arc, rank, 2, first=1)
     arc.close()
+    records[0].update(local_sq_rg=local_sq_rg, by_bucket=by_bucket)
     return [{k: v for k, v in r.items() if k != "params"} for r in records]
 
 
@@ -86,6 +90,17 @@ def test_partition_statistics_match_unsharded_reference(tmp_path: Path, stage: i
             assert float(np.sqrt(np.sum(got["grad_sq"]))) == pytest.approx(got["ds_norm"], rel=1e-5)
             assert np.sqrt(np.sum(got["grad_sq"])) > CLIP  # clipping was active
         assert all(np.array_equal(a["grad_sq"], b["grad_sq"]) for a, b in zip(records, results[0], strict=True))
+    # each rank's own gradient before the reduction, taken from DeepSpeed's reduction buckets
+    model, data = tiny_model_and_data()
+    groups = param_groups(model, 0.1)
+    local_sq_rg = []
+    for rank in range(2):
+        model.zero_grad()
+        model(*data.batch(0, rank, BATCH)).backward()
+        local_sq_rg.append([sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups])
+    for records in results:
+        assert records[0]["by_bucket"]
+        np.testing.assert_allclose(records[0]["local_sq_rg"], local_sq_rg, rtol=1e-5)
 
 
 def master_weights(engine) -> torch.Tensor:

@@ -15,7 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
-from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, cosine_to_peers, gate_flags
+from arc_engine.monitors.sdc_local import (
+    LocalGate,
+    add_block_sums,
+    add_gradient_sketch,
+    block_sums,
+    cosine_to_peers,
+    gate_flags,
+)
 from arc_engine.recovery.recompute import classify
 from arc_engine.sinks import read_jsonl
 from tests.dist_harness import run_ranks
@@ -69,6 +76,25 @@ def test_sketch_is_linear_and_the_corrupted_rank_points_away() -> None:
     add_gradient_sketch(parts, [grads[0]], [0])
     add_gradient_sketch(parts, [grads[1]], [0])
     assert torch.allclose(both, parts)
+
+
+def test_batched_block_sums_give_the_per_tensor_sketch() -> None:
+    """The ZeRO hooks queue each gradient's block sums and fold them in one batch: the same sketch as one call
+    per tensor (sizes below, at and above the sketch size, with and without a remainder; a repeated tensor)."""
+    torch.manual_seed(1)
+    grads = [*(torch.randn(n) for n in (5, 64, 1000, 4097, 130)), torch.randn(7, 9)]
+    indices = [3, 0, 1, 2, 5, 4]
+    grads, indices = [*grads, grads[2]], [*indices, 1]  # a second micro-batch of tensor 1
+    one_by_one = torch.zeros(64, dtype=torch.float64)
+    for grad, index in zip(grads, indices, strict=True):
+        add_gradient_sketch(one_by_one, [grad], [index])
+    cache: dict = {}
+    for _ in range(2):  # the second pass reuses the cached batch plan
+        batched = torch.zeros(64, dtype=torch.float64)
+        add_block_sums(batched, [block_sums(g, 64) for g in grads], indices, cache)
+        torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-9)
+    assert block_sums(torch.zeros(0), 64) is None
+    assert torch.allclose(block_sums(torch.arange(10.0), 4), torch.tensor([1.0, 5.0, 9.0, 30.0]))
 
 
 def test_peer_classification() -> None:

@@ -23,9 +23,10 @@ import torch
 REFERENCE_DECAY = 0.9
 
 
-def _sketch_plan(index: int, blocks: int, size: int, device: torch.device,
-                 cache: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+def _sketch_plan(index: int, blocks: int, size: int, device: torch.device, cache: dict
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots and signs of the ``blocks`` block sums of tensor ``index`` in a sketch of ``size`` (seeded by ``index``
+    alone: the same on every rank), cached in ``cache``."""
     key = (index, blocks, size, device)
     if key not in cache:
         generator = torch.Generator().manual_seed(0x5D1C + 7919 * index)
@@ -36,24 +37,58 @@ def _sketch_plan(index: int, blocks: int, size: int, device: torch.device,
 
 
 @torch.no_grad()
+def block_sums(grad: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The sums of ``min(size, grad.numel())`` contiguous blocks of ``grad`` (the last block also takes the
+    remainder), in float32 whatever ``grad``'s dtype; None for an empty tensor. One reduction kernel (two with a
+    remainder)."""
+    flat = grad.reshape(-1)
+    blocks = min(size, flat.numel())
+    if blocks == 0:
+        return None
+    usable = (flat.numel() // blocks) * blocks
+    sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float32)
+    if usable < flat.numel():
+        sums[-1] += flat[usable:].sum(dtype=torch.float32)
+    return sums
+
+
+#: Concatenated plans of :func:`add_block_sums` kept per cache (one per distinct sequence of tensors).
+MAX_BATCH_PLANS = 8
+
+
+@torch.no_grad()
+def add_block_sums(sketch_k: torch.Tensor, sums: list[torch.Tensor], indices: list[int],
+                   cache: dict | None = None) -> None:
+    """Add the signed sketch of tensors already reduced to their :func:`block_sums` (``sums[i]`` of the tensor with
+    the rank-independent index ``indices[i]``) into the float64 ``sketch_k``: one concatenation and one
+    ``index_add_`` for the whole list. ``cache`` keeps the plans between calls."""
+    if not sums:
+        return
+    size = sketch_k.numel()
+    cache = {} if cache is None else cache
+    batches = cache.setdefault("batches", {})
+    key = (tuple(indices), tuple(s.numel() for s in sums), size, sketch_k.device)
+    plan = batches.get(key)
+    if plan is None:
+        parts = [_sketch_plan(index, part.numel(), size, sketch_k.device, cache)
+                 for part, index in zip(sums, indices, strict=True)]
+        if len(batches) >= MAX_BATCH_PLANS:
+            batches.clear()
+        plan = batches[key] = (torch.cat([slots for slots, _ in parts]), torch.cat([signs for _, signs in parts]))
+    slots, signs = plan
+    flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+    sketch_k.index_add_(0, slots, flat.to(sketch_k.device, torch.float64) * signs)
+
+
+@torch.no_grad()
 def add_gradient_sketch(sketch_k: torch.Tensor, grads: list[torch.Tensor], indices: list[int],
                         cache: dict | None = None) -> None:
     """Add the signed block-sum sketch of ``grads`` (tensor ``i`` has the rank-independent index ``indices[i]``)
     into the float64 vector ``sketch_k``. Linear in the gradient: sketches of summed gradients add up. Non-finite
     values propagate (a NaN gradient gives a NaN sketch). ``cache`` keeps the per-tensor plans between calls."""
-    size = sketch_k.numel()
-    cache = {} if cache is None else cache
-    for grad, index in zip(grads, indices, strict=True):
-        flat = grad.reshape(-1)
-        blocks = min(size, flat.numel())
-        if blocks == 0:
-            continue
-        usable = (flat.numel() // blocks) * blocks
-        sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float32).double()  # no float64 copy
-        if usable < flat.numel():
-            sums[-1] += flat[usable:].sum(dtype=torch.float32).double()
-        slots, signs = _sketch_plan(index, blocks, size, sums.device, cache)
-        sketch_k.index_add_(0, slots.to(sketch_k.device), (sums * signs).to(sketch_k.device))
+    parts = [(sums, index) for grad, index in zip(grads, indices, strict=True)
+             if (sums := block_sums(grad, sketch_k.numel())) is not None]
+    add_block_sums(sketch_k, [sums for sums, _ in parts], [index for _, index in parts], cache)
 
 
 def cosine_to_peers(sketch_rk: np.ndarray) -> np.ndarray:

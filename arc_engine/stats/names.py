@@ -11,13 +11,14 @@ LOSS_COUNT = "loss_count"
 GRAD_SQ_LOCAL = "grad_sq_local"
 #: [G] PER_RANK: number of parameter tensors whose local gradient holds NaN/Inf, per group.
 GRAD_NONFINITE_LOCAL = "grad_nonfinite_local"
-#: [G] REPLICATED (DDP) or SUM (sharded): squared L2 norm of the reduced gradient per group, before clipping.
+#: [G] SUM (a shard's part, or under DDP the owned parameters' part) or REPLICATED: squared L2 norm of the reduced
+#: gradient per group, before clipping.
 GRAD_SQ = "grad_sq"
-#: [G] REPLICATED (DDP) or SUM (sharded): squared L2 norm of the weights per group (before this step's update).
+#: [G] SUM or REPLICATED (as GRAD_SQ): squared L2 norm of the weights per group (before this step's update).
 WEIGHT_SQ = "weight_sq"
-#: [G] REPLICATED or SUM: Σ U² of the Adam update about to be applied, U = m̂/(√v̂+ε) (SDC paper).
+#: [G] SUM or REPLICATED: Σ U² of the Adam update about to be applied, U = m̂/(√v̂+ε) (SDC paper).
 UPDATE_SQ = "update_sq"
-#: [G] REPLICATED or SUM: number of elements behind UPDATE_SQ (RMS = sqrt(UPDATE_SQ / UPDATE_COUNT)).
+#: [G] SUM or REPLICATED: number of elements behind UPDATE_SQ (RMS = sqrt(UPDATE_SQ / UPDATE_COUNT)).
 UPDATE_COUNT = "update_count"
 #: [K] PER_RANK: signed block-sum sketch of the rank's local gradient before the reduction (SDC localization).
 GRAD_SKETCH_LOCAL = "grad_sketch_local"

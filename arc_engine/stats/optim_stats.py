@@ -10,7 +10,7 @@ elements are partial sums: added over ranks they give the exact global value.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,9 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     gradients first (e.g. DeepSpeed's 1/(loss scale x clip factor) for gradients it has not unscaled yet); a 0-dim
     tensor avoids a host sync.
     """
+    if _one_batch(grads, chunk_elements):  # e.g. sampled windows: one batch, no per-tensor slicing
+        return _batch_update_sq(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)), step, hyper,
+                                grad_scale)
     device = grads[0].device if grads else None
     total = torch.zeros((), dtype=torch.float64, device=device)
     batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
@@ -87,6 +90,19 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     if batch:
         total += _batch_update_sq(batch, step, hyper, grad_scale)
     return total
+
+
+def _one_batch(grads: Sequence[torch.Tensor], chunk_elements: int) -> bool:
+    """Whether every gradient is a flat tensor smaller than :data:`OWN_BATCH_ELEMENTS` and all fit in one chunk: then
+    :func:`update_sq_total` concatenates them at once (the moments and parameters that go with flat gradients are
+    flat too: :func:`sample_window` cuts all four alike)."""
+    total = 0
+    for grad in grads:
+        numel = grad.numel()
+        if grad.dim() != 1 or numel >= OWN_BATCH_ELEMENTS:
+            return False
+        total += numel
+    return 0 < total <= chunk_elements
 
 
 @torch.no_grad()
@@ -121,8 +137,8 @@ def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.
         return None
     if len(pieces) == 1:
         return pieces[0].float()  # type: ignore[union-attr]
-    return torch.cat([torch.zeros_like(ref) if piece is None else piece for piece, ref in zip(pieces, like,
-                                                                                                 strict=True)]).float()
+    return torch.cat([torch.zeros_like(ref) if piece is None else piece if piece.dim() == 1 else piece.reshape(-1)
+                      for piece, ref in zip(pieces, like, strict=True)]).float()
 
 
 def _batch_update_sq(batch: list, step: int | torch.Tensor, hyper: AdamHyper,
@@ -256,10 +272,12 @@ def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
     return None
 
 
-def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = False) -> AdamViews | None:
+def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = False,
+               owned: Container[int] | None = None) -> AdamViews | None:
     """The Adam tensors of ``group`` for parameters that have a gradient; None for a non-Adam optimizer.
 
-    ``local``: take ``.to_local()`` of DTensor parameters, gradients and moments (FSDP2 shards).
+    ``local``: take ``.to_local()`` of DTensor parameters, gradients and moments (FSDP2 shards). ``owned``: only
+    the parameters whose ``id()`` is in it.
     The step count is read from the optimizer state (``state['step']``, or apex's ``group['step']``).
     """
     decoupled = is_decoupled(optimizer, group)
@@ -267,7 +285,7 @@ def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = Fals
         return None
     params, grads, means, sqs, steps = [], [], [], [], []
     for param in group["params"]:
-        if param.grad is None:
+        if param.grad is None or (owned is not None and id(param) not in owned):
             continue
         state = optimizer.state.get(param, {})
         params.append(param)
