@@ -5,7 +5,7 @@ Per bucket, on monitored steps only:
 
 * before the all-reduce: per-parameter norms of this rank's *local* gradient -> per-group squared norm
   (``grad_sq_local``) and per-group count of tensors holding NaN/Inf (``grad_nonfinite_local``);
-* then the default DDP reduction (divide by the group size, all-reduce sum);
+* then DDP's default reduction (:func:`mean_allreduce`: scale by 1/N as DDP's reducer does, all-reduce sum);
 * in the future's callback, on the reduced bucket: per-group squared norm (``grad_sq``) -- the pre-clip norm
   of the gradient the optimizer will see. The reduced bucket is the same on every rank, so with an ownership map
   (:mod:`arc_engine.stats.partition`, set by ``attach``) each rank takes only the parameters it owns and the slot is
@@ -16,15 +16,15 @@ bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its :class:`~arc
 judges the bucket before the all-reduce: a withheld bucket contributes zeros (counted in ``sdc_withheld``) and
 :class:`DDPGradientTarget` lets :mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
 
-Otherwise the gradient values are never modified beyond what the default hook does: training is bitwise unchanged.
+Otherwise the gradient values are never modified beyond DDP's own reduction: training is bitwise unchanged.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime.
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from arc_engine.engine import ArcEngine
@@ -131,19 +131,33 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             zero_where(withheld, buffer)
     if state.inner_hook is not None:
         future = state.inner_hook(state.inner_state, bucket)  # type: ignore[operator]
+        if not monitored:
+            return future
     else:
-        future = default_hooks.allreduce_hook(state.process_group, bucket)
-    if not monitored:
-        return future
+        future = mean_allreduce(state.process_group, bucket)
 
-    def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        """One callback per bucket: unwrap the reduced bucket and, on monitored steps, take its statistics."""
         reduced = fut.value()
         reduced = reduced[0] if isinstance(reduced, list) else reduced
-        share, share_index = plan.reduced_share(reduced, bucket)
-        accumulate_grad_stats(engine.buffer, share, share_index, names.GRAD_SQ)
+        if monitored:
+            share, share_index = plan.reduced_share(reduced, bucket)
+            accumulate_grad_stats(engine.buffer, share, share_index, names.GRAD_SQ)
         return reduced
 
-    return future.then(record_reduced)
+    return future.then(finish)
+
+
+def mean_allreduce(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+    """DDP's default reduction of a bucket: scale by 1/N, then all-reduce (sum) in place; returns the all-reduce's
+    future (its value: a list holding the bucket). The scaling is the multiply by 1/N that DDP's C++ reducer applies
+    while it copies gradients into a bucket when no hook is registered, so the result is bitwise DDP's own for any N
+    (torch's ``default_hooks.allreduce_hook`` divides by N, which can differ in the last bit when N is not a power
+    of 2)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
 
 def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, groups: ParamGroupIndex,

@@ -16,6 +16,7 @@ arc_engine).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -60,6 +61,11 @@ def parse_args() -> argparse.Namespace:
                              "what any comm-hook-based monitor pays on DDP before computing anything)")
     parser.add_argument("--arc", action="append", default=[], metavar="KEY=VALUE",
                         help="extra arc config override, repeatable (e.g. --arc recovery.enabled=true)")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="repeat the whole measurement in this many fresh launches and report the median of "
+                             "their headline figures (each launch lays out memory anew, which biases a single "
+                             "launch by up to about +-1-2%% on a small CPU machine)")
+    parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set for each launch by main()
     return parser.parse_args()
 
 
@@ -194,11 +200,21 @@ def worker(args: argparse.Namespace) -> None:
               f"{cpu['pair_median'] * 100:+.2f}%")
         print(f"arc_engine collectives per monitored step: {(arc_ops - plain_ops) / 2:g}; "
               f"host copies per monitored step: {host_copies:g}")
+        if args.result_file:
+            with open(args.result_file, "w") as out:
+                json.dump({"pair_median": figures["pair_median"], "cpu_pair_median": cpu["pair_median"]}, out)
     arc.close()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
     dist.destroy_process_group()
+
+
+def launch(args: argparse.Namespace, extra: list[str]) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           __file__, *sys.argv[1:], *extra]
+    return subprocess.call(cmd, env=env)
 
 
 def main() -> None:
@@ -207,10 +223,24 @@ def main() -> None:
         worker(args)
         sys.stdout.flush()
         os._exit(0)  # see arc_engine.demo.train.exit_hard
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           __file__, *sys.argv[1:]]
-    sys.exit(subprocess.call(cmd, env=env))
+    if args.launches <= 1:
+        sys.exit(launch(args, []))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in range(args.launches):
+            print(f"--- launch {index + 1} of {args.launches}", flush=True)
+            path = os.path.join(tmp, f"launch{index}.json")
+            code = launch(args, ["--result-file", path])
+            if code != 0:
+                sys.exit(code)
+            with open(path) as handle:
+                results.append(json.load(handle))
+    walls = [r["pair_median"] * 100 for r in results]
+    cpus = [r["cpu_pair_median"] * 100 for r in results]
+    print(f"overhead per launch (pair median): {', '.join(f'{w:+.2f}%' for w in walls)}")
+    print(f"CPU time per launch (pair median): {', '.join(f'{c:+.2f}%' for c in cpus)}")
+    print(f"MEDIAN OVER {len(results)} LAUNCHES: overhead {statistics.median(walls):+.2f}%, "
+          f"CPU time {statistics.median(cpus):+.2f}%")
 
 
 if __name__ == "__main__":
