@@ -29,12 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations.torch_optim import optimizer_stats
-from arc_engine.monitors.sdc_local import LocalGate, add_gradient_sketch, zero_where
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
-
-#: Sketch plan index of DDP bucket 0 (bucket ``b`` uses ``SKETCH_BUCKET_INDEX + b``).
-SKETCH_BUCKET_INDEX = 1 << 20
 
 
 @dataclass
@@ -124,7 +121,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         if names.GRAD_SKETCH_LOCAL in engine.layout:
             # the bucket's flat buffer (same layout on every rank) as one tensor: a few kernels per bucket
             add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [buffer],
-                                [SKETCH_BUCKET_INDEX + bucket.index()], state._sketch_cache)
+                                [BUCKET_SKETCH_INDEX + bucket.index()], state._sketch_cache)
         if state.gate is not None and norms_sq is not None:
             withheld = state.gate.check(bucket.index(), norms_sq.sum())
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))

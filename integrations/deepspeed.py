@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.integrations.torch_optim import drop_gradients
-from arc_engine.monitors.sdc_local import LocalGate, add_block_sums, block_sums, zero_where
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_block_sums, block_sums, zero_where
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
 from arc_engine.stats import Reduce, names
@@ -57,8 +58,6 @@ from arc_engine.stats.optim_stats import (
 
 log = logging.getLogger("arc_engine")
 
-#: Sketch plan index of the ZeRO bucket starting with parameter ``i``: ``BUCKET_SKETCH_INDEX + i``.
-BUCKET_SKETCH_INDEX = 1 << 20
 CLIP_EPS = 1e-6  # DeepSpeed's unscale_and_clip_grads adds it to the norm
 
 
@@ -167,6 +166,19 @@ class ZeroPartitionStats:
                          step, AdamHyper.from_group(group, decoupled))
 
 
+@dataclass(frozen=True)
+class _ZeroBucketPlan:
+    """One ZeRO reduction bucket's layout: its parameters' sizes (bucket order) and positions in
+    :class:`LocalGradHooks`'s list, the first position (the bucket's sketch index), and whether every parameter is
+    one of ours."""
+
+    sizes: list[int]
+    total: int
+    positions: torch.Tensor
+    first: int
+    known: bool
+
+
 class LocalGradHooks:
     """Each rank's own gradient before ZeRO reduces it, taken in one of two places:
 
@@ -212,7 +224,7 @@ class LocalGradHooks:
         self.handles: list[Any] = []
         self._zero: Any = None
         self._bucket_calls = 0
-        self._bucket_plans: dict[tuple[int, ...], tuple[list[int], int, torch.Tensor, int, bool]] = {}
+        self._bucket_plans: dict[tuple[int, ...], _ZeroBucketPlan] = {}
         self._original_average: Any = None
         self._had_own_average = False
         if gate is None and zero is not None and getattr(zero, "contiguous_gradients", False) \
@@ -261,20 +273,19 @@ class LocalGradHooks:
             positions = [self._position.get(id(p), -1) for p in params]
             if len(self._bucket_plans) >= 64:
                 self._bucket_plans.clear()
-            plan = self._bucket_plans[key] = ([p.numel() for p in params], sum(p.numel() for p in params),
-                                              torch.tensor(positions, dtype=torch.long, device=self.sq_p.device),
-                                              positions[0] if positions else -1,
-                                              bool(positions) and min(positions) >= 0)
-        sizes, total, positions_t, first, known = plan
-        if not known or total != tensor.numel():
+            sizes = [p.numel() for p in params]
+            plan = self._bucket_plans[key] = _ZeroBucketPlan(
+                sizes, sum(sizes), torch.tensor(positions, dtype=torch.long, device=self.sq_p.device),
+                positions[0] if positions else -1, bool(positions) and min(positions) >= 0)
+        if not plan.known or plan.total != tensor.numel():
             return  # not a bucket of our parameters as we know them
-        norms = torch._foreach_norm(list(tensor.view(-1).split(sizes)), 2, dtype=torch.float32)
-        self.sq_p.index_add_(0, positions_t, torch.stack(norms).to(self.sq_p.device).square())
+        norms = torch._foreach_norm(list(tensor.view(-1).split(plan.sizes)), 2, dtype=torch.float32)
+        self.sq_p.index_add_(0, plan.positions, torch.stack(norms).to(self.sq_p.device).square())
         if self.sketch_k.numel():
             sums = block_sums(tensor, self.sketch_k.numel())
             if sums is not None:  # bucket contents are the same on every rank: index it by its first parameter
                 self._sums.append(sums)
-                self._sum_index.append(BUCKET_SKETCH_INDEX + first)
+                self._sum_index.append(BUCKET_SKETCH_INDEX + plan.first)
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
         @torch.no_grad()

@@ -19,6 +19,10 @@ import math
 import numpy as np
 import torch
 
+#: Sketch plan index base for whole reduction buckets (DDP bucket ``b``: ``BUCKET_SKETCH_INDEX + b``; a ZeRO bucket
+#: starting with parameter ``i``: ``BUCKET_SKETCH_INDEX + i``), above any per-parameter index.
+BUCKET_SKETCH_INDEX = 1 << 20
+
 #: Running reference of a slot's squared norm: reference <- DECAY * reference + (1 - DECAY) * norm².
 REFERENCE_DECAY = 0.9
 
