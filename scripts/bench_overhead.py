@@ -61,6 +61,13 @@ def parse_args() -> argparse.Namespace:
                              "what any comm-hook-based monitor pays on DDP before computing anything)")
     parser.add_argument("--arc", action="append", default=[], metavar="KEY=VALUE",
                         help="extra arc config override, repeatable (e.g. --arc recovery.enabled=true)")
+    parser.add_argument("--method", choices=("models", "steps"), default="models",
+                        help="models: two models side by side, without and with arc_engine (the whole overhead, "
+                             "comm hook included; each launch carries a memory-placement bias, see --launches); "
+                             "steps: one model with arc_engine and stats.interval=2, each monitored step timed against "
+                             "its unmonitored neighbours (the monitoring work alone, free of that bias: same model, "
+                             "same memory; it leaves out what is paid on every step, e.g. DDP's Python comm hook, "
+                             "which --control torch-hook measures)")
     parser.add_argument("--launches", type=int, default=1,
                         help="repeat the whole measurement in this many fresh launches and report the median of "
                              "their headline figures (each launch lays out memory anew, which biases a single "
@@ -146,20 +153,8 @@ def pin_to_core(local_rank: int) -> None:
         os.sched_setaffinity(0, {cores[local_rank]})
 
 
-def worker(args: argparse.Namespace) -> None:
-    if args.pin:
-        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    rank = dist.get_rank()
-    data = CharDataset(generate_corpus(), args.seq_len)
-    # one directory for every rank (checkpoints need a shared one): torchrun gives all ranks the same run id
-    run_dir = os.path.join(tempfile.gettempdir(), f"arc_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
-    if args.optimizer_stats_every is not None:
-        overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
-    config = load_config(None, overrides + args.arc)
-    if args.control == "torch-hook" and args.backend != "ddp":
-        raise SystemExit("--control torch-hook needs --backend ddp")
+def measure_models(args: argparse.Namespace, data: CharDataset, rank: int, config) -> object:
+    """The two-model method (see ``--method``): prints the figures on rank 0 and returns the arc handle."""
     plain_step, _ = build(args, data, None)
     arc_step, arc = build(args, data, config)  # built in every mode: the same allocations
     if args.control != "none":
@@ -203,6 +198,72 @@ def worker(args: argparse.Namespace) -> None:
         if args.result_file:
             with open(args.result_file, "w") as out:
                 json.dump({"pair_median": figures["pair_median"], "cpu_pair_median": cpu["pair_median"]}, out)
+    return arc
+
+
+def measure_steps(args: argparse.Namespace, data: CharDataset, rank: int, config) -> object:
+    """The same-model method (see ``--method``): one model with arc_engine, ``stats.interval`` 2, one step per
+    block; each monitored step's time is divided by the mean of its two unmonitored neighbours' (so a slow phase of
+    the machine, and any cost a monitored step leaves to the next one, hit both sides). Prints on rank 0."""
+    arc_step, arc = build(args, data, config)
+    run_steps(arc_step, data, rank, 0, args.warmup, args.micro_batch)
+    times: list[tuple[bool, tuple[float, float]]] = []
+    for block in range(2 * args.blocks + 1):
+        monitored = arc.engine.is_monitored()
+        times.append((monitored, run_steps(arc_step, data, rank, args.warmup + block, 1, args.micro_batch)))
+    ratios: dict[int, list[float]] = {0: [], 1: []}
+    for index in range(1, len(times) - 1):
+        (before, t_before), (now, t_now), (after, t_after) = times[index - 1], times[index], times[index + 1]
+        if now and not before and not after:
+            for which in ratios:
+                ratios[which].append(t_now[which] * 2 / (t_before[which] + t_after[which]))
+    copies_before = arc.engine.pipeline.host_copies
+    ops_two_steps = count_collectives(arc_step, data, rank, 2, args.micro_batch)  # one monitored, one not
+    host_copies = arc.engine.pipeline.host_copies - copies_before
+    if rank == 0:
+        backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
+        print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
+              f"{args.micro_batch}; {backend}, AdamW, clip 1.0, {dist.get_world_size()} ranks, gloo, CPU")
+        print(f"method: steps (one model, stats.interval=2); overrides {args.arc or 'none'}")
+        idle = [t[1][0] for t in times if not t[0]]
+        busy = [t[1][0] for t in times if t[0]]
+        print(f"monitored steps: {len(busy)}, unmonitored: {len(idle)}; median step time monitored "
+              f"{statistics.median(busy) * 1e3:.1f} ms, unmonitored {statistics.median(idle) * 1e3:.1f} ms")
+        wall = statistics.median(ratios[0]) - 1
+        cpu = statistics.median(ratios[1]) - 1
+        print(f"overhead of monitoring (median over monitored steps of the ratio to their neighbours): "
+              f"{wall * 100:+.2f}%")
+        print(f"CPU time per step (rank 0, all threads), same median: {cpu * 100:+.2f}%")
+        print(f"collectives in one monitored + one unmonitored step (training's included): {ops_two_steps}; "
+              f"arc_engine host copies: {host_copies}")
+        if args.result_file:
+            with open(args.result_file, "w") as out:
+                json.dump({"pair_median": wall, "cpu_pair_median": cpu}, out)
+    return arc
+
+
+def worker(args: argparse.Namespace) -> None:
+    if args.pin:
+        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank = dist.get_rank()
+    data = CharDataset(generate_corpus(), args.seq_len)
+    # one directory for every rank (checkpoints need a shared one): torchrun gives all ranks the same run id
+    run_dir = os.path.join(tempfile.gettempdir(), f"arc_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
+    if args.optimizer_stats_every is not None:
+        overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
+    if args.method == "steps":
+        if args.control != "none":
+            raise SystemExit("--control goes with --method models")
+        overrides.append("stats.interval=2")
+    config = load_config(None, overrides + args.arc)
+    if args.control == "torch-hook" and args.backend != "ddp":
+        raise SystemExit("--control torch-hook needs --backend ddp")
+    if args.method == "steps":
+        arc = measure_steps(args, data, rank, config)
+    else:
+        arc = measure_models(args, data, rank, config)
     arc.close()
     dist.barrier()
     if rank == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arc_engine.stats.partition import balanced_owners, owned_ids
+from arc_engine.stats.partition import PER_TENSOR_COST, balanced_owners, owned_ids
 
 
 @pytest.mark.parametrize("num_owners", [1, 2, 3, 4, 8])
@@ -30,3 +30,17 @@ def test_owned_sets_partition_the_parameters() -> None:
 def test_rejects_zero_owners() -> None:
     with pytest.raises(ValueError, match="num_owners"):
         balanced_owners([1, 2], 0)
+
+
+def test_owned_sets_balance_tensor_counts_too() -> None:
+    """A few large tensors and many small ones (a transformer's matrices, biases and norms): by element count alone
+    one rank would get the large ones and the other every small one, and with them most of the per-tensor work."""
+    layer = [256, 256, 196608, 768, 65536, 256, 256, 256, 262144, 1024, 262144, 256]
+    sizes = [7424, 65536] + layer * 4 + [256, 256]  # the demo GPT of the overhead benchmark, in module order
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    assert balanced_owners(sizes, 2).count(0) <= 12  # by elements alone: 9 of 52 (the per-tensor cost's reason)
+    sets = [owned_ids(params, rank, 2) for rank in range(2)]
+    counts = [len(s) for s in sets]
+    loads = [sum(p.numel() for p in params if id(p) in s) for s in sets]
+    assert min(counts) >= 0.4 * len(params)
+    assert abs(loads[0] - loads[1]) <= max(sizes) + PER_TENSOR_COST

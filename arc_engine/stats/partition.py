@@ -29,8 +29,15 @@ def balanced_owners(sizes: Sequence[int], num_owners: int) -> list[int]:
     return owners
 
 
+#: The fixed cost of one tensor in the statistics paths (Python and kernel launches per tensor), in elements: about
+#: what a rank streams through memory in the few microseconds each tensor costs whatever its size. Without it a rank
+#: given the few largest tensors would own 9 of 52 and its peer 43, and the peer, slower by the difference in
+#: per-tensor work, would keep the step's gather waiting.
+PER_TENSOR_COST = 1 << 14
+
+
 def owned_ids(params: Sequence[torch.Tensor], rank: int, num_ranks: int) -> set[int]:
     """``id()`` of the parameters of ``params`` (the same list, in the same order, on every rank) that ``rank``
-    owns among ``num_ranks`` (:func:`balanced_owners` by element count)."""
-    owners = balanced_owners([p.numel() for p in params], num_ranks)
+    owns among ``num_ranks`` (:func:`balanced_owners` by element count plus :data:`PER_TENSOR_COST` each)."""
+    owners = balanced_owners([p.numel() + PER_TENSOR_COST for p in params], num_ranks)
     return {id(p) for p, owner in zip(params, owners, strict=True) if owner == rank}
