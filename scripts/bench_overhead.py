@@ -139,6 +139,14 @@ def overhead_figures(plain_blocks: list[float], arc_blocks: list[float]) -> dict
             "mean_ratio": statistics.fmean(arc_blocks) / statistics.fmean(plain_blocks) - 1}
 
 
+def neighbour_ratios(steps: list[tuple[bool, float]]) -> list[float]:
+    """For each monitored step whose two neighbours are unmonitored, its time divided by their mean time.
+    ``steps``: (monitored, seconds) in the order they ran. Pure."""
+    triples = zip(steps[:-2], steps[1:-1], steps[2:], strict=True)
+    return [now * 2 / (before + after) for (was, before), (is_monitored, now), (will_be, after) in triples
+            if is_monitored and not was and not will_be]
+
+
 def count_collectives(step_fn: Callable, data: CharDataset, rank: int, steps: int, micro_batch: int) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_steps(step_fn, data, rank, 10_000, steps, micro_batch)
@@ -211,12 +219,7 @@ def measure_steps(args: argparse.Namespace, data: CharDataset, rank: int, config
     for block in range(2 * args.blocks + 1):
         monitored = arc.engine.is_monitored()
         times.append((monitored, run_steps(arc_step, data, rank, args.warmup + block, 1, args.micro_batch)))
-    ratios: dict[int, list[float]] = {0: [], 1: []}
-    for index in range(1, len(times) - 1):
-        (before, t_before), (now, t_now), (after, t_after) = times[index - 1], times[index], times[index + 1]
-        if now and not before and not after:
-            for which in ratios:
-                ratios[which].append(t_now[which] * 2 / (t_before[which] + t_after[which]))
+    ratios = {which: neighbour_ratios([(monitored, t[which]) for monitored, t in times]) for which in (0, 1)}
     copies_before = arc.engine.pipeline.host_copies
     ops_two_steps = count_collectives(arc_step, data, rank, 2, args.micro_batch)  # one monitored, one not
     host_copies = arc.engine.pipeline.host_copies - copies_before
