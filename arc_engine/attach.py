@@ -17,6 +17,7 @@ is SKIP, and raises :class:`arc_engine.ArcAbort` on every rank when it is ABORT.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,8 @@ class Arc:
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
-           lr_scheduler: Any | None = None, recompute_fn: RecomputeFn | None = None) -> Arc:
+           lr_scheduler: Any | None = None, recompute_fn: RecomputeFn | None = None,
+           ddp_comm_hook: tuple[Callable[..., Any], object] | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
@@ -110,12 +112,22 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     losses of the micro-batches rank ``data_rank`` trained on in the current step (at :attr:`Arc.data_position`),
     computed with ``module`` (the unwrapped model) and scaled as they were back-propagated; see
     :mod:`arc_engine.recovery.recompute`.
+
+    ``ddp_comm_hook=(hook, state)``: DDP accepts a single comm hook and arc_engine installs one, so a reduction hook
+    of your own (e.g. ``default_hooks.fp16_compress_hook`` with its process group as state) goes here instead of
+    ``register_comm_hook``: arc_engine's hook takes the local statistics and calls yours for the reduction, and the
+    gradients are what your hook alone gives. Its result must be the same on every rank of the group (as every
+    all-reduce-based hook's is). Not with ``detectors.sdc.recompute`` (withholding a bucket would reach your hook's
+    state, e.g. PowerSGD's error feedback).
     """
     from torch.distributed.fsdp import FSDPModule
 
     from arc_engine.integrations.ddp import register_stats_hook
     from arc_engine.integrations.torch_optim import register_optimizer_hooks
 
+    if ddp_comm_hook is not None and not isinstance(model, DistributedDataParallel):
+        raise ValueError("arc_engine.attach: ddp_comm_hook is for a DistributedDataParallel model, got "
+                         f"{type(model).__name__}")
     if type(model).__module__.startswith("deepspeed."):
         from arc_engine.integrations.deepspeed import attach_deepspeed
 
@@ -132,6 +144,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if not isinstance(config, ArcConfig):
         config = load_config(config)
     is_ddp = isinstance(model, DistributedDataParallel)
+    check_ddp_comm_hook(model, ddp_comm_hook, config)
     if group is None and is_ddp:
         group = model.process_group
     groups = ParamGroupIndex(optimizer.param_groups)
@@ -146,7 +159,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if is_ddp:
         from arc_engine.integrations.ddp import DDPGradientTarget
 
-        hook_state = register_stats_hook(engine, model, groups, owned=owned)
+        inner_hook, inner_state = ddp_comm_hook if ddp_comm_hook is not None else (None, None)
+        hook_state = register_stats_hook(engine, model, groups, inner_hook, inner_state, owned=owned)
         if wants_recompute:
             target = DDPGradientTarget(model, hook_state, optimizer)
             engine.restat = target.record_stats
@@ -155,6 +169,25 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp, owned=owned)
     engine.lr_multipliers.append(injector.lr_multiplier)
     return Arc(engine, injector, [hooks.remove, register_step_start(engine, model)])
+
+
+def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..., Any], object] | None,
+                        config: ArcConfig) -> None:
+    """Refuse, before anything is registered (the same verdict on every rank), a ``ddp_comm_hook`` that cannot be
+    honoured, and a DDP model that already has a comm hook (DDP would refuse arc_engine's own with a less helpful
+    message)."""
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if ddp_comm_hook is not None:
+        if not (isinstance(ddp_comm_hook, tuple) and len(ddp_comm_hook) == 2 and callable(ddp_comm_hook[0])):
+            raise ValueError("arc_engine.attach: ddp_comm_hook must be a (hook, state) pair, as DDP's "
+                             "register_comm_hook(state, hook) takes them")
+        sdc = config.detectors.sdc
+        if sdc.enabled and sdc.recompute.enabled:
+            raise ValueError("arc_engine.attach: detectors.sdc.recompute cannot be combined with ddp_comm_hook "
+                             "(a withheld bucket would reach your hook's state); turn one of them off")
+    if is_ddp and getattr(model, "_comm_hooks", None):
+        raise ValueError("arc_engine.attach: this DDP model already has a comm hook and DDP accepts only one; "
+                         "register it through arc_engine instead: attach(..., ddp_comm_hook=(hook, state))")
 
 
 def ddp_owned_params(model: DistributedDataParallel, group: dist.ProcessGroup | None) -> set[int] | None:

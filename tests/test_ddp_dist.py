@@ -188,3 +188,59 @@ def test_grad_norm_reported_is_pre_clip(tmp_path: Path) -> None:
     for result in results:
         assert all(math.isfinite(n) and n > 0 for n in result["grad_norms"])
         assert result["grad_norms"] == results[0]["grad_norms"]
+
+
+# --------------------------------------------------------------------- a comm hook of the user's own
+
+def _with_a_users_comm_hook(rank: int, world: int, run_dir: Path) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls: list[int] = []
+
+    def counting_fp16_hook(state: object, bucket: torch.distributed.GradBucket) -> torch.futures.Future:
+        calls.append(bucket.index())
+        return default_hooks.fp16_compress_hook(state, bucket)  # type: ignore[arg-type]
+
+    model, data = tiny_model_and_data()
+    reference, _ = tiny_model_and_data()  # the same initial weights
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    plain = DistributedDataParallel(reference, bucket_cap_mb=0.01)
+    plain.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, make_config(run_dir), ddp_comm_hook=(counting_fp16_hook, None))
+    inputs, targets = data.batch(0, rank, BATCH)
+    loss = ddp(inputs, targets)
+    arc.record_loss(loss)
+    loss.backward()
+    plain(inputs, targets).backward()
+    same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    reduced_sq = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+    optimizer.step()
+    stats = arc.engine.last_stats
+    arc.close()
+    refusals = []
+    for attach_args in ({"ddp_comm_hook": (counting_fp16_hook, None),
+                         "config": make_config(run_dir, "detectors.sdc.enabled=true",
+                                               "detectors.sdc.recompute.enabled=true")},
+                        {"ddp_comm_hook": counting_fp16_hook, "config": make_config(run_dir)},
+                        {"config": make_config(run_dir)}):  # plain already has a hook
+        try:
+            arc_engine.attach(plain, make_optimizer(reference), **attach_args)
+        except ValueError as error:
+            refusals.append(str(error))
+    return {"same": same, "calls": len(calls), "grad_sq": float(stats.total(names.GRAD_SQ).sum()),
+            "reduced_sq": reduced_sq, "refusals": refusals}
+
+
+def test_a_users_comm_hook_does_the_reduction(tmp_path: Path) -> None:
+    """``attach(..., ddp_comm_hook=(hook, state))``: the user's hook (fp16 compression) reduces every bucket, the
+    gradients are bitwise those of DDP with that hook alone, the reduced norm is the one of those gradients; hooks
+    that cannot be honoured are refused with a message saying what to do."""
+    for result in run_ranks(_with_a_users_comm_hook, 2, tmp_path):
+        assert result["same"]  # fp16-rounded: arc_engine's own fp32 mean would not give these gradients
+        assert result["calls"] >= 1
+        assert result["grad_sq"] == pytest.approx(result["reduced_sq"], rel=1e-5)
+        recompute, not_a_pair, already = result["refusals"]
+        assert "detectors.sdc.recompute" in recompute
+        assert "(hook, state) pair" in not_a_pair
+        assert "already has a comm hook" in already
