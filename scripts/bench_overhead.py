@@ -63,15 +63,15 @@ def parse_args() -> argparse.Namespace:
                         help="extra arc config override, repeatable (e.g. --arc recovery.enabled=true)")
     parser.add_argument("--method", choices=("models", "steps"), default="models",
                         help="models: two models side by side, without and with arc_engine (the whole overhead, "
-                             "comm hook included; each launch carries a memory-placement bias, see --launches); "
-                             "steps: one model with arc_engine and stats.interval=2, each monitored step timed against "
-                             "its unmonitored neighbours (the monitoring work alone, free of that bias: same model, "
-                             "same memory; it leaves out what is paid on every step, e.g. DDP's Python comm hook, "
-                             "which --control torch-hook measures)")
+                             "comm hook included); steps: one model with arc_engine and stats.interval=2, each "
+                             "monitored step timed against its unmonitored neighbours (the monitoring work alone: "
+                             "same model, same memory; it leaves out what is paid on every step, e.g. DDP's Python "
+                             "comm hook, which --control torch-hook measures)")
     parser.add_argument("--launches", type=int, default=1,
                         help="repeat the whole measurement in this many fresh launches and report the median of "
-                             "their headline figures (each launch lays out memory anew, which biases a single "
-                             "launch by up to about +-1-2%% on a small CPU machine)")
+                             "their headline figures (on a small CPU machine one step's time scatters by several "
+                             "percent, so one launch of 80 pairs cannot resolve 1%%: use --blocks 160 and several "
+                             "launches)")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set for each launch by main()
     return parser.parse_args()
 
