@@ -205,6 +205,9 @@ class AdamViews:
     exp_avg_sqs: list[torch.Tensor | None]
     step: int | torch.Tensor  # updates already applied (see step_count)
     hyper: AdamHyper
+    #: each tensor's position in its parameter group (None: its position in these lists): what places its sampled
+    #: window, so the window does not move when another rank owns part of the group (see :func:`adam_views`)
+    positions: list[int] | None = None
 
 
 def sample_window(tensor: torch.Tensor | None, fraction: float, index: int) -> torch.Tensor | None:
@@ -227,9 +230,11 @@ def sampled(views: AdamViews, fraction: float, cache: WindowCache | None = None)
         return views
     if cache is None:
         cache = WindowCache()
-    return AdamViews(cache.windows("params", views.params, fraction), cache.windows("grads", views.grads, fraction),
-                     cache.windows("exp_avgs", views.exp_avgs, fraction),
-                     cache.windows("exp_avg_sqs", views.exp_avg_sqs, fraction), views.step, views.hyper)
+    at = views.positions
+    return AdamViews(cache.windows("params", views.params, fraction, at),
+                     cache.windows("grads", views.grads, fraction, at),
+                     cache.windows("exp_avgs", views.exp_avgs, fraction, at),
+                     cache.windows("exp_avg_sqs", views.exp_avg_sqs, fraction, at), views.step, views.hyper, at)
 
 
 class WindowCache:
@@ -241,11 +246,15 @@ class WindowCache:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, list[torch.Tensor | None], list[int], list[Any]]] = {}
 
-    def windows(self, name: str, tensors: list[torch.Tensor | None], fraction: float) -> list[Any]:
+    def windows(self, name: str, tensors: list[torch.Tensor | None], fraction: float,
+                positions: list[int] | None = None) -> list[Any]:
+        """The windows of ``tensors``, each placed by its entry of ``positions`` (default: its index in
+        ``tensors``)."""
         entry = self._entries.get(name)
         if entry is not None and entry[0] == fraction and _same_tensors(entry[1], entry[2], tensors):
             return entry[3]
-        windows = [sample_window(t, fraction, i) for i, t in enumerate(tensors)]
+        at = positions if positions is not None else range(len(tensors))
+        windows = [sample_window(t, fraction, i) for i, t in zip(at, tensors, strict=True)]
         self._entries[name] = (fraction, list(tensors), _pointers(tensors), windows)
         return windows
 
@@ -277,17 +286,19 @@ def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = Fals
     """The Adam tensors of ``group`` for parameters that have a gradient; None for a non-Adam optimizer.
 
     ``local``: take ``.to_local()`` of DTensor parameters, gradients and moments (FSDP2 shards). ``owned``: only
-    the parameters whose ``id()`` is in it.
+    the parameters whose ``id()`` is in it; each keeps its position in the group (``positions``), so its sampled
+    window is the same whichever rank owns it.
     The step count is read from the optimizer state (``state['step']``, or apex's ``group['step']``).
     """
     decoupled = is_decoupled(optimizer, group)
     if decoupled is None:
         return None
-    params, grads, means, sqs, steps = [], [], [], [], []
-    for param in group["params"]:
+    params, grads, means, sqs, steps, positions = [], [], [], [], [], []
+    for position, param in enumerate(group["params"]):
         if param.grad is None or (owned is not None and id(param) not in owned):
             continue
         state = optimizer.state.get(param, {})
+        positions.append(position)
         params.append(param)
         grads.append(param.grad)
         means.append(state.get("exp_avg"))
@@ -296,7 +307,7 @@ def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = Fals
     if local:
         params, grads, means, sqs = ([_local(t) for t in ts] for ts in (params, grads, means, sqs))
     return AdamViews(params, grads, means, sqs, step_count(steps[0] if steps else 0),
-                     AdamHyper.from_group(group, decoupled))
+                     AdamHyper.from_group(group, decoupled), positions)
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
