@@ -8,8 +8,9 @@ record, the end of step) in timers of the calling thread's CPU time (``time.thre
 preempted, e.g. by gloo's worker on a shared core, is not counted), runs ``--blocks`` steps and prints each rank's
 mean per step. A diagnostic, not a measurement of the overhead (that is ``bench_overhead.py``): the parts nest (the
 hook contains its parts), and what arc_engine costs outside its own functions (cache traffic it causes, a wait in
-the gather that moves rather than adds time) is not here. The DDP hook's all-reduce call and its 1/N multiply are
-listed apart, since training without arc_engine pays for an all-reduce too.
+the gather that moves rather than adds time) is not here. The DDP hook's all-reduce call is listed apart, since
+training without arc_engine pays for an all-reduce too; ``mean_allreduce`` minus it is the 1/N multiply that a Python
+comm hook pays.
 """
 
 from __future__ import annotations
@@ -55,25 +56,14 @@ def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def timed_mean_allreduce(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> Any:
-    """``ddp.mean_allreduce`` with its two parts timed apart."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    start = time.thread_time()
-    buffer.mul_(1.0 / dist.get_world_size(group))
-    middle = time.thread_time()
-    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-    CPU_SECONDS["ddp hook: 1/N multiply (comm-hook path)"] += middle - start
-    CPU_SECONDS["ddp hook: all-reduce call (training's own)"] += time.thread_time() - middle
-    return future
-
-
 def instrument() -> None:
     ddp_module.stats_allreduce_hook = timed("ddp hook (all of it)", ddp_module.stats_allreduce_hook)
     ddp_module.accumulate_grad_stats = timed("ddp hook: gradient norms, local + reduced",
                                              ddp_module.accumulate_grad_stats)
     ddp_module.add_gradient_sketch = timed("ddp hook: sketch", ddp_module.add_gradient_sketch)
-    ddp_module.mean_allreduce = timed_mean_allreduce
+    ddp_module.mean_allreduce = timed("ddp hook: mean_allreduce (1/N multiply + all-reduce call)",
+                                      ddp_module.mean_allreduce)
+    ddp_module.dist.all_reduce = timed("ddp hook: all-reduce call (training's own)", ddp_module.dist.all_reduce)
     optim_module.optimizer_stats = timed("optimizer statistics", optim_module.optimizer_stats)
     engine_module.ArcEngine.decide = timed("decide (all of it)", engine_module.ArcEngine.decide)
     pipeline_module.StatsPipeline.gather = timed("decide: gather", pipeline_module.StatsPipeline.gather)
