@@ -1,4 +1,9 @@
-"""``arc_engine.attach``: the one entry point for plain PyTorch (DDP or single process, any torch.optim).
+"""``arc_engine.attach``: the one entry point, and the one place that wires arc_engine into a training step.
+
+Every framework (DDP or a plain module with any torch.optim, FSDP2, DeepSpeed ZeRO) is a small :class:`Adapter` in
+``integrations/``: what each rank owns of parameters, gradients and optimizer state, where the step hooks sit, how
+a step is dropped or applied, what a rollback restores. :func:`wire` does the rest once for all of them: the
+config, the engine, fault injection, recovery, the SDC recomputation, the watchdog and the sinks.
 
 The training-loop contract, on every rank::
 
@@ -18,23 +23,20 @@ is SKIP, and raises :class:`arc_engine.ArcAbort` on every rank when it is ABORT.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from arc_engine import runtime
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
-from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute, recompute_wanted
-from arc_engine.recovery.state import TorchTrainState
+from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
+from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce
-from arc_engine.stats.grad_stats import ParamGroupIndex
-from arc_engine.stats.partition import owned_ids
 
 
 @dataclass
@@ -44,9 +46,13 @@ class Arc:
     engine: ArcEngine
     faults: FaultInjector
     _removers: list[Any]
+    adapter: Any = field(default=None, repr=False)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """See :meth:`ArcEngine.record_loss`."""
+        before = getattr(self.adapter, "before_record_loss", None)
+        if before is not None:  # e.g. DeepSpeed: close the steps it skipped on its own
+            before()
         self.engine.record_loss(loss)
 
     @property
@@ -88,6 +94,59 @@ class Arc:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+class Adapter(Protocol):
+    """One framework's side of the contract (``integrations/``: ``ddp.TorchAdapter``, ``fsdp.FSDPAdapter``,
+    ``deepspeed.ZeroAdapter``). Built before :func:`wire`; every method runs on every rank."""
+
+    name: str                        # for messages, e.g. "DDP", "FSDP2", "DeepSpeed ZeRO-2"
+    module: torch.nn.Module          # the unwrapped model: fault hooks, the step-start hook, recompute_fn
+    group_names: list[str]           # the optimizer's parameter groups (G slots per gradient statistic)
+    shard_reduce: Reduce             # SUM: each rank holds its shard / owned part; REPLICATED: the whole value
+    params: list[torch.Tensor]       # this rank's trainable parameters as held (family producers read them)
+    data_parallel_group: dist.ProcessGroup | None  # the replicas of this rank's shard (SDC recomputation)
+    supports_recompute: bool
+
+    def check_config(self, config: ArcConfig) -> None:
+        """ValueError for a setting this framework cannot honour (before anything is registered)."""
+
+    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The decision group to use (None: the whole job), ValueError for one this framework cannot serve."""
+
+    def train_state(self) -> TrainState:
+        """What a rollback restores (``recovery.enabled``); ValueError when this framework cannot roll back."""
+
+    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
+        """The step attempt that fault injection is timed by (after recovery resumed, if it did)."""
+
+    def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
+        """Register the statistics producers and the optimizer-step hooks (decide, drop or apply the step, heal);
+        with ``recompute_fn``, wire the SDC recomputation. After the fault hooks, so producers see their output.
+        Returns the removers."""
+
+
+def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist.ProcessGroup | None = None,
+         recompute_fn: RecomputeFn | None = None) -> Arc:
+    """The common wiring of every framework: collective, on every rank, once. Validates the config against the
+    adapter, builds and starts the engine over the decision group (agreeing on the run id, the layout and the sinks;
+    the watchdog starts with it), enables recovery (which may resume from a checkpoint), installs fault injection,
+    then the adapter's hooks, then the step-start hook."""
+    if not isinstance(config, ArcConfig):
+        config = load_config(config)
+    adapter.check_config(config)
+    engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
+                       shard_reduce=adapter.shard_reduce, params=adapter.params)
+    wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
+                                       data_parallel_group=adapter.data_parallel_group)
+    engine.start()
+    if config.recovery.enabled:
+        engine.enable_recovery(adapter.train_state())  # may resume: counters move
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine))
+    injector.install(adapter.module)
+    removers = adapter.install(engine, recompute_fn if wants_recompute else None)
+    engine.add_lr_multiplier(injector.lr_multiplier)
+    removers.append(register_step_start(engine, adapter.module))
+    return Arc(engine, injector, removers, adapter)
+
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
@@ -100,9 +159,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     ``deepspeed.initialize``-d engine (``optimizer`` may be None; delegates to
     :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
     ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
-    or None for defaults. ``group``: the data-parallel group the decision is agreed on (default: DDP's group,
-    else the world). ``lr_scheduler``: snapshotted and restored with the training state when ``recovery`` is
-    enabled (for DeepSpeed, the engine's own scheduler is used).
+    or None for defaults. ``group``: the decision group, whose ranks agree on every monitored step and take the
+    same action (default: the whole job, the world group; a narrower group must contain every model-parallel peer
+    of its ranks). Under DDP, replicated statistics are split among the ranks of DDP's own process group whatever
+    the decision group (:mod:`arc_engine.stats.partition`). ``lr_scheduler``: snapshotted and restored with the
+    training state when ``recovery`` is enabled (for DeepSpeed, the engine's own scheduler is used).
 
     With ``recovery.enabled`` the loop must draw its batches from :attr:`Arc.data_position` and run until
     :attr:`Arc.step` reaches its target (both go back on a rollback and are restored on a resume), and should step
@@ -121,9 +182,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     state, e.g. PowerSGD's error feedback).
     """
     from torch.distributed.fsdp import FSDPModule
-
-    from arc_engine.integrations.ddp import register_stats_hook
-    from arc_engine.integrations.torch_optim import register_optimizer_hooks
+    from torch.nn.parallel import DistributedDataParallel
 
     if ddp_comm_hook is not None and not isinstance(model, DistributedDataParallel):
         raise ValueError("arc_engine.attach: ddp_comm_hook is for a DistributedDataParallel model, got "
@@ -137,67 +196,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if isinstance(model, FSDPModule):
         from arc_engine.integrations.fsdp import attach_fsdp
 
-        if recompute_fn is not None:
-            raise ValueError("recompute_fn: the SDC recomputation is not supported on FSDP2 (DDP and DeepSpeed "
-                             "ZeRO-1/2 are)")
-        return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
-    if not isinstance(config, ArcConfig):
-        config = load_config(config)
-    is_ddp = isinstance(model, DistributedDataParallel)
-    check_ddp_comm_hook(model, ddp_comm_hook, config)
-    if group is None and is_ddp:
-        group = model.process_group
-    groups = ParamGroupIndex(optimizer.param_groups)
-    owned = ddp_owned_params(model, group) if is_ddp else None
-    engine = ArcEngine(config, group=group, group_names=groups.names,
-                       shard_reduce=Reduce.REPLICATED if owned is None else Reduce.SUM)
-    wants_recompute = recompute_wanted(engine, recompute_fn, "a plain (non-DDP) module", is_ddp)  # before start
-    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
-    injector.install(model.module if is_ddp else model)
-    engine.start()
-    engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
-    if is_ddp:
-        from arc_engine.integrations.ddp import DDPGradientTarget
+        return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler,
+                           recompute_fn=recompute_fn)
+    from arc_engine.integrations.ddp import TorchAdapter
 
-        inner_hook, inner_state = ddp_comm_hook if ddp_comm_hook is not None else (None, None)
-        hook_state = register_stats_hook(engine, model, groups, inner_hook, inner_state, owned=owned)
-        if wants_recompute:
-            target = DDPGradientTarget(model, hook_state, optimizer)
-            engine.restat = target.record_stats
-            engine.sdc_recompute = SDCRecompute(engine, config.detectors.sdc.recompute, hook_state.gate, target,
-                                                recompute_fn)
-    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=is_ddp, owned=owned)
-    engine.lr_multipliers.append(injector.lr_multiplier)
-    return Arc(engine, injector, [hooks.remove, register_step_start(engine, model)])
-
-
-def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..., Any], object] | None,
-                        config: ArcConfig) -> None:
-    """Refuse, before anything is registered (the same verdict on every rank), a ``ddp_comm_hook`` that cannot be
-    honoured, and a DDP model that already has a comm hook (DDP would refuse arc_engine's own with a less helpful
-    message)."""
-    is_ddp = isinstance(model, DistributedDataParallel)
-    if ddp_comm_hook is not None:
-        if not (isinstance(ddp_comm_hook, tuple) and len(ddp_comm_hook) == 2 and callable(ddp_comm_hook[0])):
-            raise ValueError("arc_engine.attach: ddp_comm_hook must be a (hook, state) pair, as DDP's "
-                             "register_comm_hook(state, hook) takes them")
-        sdc = config.detectors.sdc
-        if sdc.enabled and sdc.recompute.enabled:
-            raise ValueError("arc_engine.attach: detectors.sdc.recompute cannot be combined with ddp_comm_hook "
-                             "(a withheld bucket would reach your hook's state); turn one of them off")
-    if is_ddp and getattr(model, "_comm_hooks", None):
-        raise ValueError("arc_engine.attach: this DDP model already has a comm hook and DDP accepts only one; "
-                         "register it through arc_engine instead: attach(..., ddp_comm_hook=(hook, state))")
-
-
-def ddp_owned_params(model: DistributedDataParallel, group: dist.ProcessGroup | None) -> set[int] | None:
-    """The parameters (``id()``) whose replicated statistics -- reduced-gradient, weight and update norms -- this
-    rank computes (:mod:`arc_engine.stats.partition`), when the decision group is DDP's own (every rank of it holds
-    the same replica); None otherwise (every rank computes all of them, ``Reduce.REPLICATED``)."""
-    if not dist.is_initialized() or group is not model.process_group:
-        return None
-    trainable = [p for p in model.module.parameters() if p.requires_grad]
-    return owned_ids(trainable, dist.get_rank(group), dist.get_world_size(group))
+    return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook), config, group=group,
+                recompute_fn=recompute_fn)
 
 
 def register_step_start(engine: ArcEngine, model: torch.nn.Module) -> Any:

@@ -1,9 +1,11 @@
 """The ArcEngine: one commit point per monitored step.
 
 Producers (integrations) write device-side statistics into the engine's :class:`StatBuffer`; at the optimizer
-step the engine gathers every rank's buffer once, lets each monitor judge the same host arrays, asks the policy
-for one decision, reports it to the sinks, and tells the integration what to do. Every rank runs the same code on
-the same numbers, so every rank takes the same action at the same step.
+step the engine agrees on them across the whole job with one fixed-size reduction (:mod:`arc_engine.stats.pipeline`),
+lets each monitor judge the same host arrays, asks the policy for one decision, reports it to the sinks, and tells
+the integration what to do. Every rank of the decision group -- by default every rank of the job, so that
+tensor-, pipeline- and expert-parallel peers of different data-parallel groups never part ways -- runs the same
+code on the same numbers, so every rank takes the same action at the same step.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,20 +24,15 @@ import torch.distributed as dist
 from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.events import Action, Event, Finding, Severity
-from arc_engine.monitors import (
-    GradNormMonitor,
-    LossSpikeMonitor,
-    Monitor,
-    NonFiniteMonitor,
-    OptimizerStatsMonitor,
-    SDCMonitor,
-    missing_stats,
-)
+from arc_engine.monitors import Monitor, missing_stats
+from arc_engine.monitors.family import HOOKS, FamilyContext, MonitorFamily, Producer, StepView, section_of
+from arc_engine.monitors.registry import families
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
 from arc_engine.recovery.state import TrainState
-from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
-from arc_engine.sinks.wandb_sink import WandbSink, active_wandb_run
-from arc_engine.stats import GatheredStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+from arc_engine.reporter import Reporter
+from arc_engine.sinks import SinkSet
+from arc_engine.sinks.wandb_sink import active_wandb_run
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
 from arc_engine.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
@@ -48,37 +45,49 @@ log = logging.getLogger("arc_engine")
 class ArcEngine:
     """Per-rank engine. Construct on every rank of ``group`` with the same arguments, then :meth:`start`.
 
+    ``group``: the decision group: every rank of it agrees on each monitored step's statistics and takes the same
+    action. None: the whole job (the default world group). A narrower group must still span every model-parallel
+    peer of its ranks, or peers may take different actions.
     ``group_names``: names of the optimizer's parameter groups (G slots per gradient statistic).
     ``shard_reduce``: how ranks' gradient/weight/update slots combine: SUM for sharded optimizers (each rank holds
     its partition) and for DDP when each rank takes the parameters it owns (:mod:`arc_engine.stats.partition`);
-    REPLICATED when every rank computes the whole value (the first rank's is used).
+    REPLICATED when every rank computes the whole value (the group's first rank's is used).
+    ``params``: this rank's trainable parameters as the adapter holds them (what family producers may read).
+
+    The engine knows no monitor family: it registers the adapters' standard slots, then asks every enabled family
+    (:mod:`arc_engine.monitors.registry`) for its statistics, producers and monitors.
     """
 
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
-                 sinks: SinkSet | None = None) -> None:
+                 sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = ()) -> None:
         self.config = config
         self.group = group
         self.rank = runtime.global_rank()
         self.group_names = list(group_names or ["group0"])
+        self.params = list(params)
         self.layout = StatLayout()
-        num_groups = len(self.group_names)
-        self.layout.add(names.LOSS, 1, Reduce.PER_RANK)
-        self.layout.add(names.LOSS_COUNT, 1, Reduce.PER_RANK)
-        self.layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
-        self.layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
-        self.layout.add(names.GRAD_SQ, num_groups, shard_reduce)
-        if config.stats.optimizer_stats_every or config.detectors.sdc.enabled:
-            for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT):
-                self.layout.add(name, num_groups, shard_reduce)
-        if config.detectors.sdc.enabled and config.detectors.sdc.sketch_size:
-            self.layout.add(names.GRAD_SKETCH_LOCAL, config.detectors.sdc.sketch_size, Reduce.PER_RANK)
-        if config.detectors.sdc.enabled and config.detectors.sdc.recompute.enabled:
-            self.layout.add(names.SDC_WITHHELD, 1, Reduce.PER_RANK)
-        self.monitors: list[Monitor] = self._build_monitors()
+        for name, size, reduce in names.adapter_statistics(len(self.group_names), shard_reduce):
+            self.layout.add(name, size, reduce)
+        self.families: list[tuple[MonitorFamily, FamilyContext]] = []
+        self.monitors: list[Monitor] = []
+        self.producers: list[Producer] = []
+        for family in families():
+            context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce)
+            if not family.enabled(context):
+                continue
+            self.families.append((family, context))
+            for decl in family.statistics(context):
+                self.layout.add(decl.name, decl.size, decl.reduce, decl.group_size())
+            self.monitors.extend(family.monitors(context))
+            for producer in family.producers(context):
+                if producer.hook not in HOOKS:
+                    raise ValueError(f"monitor family {family.name!r}: producer hook {producer.hook!r} is not one "
+                                     f"of {list(HOOKS)}")
+                self.producers.append(producer)
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, stats_device(group, config.stats.device))
-        self.sinks = sinks or SinkSet()
+        self.reporter = Reporter(config, self.rank, sinks)
         self.buffer: StatBuffer | None = None
         self.run_id = ""
         self.run_dir = Path(config.run.run_dir)
@@ -86,22 +95,19 @@ class ArcEngine:
         self.iteration = 0       # step attempts, monotonic (faults and wall-clock reports use it)
         self.data_position = 0   # index of the next batch to train on, one per optimizer step
         self.recovery: Recovery | None = None
-        self.sdc_recompute: SDCRecompute | None = None  # set by the integration (detectors.sdc.recompute)
-        self.restat: Callable[[], None] | None = None    # the integration's re-recording of reduced statistics
+        self.sdc_recompute: SDCRecompute | None = None  # see use_recompute (detectors.sdc.recompute)
+        self.restat: Callable[[], None] | None = None    # the adapter's re-recording of reduced statistics
         self.recomputing = False  # True while recompute_fn runs: reduction-side hooks stand aside
         self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
         self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
         self._step_open = False
         self.monitored_steps = 0
         self.last_decision: Decision | None = None
-        self.last_stats: GatheredStats | None = None
-        self.event_counts: Counter[str] = Counter()
+        self.last_stats: AgreedStats | None = None
         self._loss_count = 0
         self.framework_skipped_steps = 0
-        self._metrics_due = 0
         self._closed = False
         self.watchdog: HangWatchdog | None = None
-        self.wandb_owner = False  # this rank talks to W&B (one rank per job; see start())
 
     # ------------------------------------------------------------------ setup
 
@@ -112,34 +118,34 @@ class ArcEngine:
         self.monitors.append(monitor)
 
     def start(self) -> ArcEngine:
-        """Collective (once): agree on the run id, freeze and verify the statistics layout, open sinks."""
+        """Collective over the decision group (once): agree on the run id, freeze and verify the statistics layout,
+        open sinks (on the group's first rank; W&B on one elected rank)."""
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
         # findings and alerts name the host and device of a rank
         self.locations = runtime.gather_locations(self.group)
         for monitor in self.monitors:
-            if isinstance(monitor, SDCMonitor):
-                monitor.locations = self.locations
+            on_start = getattr(monitor, "on_start", None)
+            if on_start is not None:
+                on_start(self.locations)
         wandb_cfg = self.config.sinks.wandb
+        wandb_owner = False
         if wandb_cfg.enabled:  # one rank per job: the one holding the script's W&B run, else the lowest rank
             holds_run = wandb_cfg.reuse_run and active_wandb_run() is not None
-            self.wandb_owner = runtime.elect_rank(holds_run, self.group) == self.rank
+            wandb_owner = runtime.elect_rank(holds_run, self.group) == self.rank
         for monitor in list(self.monitors):
             lacking = missing_stats(monitor, self.layout)
             if lacking:
                 log.warning("arc_engine: monitor %s disabled: statistics %s are not produced", monitor.name, lacking)
                 self.monitors.remove(monitor)
         self.buffer = self.pipeline.start()
-        if self._owns_sinks():
-            self._open_default_sinks()
-        if self.wandb_owner:
-            self.sinks.add(WandbSink(wandb_cfg, self.run_id, str(self.run_dir), self.locations,
-                                     dataclasses.asdict(self.config)))
+        self.reporter.open(self.run_id, self.run_dir, leader=self.rank == self.pipeline.leader,
+                           wandb_owner=wandb_owner, locations=self.locations)
         if self.config.watchdog.enabled:
             self.watchdog = HangWatchdog(self.config.watchdog, self.rank, self.run_dir, self._watchdog_report,
                                          lambda: self.iteration).start()
-        self._emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
-                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
+        self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
+                            f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
 
     def enable_recovery(self, state: TrainState) -> Recovery | None:
@@ -156,6 +162,15 @@ class ArcEngine:
         self.recovery.start()
         return self.recovery
 
+    def use_recompute(self, recompute: SDCRecompute, restat: Callable[[], None]) -> None:
+        """Resolve withheld gradients and update-RMS flags by recomputation (``detectors.sdc.recompute``; set by the
+        adapter at install). ``restat`` re-records the reduced-gradient statistics after a correction."""
+        self.sdc_recompute, self.restat = recompute, restat
+
+    def add_lr_multiplier(self, multiplier: Callable[[], float]) -> None:
+        """Multiply each step's learning rate by ``multiplier()`` (e.g. an injected learning-rate fault)."""
+        self.lr_multipliers.append(multiplier)
+
     def on_step_start(self) -> None:
         """Call at the first forward pass of each step, on every rank (the integrations do, from a forward
         pre-hook). Carries out a pending rollback or takes a due snapshot; a no-op without recovery."""
@@ -168,43 +183,11 @@ class ArcEngine:
         if self.sdc_recompute is not None:
             self.sdc_recompute.capture()
 
-    def _build_monitors(self) -> list[Monitor]:
-        det = self.config.detectors
-        monitors: list[Monitor] = []
-        if det.non_finite.enabled:
-            monitors.append(NonFiniteMonitor(det.non_finite, self.group_names))
-        if det.loss_spike.enabled:
-            monitors.append(LossSpikeMonitor(det.loss_spike))
-        if det.grad_norm.enabled:
-            monitors.append(GradNormMonitor(det.grad_norm))
-        if det.sdc.enabled:
-            monitors.append(SDCMonitor(det.sdc))
-        if self.config.stats.optimizer_stats_every or det.sdc.enabled:
-            monitors.append(OptimizerStatsMonitor(self.group_names))
-        return monitors
-
-    def _owns_sinks(self) -> bool:
-        """Whether this rank writes the console and JSONL sinks (global rank 0 unless ``sinks.all_ranks``)."""
-        return self.config.sinks.all_ranks or self.rank == 0
-
-    def _emits(self) -> bool:
-        """Whether this rank has sinks to report to (its own, or the job's W&B sink)."""
-        return self._owns_sinks() or self.wandb_owner
-
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
         """From the watchdog thread: a hang (critical) or its end (info), through this rank's sinks."""
         severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
-        self._emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message, (self.rank,),
-                         values, iteration=self.iteration))
-
-    def _open_default_sinks(self) -> None:
-        cfg = self.config.sinks
-        suffix = f".rank{self.rank}" if cfg.all_ranks else ""
-        if cfg.console.enabled:
-            self.sinks.add(ConsoleSink(Severity.parse(cfg.console.min_severity), cfg.console.color))
-        if cfg.jsonl.enabled:
-            self.sinks.add(JsonlSink(self.run_dir / (cfg.jsonl.events_file + suffix),
-                                     self.run_dir / (cfg.jsonl.metrics_file + suffix)))
+        self.reporter.emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message,
+                                 (self.rank,), values, iteration=self.iteration))
 
     # ------------------------------------------------------------------ per step
 
@@ -213,16 +196,16 @@ class ArcEngine:
         return self.step % self.config.stats.interval == 0
 
     def wants_optimizer_stats(self) -> bool:
-        """Whether producers should compute the update RMS on the current step (every monitored step with SDC)."""
-        if self.config.detectors.sdc.enabled:
-            return self.is_monitored()
-        return self.wants_weight_stats()
+        """Whether the adapters compute the prospective update RMS on the current step: a monitored step on which
+        some family asks for it (the SDC rule: every monitored step; otherwise ``stats.optimizer_stats_every``)."""
+        return self.is_monitored() and any(family.optimizer_stats_due(context, self.step)[0]
+                                           for family, context in self.families)
 
     def wants_weight_stats(self) -> bool:
-        """Whether producers should also compute weight norms (``stats.optimizer_stats_every``; the SDC rule does
-        not need them, so it does not make them run every step)."""
-        every = self.config.stats.optimizer_stats_every
-        return bool(every) and self.step % (self.config.stats.interval * every) == 0
+        """Whether the adapters also compute weight norms on the current step (some family asks; the SDC rule does
+        not, so it does not make them run every step)."""
+        return self.is_monitored() and any(family.optimizer_stats_due(context, self.step)[1]
+                                           for family, context in self.families)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step (call once per micro-batch; the mean is used).
@@ -253,7 +236,8 @@ class ArcEngine:
         if self._loss_count:
             self.buffer.view(names.LOSS).div_(self._loss_count)
         self.buffer.put(names.LOSS_COUNT, float(self._loss_count))
-        stats = self.pipeline.gather(self.buffer)
+        self.buffer.put(names.LOSS_RANKS, float(self._loss_count > 0))
+        stats = self._agree()
         extra = list(extra_findings)
         recompute = self.sdc_recompute
         resolved = recompute is not None and only is None and recompute.needs_resolution(stats)
@@ -262,7 +246,7 @@ class ArcEngine:
             stats = self._regather()
         monitors = [m for m in self.monitors if only is None or m.name in only]
         findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
-        if recompute is not None and only is None and not resolved and any(f.detector == "sdc" for f in findings):
+        if recompute is not None and only is None and not resolved and recompute.wants_recompute_all(findings):
             first = [dataclasses.replace(f, action=Action.WARN, message=f"before recomputing: {f.message}")
                      for f in findings]  # on record; the verdict on the recomputed step decides
             extra += [*first, *recompute.recompute_all()]
@@ -276,23 +260,36 @@ class ArcEngine:
         decision = _with_exit_code(decision)
         self.last_decision = decision
         self._report(decision)
-        self._maybe_log_metrics(stats)
+        self.reporter.metrics(self.step, self.monitors, {"arc/skipped_steps": float(self.policy.skipped_steps),
+                                                         "arc/iteration": float(self.iteration)})
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
 
-    def _regather(self) -> GatheredStats:
+    def _agree(self) -> AgreedStats:
+        """Collective: run the families' producers and let monitors write what only they know of this rank (before
+        the reduction), then agree."""
+        assert self.buffer is not None
+        if self.producers:
+            view = StepView(self.step, self.params)
+            for producer in self.producers:
+                producer.write(self.buffer, view)
+        for monitor in self.monitors:
+            prepare = getattr(monitor, "before_agreement", None)
+            if prepare is not None:
+                prepare(self.buffer)
+        return self.pipeline.agree(self.buffer)
+
+    def _regather(self) -> AgreedStats:
         """Collective: after a correction of the reduced gradient, re-record the reduced statistics (keeping the
-        per-rank pre-reduction ones, except a recomputing rank's own) and gather again."""
+        pre-reduction ones, except a recomputing rank's own) and agree again."""
         assert self.buffer is not None and self.restat is not None
-        per_rank = {spec.name: self.buffer.view(spec.name).clone() for spec in self.layout.specs()
-                    if spec.reduce == Reduce.PER_RANK}
-        self.buffer.reset()
-        for name, values in per_rank.items():
-            self.buffer.view(name).copy_(values)
+        for name in names.REDUCED_GRADIENT_SLOTS:
+            if name in self.layout:
+                self.buffer.view(name).zero_()
         if self.sdc_recompute is not None:
             self.sdc_recompute.write_local_stats(self.buffer)
         self.restat()
-        return self.pipeline.gather(self.buffer)
+        return self._agree()
 
     def log_warning(self, message: str) -> None:
         """A local warning through Python logging (e.g. a recomputation that raised on this rank)."""
@@ -326,8 +323,10 @@ class ArcEngine:
         self.framework_skipped_steps += 1
         self._close_step(decision)
 
-    def finish_step(self) -> None:
-        """Close the current step (after the optimizer step ran or was skipped). Local, no communication."""
+    def finish_step(self, *, framework_skipped: bool = False) -> None:
+        """Close the current step (after the optimizer step ran or was skipped; ``framework_skipped``: the framework
+        skipped it on its own after a decision was taken). Local, no communication."""
+        self.framework_skipped_steps += int(framework_skipped)
         decision = self.last_decision if self.last_decision and self.last_decision.step == self.step else None
         if decision is not None:
             self._commit(decision)
@@ -365,6 +364,10 @@ class ArcEngine:
         decision = self.last_decision
         return decision is None or decision.step != self.step - 1 or decision.applies_update
 
+    def _report(self, decision: Decision) -> None:
+        skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP)
+        self.reporter.decision(decision, self.iteration, skipped)
+
     def _commit(self, decision: Decision) -> None:
         applied = decision.applies_update
         for monitor in self.monitors:
@@ -374,60 +377,39 @@ class ArcEngine:
 
     # ------------------------------------------------------------------ reporting
 
-    def _report(self, decision: Decision) -> None:
-        action = decision.action.name.lower()
-        for finding in decision.findings:
-            self.event_counts[finding.detector] += 1
-            self._emit(Event(self.run_id, decision.step, "detection", finding.detector, finding.severity, action,
-                             finding.message, finding.ranks, finding.values))
-        if decision.action in (Action.SKIP, Action.ABORT):
-            verb = {Action.SKIP: "update not applied on any rank", Action.ABORT: "stopping every rank"}
-            skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP)
-            self._emit(Event(self.run_id, decision.step, "action", "engine", Severity.WARNING
-                             if decision.action == Action.SKIP else Severity.CRITICAL, action,
-                             f"{verb.get(decision.action, action)} (skipped so far: {skipped})",
-                             tuple(sorted({r for f in decision.findings for r in f.ranks})),
-                             {"skipped_steps": skipped}))
+    @property
+    def sinks(self) -> SinkSet:
+        """This rank's sinks (add one of your own with ``engine.sinks.add(sink)``)."""
+        return self.reporter.sinks
 
-    def _maybe_log_metrics(self, stats: GatheredStats) -> None:
-        interval = self.config.sinks.metrics_interval
-        if not interval or not self._emits():
-            return
-        self._metrics_due += 1
-        if self._metrics_due % interval:
-            return
-        metrics = {f"arc/{m.name}/{k}": v for m in self.monitors for k, v in m.metrics().items()}
-        metrics["arc/skipped_steps"] = float(self.policy.skipped_steps)
-        metrics["arc/iteration"] = float(self.iteration)
-        self.sinks.log_metrics(self.step, metrics)
+    @property
+    def wandb_owner(self) -> bool:
+        return self.reporter.wandb_owner
 
-    def _emit(self, event: Event) -> None:
-        if self._emits():
-            self.sinks.emit(dataclasses.replace(event, iteration=self.iteration) if event.iteration < 0 else event)
-
-    def _emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
-        self._emit(Event(self.run_id, self.step, "lifecycle", what, Severity.INFO, "none", message,
-                         values=values or {}))
+    @property
+    def event_counts(self) -> Counter[str]:
+        return self.reporter.event_counts
 
     def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
-        """Report a lifecycle event (resume, checkpoint, ...) through the sinks (rank 0 unless ``all_ranks``)."""
-        self._emit_lifecycle(what, message, values)
+        """Report a lifecycle event (resume, checkpoint, ...) through this rank's sinks (:mod:`arc_engine.reporter`)."""
+        self.reporter.lifecycle(self.step, self.iteration, what, message, values)
 
     def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any]) -> None:
         """Report an action taken by a subsystem (rollback, escape) for ``step``."""
-        self._emit(Event(self.run_id, step, "action", "recovery", severity, action, message, (), values))
+        self.reporter.emit(Event(self.run_id, step, "action", "recovery", severity, action, message, (), values,
+                                 iteration=self.iteration))
 
     def emit_finding(self, finding: Finding) -> None:
         """Report a finding made outside the per-step path (e.g. by an on-demand diagnostic)."""
-        self._emit(Event(self.run_id, self.step, "detection", finding.detector, finding.severity,
-                         finding.action.name.lower(), finding.message, finding.ranks, finding.values))
+        self.reporter.finding(self.step, self.iteration, finding)
 
     def summary(self) -> dict[str, Any]:
         """Counts for the end-of-run report (identical on every rank)."""
         summary = {"steps": self.step, "iterations": self.iteration, "monitored_steps": self.monitored_steps,
                    "skipped_steps": self.policy.skipped_steps,
                    "framework_skipped_steps": self.framework_skipped_steps, "detections": dict(self.event_counts),
-                   "collectives": self.pipeline.collectives, "run_dir": str(self.run_dir)}
+                   "collectives": self.pipeline.collectives, "detail_fetches": self.pipeline.detail_fetches,
+                   "run_dir": str(self.run_dir)}
         if self.recovery is not None:
             summary["recovery"] = self.recovery.summary()
         return summary
@@ -443,9 +425,9 @@ class ArcEngine:
             self.recovery.close()
         summary = self.summary()
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
-        self._emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
-                             f"detections: {detections}", summary)
-        self.sinks.close()
+        self.emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
+                            f"detections: {detections}", summary)
+        self.reporter.close()
 
     # ------------------------------------------------------------------ state
 
@@ -469,7 +451,7 @@ class ArcEngine:
         self.monitored_steps = int(state["monitored_steps"])
         self.framework_skipped_steps = int(state["framework_skipped_steps"])
         self.policy.load_state_dict(state["policy"])
-        self.event_counts = Counter(state.get("event_counts", {}))
+        self.reporter.event_counts = Counter(state.get("event_counts", {}))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""

@@ -1,5 +1,5 @@
-"""PyTorch DDP: a communication hook that records each bucket's local statistics, then all-reduces exactly as
-DDP's default does.
+"""PyTorch DDP (and a plain module): :class:`TorchAdapter`, and a communication hook that records each bucket's
+local statistics, then all-reduces exactly as DDP's default does.
 
 Per bucket, on monitored steps only:
 
@@ -20,6 +20,7 @@ Otherwise the gradient values are never modified beyond DDP's own reduction: tra
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime.
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from arc_engine import runtime
+from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch_optim import optimizer_stats
+from arc_engine.integrations.torch_optim import optimizer_stats, register_optimizer_hooks
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
-from arc_engine.stats import names
+from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
+from arc_engine.recovery.state import TorchTrainState
+from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+from arc_engine.stats.partition import owned_ids
 
 
 @dataclass
@@ -215,3 +221,84 @@ class DDPGradientTarget:
             accumulate_grad_stats(engine.buffer, [p.grad for p in with_grad], index, names.GRAD_SQ)
         if engine.wants_optimizer_stats():
             optimizer_stats(engine, self.optimizer, local_shards=False, owned=owned)
+
+
+# --------------------------------------------------------------------------------------------- the adapter
+
+class TorchAdapter:
+    """:class:`arc_engine.attach.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
+    ``torch.optim`` optimizer. Under DDP, statistics come from the comm hook and each replicated parameter's
+    reduced statistics from its owner in DDP's process group (``Reduce.SUM``); a plain module's come from
+    ``param.grad`` on every rank (``Reduce.REPLICATED``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None = None,
+                 ddp_comm_hook: tuple[Callable[..., Any], object] | None = None) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.ddp_comm_hook = ddp_comm_hook
+        self.is_ddp = isinstance(model, DistributedDataParallel)
+        self.name = "DDP" if self.is_ddp else "a plain (non-DDP) module"
+        self.module = model.module if self.is_ddp else model
+        self.groups = ParamGroupIndex(optimizer.param_groups)
+        self.group_names = self.groups.names
+        self.owned = ddp_owned_params(model) if self.is_ddp else None
+        self.shard_reduce = Reduce.REPLICATED if self.owned is None else Reduce.SUM
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.data_parallel_group = model.process_group if self.is_ddp else None
+        self.supports_recompute = self.is_ddp
+
+    def check_config(self, config: ArcConfig) -> None:
+        check_ddp_comm_hook(self.model, self.ddp_comm_hook, config)
+
+    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return requested
+
+    def train_state(self) -> TorchTrainState:
+        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank())
+
+    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
+        return lambda: engine.iteration
+
+    def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
+        if self.is_ddp:
+            inner_hook, inner_state = self.ddp_comm_hook if self.ddp_comm_hook is not None else (None, None)
+            hook_state = register_stats_hook(engine, self.model, self.groups, inner_hook, inner_state,
+                                             owned=self.owned)
+            if recompute_fn is not None:
+                target = DDPGradientTarget(self.model, hook_state, self.optimizer)
+                engine.use_recompute(SDCRecompute(engine, engine.config.detectors.sdc.recompute, hook_state.gate,
+                                                  target, recompute_fn), target.record_stats)
+        hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=self.is_ddp,
+                                         owned=self.owned)
+        return [hooks.remove]
+
+
+def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..., Any], object] | None,
+                        config: ArcConfig) -> None:
+    """Refuse, before anything is registered (the same verdict on every rank), a ``ddp_comm_hook`` that cannot be
+    honoured, and a DDP model that already has a comm hook (DDP would refuse arc_engine's own with a less helpful
+    message)."""
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if ddp_comm_hook is not None:
+        if not (isinstance(ddp_comm_hook, tuple) and len(ddp_comm_hook) == 2 and callable(ddp_comm_hook[0])):
+            raise ValueError("arc_engine.attach: ddp_comm_hook must be a (hook, state) pair, as DDP's "
+                             "register_comm_hook(state, hook) takes them")
+        sdc = config.detectors.sdc
+        if sdc.enabled and sdc.recompute.enabled:
+            raise ValueError("arc_engine.attach: detectors.sdc.recompute cannot be combined with ddp_comm_hook "
+                             "(a withheld bucket would reach your hook's state); turn one of them off")
+    if is_ddp and getattr(model, "_comm_hooks", None):
+        raise ValueError("arc_engine.attach: this DDP model already has a comm hook and DDP accepts only one; "
+                         "register it through arc_engine instead: attach(..., ddp_comm_hook=(hook, state))")
+
+
+def ddp_owned_params(model: DistributedDataParallel) -> set[int] | None:
+    """The parameters (``id()``) whose replicated statistics -- reduced-gradient, weight and update norms -- this
+    rank computes (:mod:`arc_engine.stats.partition`): each parameter has one owner among the ranks of DDP's
+    process group (which all hold the same replica after the all-reduce), so the SUM over the decision group counts
+    it once -- also when the decision group spans several DDP groups, each holding other model-parallel shards.
+    None without torch.distributed."""
+    if not dist.is_initialized():
+        return None
+    group = model.process_group
+    trainable = [p for p in model.module.parameters() if p.requires_grad]
+    return owned_ids(trainable, dist.get_rank(group), dist.get_world_size(group))

@@ -9,32 +9,23 @@ step), and restored there too; every tensor is written in place, so DeepSpeed's 
 
 The fp32 partitions and moments are rank-local: their checkpoint keys carry the rank, and a checkpoint loads only
 into a job with the same data-parallel size (``reshardable = False``; DeepSpeed's universal checkpoint is the tool
-for changing it). The bit16 parameters are replicated and written once.
+for changing it). The bit16 parameters are replicated and written once. ZeRO's partitions, the loss scaler and the
+engine's counters are reached through :mod:`arc_engine.integrations.deepspeed_internals`.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from arc_engine.integrations import deepspeed_internals
 from arc_engine.recovery.state import (
     add_relative_noise,
     group_hyperparameters,
     load_group_hyperparameters,
     materialize_optimizer_state,
 )
-
-ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-
-
-def scaler_state(scaler: Any) -> dict[str, Any]:
-    """The loss scaler's plain-number attributes (scale, iteration, hysteresis, ...)."""
-    if scaler is None:
-        return {}
-    return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
 
 
 class ZeroTrainState:
@@ -45,12 +36,12 @@ class ZeroTrainState:
     def __init__(self, ds_engine: Any, *, rank: int) -> None:
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
-        self.torch_optimizer = self.zero.optimizer
+        self.torch_optimizer = deepspeed_internals.wrapped_optimizer(self.zero)
         self.rank = rank
 
     def _partition_state(self) -> list[tuple[str, torch.Tensor]]:
         named: list[tuple[str, torch.Tensor]] = []
-        for j, partition in enumerate(self.zero.single_partition_of_fp32_groups):
+        for j, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
             named.append((f"fp32_{j}", partition))
             state = self.torch_optimizer.state.get(partition, {})
             named += [(f"state_{j}_{k}", state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
@@ -65,18 +56,15 @@ class ZeroTrainState:
         scheduler = self.ds_engine.lr_scheduler
         return {"param_groups": group_hyperparameters(self.torch_optimizer),
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "loss_scaler": scaler_state(getattr(self.zero, "loss_scaler", None)),
-                "counters": {k: copy.deepcopy(getattr(self.ds_engine, k)) for k in ENGINE_COUNTERS}}
+                "loss_scaler": deepspeed_internals.loss_scaler_state(self.zero),
+                "counters": deepspeed_internals.engine_counters(self.ds_engine)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         load_group_hyperparameters(self.torch_optimizer, state["param_groups"])
         if self.ds_engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.ds_engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        scaler = getattr(self.zero, "loss_scaler", None)
-        for key, value in state["loss_scaler"].items():
-            setattr(scaler, key, value)
-        for key, value in state["counters"].items():
-            setattr(self.ds_engine, key, value)
+        deepspeed_internals.restore_loss_scaler(self.zero, state["loss_scaler"])
+        deepspeed_internals.restore_engine_counters(self.ds_engine, state["counters"])
 
     def dcp_state_dict(self) -> dict[str, Any]:
         # A fresh engine (a resume) has no Adam moments yet: create them so the checkpoint loads into them.
@@ -94,6 +82,6 @@ class ZeroTrainState:
         partition from them, as DeepSpeed's own checkpoint loading does."""
         params = [p for p in self.ds_engine.module.parameters() if p.requires_grad]
         add_relative_noise(params, scale, seed)
-        for j, partition in enumerate(self.zero.single_partition_of_fp32_groups):
-            partition_id = dist.get_rank(group=self.zero.real_dp_process_group[j])
-            partition.copy_(self.zero.parallel_partitioned_bit16_groups[j][partition_id])
+        for j, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
+            partition_id = deepspeed_internals.partition_rank(self.zero, j)
+            partition.copy_(deepspeed_internals.bit16_partition(self.zero, j, partition_id))

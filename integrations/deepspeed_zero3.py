@@ -25,16 +25,18 @@ from typing import Any
 import torch
 
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations import deepspeed_internals
 from arc_engine.integrations.deepspeed import add_pre_clip_grad_sq, device_divisor
-from arc_engine.stats import names
-from arc_engine.stats.optim_stats import AdamHyper, is_decoupled, step_count, update_sq_total, weight_sq_sums
+from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, step_count
+from arc_engine.stats.producers import record_optimizer_stats
+from arc_engine.stats.sampling import WindowCache
 
 
 def check_supported(zero_optimizer: Any) -> None:
     """Raise ValueError for ZeRO-3 set-ups whose partitions are not on the device at the pre-hook."""
-    if getattr(zero_optimizer, "offload_optimizer", False) or getattr(zero_optimizer, "swap_optimizer", False):
+    if deepspeed_internals.offloads_optimizer(zero_optimizer):
         raise ValueError("arc_engine's DeepSpeed ZeRO-3 integration does not support offload_optimizer yet")
-    if getattr(zero_optimizer, "use_muon", False):
+    if deepspeed_internals.uses_muon(zero_optimizer):
         raise ValueError("arc_engine's DeepSpeed ZeRO-3 integration does not support Muon yet")
 
 
@@ -46,21 +48,32 @@ class Zero3PartitionStats:
         check_supported(zero_optimizer)
         self.engine = engine
         self.zero = zero_optimizer
-        self.torch_optimizer = zero_optimizer.optimizer
-        self.groups = list(zero_optimizer.optimizer.param_groups)
-        num_sub_groups = len(zero_optimizer.fp16_groups)
-        self.group_of = [int(zero_optimizer.sub_group_to_group_id[i]) for i in range(num_sub_groups)]
+        self.torch_optimizer = deepspeed_internals.wrapped_optimizer(zero_optimizer)
+        self.groups = list(self.torch_optimizer.param_groups)
+        sub_group_params = deepspeed_internals.sub_group_params(zero_optimizer)
+        num_sub_groups = len(sub_group_params)
+        self.group_of = [deepspeed_internals.sub_group_owner(zero_optimizer, i) for i in range(num_sub_groups)]
         # per sub-group, per parameter: (partition size, real elements); the rest is padding, and its fp32
         # master values are not zero, so it is cut out of every statistic
-        self.layouts = [[(param.partition_numel(), param.partition_numel() - pad)
-                         for param, pad in zip(params, paddings, strict=True)]
-                        for params, paddings in zip(zero_optimizer.fp16_groups, zero_optimizer.groups_padding,
+        size = deepspeed_internals.param_partition_numel
+        self.layouts = [[(size(param), size(param) - pad) for param, pad in zip(params, paddings, strict=True)]
+                        for params, paddings in zip(sub_group_params,
+                                                    deepspeed_internals.sub_group_paddings(zero_optimizer),
                                                     strict=True)]
+        # per sub-group, each parameter's position in its parameter group (sub-groups cut groups in order): what
+        # places its sampled window
+        self.positions: list[list[int]] = []
+        seen = [0] * len(self.groups)
+        for group_id, params in zip(self.group_of, sub_group_params, strict=True):
+            self.positions.append(list(range(seen[group_id], seen[group_id] + len(params))))
+            seen[group_id] += len(params)
+        self.windows = [WindowCache() for _ in range(num_sub_groups)]
+        self._pieces: dict[tuple[int, str], tuple[torch.Tensor, int, list[torch.Tensor | None]]] = {}
 
     @property
     def partitions(self) -> list[torch.Tensor]:
         """The fp32 master partitions, one per sub-group, read live (a checkpoint load may replace them)."""
-        return self.zero.fp32_partitioned_groups_flat
+        return deepspeed_internals.sub_group_partitions(self.zero)
 
     def sub_group_id(self, optimizer: torch.optim.Optimizer) -> int | None:
         """The sub-group this inner-optimizer call steps (the one partition its groups hold), None if none."""
@@ -85,12 +98,26 @@ class Zero3PartitionStats:
             tensor = list(tensor.view(-1).split([size for size, _ in layout]))
         return [t.reshape(-1).narrow(0, 0, real) for t, (_, real) in zip(tensor, layout, strict=True)]
 
+    def persistent_pieces(self, sub_group_id: int, name: str, tensor: torch.Tensor | None
+                          ) -> list[torch.Tensor | None]:
+        """:meth:`real_pieces` of a flat tensor that lives across steps (master partition, Adam moments), the same
+        list objects while it is the same tensor over the same memory, so :class:`WindowCache` can reuse their
+        windows."""
+        if tensor is None:
+            return self.real_pieces(sub_group_id, None)
+        key = (sub_group_id, name)
+        cached = self._pieces.get(key)
+        if cached is None or cached[0] is not tensor or cached[1] != tensor.data_ptr():
+            cached = self._pieces[key] = (tensor, tensor.data_ptr(), self.real_pieces(sub_group_id, tensor))
+        return cached[2]
+
     def sub_group_gradient(self, sub_group_id: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's real gradient pieces for the sub-group and whether they are final (unscaled, clipped)."""
         partition = self.partitions[sub_group_id]
         if partition.grad is not None:
             return self.real_pieces(sub_group_id, partition.grad), True
-        return self.real_pieces(sub_group_id, self.zero.averaged_gradients[sub_group_id]), False
+        pending = deepspeed_internals.sub_group_pending_gradient(self.zero, sub_group_id)
+        return self.real_pieces(sub_group_id, pending), False
 
     @torch.no_grad()
     def record(self, with_optimizer_stats: bool) -> None:
@@ -107,20 +134,18 @@ class Zero3PartitionStats:
 
     def _optimizer_stats(self, sub_group_id: int, grads: list[torch.Tensor],
                          grad_scale: float | torch.Tensor) -> None:
-        buffer = self.engine.buffer
+        """The sub-group's part of its parameter group's weight norm and sampled update Σ U², under the engine's
+        settings (``update_sample``, the weight-norm schedule), like every other integration."""
         group_id = self.group_of[sub_group_id]
-        slot = slice(group_id, group_id + 1)
         partition = self.partitions[sub_group_id]
-        weights = self.real_pieces(sub_group_id, partition)
-        buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums(weights).sum().to(buffer.device))
+        weights = self.persistent_pieces(sub_group_id, "partition", partition)
         group = self.groups[group_id]
         decoupled = is_decoupled(self.torch_optimizer, group)
-        if decoupled is None:
-            return
-        state = self.torch_optimizer.state.get(partition, {})
-        step = step_count(state.get("step", 0))
-        update_sq = update_sq_total(weights, grads, self.real_pieces(sub_group_id, state.get("exp_avg")),
-                                    self.real_pieces(sub_group_id, state.get("exp_avg_sq")), step,
-                                    AdamHyper.from_group(group, decoupled), grad_scale=grad_scale)
-        buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(buffer.device))
-        buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(real for _, real in self.layouts[sub_group_id])))
+        views = None
+        if decoupled is not None:
+            state = self.torch_optimizer.state.get(partition, {})
+            views = AdamViews(weights, grads, self.persistent_pieces(sub_group_id, "exp_avg", state.get("exp_avg")),
+                              self.persistent_pieces(sub_group_id, "exp_avg_sq", state.get("exp_avg_sq")),
+                              step_count(state.get("step", 0)), AdamHyper.from_group(group, decoupled),
+                              self.positions[sub_group_id])
+        record_optimizer_stats(self.engine, group_id, weights, views, self.windows[sub_group_id], grad_scale)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from arc_engine import runtime
-from arc_engine.attach import Arc, register_step_start
-from arc_engine.config import ArcConfig, load_config
+from arc_engine.attach import Arc, wire
+from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.faults import FaultInjector
-from arc_engine.recovery.recompute import recompute_wanted
+from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
@@ -142,9 +141,67 @@ def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
     return mesh.get_group()
 
 
+class FSDPAdapter:
+    """:class:`arc_engine.attach.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
+    ``torch.optim`` optimizer: every slot is a partial sum over the ranks' shards (``Reduce.SUM``)."""
+
+    name = "FSDP2"
+    supports_recompute = False
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, pre_reduce_stats: bool = True,
+                 lr_scheduler: Any | None = None) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.module = model
+        self.pre_reduce_stats = pre_reduce_stats
+        self.sharded = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
+        self.data_parallel_group = fsdp_group(self.sharded)
+        self.groups = ParamGroupIndex(optimizer.param_groups)
+        self.group_names = self.groups.names
+        self.shard_reduce = Reduce.SUM
+        self.params = [p.to_local() for p in self.sharded]
+
+    @staticmethod
+    def check_config(config: ArcConfig) -> None:
+        grad_faults = [f.kind for f in config.faults.injections if f.kind in ("nan_grad", "inf_grad")]
+        if grad_faults:
+            raise ValueError(f"faults.injections: {grad_faults} are not supported under FSDP2 (tensor hooks do not "
+                             "fire on sharded parameters); allowed here: nan_loss, loss_scale, lr_scale, bitflip, "
+                             "stall")
+
+    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        mesh_ranks = dist.get_process_group_ranks(self.data_parallel_group)
+        if requested is not None and dist.get_process_group_ranks(requested) != mesh_ranks:
+            raise ValueError(f"attach_fsdp: group= has ranks {dist.get_process_group_ranks(requested)}; allowed: "
+                             f"the FSDP mesh's ranks {mesh_ranks}")
+        return requested or self.data_parallel_group
+
+    def train_state(self) -> TorchTrainState:
+        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank())
+
+    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
+        return lambda: engine.iteration
+
+    def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
+        from arc_engine.integrations.torch_optim import register_optimizer_hooks
+
+        producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats)
+        handles = [p.register_post_accumulate_grad_hook(producer.on_reduced_grad) for p in self.sharded]
+        for module in self.model.modules():
+            if self.pre_reduce_stats and isinstance(module, FSDPModule):
+                index_by_name = {n: producer.position[id(p)] for n, p in module.named_parameters()
+                                 if id(p) in producer.position}
+                handles.append(module.register_forward_pre_hook(functools.partial(producer.hook_unsharded,
+                                                                                  index_by_name)))
+        handles.append(self.optimizer.register_step_pre_hook(producer.flush))  # before the deciding pre-hook
+        hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=True,
+                                         local_shards=True)
+        return [producer.remove_hooks, *(h.remove for h in handles), hooks.remove]
+
+
 def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
-                pre_reduce_stats: bool = True, lr_scheduler: Any | None = None) -> Arc:
+                pre_reduce_stats: bool = True, lr_scheduler: Any | None = None,
+                recompute_fn: RecomputeFn | None = None) -> Arc:
     """Attach arc_engine to a model sharded with FSDP2 ``fully_shard`` and its optimizer. Collective: call on
     every rank of the FSDP group, once, after ``fully_shard`` and the optimizer are built, before the first
     forward. Then use the returned :class:`Arc` as with :func:`arc_engine.attach`.
@@ -152,44 +209,8 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``group``: the group the decision is agreed on; default: the FSDP mesh's group. Another group must have the
     same ranks (e.g. a gloo group beside NCCL). ``pre_reduce_stats``: local statistics from the unsharded
     gradients (default) or from the reduced shards (see the module docstring). Raises ValueError for
-    parameters not sharded by ``fully_shard``, N-D meshes, a group with other ranks, and gradient faults.
+    parameters not sharded by ``fully_shard``, N-D meshes, a group with other ranks, gradient faults, and the SDC
+    recomputation (not supported under FSDP2).
     """
-    from arc_engine.integrations.torch_optim import register_optimizer_hooks
-
-    if not isinstance(config, ArcConfig):
-        config = load_config(config)
-    grad_faults = [f.kind for f in config.faults.injections if f.kind in ("nan_grad", "inf_grad")]
-    if grad_faults:
-        raise ValueError(f"faults.injections: {grad_faults} are not supported under FSDP2 (tensor hooks do not "
-                         "fire on sharded parameters); allowed here: nan_loss, loss_scale")
-    params = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
-    fsdp_pg = fsdp_group(params)
-    if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(fsdp_pg):
-        raise ValueError(f"attach_fsdp: group= has ranks {dist.get_process_group_ranks(group)}; allowed: the "
-                         f"FSDP mesh's ranks {dist.get_process_group_ranks(fsdp_pg)}")
-    groups = ParamGroupIndex(optimizer.param_groups)
-    engine = ArcEngine(config, group=group or fsdp_pg, group_names=groups.names, shard_reduce=Reduce.SUM)
-    injector = FaultInjector(config.faults.injections, runtime.global_rank(), lambda: engine.iteration)
-    recompute_wanted(engine, None, "FSDP2", supported=False)  # a clear error when the config asks for it
-    engine.start()
-    engine.enable_recovery(TorchTrainState(model, optimizer, lr_scheduler, rank=runtime.global_rank()))
-    producer = FSDPGradStats(engine, groups, params, pre_reduce=pre_reduce_stats)
-    handles = [p.register_post_accumulate_grad_hook(producer.on_reduced_grad) for p in params]
-    for module in model.modules():
-        if pre_reduce_stats and isinstance(module, FSDPModule):
-            index_by_name = {n: producer.position[id(p)] for n, p in module.named_parameters()
-                             if id(p) in producer.position}
-            handles.append(module.register_forward_pre_hook(functools.partial(producer.hook_unsharded, index_by_name)))
-    handles.append(optimizer.register_step_pre_hook(producer.flush))  # before the deciding pre-hook
-    hooks = register_optimizer_hooks(engine, optimizer, groups, grads_from_hook=True, local_shards=True)
-    engine.lr_multipliers.append(injector.lr_multiplier)
-    remove_step_start = register_step_start(engine, model)
-
-    def detach() -> None:
-        remove_step_start()
-        producer.remove_hooks()
-        for handle in handles:
-            handle.remove()
-        hooks.remove()
-
-    return Arc(engine, injector, [detach])
+    return wire(FSDPAdapter(model, optimizer, pre_reduce_stats=pre_reduce_stats, lr_scheduler=lr_scheduler), config,
+                group=group, recompute_fn=recompute_fn)

@@ -15,8 +15,9 @@ from arc_engine.engine import ArcEngine
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
-from arc_engine.stats.optim_stats import WindowCache, adam_views
-from arc_engine.stats.producers import record_group_optimizer_stats
+from arc_engine.stats.optim_stats import adam_views
+from arc_engine.stats.producers import record_optimizer_stats
+from arc_engine.stats.sampling import WindowCache
 
 
 @dataclass
@@ -51,7 +52,8 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
 
 def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool,
                     windows: dict[int, WindowCache] | None = None, owned: set[int] | None = None) -> None:
-    """Per-group weight norms and prospective Adam update Σ U², before the optimizer applies the step. ``windows``:
+    """Per-group weight norms (on the ``stats.optimizer_stats_every`` schedule) and prospective Adam update Σ U²
+    (on this step's sampled windows), before the optimizer applies the step. ``windows``:
     per-group caches of the sampled windows, kept by the caller between steps. ``owned``: take only these
     parameters (``id()``; the replicated parameters this rank owns, see :mod:`arc_engine.stats.partition`)."""
     for group_id, group in enumerate(optimizer.param_groups):
@@ -62,8 +64,7 @@ def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, loca
             weights = [p for p in group["params"] if p.grad is not None and (owned is None or id(p) in owned)]
             weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
         cache = None if windows is None else windows.setdefault(group_id, WindowCache())
-        record_group_optimizer_stats(engine.buffer, group_id, weights, views,
-                                     engine.config.detectors.sdc.update_sample, engine.wants_weight_stats(), cache)
+        record_optimizer_stats(engine, group_id, weights, views, cache)
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:

@@ -66,7 +66,7 @@ def instrument() -> None:
     ddp_module.dist.all_reduce = timed("ddp hook: all-reduce call (training's own)", ddp_module.dist.all_reduce)
     optim_module.optimizer_stats = timed("optimizer statistics", optim_module.optimizer_stats)
     engine_module.ArcEngine.decide = timed("decide (all of it)", engine_module.ArcEngine.decide)
-    pipeline_module.StatsPipeline.gather = timed("decide: gather", pipeline_module.StatsPipeline.gather)
+    pipeline_module.StatsPipeline.agree = timed("decide: agree", pipeline_module.StatsPipeline.agree)
     engine_module.ArcEngine.record_loss = timed("record_loss", engine_module.ArcEngine.record_loss)
     engine_module.ArcEngine.finish_step = timed("finish_step", engine_module.ArcEngine.finish_step)
 

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import arc_engine
 from arc_engine.config import ArcConfig
-from arc_engine.integrations.fsdp import attach_fsdp
+from arc_engine.integrations.fsdp import FSDPAdapter, attach_fsdp
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, update_sq_sums
@@ -267,6 +267,37 @@ def test_gradient_faults_and_unsharded_models_are_refused(tmp_path: Path) -> Non
     model, _ = tiny_model_and_data()
     optimizer = make_optimizer(model)
     with pytest.raises(ValueError, match="nan_grad"):
-        attach_fsdp(model, optimizer, make_config(tmp_path, "faults.injections=[{kind: nan_grad, rank: 0, step: 1}]"))
+        FSDPAdapter.check_config(make_config(tmp_path, "faults.injections=[{kind: nan_grad, rank: 0, step: 1}]"))
     with pytest.raises(ValueError, match="must be a DTensor sharded by fully_shard"):
         attach_fsdp(model, optimizer, make_config(tmp_path))
+
+
+# --------------------------------------------------------------------- one attach path: faults and watchdog
+
+def _stalled(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    config = make_config(run_dir, "faults.injections=[{kind: stall, rank: 1, step: 8, seconds: 6}]",
+                         "watchdog.warmup_steps=3", "watchdog.safety_factor=3", "watchdog.min_timeout_s=1.5",
+                         "watchdog.max_timeout_s=3")
+    model, data, optimizer = sharded_gpt()
+    arc = attach_fsdp(model, optimizer, config)
+    for step in range(12):
+        loss = model(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fired = list(arc.faults.fired)
+    arc.close()
+    return {"fired": fired}
+
+
+def test_a_stall_fault_under_fsdp2_fires_the_watchdog(tmp_path: Path) -> None:
+    """The stall fault reaches FSDP2 through the one attach path (it used to be silently ignored there): rank 1
+    sleeps 6 s at step 8 and the watchdog of both ranks dumps its stacks. The timeout is clamped to [1.5 s, 3 s],
+    so the assertions hold whatever the machine's load makes of the step times."""
+    results = run_ranks(_stalled, 2, tmp_path, timeout_s=240)
+    assert results[1]["fired"] == [(8, "stall")] and results[0]["fired"] == []
+    stacks = sorted(p.name for p in (tmp_path / "test" / "stacks").iterdir())
+    assert stacks == ["rank0-iter8.txt", "rank1-iter8.txt"], stacks
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")
+    assert [e["severity"] for e in events if e["detector"] == "hang"] == ["critical", "info"]

@@ -19,24 +19,26 @@ from arc_engine.monitors.numerics import (
     nonfinite_ranks,
 )
 from arc_engine.policy.decision import DecisionPolicy
-from arc_engine.stats import GatheredStats, Reduce, StatLayout, names
+from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 
 GROUP_NAMES = ["decay", "no_decay"]
 
 
 def gathered_stats(loss_r, *, loss_count_r=None, grad_sq_g=None, nonfinite_rg=None, ranks=None,
-                   grad_reduce=Reduce.REPLICATED) -> GatheredStats:
-    """What ``StatsPipeline.gather`` would return, with the slots ``ArcEngine.__init__`` registers.
+                   grad_reduce=Reduce.REPLICATED) -> AgreedStats:
+    """What ``StatsPipeline.agree`` would return, with the slots ``ArcEngine.__init__`` registers.
 
     ``grad_sq_g`` is the reduced gradient's squared norm per group, written to every rank's row (REPLICATED).
     """
     layout = StatLayout()
     num_groups = len(GROUP_NAMES)
-    layout.add(names.LOSS, 1, Reduce.PER_RANK)
-    layout.add(names.LOSS_COUNT, 1, Reduce.PER_RANK)
-    layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.PER_RANK)
-    layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.PER_RANK)
+    layout.add(names.LOSS, 1, Reduce.SUM)
+    layout.add(names.LOSS_COUNT, 1, Reduce.SUM)
+    layout.add(names.LOSS_RANKS, 1, Reduce.SUM)
+    layout.add(names.GRAD_SQ_LOCAL, num_groups, Reduce.DETAIL)
+    layout.add(names.GRAD_NONFINITE_LOCAL, num_groups, Reduce.SUM)
     layout.add(names.GRAD_SQ, num_groups, grad_reduce)
+    layout.freeze()
     num_ranks = len(loss_r)
     matrix_rn = np.zeros((num_ranks, layout.size))
 
@@ -45,14 +47,17 @@ def gathered_stats(loss_r, *, loss_count_r=None, grad_sq_g=None, nonfinite_rg=No
                                                           (num_ranks, layout[name].size))
 
     fill(names.LOSS, np.asarray(loss_r)[:, None])
-    fill(names.LOSS_COUNT, np.asarray(loss_count_r if loss_count_r is not None else np.ones(num_ranks))[:, None])
+    count_r = np.asarray(loss_count_r if loss_count_r is not None else np.ones(num_ranks))
+    fill(names.LOSS_COUNT, count_r[:, None])
+    fill(names.LOSS_RANKS, (count_r > 0)[:, None])
     fill(names.GRAD_SQ_LOCAL, 1.0)
     fill(names.GRAD_NONFINITE_LOCAL, nonfinite_rg if nonfinite_rg is not None else 0.0)
     fill(names.GRAD_SQ, grad_sq_g if grad_sq_g is not None else 1.0)
-    return GatheredStats(layout, matrix_rn, tuple(ranks if ranks is not None else range(num_ranks)))
+    fill(names.LOSS, np.where(count_r > 0, np.asarray(loss_r, dtype=np.float64), 0.0)[:, None])  # 0: none recorded
+    return AgreedStats.from_rows(layout, matrix_rn, tuple(ranks if ranks is not None else range(num_ranks)))
 
 
-def single_loss(loss: float) -> GatheredStats:
+def single_loss(loss: float) -> AgreedStats:
     return gathered_stats([loss])
 
 
@@ -174,9 +179,11 @@ def test_spike_threshold_takes_the_stricter_condition():
     assert spike_threshold(10.0, 0.1, 6.0, 0.25) == pytest.approx(12.5)
 
 
-def test_mean_loss_skips_ranks_without_a_loss():
-    assert mean_loss(np.array([1.0, 99.0, 3.0]), np.array([1, 0, 2])) == pytest.approx(2.0)
-    assert math.isnan(mean_loss(np.array([1.0]), np.array([0])))
+def test_mean_loss_divides_the_agreed_sum_by_the_ranks_that_recorded_one():
+    assert mean_loss(4.0, 2.0) == pytest.approx(2.0)
+    assert math.isnan(mean_loss(0.0, 0.0))
+    stats = gathered_stats([1.0, 99.0, 3.0], loss_count_r=[1, 0, 2])  # the middle rank recorded no loss
+    assert mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0])) == pytest.approx(2.0)
 
 
 # ------------------------------------------------------------------ loss spike: monitor

@@ -7,15 +7,14 @@ import torch
 
 from arc_engine.stats.optim_stats import (
     AdamHyper,
-    WindowCache,
     adam_views,
     rms_per_group,
-    sampled,
     step_count,
     update_sq_sums,
     update_sq_total,
     weight_sq_sums,
 )
+from arc_engine.stats.sampling import WindowCache, sampled
 
 
 def applied_update_sq(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[float]:

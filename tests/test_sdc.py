@@ -17,7 +17,7 @@ from arc_engine.config.schema import SDCConfig
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
 from arc_engine.monitors.sdc import SDCMonitor, is_sdc, sdc_threshold, suspect_ranks, update_rms_max
 from arc_engine.sinks import read_jsonl
-from arc_engine.stats import GatheredStats, Reduce, StatLayout, names
+from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
 
@@ -43,14 +43,14 @@ def test_the_rank_whose_local_gradient_jumped_is_named() -> None:
     assert suspect_ranks(np.array([2.0, 2.1, 1.9, 2.0]), np.ones(4), 4.0) == []  # a global change: no single rank
 
 
-def gathered(r: float, g: float, local: tuple[float, ...] = (1.0,)) -> GatheredStats:
+def gathered(r: float, g: float, local: tuple[float, ...] = (1.0,)) -> AgreedStats:
     layout = StatLayout()
     for name in (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ):
         layout.add(name, 1, Reduce.SUM)
-    layout.add(names.GRAD_SQ_LOCAL, 1, Reduce.PER_RANK)
+    layout.add(names.GRAD_SQ_LOCAL, 1, Reduce.DETAIL)
     layout.freeze()
     rows = [[r * r * 10.0, 10.0, g * g, local[0] ** 2]] + [[0.0, 0.0, 0.0, v * v] for v in local[1:]]
-    return GatheredStats(layout, np.array(rows), tuple(range(len(local))))
+    return AgreedStats.from_rows(layout, np.array(rows))
 
 
 def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline() -> None:
@@ -125,21 +125,22 @@ def test_bit_flip_in_backward_is_flagged_before_the_update_is_applied(tmp_path: 
 
 
 def test_a_sampled_update_rms_still_flags_the_flip(tmp_path: Path) -> None:
-    """update_sample = 1/32 (the default): R_t over one fixed 1/32 window per tensor; the corruption spreads through the
-    backward pass, so the windows see it."""
+    """update_sample = 1/32 (the default): R_t over one 1/32 window per tensor, moving every step; the corruption
+    spreads through the backward pass, so the windows see it, and the window motion raises no flag on a clean run."""
     result = _run(0, 1, tmp_path, 80, [50], 0, 26, 256, ("detectors.sdc.update_sample=0.03125",))
     assert result["fired"] == [50] and result["flagged"] == [50]
     clean = _run(0, 1, tmp_path / "clean", 300, [], 0, overrides=("detectors.sdc.update_sample=0.03125",))
     assert clean["flagged"] == []
 
 
-def test_sample_windows_are_fixed_views() -> None:
-    from arc_engine.stats.optim_stats import sample_window
+def test_sample_windows_are_views_placed_by_position_and_phase() -> None:
+    from arc_engine.stats.sampling import sample_window
 
-    tensor = torch.arange(100.0)
-    window = sample_window(tensor, 0.25, 3)
-    assert window.numel() == 25 and window.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-    assert torch.equal(window, sample_window(tensor.clone(), 0.25, 3))  # same place for the same index
+    tensor = torch.arange(4000.0)
+    window = sample_window(tensor, 0.25, 3, phase=5)
+    assert window.numel() == 1000 and window.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    assert torch.equal(window, sample_window(tensor.clone(), 0.25, 3, phase=5))  # same place for the same index, phase
+    assert not torch.equal(window, sample_window(tensor, 0.25, 3, phase=6))  # the next phase moves it
     assert sample_window(tensor, 1.0, 3) is tensor
 
 
@@ -199,3 +200,76 @@ def test_bit_flip_on_one_rank_under_deepspeed_zero2_is_flagged_on_every_rank(tmp
     assert [r["flagged"] for r in results] == [[40], [40]]
     assert [r["suspects"] for r in results] == [[1], [1]]
     assert all(r["unchanged"] for r in results)  # DeepSpeed applied nothing on any rank
+
+
+# ------------------------------------------------------------------ a corruption only a moving window can see
+
+TAIL_FRACTION = 0.02  # the corrupted part: the last 2% of one rank's flat ZeRO-2 partition
+TAIL_FIRST, TAIL_STEPS = 40, 32  # corrupted steps: [40, 72), i.e. ⌈1/update_sample⌉ of them
+TAIL_DRIFT = 0.5  # added to each corrupted element, times (k + 1) on the k-th corrupted step
+
+
+def tail_corruption_hook(zero: Any, rank: int, bad_rank: int, fired: list[int]) -> Any:
+    """A step pre-hook for DeepSpeed's inner optimizer that corrupts the last :data:`TAIL_FRACTION` of ``bad_rank``'s
+    group-0 fp32 partition gradient (what Adam is about to apply) on steps ``TAIL_FIRST`` to ``TAIL_FIRST +
+    TAIL_STEPS - 1``: a drifting fault (a degrading device) that adds ``TAIL_DRIFT`` x (k+1) to every element on the
+    k-th corrupted step, so the gradient norm rises on each of them. Registered before arc_engine's hooks, so
+    arc_engine's statistics see the corrupted gradient, as they would see a faulty device's."""
+    calls = [0]
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        partition = zero.single_partition_of_fp32_groups[0]
+        if optimizer.param_groups[0]["params"][0] is not partition:
+            return  # not group 0's inner step
+        step, calls[0] = calls[0], calls[0] + 1
+        k = step - TAIL_FIRST
+        if rank != bad_rank or not 0 <= k < TAIL_STEPS:
+            return
+        real = partition.numel() - int(zero.groups_padding[0])
+        tail = math.ceil(TAIL_FRACTION * real)
+        partition.grad.view(-1)[real - tail:real].add_(TAIL_DRIFT * (k + 1))
+        fired.append(step)
+
+    return hook
+
+
+def _run_zero2_tail(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, 2, clip=0.0)
+    fired: list[int] = []
+    zero = engine.optimizer
+    zero.optimizer.register_step_pre_hook(tail_corruption_hook(zero, rank, 1, fired))  # before arc_engine's hooks
+    arc = attach_deepspeed(engine, sdc_config(run_dir))
+    flagged = []
+    for step in range(TAIL_FIRST + TAIL_STEPS):
+        loss = engine(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        decision = arc.engine.last_decision
+        if decision.step == step and any(f.detector == "sdc" for f in decision.findings):
+            flagged.append(step)
+    real = zero.single_partition_of_fp32_groups[0].numel() - int(zero.groups_padding[0])
+    arc.close()
+    return {"flagged": flagged, "fired": fired, "real": real}
+
+
+def test_a_corruption_in_the_tail_of_a_zero2_partition_is_flagged_within_32_steps(tmp_path: Path) -> None:
+    """Under ZeRO-2 a parameter group is one flat partition per rank. A 1/32 window that stayed at offset 0 would never
+    see the last 2% of rank 1's partition; the moving window reaches it within ⌈1/update_sample⌉ = 32 steps, and the
+    rule flags the step it does (the gradient norm rises on every corrupted step, the update RMS jumps only when the
+    window is on the corrupted region)."""
+    pytest.importorskip("deepspeed")
+    from arc_engine.stats.sampling import sample_phase, window_bounds
+
+    results = run_ranks(_run_zero2_tail, 2, tmp_path)
+    assert results[0]["fired"] == [] and results[1]["fired"] == list(range(TAIL_FIRST, TAIL_FIRST + TAIL_STEPS))
+    flagged = results[0]["flagged"]
+    assert flagged and results[1]["flagged"] == flagged  # the same decision on every rank
+    assert TAIL_FIRST <= flagged[0] < TAIL_FIRST + TAIL_STEPS  # no false flag before the corruption, then caught
+    # caught through the window: on the first flagged step, rank 1's window lies over the corrupted tail
+    real = results[1]["real"]
+    start, length = window_bounds(real, 1 / 32, 0, sample_phase(flagged[0], 1))
+    assert start + length > real - math.ceil(TAIL_FRACTION * real)

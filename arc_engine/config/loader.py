@@ -52,9 +52,14 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str | None = Non
         raise ConfigError(prefix or "<root>", data, f"expected a mapping of {cls.__name__} keys", source)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    plugin_field = next((f.name for f in fields.values() if f.metadata.get("plugin_sections")), None)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
+        if plugin_field is not None and (key == plugin_field or key not in fields):
+            sections = value if key == plugin_field else {key: value}
+            kwargs.setdefault(plugin_field, {}).update(_plugin_sections(sections, prefix, source))
+            continue
         if key not in fields:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(dotted, value, f"unknown key; allowed keys here: {allowed}", source)
@@ -72,6 +77,26 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str | None = Non
         raise err.with_context(prefix=prefix, source=source) from None
 
 
+def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str, Any]:
+    """Parse ``{family name: section}`` with each registered plugin family's config class (ConfigError for a name
+    that no built-in field and no registered family has)."""
+    from arc_engine.monitors.registry import plugin_names, plugin_section_class
+
+    if not isinstance(sections, Mapping):
+        raise ConfigError(prefix or "<root>", sections, "expected a mapping of plugin family sections", source)
+    parsed: dict[str, Any] = {}
+    for name, value in sections.items():
+        dotted = f"{prefix}.{name}" if prefix else str(name)
+        section_class = plugin_section_class(str(name))
+        if section_class is None:
+            known = ", ".join(plugin_names()) or "none registered"
+            raise ConfigError(dotted, value, "unknown key; not a built-in section nor a registered monitor family "
+                              f"(plugin families: {known})", source)
+        parsed[str(name)] = value if isinstance(value, section_class) else \
+            from_dict(section_class, {} if value is None else value, source=source, prefix=dotted)
+    return parsed
+
+
 def to_dict(config: Any) -> dict[str, Any]:
     """The plain nested-dict form of a config dataclass (what :func:`from_dict` accepts back)."""
     return dataclasses.asdict(config)
@@ -80,7 +105,14 @@ def to_dict(config: Any) -> dict[str, Any]:
 def leaf_keys(cls: type = ArcConfig, prefix: str = "") -> list[tuple[str, Any]]:
     """Every dotted leaf key of dataclass ``cls`` with its type hint (used to build ``--arc.*`` options)."""
     out: list[tuple[str, Any]] = []
+    plugin_fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("plugin_sections")}
     for name, hint in get_type_hints(cls).items():
+        if name in plugin_fields:  # each registered plugin family's keys, under its own section name
+            from arc_engine.monitors.registry import plugin_names, plugin_section_class
+
+            for family in plugin_names():
+                out.extend(leaf_keys(plugin_section_class(family), f"{prefix}.{family}" if prefix else family))
+            continue
         dotted = f"{prefix}.{name}" if prefix else name
         if dataclasses.is_dataclass(hint):
             out.extend(leaf_keys(hint, dotted))  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ Actions a detector may request (``action`` keys):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from arc_engine.config.errors import ConfigError, require
 
@@ -149,11 +149,12 @@ class SDCConfig:
     monitored step (so it overrides ``stats.optimizer_stats_every``); evaluated before the update is applied.
     ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05). ``localize_factor``: on a flagged
     step, a rank whose local (pre-reduction) gradient-norm jump exceeds this many times its peers' median jump is
-    named as the suspect. ``update_sample``: the fraction of each tensor's elements (one fixed contiguous window per
-    tensor) the update RMS is computed on; below 1 it is an estimate of R_t at that fraction of the cost (the
-    pre-clip norm stays exact). ``sketch_size``: numbers per rank in the signed block-sum sketch of the local
-    gradient, gathered with the other statistics (0: off); a rank whose sketch points away from its peers' stands
-    out in the finding's ``sketch_cosine_to_peers``."""
+    named as the suspect. ``update_sample``: the fraction of each tensor's elements the update RMS is computed on (one
+    contiguous window per tensor, at least 256 elements, moving every monitored step so that every element is
+    covered every ceil(1/update_sample) steps; ZeRO-1/2 partitions in up to 16 segments); below 1 it is an
+    estimate of R_t at that fraction of the cost (the pre-clip norm stays exact). ``sketch_size``: numbers per
+    rank in the signed block-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off); a
+    rank whose sketch points away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
 
     enabled: bool = False
     alpha: float = 0.05
@@ -174,10 +175,15 @@ class SDCConfig:
 
 @dataclass(kw_only=True)
 class DetectorsConfig:
+    """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
+    reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
+    keeps it in ``plugins`` (never written as a key of its own)."""
+
     non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
     sdc: SDCConfig = field(default_factory=SDCConfig)
+    plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from arc_engine.events import Finding
-from arc_engine.stats import GatheredStats, StatLayout
+from arc_engine.stats import AgreedStats, StatLayout
 
 
 @runtime_checkable
@@ -14,12 +14,17 @@ class Monitor(Protocol):
 
     Lifecycle per monitored step, identical on every rank:
 
-    1. :meth:`evaluate` reads the gathered statistics (never device tensors, never a collective) and
-       returns findings. It must not mutate history: the step may yet be skipped.
+    1. :meth:`evaluate` reads the agreed statistics (never device tensors) and returns findings. It must not
+       mutate history: the step may yet be skipped. It reads agreed totals; per-rank values
+       (:meth:`AgreedStats.per_rank`, a collective on first use) only on a branch decided from agreed totals,
+       so that every rank asks at the same point.
     2. :meth:`commit` is told whether the step was applied; only then does the monitor fold the step's
        values into its baselines.
 
     ``state_dict`` / ``load_state_dict`` make a monitor survive a rollback or restart.
+
+    Optionally, ``before_agreement(buffer)`` writes values only the monitor holds for this rank (e.g. its own
+    history) into the step's buffer right before the agreement.
     """
 
     name: str
@@ -28,7 +33,7 @@ class Monitor(Protocol):
         """Slots this monitor reads; it is disabled (with a warning) when a slot is not in the layout."""
         ...
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]: ...
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]: ...
 
     def commit(self, step: int, applied: bool) -> None: ...
 

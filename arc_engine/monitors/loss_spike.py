@@ -23,7 +23,9 @@ import numpy as np
 
 from arc_engine.config.schema import LossSpikeConfig
 from arc_engine.events import Action, Finding, Severity
-from arc_engine.stats import GatheredStats, names
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext
+from arc_engine.stats import AgreedStats, names
 
 MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
 
@@ -39,10 +41,10 @@ def spike_threshold(median: float, robust_std: float, factor: float, min_relativ
     return max(median + factor * robust_std, median + min_relative_increase * abs(median))
 
 
-def mean_loss(loss_r: np.ndarray, count_r: np.ndarray) -> float:
-    """Mean loss over the ranks that recorded one (NaN when none did)."""
-    recorded = loss_r[count_r > 0]
-    return float(np.mean(recorded)) if recorded.size else float("nan")
+def mean_loss(loss_sum: float, ranks_recorded: float) -> float:
+    """Mean loss over the ranks that recorded one, from the agreed sum of their losses and their number (NaN when
+    none did; a non-finite loss on any rank makes it non-finite)."""
+    return loss_sum / ranks_recorded if ranks_recorded > 0 else float("nan")
 
 
 class LossSpikeMonitor:
@@ -59,10 +61,10 @@ class LossSpikeMonitor:
         self._flagged = False
 
     def required_stats(self) -> tuple[str, ...]:
-        return (names.LOSS, names.LOSS_COUNT)
+        return (names.LOSS, names.LOSS_RANKS)
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
-        loss = mean_loss(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0])
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        loss = mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0]))
         self.last_loss = loss
         self._flagged = False
         if not math.isfinite(loss) or len(self.history) < self.config.warmup_steps:
@@ -94,3 +96,12 @@ class LossSpikeMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
         self.spikes = int(state["spikes"])
+
+
+class LossSpikeFamily(FamilyBase):
+    """``detectors.loss_spike``: reads the agreed loss (the standard loss slots)."""
+
+    name = "loss_spike"
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [LossSpikeMonitor(ctx.section)]

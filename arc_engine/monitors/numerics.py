@@ -1,6 +1,7 @@
 """Non-finite values and gradient explosion/vanishing (ARC paper §3.2.1).
 
-Pure functions over per-rank arrays, plus two small stateful monitors.
+Pure functions over per-rank arrays, plus two small stateful monitors. A healthy step reads only agreed totals;
+the per-rank values that name the offending rank are fetched (one rare collective) only when a total is non-finite.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import numpy as np
 
 from arc_engine.config.schema import GradNormConfig, NonFiniteConfig
 from arc_engine.events import Action, Finding, Severity
-from arc_engine.stats import GatheredStats, names
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext
+from arc_engine.stats import AgreedStats, names
 
 # ---------------------------------------------------------------- pure functions
 
@@ -70,7 +73,13 @@ class NonFiniteMonitor:
     def required_stats(self) -> tuple[str, ...]:
         return (names.LOSS, names.LOSS_COUNT, names.GRAD_NONFINITE_LOCAL, names.GRAD_SQ)
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        self._last = 0
+        nonfinite_g = stats.total(names.GRAD_NONFINITE_LOCAL)
+        local_bad = not math.isfinite(float(stats.total(names.LOSS)[0])) or bool(
+            np.any((nonfinite_g > 0) | ~np.isfinite(nonfinite_g)))
+        if not local_bad:
+            return self._reduced_only(stats)
         hits = nonfinite_ranks(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0],
                                stats.per_rank(names.GRAD_NONFINITE_LOCAL))
         self._last = len(hits)
@@ -91,12 +100,12 @@ class NonFiniteMonitor:
         return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
                         "non-finite values: " + "; ".join(parts), ranks, values)]
 
-    def _reduced_only(self, stats: GatheredStats) -> list[Finding]:
+    def _reduced_only(self, stats: AgreedStats) -> list[Finding]:
         """Every local gradient and loss was finite, yet the reduced gradient is not: the corruption happened in
         (or after) the reduction. Names the ranks whose reduced gradient (or shard of it) is non-finite."""
-        reduced_rg = stats.per_rank(names.GRAD_SQ)
         if np.all(np.isfinite(stats.total(names.GRAD_SQ))):
             return []
+        reduced_rg = stats.per_rank(names.GRAD_SQ)
         self._last = 1
         rows = np.flatnonzero(~np.isfinite(reduced_rg).all(axis=1))
         ranks = tuple(stats.ranks[row] for row in rows)
@@ -135,7 +144,7 @@ class GradNormMonitor:
     def required_stats(self) -> tuple[str, ...]:
         return (names.GRAD_SQ,)
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         norm = global_grad_norm(stats.total(names.GRAD_SQ))
         self.last_norm = norm
         kind = classify_grad_norm(norm, self.config.explosion_threshold, self.config.vanishing_threshold)
@@ -163,3 +172,24 @@ class GradNormMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.explosions = int(state["explosions"])
         self.vanishings = int(state["vanishings"])
+
+
+# ---------------------------------------------------------------- families (the plugin seam)
+
+
+class NonFiniteFamily(FamilyBase):
+    """``detectors.non_finite``: reads the standard loss and gradient slots every adapter produces."""
+
+    name = "non_finite"
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [NonFiniteMonitor(ctx.section, ctx.group_names)]
+
+
+class GradNormFamily(FamilyBase):
+    """``detectors.grad_norm``: reads the reduced gradient's squared norms every adapter produces."""
+
+    name = "grad_norm"
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [GradNormMonitor(ctx.section)]

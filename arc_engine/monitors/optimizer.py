@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from arc_engine.events import Finding
-from arc_engine.stats import GatheredStats, names
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, optimizer_stats_schedule
+from arc_engine.stats import AgreedStats, names
 from arc_engine.stats.optim_stats import rms_per_group
 
 
@@ -35,7 +37,7 @@ class OptimizerStatsMonitor:
     def required_stats(self) -> tuple[str, ...]:
         return (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT)
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         """Refresh the metrics when the producers computed them this step (``optimizer_stats_every``)."""
         weight_sq_g = stats.total(names.WEIGHT_SQ)
         if not np.any(weight_sq_g):
@@ -61,3 +63,30 @@ class OptimizerStatsMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+
+def optimizer_statistics(ctx: FamilyContext) -> list[StatDecl]:
+    """The per-group weight and update slots the adapters fill inside the optimizer step (shared by every family
+    that reads them; the layout registers each once)."""
+    size = len(ctx.group_names)
+    return [StatDecl(name, size, ctx.shard_reduce) for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT)]
+
+
+class OptimizerStatsFamily(FamilyBase):
+    """Weight norms and update RMS as metrics, on the ``stats.optimizer_stats_every`` schedule (no config section
+    of its own under ``detectors``; on whenever that schedule is, or when the SDC detector needs the slots)."""
+
+    name = "optimizer"
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        return bool(ctx.config.stats.optimizer_stats_every) or ctx.config.detectors.sdc.enabled
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        return optimizer_statistics(ctx)
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [OptimizerStatsMonitor(ctx.group_names)]
+
+    def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
+        due = optimizer_stats_schedule(ctx.config, step)
+        return due, due

@@ -8,14 +8,19 @@ final gradient and the current moments, so a flagged update is never applied):
 * ΔG_t = max(0, ‖G_t‖_pre − ‖G_{t−1}‖_pre), the pre-clip global gradient norm;
 * flag when ΔR_t > μ / (α √ΔG_t) (ΔG_t = 0 never flags), or when ‖G_t‖_pre is not finite.
 
-The rule runs on the gathered (reduced) statistics, so every rank takes the same decision. Only applied steps move
+R_t is computed on windows that move every monitored step when ``update_sample`` < 1
+(:mod:`arc_engine.stats.sampling`); μ is learned under the same motion, so the rule needs no change for it.
+
+The rule runs on the agreed (reduced) statistics, so every rank takes the same decision. Only applied steps move
 the baselines: after a skipped step, R_{t−1} and ‖G_{t−1}‖ are still those of the last applied update.
 
 Localization: each rank's *local* gradient norm (before the reduction: DDP comm hook, ZeRO tensor hooks, FSDP2
-unsharded hooks) is in the same gathered statistics. On a flagged step, a rank is named suspect when its local norm
-is not finite, or when its jump against its own previous applied step exceeds ``localize_factor`` times the median
-jump of the other ranks (so it works from 2 ranks up: a healthy peer's jump is the reference). The finding also
-carries each rank's gradient-sketch cosine to its peers (``sdc_local.py``): the corrupted rank's sketch points away.
+unsharded hooks) is in its statistics buffer, next to its own norm at the previous applied step (which the monitor
+keeps for its rank and writes before the agreement). Only a flagged step fetches them from every rank (the rare
+per-rank collective): a rank is named suspect when its local norm is not finite, or when its jump against its own
+previous applied step exceeds ``localize_factor`` times the median jump of the other ranks (so it works from 2
+ranks up: a healthy peer's jump is the reference). The finding also carries each rank's gradient-sketch cosine to
+its peers (``sdc_local.py``): the corrupted rank's sketch points away.
 
 Recovery (withholding before the reduction, recomputation on the suspect only, the peer check) is in
 ``arc_engine/recovery/recompute.py``.
@@ -30,8 +35,11 @@ import numpy as np
 
 from arc_engine.config.schema import SDCConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl
+from arc_engine.monitors.optimizer import optimizer_statistics
 from arc_engine.monitors.sdc_local import cosine_to_peers
-from arc_engine.stats import GatheredStats, names
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.optim_stats import rms_per_group
 
 
@@ -85,8 +93,8 @@ class SDCMonitor:
         self.flags = 0
         self._pending: tuple[float, float] | None = None
         self._flagged = False
-        self.local_prev_r = np.zeros(0)
-        self._local_now_r = np.zeros(0)
+        self.local_prev = float("nan")  # this rank's local gradient norm at the previous applied step
+        self._local_now = float("nan")
         self.locations: dict[int, str] = {}  # global rank -> "host:device", filled at attach
         self.last = {"update_rms_max": float("nan"), "delta_r": float("nan"), "threshold": float("nan")}
 
@@ -101,7 +109,16 @@ class SDCMonitor:
     def required_stats(self) -> tuple[str, ...]:
         return (names.UPDATE_SQ, names.UPDATE_COUNT, names.GRAD_SQ, names.GRAD_SQ_LOCAL)
 
-    def evaluate(self, step: int, stats: GatheredStats) -> list[Finding]:
+    def on_start(self, locations: dict[int, str]) -> None:
+        """At attach: ``{global rank: "host:device"}``, to name a suspect's device."""
+        self.locations = locations
+
+    def before_agreement(self, buffer: StatBuffer) -> None:
+        """Write this rank's previous local norm where a flagged step's per-rank fetch will find it."""
+        if names.SDC_LOCAL_NORM_PREV in buffer.layout:
+            buffer.put(names.SDC_LOCAL_NORM_PREV, self.local_prev)
+
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         self._flagged, self._pending = False, None
         counts = stats.total(names.UPDATE_COUNT)
         if not np.any(counts):  # the producers did not compute U on this step
@@ -110,7 +127,8 @@ class SDCMonitor:
         grad_sq = float(np.sum(stats.total(names.GRAD_SQ)))
         g_t = math.sqrt(grad_sq) if math.isfinite(grad_sq) else math.inf
         self._pending = (r_t, g_t)
-        self._local_now_r = np.sqrt(stats.per_rank(names.GRAD_SQ_LOCAL).sum(axis=1))
+        local_sq = float(stats.local(names.GRAD_SQ_LOCAL).sum())
+        self._local_now = math.sqrt(local_sq) if 0.0 <= local_sq < math.inf else math.inf
         delta_r = abs(r_t - self.r_prev)
         threshold = sdc_threshold(self.mu, self.config.alpha, max(0.0, g_t - self.g_prev)) \
             if self.warmed_up and math.isfinite(g_t) else math.inf
@@ -119,14 +137,16 @@ class SDCMonitor:
         if not nonfinite and (not self.warmed_up or not math.isfinite(self.r_prev) or delta_r <= threshold):
             return []
         self._flagged = True
-        rows = suspect_ranks(self._local_now_r, self.local_prev_r, self.config.localize_factor) \
-            if self.local_prev_r.shape == self._local_now_r.shape else []
+        local_now_r = np.sqrt(stats.per_rank(names.GRAD_SQ_LOCAL).sum(axis=1))
+        local_prev_r = stats.per_rank(names.SDC_LOCAL_NORM_PREV)[:, 0] if stats.has(names.SDC_LOCAL_NORM_PREV) \
+            else np.full(stats.num_ranks, np.nan)
+        rows = suspect_ranks(local_now_r, local_prev_r, self.config.localize_factor)
         ranks = tuple(stats.ranks[row] for row in rows)
         values = {"update_rms_max": r_t, "previous_update_rms_max": self.r_prev, "delta_r": delta_r,
                   "mu": self.mu, "alpha": self.config.alpha, "grad_norm_pre_clip": g_t,
                   "previous_grad_norm_pre_clip": self.g_prev, "threshold": threshold,
-                  "local_grad_norm_per_rank": self._local_now_r.tolist(),
-                  "previous_local_grad_norm_per_rank": self.local_prev_r.tolist(),
+                  "local_grad_norm_per_rank": local_now_r.tolist(),
+                  "previous_local_grad_norm_per_rank": local_prev_r.tolist(),
                   "suspects": {str(rank): self.locations.get(rank, "?") for rank in ranks}}
         if stats.has(names.GRAD_SKETCH_LOCAL):
             values["sketch_cosine_to_peers"] = cosine_to_peers(stats.per_rank(names.GRAD_SKETCH_LOCAL)).tolist()
@@ -147,17 +167,39 @@ class SDCMonitor:
             self.mu_sum += abs(r_t - self.r_prev)
             self.mu_count += 1
         self.r_prev, self.g_prev = r_t, g_t
-        self.local_prev_r = self._local_now_r
+        self.local_prev = self._local_now
 
     def metrics(self) -> dict[str, float]:
         return {**self.last, "mu": self.mu, "flags": float(self.flags)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"r_prev": self.r_prev, "g_prev": self.g_prev, "mu_sum": self.mu_sum, "mu_count": self.mu_count,
-                "flags": self.flags, "local_prev_r": self.local_prev_r.tolist()}
+                "flags": self.flags, "local_prev": self.local_prev}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.r_prev, self.g_prev = float(state["r_prev"]), float(state["g_prev"])
         self.mu_sum, self.mu_count = float(state["mu_sum"]), int(state["mu_count"])
         self.flags = int(state["flags"])
-        self.local_prev_r = np.asarray(state.get("local_prev_r", []), dtype=np.float64)
+        self.local_prev = float(state.get("local_prev", math.nan))
+
+
+class SDCFamily(FamilyBase):
+    """``detectors.sdc``: the update RMS on every monitored step, each rank's previous local norm (detail), the
+    gradient sketch (detail) and, with the recomputation, the count of withheld slots."""
+
+    name = "sdc"
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        sdc = ctx.section
+        decls = [*optimizer_statistics(ctx), StatDecl(names.SDC_LOCAL_NORM_PREV, 1, Reduce.DETAIL)]
+        if sdc.sketch_size:
+            decls.append(StatDecl(names.GRAD_SKETCH_LOCAL, sdc.sketch_size, Reduce.DETAIL))
+        if sdc.recompute.enabled:
+            decls.append(StatDecl(names.SDC_WITHHELD, 1, Reduce.SUM))
+        return decls
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [SDCMonitor(ctx.section)]
+
+    def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
+        return True, False  # the update RMS on every monitored step; the rule needs no weight norms

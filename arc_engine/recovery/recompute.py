@@ -38,7 +38,7 @@ import torch.distributed as dist
 from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.sdc_local import LocalGate
-from arc_engine.stats import GatheredStats, names
+from arc_engine.stats import AgreedStats, names
 from arc_engine.stats.grad_stats import accumulate_grad_stats
 
 if TYPE_CHECKING:
@@ -83,15 +83,25 @@ class Recomputed:
     failed: bool = False  # recompute_fn raised: nothing above is usable
 
 
-def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool) -> bool:
+def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
+                     data_parallel_group: dist.ProcessGroup | None = None) -> bool:
     """Validate the attach arguments: True when the localized recomputation should be wired up. Raises
-    ValueError when it is enabled without ``recompute_fn`` or on a backend that does not support it; warns when
-    ``recompute_fn`` is given but the recomputation is off."""
+    ValueError when it is enabled without ``recompute_fn``, on a backend that does not support it, or when the
+    decision group is not the data-parallel group (the recomputation and its correction run over the decision
+    group, which must then hold replicas of one model: no model parallelism yet); warns when ``recompute_fn`` is
+    given but the recomputation is off."""
     sdc = engine.config.detectors.sdc
     wanted = sdc.enabled and sdc.recompute.enabled
     if wanted and not supported:
         raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP and DeepSpeed ZeRO-1/2 "
                          f"are); set detectors.sdc.recompute.enabled: false")
+    if wanted and dist.is_initialized() and data_parallel_group is not None \
+            and dist.get_process_group_ranks(data_parallel_group) != list(engine.pipeline.ranks):
+        raise ValueError("detectors.sdc.recompute.enabled: the decision group (ranks "
+                         f"{_ranks_text(engine.pipeline.ranks)}) is not the data-parallel group (ranks "
+                         f"{_ranks_text(dist.get_process_group_ranks(data_parallel_group))}): the recomputation "
+                         "supports data parallelism only; set detectors.sdc.recompute.enabled: false (detection "
+                         "and the agreed skip still work)")
     if wanted and recompute_fn is None:
         raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) -> micro-batch "
                          "losses to attach (it re-runs a rank's forward for the current step)")
@@ -99,6 +109,11 @@ def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backen
         engine.log_warning("recompute_fn has no effect: detectors.sdc.enabled and detectors.sdc.recompute.enabled "
                            "are not both true")
     return wanted
+
+
+def _ranks_text(ranks: Any) -> str:
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= 8 else f"{ranks[:4]}... ({len(ranks)} ranks)"
 
 
 def classify(suspect_energy: float, peer_energy: float, rtol: float) -> str:
@@ -151,14 +166,19 @@ class SDCRecompute:
         self._own = None
         self.gate.reset_step()
 
-    def needs_resolution(self, stats: GatheredStats) -> bool:
-        return bool(stats.has(names.SDC_WITHHELD) and (stats.per_rank(names.SDC_WITHHELD) > 0).any())
+    def needs_resolution(self, stats: AgreedStats) -> bool:
+        """Whether some rank withheld a gradient slot this step (agreed total; no communication)."""
+        return bool(stats.has(names.SDC_WITHHELD) and stats.total(names.SDC_WITHHELD)[0] > 0)
 
-    def resolve(self, stats: GatheredStats) -> list[Finding]:
+    def wants_recompute_all(self, findings: list[Finding]) -> bool:
+        """Whether the update-RMS rule fired with nothing withheld: then every rank recomputes once."""
+        return any(f.detector == "sdc" for f in findings)
+
+    def resolve(self, stats: AgreedStats) -> list[Finding]:
         """Collective (every rank of the engine's group, after a gather that showed withheld slots): recompute on
         the suspects, classify, correct the reduced gradient. Returns the findings to report."""
         rows = [row for row, count in enumerate(stats.per_rank(names.SDC_WITHHELD)[:, 0]) if count > 0]
-        my_row = stats.ranks.index(self.engine.rank)
+        my_row = stats.my_row
         withheld = self.gate.withheld() if my_row in rows else {}
         if my_row in rows:
             self._own = self._run(self.engine.rank, self._rng, withheld)
@@ -282,7 +302,7 @@ class SDCRecompute:
         self._all_reduce(verdict)
         return verdict.cpu().numpy()
 
-    def _peer_check(self, stats: GatheredStats, row: int, peer_row: int, my_row: int,
+    def _peer_check(self, stats: AgreedStats, row: int, peer_row: int, my_row: int,
                     withheld: dict[int, int]) -> tuple[float | None, dict[int, torch.Tensor] | None]:
         """Collective: the suspect at ``row`` broadcasts its RNG state and withheld slots; the peer recomputes
         the suspect's micro-batches; one all-reduce shares the peer's energy. Returns it (None when the peer's
@@ -333,7 +353,7 @@ class SDCRecompute:
 
     # ------------------------------------------------------------------ reporting
 
-    def _findings(self, stats: GatheredStats, rows: list[int], verdict: Any, failed: set[int],
+    def _findings(self, stats: AgreedStats, rows: list[int], verdict: Any, failed: set[int],
                   classes: dict[int, tuple[str, float, float]]) -> list[Finding]:
         sdc = self.engine.config.detectors.sdc
         findings = []
@@ -381,14 +401,14 @@ class SDCRecompute:
                        f"({path}); {outcome}", (rank,), values)
 
     def _quarantine(self, rank: int, values: dict[str, Any]) -> Path:
-        """Record ``rank``'s device in the run directory's quarantine file (rank 0 writes it, atomically; an
-        existing file's entries are kept). Returns the path."""
+        """Record ``rank``'s device in the run directory's quarantine file (the decision group's first rank writes
+        it, atomically; an existing file's entries are kept). Returns the path."""
         path = self.engine.run_dir / QUARANTINE_FILE
         entry = {"rank": rank, "location": values.get("location", "?"), "step": self.engine.step,
                  "iteration": self.engine.iteration, "withheld_energy": values["withheld_energy"],
                  "recomputed_energy": values["recomputed_energy"], "peer_energy": values["peer_energy"]}
         self.quarantined[rank] = entry
-        if self.engine.rank == 0:
+        if self.engine.rank == self.engine.pipeline.leader:
             write_quarantine(path, entry)
         return path
 

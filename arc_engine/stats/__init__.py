@@ -1,11 +1,11 @@
-"""The per-rank statistics pipeline: named slots in one flat buffer, one collective per monitored step."""
+"""The statistics pipeline: named slots in one flat buffer per rank, one job-wide agreement per monitored step."""
 
 from arc_engine.stats import names
 from arc_engine.stats.layout import Reduce, StatBuffer, StatLayout, StatSpec
-from arc_engine.stats.pipeline import GatheredStats, StatsPipeline, group_ranks, stats_device
+from arc_engine.stats.pipeline import AgreedStats, StatsPipeline, group_ranks, stats_device
 
 __all__ = [
-    "GatheredStats",
+    "AgreedStats",
     "Reduce",
     "StatBuffer",
     "StatLayout",

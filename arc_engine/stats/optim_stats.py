@@ -4,7 +4,8 @@ SDC paper, U = m̂ / (√v̂ + ε), computed *prospectively* -- from the gradien
 moments -- so a verdict can stop the update before the optimizer applies it.
 
 All functions return device tensors (a few element-wise passes, no host sync). Sums over a rank's
-elements are partial sums: added over ranks they give the exact global value.
+elements are partial sums: added over ranks they give the exact global value. Which elements the update RMS is
+sampled on (``detectors.sdc.update_sample``) is decided in :mod:`arc_engine.stats.sampling`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         numel = grad.numel()
         for start in range(0, numel, chunk_elements):
             length = min(chunk_elements, numel - start)
-            piece = tuple(_piece(t, start, length, numel) for t in (param, grad, mean, sq))  # type: ignore[arg-type]
+            piece = tuple(flat_piece(t, start, length, numel) for t in (param, grad, mean, sq))  # type: ignore[arg-type]
             if length >= OWN_BATCH_ELEMENTS:  # large enough to be its own batch: no concatenation copy
                 total += _batch_update_sq([piece], step, hyper, grad_scale)
                 continue
@@ -95,7 +96,7 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 def _one_batch(grads: Sequence[torch.Tensor], chunk_elements: int) -> bool:
     """Whether every gradient is a flat tensor smaller than :data:`OWN_BATCH_ELEMENTS` and all fit in one chunk: then
     :func:`update_sq_total` concatenates them at once (the moments and parameters that go with flat gradients are
-    flat too: :func:`sample_window` cuts all four alike)."""
+    flat too: :func:`arc_engine.stats.sampling.sample_window` cuts all four alike)."""
     total = 0
     for grad in grads:
         numel = grad.numel()
@@ -118,8 +119,9 @@ def update_sq_sums(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)])
 
 
-def _piece(tensor: torch.Tensor | None, start: int, length: int, numel: int) -> torch.Tensor | None:
-    """Elements ``start:start+length`` of ``tensor`` as a flat view (the cheapest call that gives one)."""
+def flat_piece(tensor: torch.Tensor | None, start: int, length: int, numel: int) -> torch.Tensor | None:
+    """Elements ``start:start+length`` of ``tensor`` (``numel`` elements) as a flat view (the cheapest call that
+    gives one; a copy only for a non-contiguous tensor)."""
     if tensor is None:
         return None
     if tensor.is_contiguous():
@@ -128,6 +130,20 @@ def _piece(tensor: torch.Tensor | None, start: int, length: int, numel: int) -> 
         return tensor.as_strided((length,), (1,), tensor.storage_offset() + start)
     flat = tensor.reshape(-1)
     return flat if length == numel else flat[start:start + length]
+
+
+def leading(pieces: Sequence[torch.Tensor | None], sizes: Sequence[int], numel: int) -> list[torch.Tensor | None]:
+    """The first ``numel`` elements of the concatenation of the flat ``pieces`` (of ``sizes`` elements; a None piece
+    stays None): pieces past ``numel`` are dropped, the one across it is narrowed. E.g. a ZeRO partition without
+    the padding at its end."""
+    out: list[torch.Tensor | None] = []
+    for piece, size in zip(pieces, sizes, strict=True):
+        if numel <= 0:
+            break
+        keep = min(size, numel)
+        out.append(piece if piece is None or keep == size else piece.narrow(0, 0, keep))
+        numel -= keep
+    return out
 
 
 def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.Tensor | None:
@@ -205,68 +221,10 @@ class AdamViews:
     exp_avg_sqs: list[torch.Tensor | None]
     step: int | torch.Tensor  # updates already applied (see step_count)
     hyper: AdamHyper
-    #: each tensor's position in its parameter group (None: its position in these lists): what places its sampled
-    #: window, so the window does not move when another rank owns part of the group (see :func:`adam_views`)
+    #: each tensor's position in its parameter group (None: its position in these lists): with the step's phase,
+    #: what places its sampled window (:mod:`arc_engine.stats.sampling`), so the window does not depend on which
+    #: rank owns which part of the group (see :func:`adam_views`)
     positions: list[int] | None = None
-
-
-def sample_window(tensor: torch.Tensor | None, fraction: float, index: int) -> torch.Tensor | None:
-    """A fixed contiguous window of ``fraction`` of ``tensor``'s elements (a view; at least one element), placed
-    by ``index`` alone, so the same window is taken of a parameter, its gradient and its moments at every step."""
-    if tensor is None or fraction >= 1.0:
-        return tensor
-    numel = tensor.numel()
-    length = max(1, min(numel, math.ceil(fraction * numel)))
-    start = (index * 2654435761) % (numel - length + 1)
-    return _piece(tensor, start, length, numel)
-
-
-def sampled(views: AdamViews, fraction: float, cache: WindowCache | None = None) -> AdamViews:
-    """``views`` cut to one fixed window per tensor (:func:`sample_window`): Σ U² over the windows divided by their
-    element count estimates the update's mean square at ``fraction`` of the cost. ``fraction`` 1: unchanged.
-    ``cache``: keeps the windows of tensors that persist between steps (parameters, moments; see
-    :class:`WindowCache`), which saves the per-tensor view creation on every step but the first."""
-    if fraction >= 1.0:
-        return views
-    if cache is None:
-        cache = WindowCache()
-    at = views.positions
-    return AdamViews(cache.windows("params", views.params, fraction, at),
-                     cache.windows("grads", views.grads, fraction, at),
-                     cache.windows("exp_avgs", views.exp_avgs, fraction, at),
-                     cache.windows("exp_avg_sqs", views.exp_avg_sqs, fraction, at), views.step, views.hyper, at)
-
-
-class WindowCache:
-    """The :func:`sample_window` views of one parameter group's tensor lists, reused while the lists hold the same
-    tensor objects over the same memory (identity and ``data_ptr`` checked on every call, so a replaced optimizer
-    state, a swapped ``param.data`` or a fresh ``.grad`` gets new windows). One entry per list name; it holds the
-    tensors it was built from, so their ids cannot be reused while cached."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[float, list[torch.Tensor | None], list[int], list[Any]]] = {}
-
-    def windows(self, name: str, tensors: list[torch.Tensor | None], fraction: float,
-                positions: list[int] | None = None) -> list[Any]:
-        """The windows of ``tensors``, each placed by its entry of ``positions`` (default: its index in
-        ``tensors``)."""
-        entry = self._entries.get(name)
-        if entry is not None and entry[0] == fraction and _same_tensors(entry[1], entry[2], tensors):
-            return entry[3]
-        at = positions if positions is not None else range(len(tensors))
-        windows = [sample_window(t, fraction, i) for i, t in zip(at, tensors, strict=True)]
-        self._entries[name] = (fraction, list(tensors), _pointers(tensors), windows)
-        return windows
-
-
-def _pointers(tensors: list[torch.Tensor | None]) -> list[int]:
-    return [0 if t is None else t.data_ptr() for t in tensors]
-
-
-def _same_tensors(cached: list[torch.Tensor | None], pointers: list[int], tensors: list[torch.Tensor | None]) -> bool:
-    if len(cached) != len(tensors) or any(a is not b for a, b in zip(cached, tensors, strict=True)):
-        return False
-    return _pointers(tensors) == pointers
 
 
 def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from arc_engine.stats import names
 from arc_engine.stats.layout import StatBuffer
-from arc_engine.stats.optim_stats import AdamViews, WindowCache, sampled, update_sq_total, weight_sq_sums
+from arc_engine.stats.optim_stats import AdamViews, update_sq_total, weight_sq_sums
+from arc_engine.stats.sampling import WindowCache, sample_phase, sampled, segmented
+
+if TYPE_CHECKING:
+    from arc_engine.engine import ArcEngine
 
 
 @torch.no_grad()
 def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Sequence[torch.Tensor],
                                  views: AdamViews | None, update_sample: float = 1.0,
-                                 with_weights: bool = True, windows: WindowCache | None = None) -> None:
-    """Add this rank's part of group ``group_id``'s weight squared norm and, for Adam-family optimizers, the
-    prospective update Σ U² and element count (over :func:`sampled` windows when ``update_sample`` < 1; ``windows``
-    keeps this group's windows between steps). No-op when the layout has no optimizer-statistics slots."""
+                                 with_weights: bool = True, windows: WindowCache | None = None, phase: int = 0,
+                                 grad_scale: float | torch.Tensor = 1.0) -> None:
+    """Add this rank's part of group ``group_id``'s weight squared norm (when ``with_weights``) and, for Adam-family
+    optimizers, the prospective update Σ U² and element count (over the :func:`sampled` windows of ``phase`` when
+    ``update_sample`` < 1; ``windows`` keeps this group's windows between steps). ``grad_scale`` multiplies the
+    gradients first (see :func:`update_sq_total`). Local, device-side; no-op when the layout has no
+    optimizer-statistics slots."""
     if names.WEIGHT_SQ not in buffer.layout or not weights:
         return
     slot = slice(group_id, group_id + 1)
@@ -26,7 +34,26 @@ def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Seq
         buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums(weights).sum().to(device))
     if views is None or not views.grads:
         return
-    views = sampled(views, update_sample, windows)
-    update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper)
+    views = sampled(views, update_sample, windows, phase)
+    update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper,
+                                grad_scale=grad_scale)
     buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(device))
     buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(g.numel() for g in views.grads)))
+
+
+def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[torch.Tensor],
+                           views: AdamViews | None, windows: WindowCache | None = None,
+                           grad_scale: float | torch.Tensor = 1.0, flat_partitions: bool = False) -> None:
+    """:func:`record_group_optimizer_stats` under the engine's settings, for the current step: the sample
+    (``detectors.sdc.update_sample``) and its window phase (:func:`sample_phase` of ``engine.step``), and the
+    weight norms only on the steps of ``stats.optimizer_stats_every`` (``engine.wants_weight_stats()``). Every
+    integration writes its optimizer statistics through here, so none can ignore a setting.
+    ``flat_partitions``: ``views`` hold whole flat partitions (ZeRO-1/2), sampled per :func:`segmented` segment.
+    Call on every rank where ``engine.wants_optimizer_stats()``; local, no communication."""
+    assert engine.buffer is not None, "optimizer statistics are recorded on monitored steps only"
+    config = engine.config
+    sample = config.detectors.sdc.update_sample
+    if flat_partitions and views is not None:
+        views = segmented(views, sample)
+    record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
+                                 windows, sample_phase(engine.step, config.stats.interval), grad_scale)

@@ -1,0 +1,393 @@
+"""The configuration reference page, generated from the schema.
+
+``python -m arc_engine.config.reference > docs/configuration.md`` regenerates the committed page;
+``tests/test_docs.py`` fails when the committed page differs from this module's output. The walk starts at
+:class:`~arc_engine.config.schema.ArcConfig` and lists every dotted key with its type, default and allowed values
+as the schema declares them (``Literal`` choices and booleans are read from the type hints). The schema's fields
+carry no per-field text, so the one-line descriptions -- and the numeric ranges that ``__post_init__`` checks --
+live in :data:`KEY_DOCS` below, keyed by dotted key. :func:`render` raises when a schema key has no entry there,
+or an entry names no schema key, so a new key cannot ship undocumented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
+
+from arc_engine.config.schema import ArcConfig, FaultsConfig, FaultSpec
+
+REGENERATE = "python -m arc_engine.config.reference > docs/configuration.md"
+FAULT_PREFIX = "faults.injections[]"
+
+
+class KeyDoc(NamedTuple):
+    """What a key means; ``allowed`` only where the type does not say it (ranges, formats)."""
+
+    text: str
+    allowed: str | None = None
+
+
+KEY_DOCS: dict[str, KeyDoc] = {
+    # run
+    "run.run_id": KeyDoc("Name shared by every rank. Null: `$TORCHELASTIC_RUN_ID` if set (stable across torchrun's "
+                         "restarts), else rank 0's timestamp `YYYYmmdd-HHMMSS`, broadcast once at attach.",
+                         "letters, digits, `-`, `_`, `.`"),
+    "run.run_dir": KeyDoc("Parent folder; the run's files go to `<run_dir>/<run_id>/`.", "a non-empty path"),
+    # stats
+    "stats.interval": KeyDoc("Monitor every k-th optimizer step. Unmonitored steps run no statistics, no "
+                             "collective and no detector: a fault on such a step is applied unseen.", ">= 1"),
+    "stats.device": KeyDoc("Where the step's statistics buffer lives: `auto` is CUDA for NCCL groups, else CPU."),
+    "stats.optimizer_stats_every": KeyDoc("Per-group weight norms and the prospective Adam update RMS on every "
+                                          "k-th monitored step (about one extra Adam step of memory traffic; 0: "
+                                          "never). The SDC detector computes the update RMS every monitored step "
+                                          "regardless.", ">= 0"),
+    # detectors
+    "detectors.<family>": KeyDoc("The section of a monitor family registered as a plugin "
+                                 "([families.md](families.md)), parsed with that family's own "
+                                 "config class; `--arc.detectors.<family>.<key>=VALUE` overrides work as for "
+                                 "built-in sections.", "a registered family's name and keys"),
+    "detectors.non_finite.enabled": KeyDoc("NaN/Inf in any rank's loss or local (pre-reduction) gradient; the "
+                                           "finding names the rank and the first parameter group."),
+    "detectors.non_finite.action": KeyDoc("What a non-finite step gets."),
+    "detectors.loss_spike.enabled": KeyDoc("Loss above a robust running baseline (median and MAD of recent "
+                                           "accepted losses)."),
+    "detectors.loss_spike.warmup_steps": KeyDoc("Accepted steps before the detector can flag.", ">= 3"),
+    "detectors.loss_spike.window": KeyDoc("Accepted losses in the baseline.", ">= `warmup_steps`"),
+    "detectors.loss_spike.factor": KeyDoc("Robust standard deviations (1.4826 x MAD) above the median that a "
+                                          "spike must exceed.", "> 0"),
+    "detectors.loss_spike.min_relative_increase": KeyDoc("And the fraction of the median it must exceed it by.",
+                                                         ">= 0"),
+    "detectors.loss_spike.action": KeyDoc("What a spike gets."),
+    "detectors.grad_norm.enabled": KeyDoc("Explosion and vanishing of the global gradient norm (reduced, before "
+                                          "clipping)."),
+    "detectors.grad_norm.explosion_threshold": KeyDoc("τ_grad of the ARC paper: a norm above it is an explosion.",
+                                                      "> 0"),
+    "detectors.grad_norm.vanishing_threshold": KeyDoc("ε_grad: a norm below it is vanishing.",
+                                                      ">= 0 and < `explosion_threshold`"),
+    "detectors.grad_norm.explosion_action": KeyDoc("What an explosion gets."),
+    "detectors.grad_norm.vanishing_action": KeyDoc("What a vanishing gradient gets."),
+    "detectors.sdc.enabled": KeyDoc("The SDC paper's update-RMS rule; computes the update RMS on every monitored "
+                                    "step."),
+    "detectors.sdc.alpha": KeyDoc("α of the rule ΔR_t > μ/(α√ΔG_t); larger is more sensitive.", "(0, 1]"),
+    "detectors.sdc.warmup_steps": KeyDoc("Applied steps over which μ (the mean update-RMS jump) is learned; also "
+                                         "the recomputation gate's warm-up.", ">= 1"),
+    "detectors.sdc.localize_factor": KeyDoc("On a flagged step, a rank whose local gradient-norm jump exceeds this "
+                                            "many times its peers' median jump is named the suspect.", "> 1"),
+    "detectors.sdc.action": KeyDoc("What a flagged step gets."),
+    "detectors.sdc.update_sample": KeyDoc("Fraction of each tensor the update RMS is computed on: one contiguous "
+                                          "window (at least 256 elements) that moves every monitored step, so every "
+                                          "element is covered every ceil(1/update_sample) steps; 1.0 gives the "
+                                          "paper's exact R_t.", "(0, 1]"),
+    "detectors.sdc.sketch_size": KeyDoc("Numbers per rank in the signed block-sum sketch of the local gradient "
+                                        "(0: off).", ">= 0"),
+    "detectors.sdc.recompute.enabled": KeyDoc("Withhold a suspect local gradient before the reduction and recompute "
+                                              "it on that rank only (DDP and DeepSpeed ZeRO-1/2; needs "
+                                              "`recompute_fn` at attach)."),
+    "detectors.sdc.recompute.gate_factor": KeyDoc("A local gradient norm above this many times its running "
+                                                  "reference is withheld.", "> 1"),
+    "detectors.sdc.recompute.peer_rtol": KeyDoc("Relative tolerance of the peer check: the suspect's recomputation "
+                                                "and a healthy peer's agree within it (the data caused it) or not "
+                                                "(the device is faulty).", "(0, 1)"),
+    "detectors.sdc.recompute.on_faulty_device": KeyDoc("`abort`: every rank stops with exit code 5; `exclude`: the "
+                                                       "peer's recomputation replaces the suspect's share and "
+                                                       "training goes on."),
+    # policy
+    "policy.max_consecutive_skips": KeyDoc("More skipped steps in a row than this escalate: the fault is "
+                                           "persistent.", ">= 0"),
+    "policy.on_persistent_failure": KeyDoc("What escalation does; `rollback` needs `recovery.enabled`, else it "
+                                           "aborts (exit code 3)."),
+    # sinks
+    "sinks.console.enabled": KeyDoc("Print events to the console."),
+    "sinks.console.min_severity": KeyDoc("Lowest severity printed."),
+    "sinks.console.color": KeyDoc("ANSI colours: `auto` when the output is a terminal."),
+    "sinks.jsonl.enabled": KeyDoc("Append events and metrics as JSON lines in the run directory."),
+    "sinks.jsonl.events_file": KeyDoc("File name of the event log.", "a plain file name"),
+    "sinks.jsonl.metrics_file": KeyDoc("File name of the metrics log.", "a plain file name"),
+    "sinks.wandb.enabled": KeyDoc("Alerts and `arc/` metrics to Weights & Biases, from one rank."),
+    "sinks.wandb.project": KeyDoc("Project of the run arc_engine starts when none is active.", "a non-empty name"),
+    "sinks.wandb.entity": KeyDoc("Entity of that run (null: wandb's default)."),
+    "sinks.wandb.name": KeyDoc("Display name of that run (null: the arc run id)."),
+    "sinks.wandb.group": KeyDoc("W&B group of that run."),
+    "sinks.wandb.mode": KeyDoc("W&B mode of that run (null: wandb's default or `WANDB_MODE`)."),
+    "sinks.wandb.dir": KeyDoc("Where that run's files go (null: the arc run directory)."),
+    "sinks.wandb.reuse_run": KeyDoc("Log into a W&B run already active in the job (on whichever rank holds it)."),
+    "sinks.wandb.alert_min_severity": KeyDoc("Events at or above it become W&B alerts."),
+    "sinks.wandb.alert_wait_s": KeyDoc("Seconds during which repeats of an alert (same detector and ranks) are "
+                                       "counted, not sent; also W&B's `wait_duration`.", ">= 0"),
+    "sinks.wandb.queue_size": KeyDoc("Bounded queue to the W&B thread; overflow is dropped and counted.", ">= 1"),
+    "sinks.wandb.init_timeout_s": KeyDoc("Bound on `wandb.init`.", "> 0"),
+    "sinks.wandb.close_timeout_s": KeyDoc("Bound on the flush at close.", "> 0"),
+    "sinks.metrics_interval": KeyDoc("Send the monitors' metrics to the sinks every k monitored steps (0: never).",
+                                     ">= 0"),
+    "sinks.all_ranks": KeyDoc("Every rank writes its own console and JSONL sinks (files get a `.rank<N>` "
+                              "suffix); W&B stays on one rank."),
+    # faults
+    "faults.injections": KeyDoc("Faults to inject, for tests and demos only; each entry is a fault spec (the "
+                                "`faults.injections[]` keys below)."),
+    f"{FAULT_PREFIX}.kind": KeyDoc("What to inject (see [faults.md](faults.md))."),
+    f"{FAULT_PREFIX}.rank": KeyDoc("Global rank to inject on; -1: every rank.", ">= -1"),
+    f"{FAULT_PREFIX}.step": KeyDoc("Step attempt (0-based; keeps counting through rollbacks) at which it starts.",
+                                   ">= 0"),
+    f"{FAULT_PREFIX}.steps": KeyDoc("Consecutive steps it lasts (1: transient).", ">= 1"),
+    f"{FAULT_PREFIX}.param": KeyDoc("`nan_grad` / `inf_grad`: the parameter (a `named_parameters()` name; null: "
+                                    "the first)."),
+    f"{FAULT_PREFIX}.scale": KeyDoc("`loss_scale` / `lr_scale`: the factor.", "any number"),
+    f"{FAULT_PREFIX}.pattern": KeyDoc("`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules to "
+                                      "corrupt.", "required for `bitflip`"),
+    f"{FAULT_PREFIX}.where": KeyDoc("`bitflip`: the GEMM output corrupted: forward output, backward-data output "
+                                    "(the layer input's gradient) or weight gradient."),
+    f"{FAULT_PREFIX}.bit": KeyDoc("`bitflip`: the bit to flip (null: the dtype's default exponent bit).",
+                                  "[0, 31] or null"),
+    f"{FAULT_PREFIX}.count": KeyDoc("`bitflip`: elements flipped per hit (with neither `count` nor `rate`: one).",
+                                    ">= 1 or null; not with `rate`"),
+    f"{FAULT_PREFIX}.rate": KeyDoc("`bitflip`: probability that each element is flipped.",
+                                   "(0, 1] or null; not with `count`"),
+    f"{FAULT_PREFIX}.persistent": KeyDoc("`bitflip`: fire on every call from `step` on, recomputations included (a "
+                                         "faulty device); else once per step, on the first GEMM."),
+    f"{FAULT_PREFIX}.seed": KeyDoc("`bitflip`: seed of the choice of elements.", "any integer"),
+    f"{FAULT_PREFIX}.seconds": KeyDoc("`stall`: how long the rank sleeps at the step's first forward.",
+                                      "> 0 for `stall`"),
+    # recovery
+    "recovery.enabled": KeyDoc("The ARC loop: verified-stable snapshots, rollback, heal, escape, resume."),
+    "recovery.checkpoint_freq": KeyDoc("Healthy steps between snapshots; a snapshot becomes verified-stable when "
+                                       "the next step is healthy.", ">= 1"),
+    "recovery.memory_ring_mb": KeyDoc("Host memory per rank for verified-stable snapshots (0: disk tier only).",
+                                      ">= 0"),
+    "recovery.lr_reduction_factor": KeyDoc("Learning rate x this factor per rollback (compounding).", "(0, 1]"),
+    "recovery.lr_recovery_steps": KeyDoc("Healthy steps over which the learning rate returns linearly to the "
+                                         "schedule; also the length of a recovery episode.", ">= 1"),
+    "recovery.skip_data": KeyDoc("`window`: resume the data after the failed batch; `none`: replay the same "
+                                 "batches."),
+    "recovery.heal_clip_grad_norm": KeyDoc("While healing, also scale gradients to at most this global norm "
+                                           "(null: no extra clipping).", "> 0 or null"),
+    "recovery.max_consecutive_rollbacks": KeyDoc("Rollbacks without a new verified-stable state before the next "
+                                                 "failure escapes instead.", ">= 1"),
+    "recovery.perturbation_scale": KeyDoc("Escape: Gaussian noise of this many times each parameter's RMS on the "
+                                          "restored weights.", ">= 0"),
+    "recovery.skip_ahead_steps": KeyDoc("Escape: batches skipped.", ">= 0"),
+    "recovery.max_escapes": KeyDoc("Escapes in one recovery episode before training stops with exit code 4.",
+                                   ">= 0"),
+    "recovery.seed": KeyDoc("Seed of the escape noise (the same on every replica).", "any integer"),
+    "recovery.checkpoint.enabled": KeyDoc("The disk tier: sharded async checkpoints of verified-stable states."),
+    "recovery.checkpoint.dir": KeyDoc("Checkpoint directory, on a filesystem every rank sees (null: "
+                                      "`<run_dir>/<run_id>/checkpoints`).", "a non-empty path or null"),
+    "recovery.checkpoint.every_steps": KeyDoc("Save a verified-stable state at least this many steps after the "
+                                              "previous save (0: never).", ">= 0"),
+    "recovery.checkpoint.keep_last": KeyDoc("Committed checkpoints kept, besides pinned ones.", ">= 1"),
+    "recovery.checkpoint.commit_timeout_s": KeyDoc("Bound on waiting for every rank's shard before a save is "
+                                                   "declared failed.", "> 0"),
+    "recovery.checkpoint.resume": KeyDoc("At attach, load the newest committed checkpoint if there is one."),
+    # watchdog
+    "watchdog.enabled": KeyDoc("A thread per rank that reports a hang when no step completes in time."),
+    "watchdog.warmup_steps": KeyDoc("Completed steps before the timeout is derived from step times.", ">= 1"),
+    "watchdog.initial_timeout_s": KeyDoc("The timeout until then (compilation, communicator set-up).", "> 0"),
+    "watchdog.safety_factor": KeyDoc("Timeout = this factor x the longest step since the warm-up, clamped.", ">= 1"),
+    "watchdog.min_timeout_s": KeyDoc("Lower clamp of the derived timeout.", "> 0"),
+    "watchdog.max_timeout_s": KeyDoc("Upper clamp of the derived timeout.", ">= `min_timeout_s`"),
+    "watchdog.dump_stacks": KeyDoc("On a hang, write every thread's Python stack to "
+                                   "`<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt`."),
+}
+
+# The manual page of each section (relative to docs/); a subsection without an entry takes its parent's.
+SECTION_PAGES: dict[str, str] = {
+    "run": "events.md",
+    "stats": "architecture.md",
+    "detectors": "detectors.md",
+    "detectors.sdc": "sdc.md",
+    "policy": "detectors.md",
+    "sinks": "events.md",
+    "sinks.wandb": "wandb.md",
+    "faults": "faults.md",
+    "recovery": "recovery.md",
+    "watchdog": "watchdog.md",
+}
+
+INTRO = f"""\
+<!-- Generated from arc_engine/config/schema.py by `{REGENERATE}`. Do not edit by hand: \
+tests/test_docs.py fails when this page is stale. -->
+
+# Configuration reference
+
+One typed tree of dataclasses (`arc_engine/config/schema.py`), loaded from YAML with `--arc-config PATH`.
+Precedence, later wins: the schema's defaults < the file < `--arc.<key>=VALUE` overrides. Override values are
+parsed as YAML, so `--arc.faults.injections='[{{kind: nan_loss, rank: 0, step: 5}}]'` works. Environment
+variables set nothing but the run id: `arc_engine/runtime.py`, the one place that reads the environment, takes it
+from `TORCHELASTIC_RUN_ID` when `run.run_id` is null (a config value wins) and names devices by `LOCAL_RANK`; W&B
+reads its own variables (`WANDB_MODE`, `WANDB_API_KEY`, ...). Unknown keys, wrong types
+and out-of-range values are errors that name the file, the key, the value and what is allowed (exit code 2):
+
+```
+$ arc-engine validate-config bad.yaml
+arc_engine: invalid config: bad.yaml: detectors.loss_spike.factr = 3: unknown key; allowed keys here: action, \
+enabled, factor, min_relative_increase, warmup_steps, window
+$ echo $?
+2
+```
+
+`arc-engine show-config [--arc-config F] [--arc.key=value ...]` prints the effective configuration. Shipped,
+commented examples: [`configs/default.yaml`](../configs/default.yaml) (every key at its default),
+[`configs/demo.yaml`](../configs/demo.yaml), [`configs/monitoring_only.yaml`](../configs/monitoring_only.yaml)
+(report only, never intervene), [`configs/aggressive_recovery.yaml`](../configs/aggressive_recovery.yaml) (tight
+thresholds, short fuse).
+
+Actions (`action` keys): `warn` reports and applies the step; `skip` applies nothing on any rank; `rollback`
+returns every rank to the newest verified-stable state and heals (needs `recovery.enabled`, else it aborts);
+`abort` stops every rank with exit code 3 ([events.md](events.md)).
+"""
+
+
+class SchemaKey(NamedTuple):
+    key: str
+    type_text: str
+    default: str
+    allowed: str
+    text: str
+
+
+def _origin_args(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    origin = get_origin(hint)
+    if origin is types.UnionType:
+        origin = typing.Union
+    return origin, get_args(hint)
+
+
+def _without_none(hint: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (hint, False)."""
+    origin, args = _origin_args(hint)
+    if origin is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        assert len(rest) == 1, f"unsupported union {hint}"
+        return rest[0], True
+    return hint, False
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _describe_type(hint: Any) -> tuple[str, str | None]:
+    """(type text, allowed values when the type itself says them)."""
+    inner, nullable = _without_none(hint)
+    suffix = " or null" if nullable else ""
+    origin, args = _origin_args(inner)
+    if origin is Literal:
+        choices = ", ".join(f"`{a}`" for a in args) + (", null" if nullable else "")
+        return "choice" + suffix, choices
+    if inner is bool:
+        return "bool" + suffix, "`true`, `false`"
+    if origin is list:
+        (item,) = args
+        return f"list of {item.__name__}", None
+    return inner.__name__ + suffix, None
+
+
+def _sections(cls: type, prefix: str, instance: Any) -> list[tuple[str, type, list[SchemaKey]]]:
+    """One ``(dotted prefix, dataclass, rows)`` per dataclass of the tree, depth first, parents before children."""
+    rows: list[SchemaKey] = []
+    children: list[tuple[str, type, list[SchemaKey]]] = []
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key = f"{prefix}.{field.name}" if prefix else field.name
+        hint = hints[field.name]
+        if field.metadata.get("plugin_sections"):  # no key of its own: each plugin family reads <prefix>.<name>
+            rows.append(_plugin_row(f"{prefix}.<family>"))
+        elif dataclasses.is_dataclass(hint):
+            children += _sections(hint, key, getattr(instance, field.name))
+        else:
+            rows.append(_row(key, hint, getattr(instance, field.name)))
+    own = [(prefix, cls, rows)] if prefix else []
+    if cls is FaultsConfig:
+        fault_hints = get_type_hints(FaultSpec)
+        own.append((FAULT_PREFIX, FaultSpec, [_row(f"{FAULT_PREFIX}.{f.name}", fault_hints[f.name], f)
+                                              for f in dataclasses.fields(FaultSpec)]))
+    return own + children
+
+
+def _row(key: str, hint: Any, value: Any) -> SchemaKey:
+    doc = KEY_DOCS.get(key)
+    if doc is None:
+        raise RuntimeError(f"configuration key {key!r} has no description: add it to KEY_DOCS in "
+                           f"arc_engine/config/reference.py, then run `{REGENERATE}`")
+    type_text, derived = _describe_type(hint)
+    if derived is not None and doc.allowed is not None:
+        raise RuntimeError(f"KEY_DOCS[{key!r}].allowed repeats what the type says ({derived}): remove it")
+    numeric = _without_none(hint)[0] in (int, float)
+    if numeric and doc.allowed is None:
+        raise RuntimeError(f"KEY_DOCS[{key!r}] needs `allowed`: the range that __post_init__ checks")
+    if isinstance(value, dataclasses.Field):  # a fault spec's field: no instance to read
+        has_default = value.default is not dataclasses.MISSING
+        default = f"`{_yaml_value(value.default)}`" if has_default else "required"
+    else:
+        default = f"`{_yaml_value(value)}`"
+    return SchemaKey(key, type_text, default, derived or doc.allowed or "any", doc.text)
+
+
+def _plugin_row(key: str) -> SchemaKey:
+    doc = KEY_DOCS.get(key)
+    if doc is None:
+        raise RuntimeError(f"plugin sections {key!r} have no description: add it to KEY_DOCS in "
+                           f"arc_engine/config/reference.py, then run `{REGENERATE}`")
+    return SchemaKey(key, "mapping", "none", doc.allowed or "any", doc.text)
+
+
+def _section_intro(cls: type) -> str:
+    """The first sentence of the class docstring, as Markdown (empty when there is none)."""
+    doc = (cls.__doc__ or "").strip()
+    if not doc or doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature
+        return ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    sentence = paragraph if end < 0 else paragraph[: end + 1]
+    return sentence.replace("``", "`")
+
+
+def _table(rows: list[SchemaKey]) -> list[str]:
+    lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    lines += [f"| `{r.key}` | {r.type_text} | {r.default} | {r.allowed} | {r.text} |" for r in rows]
+    return lines
+
+
+def _section(title: str, cls: type, rows: list[SchemaKey]) -> list[str]:
+    lines = [f"## `{title}`", ""]
+    intro = _section_intro(cls)
+    prefix = title.removesuffix("[]")
+    while prefix not in SECTION_PAGES and "." in prefix:
+        prefix = prefix.rsplit(".", 1)[0]
+    page = SECTION_PAGES.get(prefix)
+    if page:
+        intro = f"{intro} Manual: [{page}]({page}).".strip()
+    if intro:
+        lines += [intro, ""]
+    return [*lines, *_table(rows), ""]
+
+
+def render() -> str:
+    """The whole page. Raises RuntimeError when a key lacks a description or a description names no key."""
+    sections = _sections(ArcConfig, "", ArcConfig())
+    stale = sorted(set(KEY_DOCS) - {row.key for _, _, rows in sections for row in rows})
+    if stale:
+        raise RuntimeError(f"KEY_DOCS in arc_engine/config/reference.py describes keys the schema does not have: "
+                           f"{stale}")
+    lines = [INTRO]
+    for title, cls, rows in sections:
+        if rows:
+            lines += _section(title, cls, rows)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main() -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

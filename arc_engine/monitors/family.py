@@ -1,0 +1,151 @@
+"""The plugin seam: a monitor family declares what it needs, and the engine wires it without knowing it.
+
+A family (one module per family: ``numerics.py``, ``loss_spike.py``, ``optimizer.py``, ``sdc.py``, or a module of
+your own) says:
+
+* its **config section** -- ``detectors.<name>`` in the YAML; a built-in family's section is a typed field of
+  :class:`~arc_engine.config.schema.DetectorsConfig`, a plugin family brings its own ``config_class`` (a
+  ``kw_only`` dataclass that validates itself) and the loader parses ``detectors.<name>`` with it;
+* its **statistics** (:class:`StatDecl`: name, size, how ranks combine it -- :class:`~arc_engine.stats.Reduce`);
+* its **producers** (:class:`Producer`): which hook of the step writes which of its statistics from which tensors.
+  The adapters already produce the standard slots (``arc_engine.stats.names``: loss, local and reduced gradient
+  norms, optimizer statistics); a family asks for optimizer statistics on a step through
+  :meth:`MonitorFamily.optimizer_stats_due`, and can add producers at ``before_agreement`` that read this rank's
+  parameters (:class:`StepView`);
+* its **monitors** (:class:`~arc_engine.monitors.base.Monitor`: evaluate / commit / state_dict).
+
+Register a plugin family with :func:`arc_engine.monitors.registry.register_family` before loading the config and
+attaching, on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from arc_engine.config.schema import ArcConfig
+from arc_engine.monitors.base import Monitor
+from arc_engine.stats import Reduce, StatBuffer
+
+
+@dataclass(frozen=True)
+class StatDecl:
+    """One statistic a family needs: a slot of ``size`` float64 numbers combined across ranks by ``reduce``.
+    ``group``: for a SUM over the shards of a smaller group than the decision group (e.g. the tensor-parallel
+    group), when every copy of that group holds the same shards: the agreed value is one copy's sum. None: each
+    element is counted once across the decision group (shards, or replicated values on their owner)."""
+
+    name: str
+    size: int
+    reduce: Reduce
+    group: dist.ProcessGroup | None = None
+
+    def group_size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None and dist.is_initialized() else 0
+
+
+@dataclass
+class FamilyContext:
+    """What a family is built from (identical on every rank): the whole config, its own section, the optimizer's
+    parameter-group names (G slots per gradient statistic), and how the adapter's parameter-wise statistics combine
+    (``shard_reduce``: SUM of shards / owned parts, or REPLICATED)."""
+
+    config: ArcConfig
+    section: Any
+    group_names: list[str]
+    shard_reduce: Reduce
+
+
+@dataclass
+class StepView:
+    """What a producer may read on a monitored step: the optimizer step counter and this rank's trainable
+    parameters as the adapter holds them (full tensors under DDP, local shards under FSDP2/ZeRO-3)."""
+
+    step: int
+    params: Sequence[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Producer:
+    """A family's own statistics writer. ``hook``: where in the step it runs; today ``"before_agreement"`` (in the
+    optimizer step, after the gradients are final and before the update, right before the agreement).
+    ``write(buffer, view)``: add this rank's values to the family's slots; local and device-side (no collective,
+    no host sync)."""
+
+    hook: str
+    write: Callable[[StatBuffer, StepView], None]
+
+
+HOOKS = ("before_agreement",)
+
+
+@runtime_checkable
+class MonitorFamily(Protocol):
+    """A detector family on the plugin seam (see the module docstring)."""
+
+    name: str
+    #: the dataclass of a plugin family's ``detectors.<name>`` section; None for a built-in family.
+    config_class: type | None
+
+    def enabled(self, ctx: FamilyContext) -> bool: ...
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]: ...
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]: ...
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]: ...
+
+    def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
+        """Whether this family needs the prospective update RMS, and the weight norms, on monitored step
+        ``step`` (the adapters compute them inside the optimizer step when any family asks)."""
+        ...
+
+
+class FamilyBase:
+    """Defaults for a family: no statistics, producers or optimizer statistics of its own; enabled by its section's
+    ``enabled`` flag."""
+
+    name = ""
+    config_class: type | None = None
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        return bool(getattr(ctx.section, "enabled", True))
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        return []
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        return []
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return []
+
+    def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
+        return False, False
+
+
+def section_of(config: ArcConfig, family: MonitorFamily) -> Any:
+    """``detectors.<family.name>``: the typed field of a built-in, or the parsed plugin section (its defaults when
+    the YAML has none)."""
+    builtin = getattr(config.detectors, family.name, None)
+    if builtin is not None and family.config_class is None:
+        return builtin
+    section = config.detectors.plugins.get(family.name)
+    if section is None and family.config_class is not None:
+        section = family.config_class()
+    return section
+
+
+def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
+    """``stats.optimizer_stats_every``: whether monitored step ``step`` is one of the periodic optimizer-statistics
+    steps (every ``interval x every`` optimizer steps; never when 0)."""
+    every = config.stats.optimizer_stats_every
+    return bool(every) and step % (config.stats.interval * every) == 0
+
+
+__all__ = ["HOOKS", "FamilyBase", "FamilyContext", "MonitorFamily", "Producer", "StatDecl", "StepView",
+           "optimizer_stats_schedule", "section_of"]

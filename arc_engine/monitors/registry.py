@@ -1,0 +1,54 @@
+"""Which monitor families exist: the built-ins, then the plugins registered by the user, in order.
+
+Every rank must see the same families in the same order (the statistics layout is checked across ranks at attach).
+"""
+
+from __future__ import annotations
+
+from arc_engine.monitors.family import MonitorFamily
+
+_plugins: list[MonitorFamily] = []
+
+
+def builtin_families() -> list[MonitorFamily]:
+    """The families that ship with arc_engine, in the order their monitors run."""
+    from arc_engine.monitors.loss_spike import LossSpikeFamily
+    from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
+    from arc_engine.monitors.optimizer import OptimizerStatsFamily
+    from arc_engine.monitors.sdc import SDCFamily
+
+    return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily()]
+
+
+def register_family(family: MonitorFamily) -> None:
+    """Add a plugin family (before loading the config that configures it, and before attach; on every rank).
+    Registering a family of the same name again replaces it. Raises ValueError for a name a built-in uses or that
+    is not a plain identifier, and for a family without a ``config_class``."""
+    if not family.name.isidentifier() or family.name in {f.name for f in builtin_families()} \
+            or family.name == "plugins":
+        raise ValueError(f"register_family: {family.name!r} is not allowed as a family name (a Python identifier "
+                         "that no built-in family uses)")
+    if family.config_class is None:
+        raise ValueError(f"register_family: family {family.name!r} needs a config_class (the dataclass of its "
+                         f"detectors.{family.name} section)")
+    unregister_family(family.name)
+    _plugins.append(family)
+
+
+def unregister_family(name: str) -> None:
+    """Remove the plugin family ``name`` (no-op when absent)."""
+    _plugins[:] = [f for f in _plugins if f.name != name]
+
+
+def families() -> list[MonitorFamily]:
+    """The built-in families, then the registered plugins."""
+    return [*builtin_families(), *_plugins]
+
+
+def plugin_section_class(name: str) -> type | None:
+    """The config dataclass of the registered plugin family ``name`` (None when there is none)."""
+    return next((f.config_class for f in _plugins if f.name == name), None)
+
+
+def plugin_names() -> list[str]:
+    return [f.name for f in _plugins]

@@ -1,0 +1,105 @@
+"""What the engine tells: events and metrics through this rank's sinks.
+
+Console and JSONL sinks are written by the decision group's first rank (global rank 0 for the default, job-wide
+group), or by every rank with ``sinks.all_ranks``; W&B by one elected rank of the group. Every verdict is computed
+from agreed statistics on every rank, so whichever rank writes, it writes what every rank decided. All methods are
+local (no communication) and never raise into training (a failing sink is disabled by :class:`SinkSet`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from arc_engine.config.schema import ArcConfig
+from arc_engine.events import Action, Event, Finding, Severity
+from arc_engine.monitors import Monitor
+from arc_engine.policy import Decision
+from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
+from arc_engine.sinks.wandb_sink import WandbSink
+
+
+class Reporter:
+    """One rank's reporting. :meth:`open` once the run id, the run directory and the roles are agreed."""
+
+    def __init__(self, config: ArcConfig, rank: int, sinks: SinkSet | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.sinks = sinks or SinkSet()
+        self.run_id = ""
+        self.run_dir = Path(config.run.run_dir)
+        self.owns_sinks = False   # console and JSONL
+        self.wandb_owner = False  # this rank talks to W&B (one rank per job)
+        self.event_counts: Counter[str] = Counter()
+        self._metrics_due = 0
+
+    def open(self, run_id: str, run_dir: Path, *, leader: bool, wandb_owner: bool,
+             locations: dict[int, str]) -> None:
+        """Open the sinks this rank owns: console and JSONL on the group's ``leader`` (or every rank with
+        ``sinks.all_ranks``), W&B on the elected ``wandb_owner``."""
+        self.run_id, self.run_dir = run_id, run_dir
+        cfg = self.config.sinks
+        self.owns_sinks = cfg.all_ranks or leader
+        self.wandb_owner = wandb_owner
+        if self.owns_sinks:
+            suffix = f".rank{self.rank}" if cfg.all_ranks else ""
+            if cfg.console.enabled:
+                self.sinks.add(ConsoleSink(Severity.parse(cfg.console.min_severity), cfg.console.color))
+            if cfg.jsonl.enabled:
+                self.sinks.add(JsonlSink(run_dir / (cfg.jsonl.events_file + suffix),
+                                         run_dir / (cfg.jsonl.metrics_file + suffix)))
+        if wandb_owner:
+            self.sinks.add(WandbSink(cfg.wandb, run_id, str(run_dir), locations, dataclasses.asdict(self.config)))
+
+    @property
+    def emits(self) -> bool:
+        """Whether this rank has sinks to report to (its own, or the job's W&B sink)."""
+        return self.owns_sinks or self.wandb_owner
+
+    def emit(self, event: Event) -> None:
+        if self.emits:
+            self.sinks.emit(event)
+
+    def lifecycle(self, step: int, iteration: int, what: str, message: str,
+                  values: dict[str, Any] | None = None) -> None:
+        self.emit(Event(self.run_id, step, "lifecycle", what, Severity.INFO, "none", message, values=values or {},
+                        iteration=iteration))
+
+    def finding(self, step: int, iteration: int, finding: Finding, action: str | None = None) -> None:
+        """A detection event for ``finding`` (``action``: the decision's, else the finding's own)."""
+        self.event_counts[finding.detector] += 1
+        self.emit(Event(self.run_id, step, "detection", finding.detector, finding.severity,
+                        action or finding.action.name.lower(), finding.message, finding.ranks, finding.values,
+                        iteration=iteration))
+
+    def decision(self, decision: Decision, iteration: int, skipped_so_far: int) -> None:
+        """Every finding of ``decision``, then the action taken when it stops the update (skip or abort)."""
+        action = decision.action.name.lower()
+        for finding in decision.findings:
+            self.finding(decision.step, iteration, finding, action)
+        if decision.action in (Action.SKIP, Action.ABORT):
+            skip = decision.action == Action.SKIP
+            verb = "update not applied on any rank" if skip else "stopping every rank"
+            self.emit(Event(self.run_id, decision.step, "action", "engine",
+                            Severity.WARNING if skip else Severity.CRITICAL, action,
+                            f"{verb} (skipped so far: {skipped_so_far})",
+                            tuple(sorted({r for f in decision.findings for r in f.ranks})),
+                            {"skipped_steps": skipped_so_far}, iteration=iteration))
+
+    def metrics(self, step: int, monitors: Sequence[Monitor], extra: dict[str, float]) -> None:
+        """Every ``sinks.metrics_interval``-th call: the monitors' metrics as ``arc/<monitor>/<name>``, plus
+        ``extra``."""
+        interval = self.config.sinks.metrics_interval
+        if not interval or not self.emits:
+            return
+        self._metrics_due += 1
+        if self._metrics_due % interval:
+            return
+        values = {f"arc/{m.name}/{k}": v for m in monitors for k, v in m.metrics().items()}
+        self.sinks.log_metrics(step, {**values, **extra})
+
+    def close(self) -> None:
+        self.sinks.close()

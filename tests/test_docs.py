@@ -1,0 +1,74 @@
+"""The README and the manual in docs/: the configuration page is the generator's output, and every link resolves
+to a file (and heading) of this repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from arc_engine.config.reference import REGENERATE, render
+
+REPO = Path(__file__).resolve().parents[1]
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+FENCED_BLOCK = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def links(markdown: str) -> list[str]:
+    """Targets of the inline links and images, outside code."""
+    prose = INLINE_CODE.sub("", FENCED_BLOCK.sub("", markdown))
+    return LINK.findall(prose)
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for the headings: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    anchors: set[str] = set()
+    for heading in HEADING.findall(FENCED_BLOCK.sub("", markdown)):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, repeat = slug, 0
+        while candidate in anchors:
+            repeat += 1
+            candidate = f"{slug}-{repeat}"
+        anchors.add(candidate)
+    return anchors
+
+
+def test_configuration_page_equals_the_generated_reference() -> None:
+    committed = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert committed == render(), f"docs/configuration.md is stale: regenerate it with `{REGENERATE}`"
+
+
+def test_the_docs_have_a_readme_an_index_and_pages() -> None:
+    names = {path.name for path in DOC_FILES}
+    assert {"README.md", "configuration.md", "testing.md"} <= names
+    assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 200, "keep README.md short"
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_link_points_to_a_file_or_heading_inside_the_repository(doc: Path) -> None:
+    problems = []
+    for target in links(doc.read_text(encoding="utf-8")):
+        path_part, _, anchor = target.partition("#")
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", path_part) or path_part.startswith(("/", "\\", "~")):
+            problems.append(f"{target}: leaves the repository (a URL or an absolute path)")
+            continue
+        resolved = (doc.parent / path_part).resolve() if path_part else doc
+        if not resolved.is_relative_to(REPO) or ".git" in resolved.relative_to(REPO).parts:
+            problems.append(f"{target}: resolves outside the repository ({resolved})")
+        elif not resolved.exists():
+            problems.append(f"{target}: no such file ({resolved.relative_to(REPO)})")
+        elif anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved.read_text("utf-8")):
+            problems.append(f"{target}: no heading with anchor #{anchor} in {resolved.relative_to(REPO)}")
+    assert not problems, f"{doc.relative_to(REPO)}:\n" + "\n".join(problems)
+
+
+def test_link_checker_sees_links_only_outside_code() -> None:
+    text = "see [a](a.md) and `[b](b.md)`\n```\n[c](c.md)\n```\n![d](img/d.png \"title\")"
+    assert links(text) == ["a.md", "img/d.png"]
+    assert heading_anchors("# FSDP2 (`fully_shard`)\n## DeepSpeed ZeRO-1/2/3\n## `sinks.wandb`\n# A\n# A") == {
+        "fsdp2-fully_shard", "deepspeed-zero-123", "sinkswandb", "a", "a-1"}

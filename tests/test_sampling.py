@@ -1,0 +1,185 @@
+"""Sampled update-RMS windows (``detectors.sdc.update_sample``) as pure functions: every element is covered within
+⌈1/update_sample⌉ consecutive steps, the windows depend on the step and the tensor's place in its group only (the same
+on every rank, whatever it owns, and again after a rollback), and the window cache gives the uncached result."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+from arc_engine.stats.optim_stats import CHUNK_ELEMENTS, _one_batch, adam_views, leading, update_sq_total
+from arc_engine.stats.sampling import (
+    MIN_WINDOW_ELEMENTS,
+    WindowCache,
+    sample_phase,
+    sample_window,
+    sampled,
+    window_bounds,
+    window_slots,
+)
+
+
+@pytest.mark.parametrize("fraction", [1 / 32, 1 / 7, 0.1, 0.3, 0.5, 0.75])
+@pytest.mark.parametrize("numel", [1, 5, 256, 257, 1000, 6864, 13731, 1_000_003])
+def test_every_element_is_covered_within_ceil_one_over_sample_steps(fraction: float, numel: int) -> None:
+    slots = math.ceil(1 / fraction)
+    assert window_slots(fraction) == slots
+    for position in (0, 1, 17):
+        for first_phase in (0, 5, 1001):  # any run of consecutive phases, not only from phase 0
+            covered = torch.zeros(numel, dtype=torch.bool)
+            for phase in range(first_phase, first_phase + slots):
+                start, length = window_bounds(numel, fraction, position, phase)
+                assert start >= 0 and start + length <= numel
+                assert length >= min(numel, max(MIN_WINDOW_ELEMENTS, math.ceil(fraction * numel)))
+                covered[start:start + length] = True
+            assert bool(covered.all()), (position, first_phase)
+
+
+def test_windows_move_every_step_and_repeat_after_a_cycle() -> None:
+    numel, fraction = 100_000, 1 / 32
+    starts = [window_bounds(numel, fraction, 3, phase)[0] for phase in range(64)]
+    assert len(set(starts[:32])) == 32  # a new place on each of the 32 steps of a cycle
+    assert starts[32:] == starts[:32]  # the next cycle repeats it: step t and step t + 32 see the same elements
+    assert window_bounds(numel, 1.0, 3, 7) == (0, numel)  # no sampling: the whole tensor
+
+
+def test_one_groups_tensors_are_staggered() -> None:
+    """At one step, the tensors of a group sit at different places (K = 32: all 32 positions are taken)."""
+    numel = 32 * 1000
+    starts = {window_bounds(numel, 1 / 32, position, 9)[0] for position in range(32)}
+    assert len(starts) == 32
+
+
+def test_the_phase_is_the_count_of_monitored_steps() -> None:
+    """The phase comes from the step counter alone: the same on every rank, consecutive on consecutive monitored
+    steps, and a step replayed after a rollback (the counter goes back) takes the window it took the first time."""
+    assert [sample_phase(step, 1) for step in range(4)] == [0, 1, 2, 3]
+    assert [sample_phase(step, 3) for step in (0, 3, 6, 9)] == [0, 1, 2, 3]
+    tensor = torch.randn(50_000)
+    first = sample_window(tensor, 1 / 32, 2, sample_phase(41, 1))
+    replayed = sample_window(tensor.clone(), 1 / 32, 2, sample_phase(41, 1))
+    assert torch.equal(first, replayed)
+
+
+def make_adam(seed: int = 0) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(300)),
+              torch.nn.Parameter(torch.randn(40, 128)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return optimizer, params
+
+
+def test_a_tensors_window_does_not_depend_on_which_rank_owns_it() -> None:
+    """Under DDP the replicated parameters are split across ranks by owner: each rank windows its own share, placed
+    by the position in the group, so the union over ranks is the single-rank sample, at every phase."""
+    optimizer, params = make_adam()
+    group = optimizer.param_groups[0]
+    full = adam_views(optimizer, group)
+    rank0 = adam_views(optimizer, group, owned={id(params[0]), id(params[3])})
+    rank1 = adam_views(optimizer, group, owned={id(params[1]), id(params[2])})
+    assert full is not None and rank0 is not None and rank1 is not None
+    for phase in range(40):
+        whole = sampled(full, 1 / 32, phase=phase)
+        for part in (rank0, rank1):
+            cut = sampled(part, 1 / 32, phase=phase)
+            for position, grad in zip(part.positions or [], cut.grads, strict=True):
+                assert torch.equal(grad, whole.grads[position])
+                assert grad.data_ptr() == whole.grads[position].data_ptr()
+        sum_sq = [update_sq_total(v.params, v.grads, v.exp_avgs, v.exp_avg_sqs, v.step, v.hyper)
+                  for v in (whole, sampled(rank0, 1 / 32, phase=phase), sampled(rank1, 1 / 32, phase=phase))]
+        torch.testing.assert_close(sum_sq[1] + sum_sq[2], sum_sq[0], rtol=1e-6, atol=0.0)  # fp32 norms
+
+
+def test_windows_keep_the_one_batch_path() -> None:
+    optimizer, _ = make_adam()
+    views = adam_views(optimizer, optimizer.param_groups[0])
+    assert views is not None
+    windows = sampled(views, 1 / 32, phase=3)
+    assert all(w.dim() == 1 for w in windows.grads)
+    assert _one_batch(windows.grads, CHUNK_ELEMENTS)
+
+
+def sampled_update_sq(optimizer: torch.optim.Optimizer, cache: WindowCache | None, phase: int) -> float:
+    views = adam_views(optimizer, optimizer.param_groups[0])
+    assert views is not None
+    views = sampled(views, 1 / 8, cache, phase)
+    return float(update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                 views.hyper))
+
+
+def test_the_cache_gives_the_uncached_windows_at_every_phase() -> None:
+    optimizer, params = make_adam(1)
+    cache = WindowCache()
+    for step in range(20):
+        for param in params:
+            param.grad = torch.randn_like(param)  # fresh gradients, as with zero_grad(set_to_none=True)
+        if step == 11:
+            optimizer.load_state_dict(optimizer.state_dict())  # the moments replaced by new tensors
+        assert sampled_update_sq(optimizer, cache, step) == sampled_update_sq(optimizer, None, step)
+        optimizer.step()
+    moments = [optimizer.state[p]["exp_avg"] for p in params]
+    windows = cache.windows("exp_avgs", moments, 1 / 8, None, phase=3)
+    assert cache.windows("exp_avgs", moments, 1 / 8, None, phase=3 + 8) is windows  # same slot: reused
+    assert cache.windows("exp_avgs", moments, 1 / 8, None, phase=4) is not windows
+
+
+def test_the_cache_never_keeps_a_transient_gradient_alive() -> None:
+    cache = WindowCache()
+    grad = torch.randn(10_000)
+    alive = weakref.ref(grad)
+    cache.windows("grads", [grad], 1 / 32, None, phase=0)
+    del grad
+    gc.collect()
+    assert alive() is None
+
+
+def test_the_cache_keeps_at_most_max_views() -> None:
+    tensors = [torch.randn(5000) for _ in range(10)]
+    cache = WindowCache(max_views=30)
+    for phase in range(64):
+        windows = cache.windows("params", tensors, 1 / 32, None, phase)
+        assert [w.data_ptr() for w in windows] == [w.data_ptr() for w in
+                                                    (sample_window(t, 1 / 32, i, phase) for i, t in enumerate(tensors))]
+    assert sum(len(ws) for ws in cache._entries["params"].by_slot.values()) <= 30
+
+
+def test_leading_cuts_pieces_to_the_real_elements() -> None:
+    pieces = [torch.arange(4.0), torch.arange(4.0, 10.0), torch.arange(10.0, 12.0)]
+    cut = leading(pieces, [4, 6, 2], 7)
+    assert [t.tolist() for t in cut] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert leading([None, None], [3, 3], 4) == [None, None]
+    assert len(leading(pieces, [4, 6, 2], 12)) == 3 and leading(pieces, [4, 6, 2], 12)[2] is pieces[2]
+
+
+def test_a_flat_partition_is_sampled_in_staggered_segments() -> None:
+    """A ZeRO-1/2 flat partition is cut into segments (views), each with its own window: at every step the sample
+    is spread over the whole partition, and every element is still covered within ⌈1/update_sample⌉ steps."""
+    from arc_engine.stats.optim_stats import AdamHyper, AdamViews
+    from arc_engine.stats.sampling import MAX_SEGMENTS, segment_count, segmented
+
+    numel, fraction = 1_000_003, 1 / 32
+    flat = torch.arange(float(numel))
+    views = AdamViews([flat], [flat], [None], [None], 0, AdamHyper(0.9, 0.999, 1e-8))
+    segments = segmented(views, fraction)
+    assert len(segments.grads) == segment_count(numel, fraction) == MAX_SEGMENTS
+    assert sum(g.numel() for g in segments.grads) == numel and segments.exp_avgs == [None] * MAX_SEGMENTS
+    assert all(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in segments.grads)
+    covered = torch.zeros(numel, dtype=torch.bool)
+    for phase in range(32):
+        windows = sampled(segments, fraction, phase=phase).grads
+        for window, segment in zip(windows, segments.grads, strict=True):  # one window inside each segment
+            assert segment[0] <= window[0] and window[-1] <= segment[-1]
+            covered[window.long()] = True
+    assert bool(covered.all())
+    small = AdamViews([flat[:6864]], [flat[:6864]], [None], [None], 0, AdamHyper(0.9, 0.999, 1e-8))
+    assert segmented(small, fraction) is small  # too small to cut: its window stays one run
+    assert segmented(views, 1.0) is views
