@@ -62,7 +62,7 @@ def test_flip_fp32_matches_struct_reference(bit):
     assert as_unsigned(flipped, 32) == [fp32_word(v) ^ (1 << bit) for v in VALUES]
 
 
-def test_flip_fp32_exponent_msb_and_sign_values():
+def test_flipping_fp32_bits_30_31_28_gives_inf_negation_and_tiny_values():
     one = torch.tensor([1.0, 0.5])
     assert flip_bits(one, 30, full_mask(one)).tolist() == [float("inf"), 2.0**127]
     assert flip_bits(one, 31, full_mask(one)).tolist() == [-1.0, -0.5]
@@ -76,7 +76,7 @@ def test_flip_bf16_matches_struct_reference(bit):
     assert as_unsigned(flipped, 16) == [(fp32_word(v) >> 16) ^ (1 << bit) for v in VALUES]
 
 
-def test_flip_bf16_paper_bits():
+def test_flipping_bf16_bits_14_12_15_gives_inf_tiny_and_negation():
     one = torch.tensor([1.0], dtype=torch.bfloat16)
     assert flip_bits(one, 14, full_mask(one)).item() == float("inf")
     assert flip_bits(one, 12, full_mask(one)).item() == 2.0**-32
@@ -133,7 +133,7 @@ def test_choose_elements_count_is_exact_and_clamped():
     assert int(choose_elements((2, 3), None, 50, gen, "cpu").sum()) == 6
 
 
-def test_choose_elements_rate_is_plausible():
+def test_choose_elements_rate_selects_about_rate_times_numel():
     mask = choose_elements((100, 100), 0.1, None, torch.Generator().manual_seed(0), "cpu")
     assert abs(int(mask.sum()) - 1000) < 150  # 5 standard deviations (30 each)
 

@@ -257,7 +257,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path: Path) ->
 # --------------------------------------------------------------------- single process (no torch.distributed)
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_single_process_round_trip_and_fallbacks(tmp_path: Path) -> None:
+def test_round_trip_then_a_missing_file_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
     assert not dist.is_initialized()
     manager = CheckpointManager(tmp_path, keep_last=5)
     weights = torch.zeros(1000)

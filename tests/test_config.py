@@ -277,7 +277,7 @@ def test_cli_validate_config_checks_overrides_too():
     assert "policy.max_consecutive_skips = -1" in result.stderr
 
 
-def test_cli_validate_config_missing_file(tmp_path):
+def test_cli_validate_config_of_a_missing_file_exits_2_naming_it(tmp_path):
     missing = tmp_path / "absent.yaml"
     result = run_cli("validate-config", str(missing))
     assert result.returncode == 2
@@ -293,7 +293,7 @@ def test_cli_show_config_round_trips_to_defaults(tmp_path):
     assert load_config(path) == ArcConfig()
 
 
-def test_cli_show_config_of_a_file(tmp_path):
+def test_cli_show_config_of_a_file_prints_the_file_with_overrides_applied(tmp_path):
     result = run_cli("show-config", "--arc-config", "configs/demo.yaml", "--arc.stats.interval=5")
     assert result.returncode == 0, result.stderr
     shown = load_config(write_yaml(tmp_path, result.stdout, "shown.yaml"))

@@ -232,7 +232,7 @@ def _with_a_users_comm_hook(rank: int, world: int, run_dir: Path) -> dict:
             "reduced_sq": reduced_sq, "refusals": refusals}
 
 
-def test_a_users_comm_hook_does_the_reduction(tmp_path: Path) -> None:
+def test_a_users_comm_hook_does_the_reduction_bitwise_as_alone_and_unusable_hooks_are_refused(tmp_path: Path) -> None:
     """``attach(..., ddp_comm_hook=(hook, state))``: the user's hook (fp16 compression) reduces every bucket, the
     gradients are bitwise those of DDP with that hook alone, the reduced norm is the one of those gradients; hooks
     that cannot be honoured are refused with a message saying what to do."""

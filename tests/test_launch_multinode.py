@@ -180,7 +180,7 @@ exit "$status"
 """
 
 
-def test_slurm_sbatch_two_nodes_with_local_srun(tmp_path: Path) -> None:
+def test_slurm_sbatch_runs_two_nodes_through_srun_and_detects_the_nan(tmp_path: Path) -> None:
     bin_dir, slurm_dir = tmp_path / "bin", tmp_path / "slurm"
     bin_dir.mkdir()
     slurm_dir.mkdir()
@@ -238,7 +238,7 @@ dist.destroy_process_group()
 '''
 
 
-def test_deepspeed_launcher_one_cpu_node_two_processes(tmp_path: Path) -> None:
+def test_deepspeed_launcher_starts_two_ranks_on_one_cpu_node(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
     (tmp_path / "ds_train.py").write_text(DS_TRAIN)
     (tmp_path / "ds.json").write_text('{"train_batch_size": 2}')
@@ -289,7 +289,7 @@ def test_hostfile_example_parses_with_deepspeed() -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_syntax_and_usage_without_arguments(script: str) -> None:
+def test_every_launch_script_parses_and_exits_2_with_usage_without_arguments(script: str) -> None:
     path = LAUNCH / script
     assert os.access(path, os.X_OK), f"{path} is not executable"
     syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)

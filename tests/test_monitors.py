@@ -74,7 +74,7 @@ def test_nonfinite_ranks_reports_loss_grad_and_first_group():
     assert nonfinite_ranks(np.array([math.nan]), np.array([0]), np.zeros((1, 2))) == []
 
 
-def test_global_grad_norm_and_classification():
+def test_global_grad_norm_and_its_classification_as_ok_explosion_vanishing_nonfinite():
     assert global_grad_norm(np.array([9.0, 16.0])) == pytest.approx(5.0)
     assert math.isnan(global_grad_norm(np.array([1.0, math.nan])))
     assert math.isinf(global_grad_norm(np.array([1.0, math.inf])))

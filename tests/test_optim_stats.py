@@ -76,7 +76,7 @@ def test_first_step_update_rms_is_one_for_large_gradients() -> None:
     assert rms_per_group([float(total[0])], [4.0]) == [pytest.approx(1.0, rel=1e-6)]
 
 
-def test_weight_sq_sums_and_non_adam() -> None:
+def test_weight_sq_sums_per_tensor_and_non_adam_optimizers_have_no_adam_views() -> None:
     tensors = [torch.full((2, 2), 2.0), torch.tensor([3.0])]
     assert weight_sq_sums(tensors).tolist() == [16.0, 9.0]
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)

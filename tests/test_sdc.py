@@ -24,7 +24,7 @@ from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_da
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_rule_follows_the_paper() -> None:
+def test_rule_flags_jumps_above_mu_over_alpha_sqrt_delta_g_and_non_finite_norms() -> None:
     assert sdc_threshold(0.01, 0.05, 0.0) == math.inf  # ΔG = 0 never flags
     assert sdc_threshold(0.01, 0.05, 4.0) == pytest.approx(0.01 / (0.05 * 2.0))
     assert not is_sdc(1.0, 0.99, 5.0, 5.0, mu=0.001, alpha=0.05)  # a jump with no gradient-norm jump

@@ -97,7 +97,7 @@ def test_batched_block_sums_give_the_per_tensor_sketch() -> None:
     assert torch.allclose(block_sums(torch.arange(10.0), 4), torch.tensor([1.0, 5.0, 9.0, 30.0]))
 
 
-def test_peer_classification() -> None:
+def test_peer_check_calls_agreement_data_and_disagreement_a_faulty_device() -> None:
     assert classify(10.0, 10.0001, 0.01) == "data"
     assert classify(float("inf"), float("inf"), 0.01) == "data"
     assert classify(1e12, 10.0, 0.01) == "device"
@@ -343,7 +343,7 @@ def _train_from_yaml(rank: int, world: int, run_dir: Path, config_file: Path) ->
             "calls": arc.engine.sdc_recompute.calls, "recomputed": arc.summary()["detections"].get("sdc_recompute")}
 
 
-def test_bit_flips_from_the_yaml_config(tmp_path: Path) -> None:
+def test_a_yaml_bitflip_fires_once_and_is_recomputed_on_its_rank(tmp_path: Path) -> None:
     config_file = tmp_path / "arc.yaml"
     config_file.write_text(BITFLIP_YAML)
     results = run_ranks(_train_from_yaml, 2, tmp_path, config_file)
