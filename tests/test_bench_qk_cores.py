@@ -1,0 +1,42 @@
+"""The pure parts of scripts/bench_qk_cores.py: its dense baseline, its accuracy figure and its table row."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_qk_cores.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_qk_cores", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_qk_cores"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dense_baseline_is_the_products_singular_spectrum(bench) -> None:
+    a, b = bench.factors(40, 4)
+    expected = torch.linalg.svdvals(a @ b.T)
+    dense = bench.dense_spectrum(a, b)
+    torch.testing.assert_close(dense[:8], expected[:8], atol=1e-9, rtol=1e-9)  # rank 2 d_k = 8
+    assert float(dense[8:].max()) < 1e-6 * float(dense[0])  # the rest is numerical zero
+
+
+def test_relative_difference_is_against_the_largest_value(bench) -> None:
+    dense = torch.tensor([10.0, 5.0, 0.0, 0.0])
+    assert bench.relative_difference(torch.tensor([10.0, 4.0]), dense) == pytest.approx(0.1)
+    assert bench.relative_difference(torch.tensor([10.0, 5.0]), dense) == 0.0
+
+
+def test_a_measured_row_is_accurate_and_formatted(bench) -> None:
+    row = bench.measure(96, 8, repeats=1)
+    assert row["rel_diff"] <= 1e-5 and row["dense_ms"] > 0 and row["core_ms"] > 0
+    assert bench.table_row(row).startswith("| 96 | ") and bench.table_row(row).endswith(" |")
