@@ -174,7 +174,7 @@ def histogram_quantiles(histogram_b: torch.Tensor | np.ndarray, max_entropy: flo
         b = int(np.searchsorted(cumulative_b, rank, side="right"))  # first bin whose cumulative count exceeds rank
         below = cumulative_b[b - 1] if b > 0 else 0.0
         fraction = min(max((q * total - below) / counts_b[b], 0.0), 1.0)
-        out.append((b + fraction) * width)
+        out.append(float((b + fraction) * width))
     return out
 
 
