@@ -421,7 +421,7 @@ class WatchdogConfig:
     communicators, load data); after, ``safety_factor`` x the longest step seen since warm-up, clamped to
     [``min_timeout_s``, ``max_timeout_s``]. On firing: a critical ``hang`` event through every sink of the rank
     (alerts included) and, with ``dump_stacks``, every thread's Python stack in
-    ``<run_dir>/stacks/rank<N>-<iteration>.txt``. Once per hang; re-armed by the next completed step. It only reads
+    ``<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt``. Once per hang; re-armed by the next completed step. It only reads
     clocks and writes local files: it never takes part in a collective, so a dead collective cannot hang it.
     """
 
