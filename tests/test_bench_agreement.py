@@ -3,27 +3,17 @@ that stands in for thousands of ranks (its agreed values must be what N real ran
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from arc_engine.stats import Reduce, StatLayout, names
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_agreement.py"
+from tests.scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_agreement", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_agreement"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_agreement")
 
 
 def test_byte_volumes_follow_the_collectives(bench) -> None:

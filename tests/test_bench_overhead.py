@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_overhead.py"
+from tests.scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_overhead", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_overhead")
 
 
 def test_pair_median_is_robust_to_a_slow_phase(bench) -> None:

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_qk_cores.py"
+from tests.scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_qk_cores", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_qk_cores"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_qk_cores")
 
 
 def test_the_dense_baseline_is_the_products_singular_spectrum(bench) -> None:
