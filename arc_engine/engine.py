@@ -111,12 +111,6 @@ class ArcEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def add_monitor(self, monitor: Monitor) -> None:
-        """Register an extra monitor (before :meth:`start`); its slots must already be in ``layout``."""
-        if self.buffer is not None:
-            raise RuntimeError("add monitors before ArcEngine.start()")
-        self.monitors.append(monitor)
-
     def start(self) -> ArcEngine:
         """Collective over the decision group (once): agree on the run id, freeze and verify the statistics layout,
         open sinks (on the group's first rank; W&B on one elected rank)."""
