@@ -105,6 +105,8 @@ class Adapter(Protocol):
     params: list[torch.Tensor]       # this rank's trainable parameters as held (family producers read them)
     data_parallel_group: dist.ProcessGroup | None  # the replicas of this rank's shard (SDC recomputation)
     supports_recompute: bool
+    # optional: ``parts`` (a :class:`~arc_engine.monitors.family.ModelParts`), the model's structure for the
+    # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
 
     def check_config(self, config: ArcConfig) -> None:
         """ValueError for a setting this framework cannot honour (before anything is registered)."""
@@ -134,7 +136,8 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         config = load_config(config)
     adapter.check_config(config)
     engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
-                       shard_reduce=adapter.shard_reduce, params=adapter.params)
+                       shard_reduce=adapter.shard_reduce, params=adapter.params,
+                       parts=getattr(adapter, "parts", None))
     wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
                                        data_parallel_group=adapter.data_parallel_group)
     engine.start()
@@ -155,6 +158,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
+    megatron-core ``DistributedDataParallel`` chunks, one or a list (delegates to
+    :func:`arc_engine.integrations.megatron.attach_megatron`; ``optimizer`` is what ``get_megatron_optimizer``
+    returned),
     an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.fsdp.attach_fsdp`), a
     ``deepspeed.initialize``-d engine (``optimizer`` may be None; delegates to
     :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
@@ -187,6 +193,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if ddp_comm_hook is not None and not isinstance(model, DistributedDataParallel):
         raise ValueError("arc_engine.attach: ddp_comm_hook is for a DistributedDataParallel model, got "
                          f"{type(model).__name__}")
+    if isinstance(model, (list, tuple)) or type(model).__module__.startswith("megatron."):
+        from arc_engine.integrations.megatron import attach_megatron
+
+        return attach_megatron(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
     if type(model).__module__.startswith("deepspeed."):
         from arc_engine.integrations.deepspeed import attach_deepspeed
 

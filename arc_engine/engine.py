@@ -25,7 +25,15 @@ from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.monitors import Monitor, missing_stats
-from arc_engine.monitors.family import HOOKS, FamilyContext, MonitorFamily, Producer, StepView, section_of
+from arc_engine.monitors.family import (
+    HOOKS,
+    FamilyContext,
+    ModelParts,
+    MonitorFamily,
+    Producer,
+    StepView,
+    section_of,
+)
 from arc_engine.monitors.registry import families
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
 from arc_engine.recovery.state import TrainState
@@ -53,6 +61,8 @@ class ArcEngine:
     its partition) and for DDP when each rank takes the parameters it owns (:mod:`arc_engine.stats.partition`);
     REPLICATED when every rank computes the whole value (the group's first rank's is used).
     ``params``: this rank's trainable parameters as the adapter holds them (what family producers may read).
+    ``parts``: the model's structure as the adapter describes it (attention and router shards), for the families
+    that monitor a mechanism.
 
     The engine knows no monitor family: it registers the adapters' standard slots, then asks every enabled family
     (:mod:`arc_engine.monitors.registry`) for its statistics, producers and monitors.
@@ -60,7 +70,8 @@ class ArcEngine:
 
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
-                 sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = ()) -> None:
+                 sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = (),
+                 parts: ModelParts | None = None) -> None:
         self.config = config
         self.group = group
         self.rank = runtime.global_rank()
@@ -73,7 +84,7 @@ class ArcEngine:
         self.monitors: list[Monitor] = []
         self.producers: list[Producer] = []
         for family in families():
-            context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce)
+            context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce, parts)
             if not family.enabled(context):
                 continue
             self.families.append((family, context))

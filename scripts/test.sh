@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check arc_engine integrations tests scripts
+.venv/bin/ruff check arc_engine integrations tests scripts launch
 exec .venv/bin/python -m pytest -q "$@"

@@ -83,6 +83,30 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                           "paper's exact R_t.", "(0, 1]"),
     "detectors.sdc.sketch_size": KeyDoc("Numbers per rank in the signed block-sum sketch of the local gradient "
                                         "(0: off).", ">= 0"),
+    "detectors.qk_spectra.enabled": KeyDoc("Attention ΔW and QK-product spectra per head and tensor-parallel shard "
+                                           "(Megatron; off elsewhere)."),
+    "detectors.qk_spectra.every": KeyDoc("δ: optimizer steps between measurements (W_q, W_k at t − δ are kept).",
+                                         "a multiple of `stats.interval`"),
+    "detectors.qk_spectra.warmup_measurements": KeyDoc("Accepted measurements before the alarm can fire.", ">= 3"),
+    "detectors.qk_spectra.window": KeyDoc("Accepted measurements in each head's healthy trajectory.",
+                                          ">= `warmup_measurements`"),
+    "detectors.qk_spectra.factor": KeyDoc("Robust standard deviations below the trajectory's median that a head's "
+                                          "Δ₂ spectral entropy must fall.", "> 0"),
+    "detectors.qk_spectra.min_relative_drop": KeyDoc("And the fraction of the median it must fall by.", "[0, 1)"),
+    "detectors.qk_spectra.action": KeyDoc("What an alarm gets."),
+    "detectors.router.enabled": KeyDoc("MoE router health per MoE layer over every token of the job (Megatron with "
+                                       "experts; off elsewhere)."),
+    "detectors.router.every": KeyDoc("Optimizer steps between measurements.", "a multiple of `stats.interval`"),
+    "detectors.router.warmup_measurements": KeyDoc("Accepted measurements before the alarms can fire.", ">= 3"),
+    "detectors.router.window": KeyDoc("Accepted measurements in each layer's healthy trajectory.",
+                                      ">= `warmup_measurements`"),
+    "detectors.router.factor": KeyDoc("Robust standard deviations of change (entropy down, similarity up) that "
+                                      "alarm.", "> 0"),
+    "detectors.router.min_relative_change": KeyDoc("And the fraction of the median the change must exceed.",
+                                                   ">= 0"),
+    "detectors.router.action": KeyDoc("What an entropy or similarity alarm gets."),
+    "detectors.router.dead_expert_action": KeyDoc("What an expert gets that was alive in the baseline and "
+                                                  "receives no token."),
     "detectors.sdc.recompute.enabled": KeyDoc("Withhold a suspect local gradient before the reduction and recompute "
                                               "it on that rank only (DDP and DeepSpeed ZeRO-1/2; needs "
                                               "`recompute_fn` at attach)."),

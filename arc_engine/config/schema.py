@@ -174,6 +174,66 @@ class SDCConfig:
 
 
 @dataclass(kw_only=True)
+class QKSpectraConfig:
+    """Attention weight-update and QK-product spectra per head (mechanism-driven monitors; Megatron only: the
+    adapter describes where each tensor-parallel rank's heads are).
+
+    Every ``every`` optimizer steps (δ; a multiple of ``stats.interval``), for each layer and query head: the spectra
+    of ΔW_q, ΔW_k over the last δ steps and of the QK-product increments Δ₁, Δ₂, Δ₃ (from thin-QR cores). Only W_q
+    and W_k at t − δ are kept, on one data-parallel copy per layer. The alarm: a head's Δ₂ spectral entropy falls
+    below its own healthy trajectory (median of the last ``window`` accepted measurements) by more than ``factor``
+    robust standard deviations *and* by more than ``min_relative_drop`` of it, after ``warmup_measurements``.
+    """
+
+    enabled: bool = True
+    every: int = 50
+    warmup_measurements: int = 5
+    window: int = 50
+    factor: float = 6.0
+    min_relative_drop: float = 0.15
+    action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3")
+        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(0 <= self.min_relative_drop < 1, "min_relative_drop", self.min_relative_drop, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class RouterConfig:
+    """MoE router health per MoE layer, over all the tokens of the job (mechanism-driven monitors; Megatron only).
+
+    Every ``every`` optimizer steps (a multiple of ``stats.interval``): router weight similarity sim(W_R), the
+    conditioning ratio ε, per-token routing entropy of the full softmax (mean and low percentiles), tokens per
+    expert, MaxVio and dead experts, summed over the expert-parallel and expert-data-parallel ranks. Alarms against
+    the run's own healthy trajectory (median of the last ``window`` accepted measurements, after
+    ``warmup_measurements``): the mean routing entropy falls, or the similarity rises, by more than ``factor`` robust
+    standard deviations and by more than ``min_relative_change``; an expert that received tokens in the baseline
+    and none now (``dead_expert_action``).
+    """
+
+    enabled: bool = True
+    every: int = 10
+    warmup_measurements: int = 5
+    window: int = 50
+    factor: float = 6.0
+    min_relative_change: float = 0.15
+    action: ActionName = "warn"
+    dead_expert_action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3")
+        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_relative_change >= 0, "min_relative_change", self.min_relative_change, "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -183,6 +243,8 @@ class DetectorsConfig:
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
     sdc: SDCConfig = field(default_factory=SDCConfig)
+    qk_spectra: QKSpectraConfig = field(default_factory=QKSpectraConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})
 
 

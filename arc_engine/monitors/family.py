@@ -49,15 +49,65 @@ class StatDecl:
 
 
 @dataclass
+class AttentionShard:
+    """One attention layer's fused QKV projection as this rank holds it (a tensor-parallel shard of whole query
+    groups; rows per group: its query heads, its key, its value). ``owner``: this rank writes the layer's
+    statistics (one data-parallel copy per layer does)."""
+
+    layer: int                 # global layer index (0-based, across pipeline stages)
+    weight: torch.Tensor       # the live ``[groups * (heads_per_group + 2) * head_dim, hidden]`` weight
+    num_query_groups: int      # query groups in ``weight``
+    heads_per_group: int
+    head_dim: int
+    first_head: int            # global index of the first query head in ``weight``
+    tp_rank: int
+    owner: bool
+
+
+@dataclass
+class RouterShard:
+    """One MoE layer's router as this rank holds it. ``module``: the router (its ``routing`` is observed);
+    ``weight``: ``[num_experts, hidden]``; ``report_weight``: this rank reports the (replicated) weight statistics;
+    ``report_tokens``: this rank's tokens are its own (False on tensor-parallel peers that see the same tokens)."""
+
+    layer: int                 # global layer index of the MoE layer
+    module: torch.nn.Module
+    weight: torch.Tensor
+    topk: int
+    ep_rank: int
+    report_weight: bool
+    report_tokens: bool
+
+
+@dataclass
+class ModelParts:
+    """What an adapter knows of the model's structure, for the families that monitor a mechanism (attention,
+    routers). Identical sizes on every rank; the shard lists are this rank's. Adapters that cannot describe the
+    model leave it None and those families stay off."""
+
+    num_layers: int = 0
+    num_heads: int = 0          # query heads per layer, whole model
+    attention: list[AttentionShard] = field(default_factory=list)
+    num_experts: int = 0
+    experts_per_rank: int = 0   # experts per expert-parallel rank
+    routers: list[RouterShard] = field(default_factory=list)
+    observe_routing: Callable[[RouterShard, Callable[[torch.Tensor, torch.Tensor], None]], Callable[[], None]] | \
+        None = None  # observe_routing(shard, fn): call fn(logits, routing_map) at each routing; returns a remover
+    current_step: Callable[[], int] | None = None  # the optimizer step being computed (set by the adapter)
+
+
+@dataclass
 class FamilyContext:
     """What a family is built from (identical on every rank): the whole config, its own section, the optimizer's
-    parameter-group names (G slots per gradient statistic), and how the adapter's parameter-wise statistics combine
-    (``shard_reduce``: SUM of shards / owned parts, or REPLICATED)."""
+    parameter-group names (G slots per gradient statistic), how the adapter's parameter-wise statistics combine
+    (``shard_reduce``: SUM of shards / owned parts, or REPLICATED), and the model's structure when the adapter
+    describes it (``parts``)."""
 
     config: ArcConfig
     section: Any
     group_names: list[str]
     shard_reduce: Reduce
+    parts: ModelParts | None = None
 
 
 @dataclass
@@ -147,5 +197,6 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     return bool(every) and step % (config.stats.interval * every) == 0
 
 
-__all__ = ["HOOKS", "FamilyBase", "FamilyContext", "MonitorFamily", "Producer", "StatDecl", "StepView",
+__all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "MonitorFamily", "Producer",
+           "RouterShard", "StatDecl", "StepView",
            "optimizer_stats_schedule", "section_of"]

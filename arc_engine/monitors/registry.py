@@ -15,9 +15,12 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.loss_spike import LossSpikeFamily
     from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
+    from arc_engine.monitors.qk_spectra import QKSpectraFamily
+    from arc_engine.monitors.router_health import RouterFamily
     from arc_engine.monitors.sdc import SDCFamily
 
-    return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily()]
+    return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
+            QKSpectraFamily(), RouterFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:

@@ -1,0 +1,227 @@
+"""``detectors.qk_spectra``: attention weight-update and QK-product spectra per head, per tensor-parallel shard.
+
+Every δ = ``every`` optimizer steps, the rank that owns a layer (one data-parallel copy per layer; layers are dealt
+round-robin over the data-parallel ranks, so the work is spread) takes, for each query head of its tensor-parallel
+shard, the spectra of ΔW_q, ΔW_k and of the QK-product increments Δ₁, Δ₂, Δ₃ (:mod:`arc_engine.monitors.spectra`:
+thin-QR cores, never a d x d product). It keeps W_q and W_k at t − δ of the layers it owns and nothing else.
+
+Through the one agreement (SUM slots; each (layer, head) is written by exactly one rank):
+
+* ``qk_delta2_entropy`` ``[layers x heads]``: each head's Δ₂ spectral entropy -- the alarm's input, and the per-head
+  detail an alarm names;
+* ``qk_layer_sums`` ``[layers x 9]``: per layer, sums over heads of the other summaries (ΔW_q / ΔW_k entropy, stable
+  rank and squared norm, Δ₁ and Δ₃ entropy, Δ₂ stable rank) -- layer means for the dashboards;
+* ``qk_measured`` ``[layers]``: heads measured (0 on the steps between measurements, and on the first one, which
+  only records W_{t−δ}).
+
+The monitor learns each head's healthy trajectory (median and robust spread of its last ``window`` accepted
+measurements) and alarms when a head's Δ₂ entropy drops below it (see :class:`~arc_engine.config.QKSpectraConfig`),
+naming layer, head and tensor-parallel rank. Its cost is periodic: a few small SVDs per head every δ steps
+(``scripts/bench_qk_cores.py``), plus a host copy of the results.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from arc_engine.config.schema import QKSpectraConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, StatDecl, StepView
+from arc_engine.monitors.spectra import head_spectra, split_qkv_rows
+from arc_engine.stats import Reduce, StatBuffer
+
+HEAD_ENTROPY = "qk_delta2_entropy"
+LAYER_SUMS = "qk_layer_sums"
+MEASURED = "qk_measured"
+#: The per-layer sums, in slot order: (quantity, summary) of :func:`~arc_engine.monitors.spectra.head_spectra`.
+LAYER_FIELDS = (("dwq", "entropy"), ("dwk", "entropy"), ("dwq", "stable_rank"), ("dwk", "stable_rank"),
+                ("dwq", "norm_sq"), ("dwk", "norm_sq"), ("delta1", "entropy"), ("delta3", "entropy"),
+                ("delta2", "stable_rank"))
+MAD_TO_STD = 1.4826
+
+
+def _summary_value(spectra: dict[str, dict[str, float]], quantity: str, summary: str) -> float:
+    if summary == "norm_sq":
+        return spectra[quantity]["norm"] ** 2
+    return spectra[quantity][summary]
+
+
+class QKSpectraProducer:
+    """Writes this rank's heads every δ steps (see module docstring). Local; the SVDs run on the weights' device,
+    the results travel to the buffer in one copy per slot."""
+
+    def __init__(self, parts: ModelParts, every: int) -> None:
+        self.parts, self.every = parts, every
+        self.shards = [s for s in parts.attention if s.owner]
+        self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        if view.step % self.every != 0 or not self.shards:
+            return
+        num_layers, num_heads = self.parts.num_layers, self.parts.num_heads
+        entropy = np.zeros((num_layers, num_heads))
+        sums = np.zeros((num_layers, len(LAYER_FIELDS)))
+        measured = np.zeros(num_layers)
+        for shard in self.shards:
+            q, k = split_qkv_rows(shard.weight.detach(), shard.num_query_groups, shard.heads_per_group,
+                                  shard.head_dim)
+            previous = self.previous.get(shard.layer)
+            if previous is not None:
+                q_prev, k_prev = previous
+                for h in range(q.shape[0]):
+                    g = h // shard.heads_per_group
+                    spectra = head_spectra(q[h], k[g], q_prev[h], k_prev[g])
+                    entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
+                    sums[shard.layer] += [_summary_value(spectra, *f) for f in LAYER_FIELDS]
+                    measured[shard.layer] += 1
+            self.previous[shard.layer] = (q.float().clone(), k.float().clone())
+        if measured.any():
+            device = buffer.device
+            buffer.view(HEAD_ENTROPY).add_(torch.from_numpy(entropy.reshape(-1)).to(device))
+            buffer.view(LAYER_SUMS).add_(torch.from_numpy(sums.reshape(-1)).to(device))
+            buffer.view(MEASURED).add_(torch.from_numpy(measured).to(device))
+
+
+class QKSpectraMonitor:
+    """Per-head Δ₂ entropy against its own healthy trajectory (see module docstring)."""
+
+    name = "qk_spectra"
+
+    def __init__(self, config: QKSpectraConfig, parts: ModelParts, heads_per_tp_rank: int) -> None:
+        self.config = config
+        self.num_layers, self.num_heads = parts.num_layers, parts.num_heads
+        self.heads_per_tp_rank = max(1, heads_per_tp_rank)
+        self.history: deque[np.ndarray] = deque(maxlen=config.window)
+        self.alarms = 0
+        self.measurements = 0
+        self._current: np.ndarray | None = None
+        self._layer_sums: np.ndarray | None = None
+        self._measured: np.ndarray | None = None
+        self._flagged = False
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (HEAD_ENTROPY, LAYER_SUMS, MEASURED)
+
+    def evaluate(self, step: int, stats: Any) -> list[Finding]:
+        measured = np.asarray(stats.total(MEASURED), dtype=np.float64)
+        self._flagged = False
+        if not measured.any():
+            self._current = None
+            return []
+        current = np.asarray(stats.total(HEAD_ENTROPY), dtype=np.float64).reshape(self.num_layers, self.num_heads)
+        current = np.where((measured > 0)[:, None], current, np.nan)
+        self._current, self._measured = current, measured
+        self._layer_sums = np.asarray(stats.total(LAYER_SUMS), dtype=np.float64).reshape(self.num_layers, -1)
+        if len(self.history) < self.config.warmup_measurements:
+            return []
+        history = np.stack(self.history)
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            baseline = np.nanmedian(history, axis=0)
+            spread = MAD_TO_STD * np.nanmedian(np.abs(history - baseline), axis=0)
+            threshold = np.maximum(self.config.factor * spread, self.config.min_relative_drop * np.abs(baseline))
+            drop = baseline - current
+            flagged = np.argwhere(np.nan_to_num(drop - threshold, nan=-1.0) > 0)
+        if flagged.size == 0:
+            return []
+        self._flagged = True
+        heads = sorted(({"layer": int(layer), "head": int(head),
+                         "tp_rank": int(head) // self.heads_per_tp_rank,
+                         "delta2_entropy": float(current[layer, head]), "baseline": float(baseline[layer, head]),
+                         "threshold": float(threshold[layer, head])}
+                        for layer, head in flagged), key=lambda h: h["delta2_entropy"] - h["baseline"])
+        worst = heads[0]
+        message = (f"attention update collapse: Δ₂ spectral entropy of layer {worst['layer']} head {worst['head']} "
+                   f"(TP rank {worst['tp_rank']}) {worst['delta2_entropy']:.3g} vs healthy {worst['baseline']:.3g}"
+                   f"; {len(heads)} head(s) below their trajectory")
+        return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING, message,
+                        values={"heads": heads[:64], "flagged_heads": len(heads),
+                                "layers": sorted({h["layer"] for h in heads})})]
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._current is None:
+            return
+        self.measurements += 1
+        if self._flagged:
+            self.alarms += 1
+        elif applied:
+            self.history.append(self._current)
+        self._current = None
+
+    def metrics(self) -> dict[str, float]:
+        if self._measured is None or self._layer_sums is None or (not self.history and self._current is None):
+            return {"alarms": float(self.alarms)}
+        latest = self._current if self._current is not None else self.history[-1]
+        out = {"alarms": float(self.alarms)}
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            for layer in range(self.num_layers):
+                row = latest[layer]
+                if np.isnan(row).all():
+                    continue
+                out[f"layer{layer}/delta2_entropy_min"] = float(np.nanmin(row))
+                out[f"layer{layer}/delta2_entropy_median"] = float(np.nanmedian(row))
+                out[f"layer{layer}/delta2_entropy_max"] = float(np.nanmax(row))
+                count = self._measured[layer]
+                if count > 0:
+                    for (quantity, summary), total in zip(LAYER_FIELDS, self._layer_sums[layer], strict=True):
+                        out[f"layer{layer}/{quantity}_{summary}_mean"] = float(total / count)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [h.tolist() for h in self.history], "alarms": self.alarms,
+                "measurements": self.measurements}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((np.asarray(h, dtype=np.float64) for h in state["history"]), maxlen=self.config.window)
+        self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
+
+
+class _quiet_nan_warnings:
+    """Silence numpy's all-NaN slice warnings inside a block (heads not yet measured are NaN by design)."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._catch.__exit__(*exc)
+
+
+class QKSpectraFamily(FamilyBase):
+    """``detectors.qk_spectra``: on when the adapter describes attention layers (Megatron)."""
+
+    name = "qk_spectra"
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        on = bool(ctx.section.enabled) and ctx.parts is not None and ctx.parts.num_layers > 0 \
+            and ctx.parts.num_heads > 0
+        interval = ctx.config.stats.interval
+        if on and ctx.section.every % interval:
+            raise ValueError(f"detectors.qk_spectra.every ({ctx.section.every}) must be a multiple of "
+                             f"stats.interval ({interval}): measurements happen on monitored steps")
+        return on
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        assert ctx.parts is not None
+        layers, heads = ctx.parts.num_layers, ctx.parts.num_heads
+        return [StatDecl(HEAD_ENTROPY, layers * heads, Reduce.SUM), StatDecl(LAYER_SUMS, layers * len(LAYER_FIELDS),
+                                                                               Reduce.SUM),
+                StatDecl(MEASURED, layers, Reduce.SUM)]
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        assert ctx.parts is not None
+        return [Producer("before_agreement", QKSpectraProducer(ctx.parts, ctx.section.every).write)]
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        assert ctx.parts is not None
+        shards = ctx.parts.attention
+        per_rank = shards[0].num_query_groups * shards[0].heads_per_group if shards else ctx.parts.num_heads
+        return [QKSpectraMonitor(ctx.section, ctx.parts, per_rank)]

@@ -1,0 +1,200 @@
+"""``detectors.router``: MoE router health per MoE layer over every token of the job (the family on the seam;
+the statistics themselves are :mod:`arc_engine.monitors.router`).
+
+On the steps it measures (every ``every`` optimizer steps), each rank observes every routing of its routers
+(Megatron: the router's ``routing(logits)``, through :attr:`ModelParts.observe_routing`) and adds
+:func:`~arc_engine.monitors.router.pack_router_partials` of its own tokens into a per-layer accumulator on the
+device; tensor-parallel peers that see the same tokens (no sequence parallelism) leave them to TP rank 0. One rank
+per layer copy adds the replicated weight's statistics. The accumulators travel through the one agreement as one
+SUM slot ``router_sums`` ``[layers x (6 + experts + 128)]``, so every rank unpacks the same union: similarity,
+conditioning ratio, entropy mean and low percentiles, tokens per expert, MaxVio, dead experts.
+
+The monitor alarms against the run's own trajectory (median and robust spread of the last ``window`` accepted
+measurements, per layer): the mean routing entropy falls, or the similarity rises; and an expert alive in the
+baseline gets no token. Events name the layer, the experts and their expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from arc_engine.config.schema import RouterConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, RouterShard, StatDecl, StepView
+from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
+from arc_engine.stats import Reduce, StatBuffer
+
+ROUTER_SUMS = "router_sums"
+MAD_TO_STD = 1.4826
+
+
+class RouterObserver:
+    """Accumulates this rank's router partials on measured steps and writes them at the agreement."""
+
+    def __init__(self, parts: ModelParts, every: int) -> None:
+        self.parts, self.every = parts, every
+        self.size = router_partials_size(parts.num_experts)
+        self.accumulated: dict[int, torch.Tensor] = {}
+        self.removers: list[Callable[[], None]] = []
+        if parts.observe_routing is not None:
+            for shard in parts.routers:
+                self.removers.append(parts.observe_routing(shard, self._observer(shard)))
+
+    def due(self) -> bool:
+        step = self.parts.current_step() if self.parts.current_step is not None else 0
+        return step % self.every == 0
+
+    def _observer(self, shard: RouterShard) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        @torch.no_grad()
+        def observe(logits: torch.Tensor, routing_map: torch.Tensor) -> None:
+            if not shard.report_tokens or not self.due():
+                return
+            logits = logits.detach().reshape(-1, logits.shape[-1])
+            partial = pack_router_partials(logits, routing_map.reshape(logits.shape))
+            held = self.accumulated.get(shard.layer)
+            self.accumulated[shard.layer] = partial if held is None else held + partial
+
+        return observe
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        accumulated, self.accumulated = self.accumulated, {}
+        if view.step % self.every != 0:
+            return
+        slot = buffer.view(ROUTER_SUMS).view(self.parts.num_layers, self.size)
+        for shard in self.parts.routers:
+            partial = accumulated.get(shard.layer)
+            if shard.report_weight:
+                weight_part = pack_router_partials(torch.zeros(0, self.parts.num_experts, device=shard.weight.device),
+                                                   torch.zeros(0, self.parts.num_experts, dtype=torch.bool,
+                                                               device=shard.weight.device),
+                                                   shard.weight.detach())
+                partial = weight_part if partial is None else partial + weight_part
+            if partial is not None:
+                slot[shard.layer].add_(partial.to(slot.device, torch.float64))
+
+
+class RouterMonitor:
+    """Per MoE layer, the union's router summary against its healthy trajectory (see module docstring)."""
+
+    name = "router"
+
+    def __init__(self, config: RouterConfig, parts: ModelParts) -> None:
+        self.config = config
+        self.num_layers, self.num_experts = parts.num_layers, parts.num_experts
+        self.experts_per_rank = max(1, parts.experts_per_rank)
+        self.size = router_partials_size(parts.num_experts)
+        self.history: deque[dict[int, dict[str, Any]]] = deque(maxlen=config.window)
+        self.alarms = 0
+        self._current: dict[int, dict[str, Any]] | None = None
+        self._flagged = False
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (ROUTER_SUMS,)
+
+    def evaluate(self, step: int, stats: Any) -> list[Finding]:
+        sums = np.asarray(stats.total(ROUTER_SUMS), dtype=np.float64).reshape(self.num_layers, self.size)
+        self._flagged = False
+        current = {layer: unpack_router_sums(sums[layer], self.num_experts)
+                   for layer in range(self.num_layers) if sums[layer].any()}
+        self._current = current or None
+        if not current or len(self.history) < self.config.warmup_measurements:
+            return []
+        findings = []
+        for layer, summary in current.items():
+            past = [h[layer] for h in self.history if layer in h]
+            if len(past) < self.config.warmup_measurements:
+                continue
+            problems = []
+            for key, direction in (("entropy_mean", -1.0), ("similarity", 1.0)):
+                value = float(summary[key])
+                history = np.asarray([float(p[key]) for p in past])
+                history = history[np.isfinite(history)]
+                if not math.isfinite(value) or history.size < self.config.warmup_measurements:
+                    continue
+                median = float(np.median(history))
+                spread = MAD_TO_STD * float(np.median(np.abs(history - median)))
+                change = direction * (value - median)
+                threshold = max(self.config.factor * spread, self.config.min_relative_change * abs(median))
+                if change > threshold:
+                    problems.append({"statistic": key, "value": value, "baseline": median, "threshold": threshold})
+            if problems:
+                worst = problems[0]
+                findings.append(Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
+                                        f"router collapse in MoE layer {layer}: {worst['statistic']} "
+                                        f"{worst['value']:.4g} vs healthy {worst['baseline']:.4g}",
+                                        values={"layer": layer, "problems": problems,
+                                                **{k: summary[k] for k in ("similarity", "conditioning_ratio",
+                                                                           "entropy_mean", "max_vio")}}))
+            alive_before = np.mean([np.asarray(p["tokens_per_expert"]) > 0 for p in past], axis=0) == 1.0
+            dead_now = [e for e in summary["dead_expert_ids"] if alive_before[e]]
+            if dead_now and summary["tokens"] > 0:
+                findings.append(Finding(
+                    self.name, Action.parse(self.config.dead_expert_action), Severity.WARNING,
+                    f"dead expert(s) in MoE layer {layer}: {dead_now} received no token "
+                    f"(EP rank(s) {sorted({e // self.experts_per_rank for e in dead_now})})",
+                    values={"layer": layer, "dead_expert_ids": dead_now,
+                            "ep_ranks": sorted({e // self.experts_per_rank for e in dead_now}),
+                            "tokens_per_expert": summary["tokens_per_expert"]}))
+        self._flagged = bool(findings)
+        return findings
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._current is None:
+            return
+        if self._flagged:
+            self.alarms += 1
+        elif applied:
+            self.history.append(self._current)
+
+    def metrics(self) -> dict[str, float]:
+        latest = self._current if self._current is not None else (self.history[-1] if self.history else None)
+        out = {"alarms": float(self.alarms)}
+        for layer, summary in (latest or {}).items():
+            for key in ("similarity", "conditioning_ratio", "entropy_mean", "entropy_p1", "entropy_p5", "max_vio",
+                        "dead_experts"):
+                if key in summary:
+                    out[f"layer{layer}/{key}"] = float(summary[key])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [{str(k): v for k, v in h.items()} for h in self.history], "alarms": self.alarms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque(({int(k): v for k, v in h.items()} for h in state["history"]),
+                             maxlen=self.config.window)
+        self.alarms = int(state["alarms"])
+
+
+class RouterFamily(FamilyBase):
+    """``detectors.router``: on when the adapter describes MoE routers (Megatron with ``--num-experts``)."""
+
+    name = "router"
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        on = bool(ctx.section.enabled) and ctx.parts is not None and ctx.parts.num_experts > 0
+        interval = ctx.config.stats.interval
+        if on and ctx.section.every % interval:
+            raise ValueError(f"detectors.router.every ({ctx.section.every}) must be a multiple of stats.interval "
+                             f"({interval}): measurements happen on monitored steps")
+        return on
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        assert ctx.parts is not None
+        return [StatDecl(ROUTER_SUMS, ctx.parts.num_layers * router_partials_size(ctx.parts.num_experts),
+                         Reduce.SUM)]
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        assert ctx.parts is not None
+        return [Producer("before_agreement", RouterObserver(ctx.parts, ctx.section.every).write)]
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        assert ctx.parts is not None
+        return [RouterMonitor(ctx.section, ctx.parts)]

@@ -1,0 +1,271 @@
+"""megatron-core: :class:`MegatronAdapter` and :func:`attach_megatron`.
+
+Attaches to megatron ``DistributedDataParallel`` model chunks (dense and MoE, any TP/PP/EP/CP layout) and the
+optimizer ``get_megatron_optimizer`` returns (a ``ChainedOptimizer`` of ``DistributedOptimizer``,
+``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer`` members, dense and expert). Per monitored step:
+
+* **local, before the data-parallel reduction** (each bucket group, as Megatron starts reducing it): per parameter
+  group, this rank's squared gradient norm (``grad_sq_local``, per-rank detail) and its count of tensors holding
+  NaN/Inf (``grad_nonfinite_local``), plus the gradient sketch when ``detectors.sdc`` is on. No collective.
+* **reduced, on this rank's shard** (in ``prepare_grads``, after Megatron copied and unscaled the gradients): per
+  group, the squared norm of the reduced gradient (``grad_sq``), the weight norm and the prospective Adam update
+  on the parameters the inner optimizer steps. Each element of the model counts once in the job-wide sum,
+  by Megatron's own rule for its gradient norm: the DistributedOptimizer's shards are disjoint, tensor-parallel
+  duplicates (layer norms) and shared copies (tied embeddings) are left out, and a non-distributed optimizer's
+  replicated parameters are split among the ranks of their data-parallel group (:mod:`arc_engine.stats.partition`).
+  The agreed ``grad_sq`` is Megatron's pre-clip ``grad_norm`` squared.
+* **the decision**: one all-reduce over the decision group (default: the whole job, every TP/PP/EP/DP rank), then
+  the veto through Megatron's own skip path: ``prepare_grads`` returns found_inf=True on every rank, so the step
+  is skipped with Adam's step counts unchanged and no parameter all-gather, and ``optimizer.step()`` returns
+  ``update_successful=False`` (Megatron-LM counts a skipped iteration and does not step the LR scheduler).
+
+Under bf16 and fp32 stock megatron-core has no non-finite check (found_inf needs a grad scaler): with arc_engine a
+NaN loss or gradient on any rank is skipped by all ranks. The prospective Adam update is computed on the unclipped
+gradient (the decision comes before Megatron clips). Everything read of Megatron's internals, and the three
+methods wrapped on instances (``start_grad_sync``, ``prepare_grads``, ``step``), live in
+:mod:`arc_engine.integrations.megatron_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from arc_engine.attach import Arc, wire
+from arc_engine.config import ArcConfig
+from arc_engine.engine import ArcEngine
+from arc_engine.integrations import megatron_internals as mi
+from arc_engine.integrations.megatron_state import MegatronTrainState
+from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
+from arc_engine.recovery.heal import heal_step, restore_learning_rates
+from arc_engine.recovery.recompute import RecomputeFn
+from arc_engine.recovery.state import TrainState
+from arc_engine.stats import Reduce, names
+from arc_engine.stats.grad_stats import accumulate_grad_stats
+from arc_engine.stats.optim_stats import adam_views
+from arc_engine.stats.partition import owned_ids
+from arc_engine.stats.producers import record_optimizer_stats
+from arc_engine.stats.sampling import WindowCache
+
+
+class _Group:
+    """One parameter group of one member's inner optimizer: its job-wide index and the parameters (inner, i.e.
+    what the torch optimizer steps) whose reduced statistics this rank takes."""
+
+    def __init__(self, index: int, member: Any, group: dict, counted: set[int]) -> None:
+        self.index, self.member, self.group, self.counted = index, member, group, counted
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.group["params"] if p.grad is not None and id(p) in self.counted]
+
+
+def _group_names(labels: list[str]) -> list[str]:
+    """Unique names from labels, numbering repeats (``dense.decay``, ``dense.decay.1``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        count = seen.get(label, 0)
+        seen[label] = count + 1
+        out.append(label if count == 0 else f"{label}.{count}")
+    return out
+
+
+class MegatronAdapter:
+    """:class:`arc_engine.attach.Adapter` for megatron-core DDP chunks and a Megatron optimizer (see module
+    docstring). Every method runs on every rank."""
+
+    name = "Megatron"
+    shard_reduce = Reduce.SUM
+    supports_recompute = False
+
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+        mi.check_version()
+        chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        if not chunks or not all(mi.is_megatron_ddp(c) for c in chunks):
+            raise ValueError("arc_engine.attach_megatron: pass the megatron DistributedDataParallel model chunks "
+                             "(what Megatron's get_model / setup_model_and_optimizer return), got "
+                             f"{[type(c).__name__ for c in chunks]}")
+        if not hasattr(optimizer, "prepare_grads"):
+            raise ValueError("arc_engine.attach_megatron: the optimizer must be a Megatron optimizer "
+                             f"(get_megatron_optimizer), got {type(optimizer).__name__}")
+        self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.module = mi.unwrap_chunk(chunks[0])
+        self.members = mi.members(optimizer)
+        self.params = [p for chunk in chunks for p in mi.unwrap_chunk(chunk).parameters() if p.requires_grad]
+        self.groups: list[_Group] = []
+        labels: list[str] = []
+        self._model_group: dict[int, int] = {}  # id(model param) -> job-wide group index
+        for member in self.members:
+            inner = mi.inner_optimizer(member)
+            if inner is None:
+                continue
+            model_groups = mi.model_params_per_group(member)
+            replicas = mi.replica_group(member)
+            for group, model_params in zip(inner.param_groups, model_groups, strict=True):
+                counted = [p for p in group["params"] if mi.counts_once(member, p)]
+                ids = {id(p) for p in counted}
+                if replicas is not None:  # identical copies on every replica: each one owned by one of them
+                    ids = owned_ids(counted, dist.get_rank(replicas), dist.get_world_size(replicas))
+                index = len(self.groups)
+                self.groups.append(_Group(index, member, group, ids))
+                labels.append(mi.group_label(group))
+                for param in model_params:
+                    self._model_group[id(param)] = index
+        self.group_names = _group_names(labels)
+        from megatron.core import parallel_state
+
+        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self._routing_removers: list[Callable[[], None]] = []
+        self.parts = self._model_parts()
+        self._windows: dict[int, WindowCache] = {}
+        self._bucket_index: dict[int, torch.Tensor] = {}
+        self._sketch_cache: dict = {}
+        self._saved_lrs: list[Any] | None = None
+        self._found_inf = False
+        self._vetoed = False
+
+    def _model_parts(self) -> ModelParts:
+        """Where this rank's attention heads and routers are (:class:`ModelParts`, for ``detectors.qk_spectra`` and
+        ``detectors.router``). A layer's attention statistics are taken on one data-parallel copy: the layers are
+        dealt round-robin over the data-parallel ranks."""
+        from megatron.core import parallel_state
+
+        layers = mi.transformer_layers(self.chunks)
+        if not layers:
+            return ModelParts()
+        config = layers[0].config
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        parts = ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads)
+        for layer in layers:
+            index = mi.layer_index(layer)
+            layout = mi.attention_layout(layer)
+            if layout is not None:
+                weight, groups, per_group, head_dim = layout
+                parts.attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
+                                                      tp_rank * groups * per_group, tp_rank,
+                                                      owner=index % dp_size == dp_rank))
+            router = mi.router_of(layer)
+            if router is not None:
+                tp_size = parallel_state.get_tensor_model_parallel_world_size()
+                own_tokens = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
+                ep_rank = parallel_state.get_expert_model_parallel_rank()
+                parts.routers.append(RouterShard(index, router, router.weight, config.moe_router_topk, ep_rank,
+                                                 report_weight=tp_rank == 0 and dp_rank == 0,
+                                                 report_tokens=own_tokens))
+        if parts.attention and len(parts.attention) != len(layers):
+            parts.attention = []  # some layer's QKV layout is not one arc_engine reads: no partial picture
+        if parts.routers:
+            parts.num_experts = config.num_moe_experts
+            parts.experts_per_rank = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+            parts.observe_routing = self._observe_routing
+        if not parts.attention:
+            parts.num_heads = 0
+        return parts
+
+    def _observe_routing(self, shard: RouterShard, observe: Callable[[torch.Tensor, torch.Tensor], None]) \
+            -> Callable[[], None]:
+        remover = mi.observe_routing(shard.module, observe)
+        self._routing_removers.append(remover)
+        return remover
+
+    # ----------------------------------------------------------------------------------------- contract
+    def check_config(self, config: ArcConfig) -> None:
+        sdc = config.detectors.sdc
+        if sdc.enabled and sdc.recompute.enabled:
+            raise ValueError("arc_engine.attach_megatron: detectors.sdc.recompute is not supported for Megatron "
+                             "yet; set detectors.sdc.recompute.enabled: false (detection still works)")
+        if config.recovery.enabled and config.recovery.checkpoint.enabled:
+            raise ValueError("arc_engine.attach_megatron: arc_engine's disk checkpoints do not serve Megatron yet "
+                             "(rollback to memory snapshots does); set recovery.checkpoint.enabled: false and keep "
+                             "saving with Megatron's own dist_checkpointing")
+
+    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return requested
+
+    def train_state(self) -> TrainState:
+        return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler)
+
+    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
+        return lambda: engine.iteration
+
+    def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
+        self.engine = engine
+        self.parts.current_step = lambda: engine.step
+        removers = [*self._routing_removers]
+        removers += [mi.wrap_start_grad_sync(ref, self._local_stats) for ref in mi.bucket_groups(self.chunks)]
+        removers.append(mi.found_inf_skips(self.optimizer)(self._decide))
+        removers.append(mi.after_step(self.optimizer, self._after_step))
+        return removers
+
+    # ------------------------------------------------------------------------------------- per step
+    @torch.no_grad()
+    def _local_stats(self, ref: mi.BucketGroupRef) -> None:
+        """As Megatron starts reducing a bucket group: this rank's own gradient (see module docstring)."""
+        engine = self.engine
+        if engine.buffer is None or not engine.is_monitored():
+            return
+        index = self._bucket_index.get(ref.index)
+        if index is None:
+            index = torch.tensor([self._model_group.get(id(p), 0) for p in ref.params()], dtype=torch.long,
+                                 device=engine.pipeline.device)
+            self._bucket_index[ref.index] = index
+        accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
+                              names.GRAD_NONFINITE_LOCAL)
+        if names.GRAD_SKETCH_LOCAL in engine.layout:
+            buffers = ref.flat_buffers()
+            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), buffers,
+                                [BUCKET_SKETCH_INDEX + 64 * ref.index + k for k in range(len(buffers))],
+                                self._sketch_cache)
+
+    @torch.no_grad()
+    def _decide(self, found_inf: bool) -> bool:
+        """Inside ``prepare_grads``, after Megatron's own: statistics of the reduced shard, the agreed decision, and
+        the value to return (True: skip the step on every rank)."""
+        engine = self.engine
+        self._found_inf, self._vetoed, self._saved_lrs = found_inf, False, None
+        if engine.is_monitored():
+            device = engine.pipeline.device
+            for group in self.groups:
+                grads = group.grads()
+                if grads:
+                    index = torch.full((len(grads),), group.index, dtype=torch.long, device=device)
+                    accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ)
+            if engine.wants_optimizer_stats():
+                self._optimizer_stats()
+            self._vetoed = not engine.decide().applies_update
+        if not (found_inf or self._vetoed):
+            self._saved_lrs = heal_step(engine, self.optimizer.param_groups)
+        return found_inf or self._vetoed
+
+    def _optimizer_stats(self) -> None:
+        for group in self.groups:
+            inner = mi.inner_optimizer(group.member)
+            views = adam_views(inner, group.group, owned=group.counted)
+            weights = views.params if views is not None else \
+                [p for p in group.group["params"] if id(p) in group.counted]
+            record_optimizer_stats(self.engine, group.index, weights, views,
+                                   self._windows.setdefault(group.index, WindowCache()))
+
+    def _after_step(self, result: tuple) -> None:
+        if self._saved_lrs is not None:
+            restore_learning_rates(self.optimizer.param_groups, self._saved_lrs)
+            self._saved_lrs = None
+        self.engine.finish_step(framework_skipped=self._found_inf and not self._vetoed)
+
+
+def attach_megatron(model: Any, optimizer: Any, config: ArcConfig | str | Path | None = None, *,
+                    group: dist.ProcessGroup | None = None, lr_scheduler: Any | None = None) -> Arc:
+    """Attach arc_engine to megatron-core. Collective: call on every rank, once, after ``get_megatron_optimizer``
+    and before the first step. ``model``: the megatron ``DistributedDataParallel`` chunk or list of chunks.
+    ``optimizer``: what ``get_megatron_optimizer`` returned. ``group``: the decision group (default: the whole
+    job; a narrower one must hold every TP/PP/EP peer of its ranks). Record each micro-batch's loss on the last
+    pipeline stage with :meth:`Arc.record_loss` (inside the loss function); ``optimizer.step()`` then returns
+    ``update_successful=False`` on every rank for a step the job decided to skip."""
+    return wire(MegatronAdapter(model, optimizer, lr_scheduler), config, group=group)

@@ -1,0 +1,303 @@
+"""Every read of megatron-core's internals, and every method arc_engine wraps, in one module behind a version check.
+
+What arc_engine needs of megatron-core 0.16.1 and why no public API gives it (the sources in site-packages are the
+ground truth; ``../shared/megatron-core-notes.md`` has the checked facts):
+
+* **Local gradients before the data-parallel reduction.** megatron ``DistributedDataParallel`` accumulates each
+  gradient into ``param.main_grad``, a view of a contiguous bucket, and reduces a bucket group in
+  ``_ParamAndGradBucketGroup.start_grad_sync`` (from a backward hook with ``overlap_grad_reduce``, else from
+  ``finalize_model_grads``). Nothing runs between the last accumulation and the reduction except that method, so
+  :func:`wrap_start_grad_sync` wraps it on each bucket-group instance: the wrapper reads the bucket before calling
+  the original. It issues no collective (it can run inside backward).
+* **The veto.** ``MegatronOptimizer.step()`` (and ``ChainedOptimizer.step()``) skip the update when
+  ``prepare_grads()`` returns True (found_inf: fp16 overflow). Under bf16 and fp32 nothing sets it. arc_engine
+  wraps ``prepare_grads`` on the optimizer instance the training loop steps: the original runs, then arc_engine
+  takes its statistics of the reduced gradients, agrees, and returns True when the job decided to skip, so Megatron
+  skips through its own path (Adam step counts unchanged, no parameter all-gather, ``update_successful=False``).
+  ``step`` is wrapped to close arc_engine's step after Megatron's.
+* **The reduced gradient and Adam state of this rank's shard.** After ``prepare_grads`` the inner torch optimizer
+  (``member.optimizer``) holds exactly what it will step: the DistributedOptimizer's fp32 shards, the
+  Float16Optimizer's fp32 main copies, or the FP32Optimizer's parameters, each with ``.grad`` and Adam's
+  ``exp_avg`` / ``exp_avg_sq`` / ``step`` in ``member.optimizer.state``. The model parameters behind each inner
+  group are attributes of the member (:func:`model_params_per_group`).
+
+Wrapped methods are instance attributes, removed again by the removers these functions return (``Arc.close``);
+nothing else of Megatron is assigned. The layouts read here change between releases, so :func:`check_version`
+(called by ``attach_megatron``) refuses a megatron-core this module was not tested with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: megatron-core releases whose internals this module was tested against (a local "+..." suffix is ignored).
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+
+class UntestedMegatronVersion(RuntimeError):
+    """The installed megatron-core is not one arc_engine's Megatron integration was tested with."""
+
+
+def check_version(installed: str | None = None) -> None:
+    """Raise :class:`UntestedMegatronVersion` unless ``installed`` (default: the imported ``megatron.core``'s) is
+    one of :data:`TESTED_MEGATRON_CORE_VERSIONS`. Local, no communication."""
+    if installed is None:
+        import megatron.core
+
+        installed = str(megatron.core.__version__)
+    if installed.split("+")[0] not in TESTED_MEGATRON_CORE_VERSIONS:
+        raise UntestedMegatronVersion(
+            f"arc_engine's Megatron integration reads megatron-core internals and was tested with "
+            f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}; found {installed}. Install megatron-core=="
+            f"{TESTED_MEGATRON_CORE_VERSIONS[-1]} or check integrations/megatron_internals.py against it.")
+
+
+# ----------------------------------------------------------------------------------------- model chunks, buckets
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The module inside megatron ``DistributedDataParallel`` (and ``Float16Module``): what holds the layers."""
+    module = chunk
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def is_megatron_ddp(chunk: object) -> bool:
+    from megatron.core.distributed import DistributedDataParallel
+
+    return isinstance(chunk, DistributedDataParallel)
+
+
+@dataclass
+class BucketGroupRef:
+    """One megatron bucket group: ``index`` numbers it across all chunks (dense groups, then expert groups), the
+    same on every rank of a data-parallel group."""
+
+    index: int
+    group: Any
+    expert: bool
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for bucket in self.group.buckets for p in bucket.params_list]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's accumulated gradient of every parameter in the group (views of the buckets)."""
+        return [p.main_grad for bucket in self.group.buckets for p in bucket.params_list]
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The group's buckets as flat tensors (padding included; padding is zero)."""
+        return [bucket.grad_data for bucket in self.group.buckets]
+
+    def reduction_started(self) -> bool:
+        """Megatron's own early return: in the first batch with ``overlap_grad_reduce``, ``finish_grad_sync`` calls
+        ``start_grad_sync`` again after the backward hooks already dispatched the reduction."""
+        return bool(self.group.is_first_batch and self.group.grad_reduce_handle is not None)
+
+
+def bucket_groups(chunks: list[Any]) -> list[BucketGroupRef]:
+    """Every bucket group of the megatron DDP ``chunks``, dense then expert-parallel, numbered in that order."""
+    refs: list[BucketGroupRef] = []
+    for chunk in chunks:
+        for group in chunk.bucket_groups:
+            refs.append(BucketGroupRef(len(refs), group, False))
+        for group in chunk.expert_parallel_bucket_groups:
+            refs.append(BucketGroupRef(len(refs), group, True))
+    return refs
+
+
+def replace_method(obj: object, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) \
+        -> Callable[[], None]:
+    """Set ``obj.<name>`` (on the instance) to ``make(original bound method)``; returns the remover, which drops
+    the instance attribute again (or restores an instance attribute that was there before)."""
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    original = getattr(obj, name)
+    setattr(obj, name, make(original))
+
+    def remove() -> None:
+        if had_own:
+            setattr(obj, name, previous)
+        elif name in vars(obj):
+            delattr(obj, name)
+
+    return remove
+
+
+def wrap_start_grad_sync(ref: BucketGroupRef, before: Callable[[BucketGroupRef], None]) -> Callable[[], None]:
+    """Run ``before(ref)`` each time Megatron is about to reduce the bucket group (not when Megatron returns early
+    because it already did). ``before`` must not communicate. Returns the remover."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def start_grad_sync(*args: Any, **kwargs: Any) -> Any:
+            if not ref.reduction_started():
+                before(ref)
+            return original(*args, **kwargs)
+
+        return start_grad_sync
+
+    return replace_method(ref.group, "start_grad_sync", make)
+
+
+# ----------------------------------------------------------------------------------------------------- optimizer
+
+def members(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers a ``ChainedOptimizer`` steps (itself when it is a single one)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_stub(member: Any) -> bool:
+    return bool(getattr(member, "is_stub_optimizer", False)) or getattr(member, "optimizer", None) is None
+
+
+def inner_optimizer(member: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer a member steps (None for a stub: a rank without parameters of that kind)."""
+    return None if is_stub(member) else member.optimizer
+
+
+def is_distributed(member: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(member, DistributedOptimizer)
+
+
+def model_params_per_group(member: Any) -> list[list[torch.nn.Parameter]]:
+    """Per group of the member's inner optimizer, the model parameters behind it (what the buckets hold)."""
+    if is_stub(member):
+        return []
+    if is_distributed(member):
+        return [[*f16, *f32] for f16, f32 in zip(member.model_float16_groups, member.model_fp32_groups, strict=True)]
+    if hasattr(member, "float16_groups"):  # Float16OptimizerWithFloat16Params
+        return [[*f16, *f32] for f16, f32 in zip(member.float16_groups, member.fp32_from_fp32_groups, strict=True)]
+    return [list(group["params"]) for group in member.optimizer.param_groups]  # FP32Optimizer
+
+
+def group_label(group: dict) -> str:
+    """A name for one of Megatron's parameter groups: dense or expert, decay or no_decay (weight-decay multiplier
+    0), and the LR multiplier when it is not 1."""
+    kind = "expert" if group.get("is_expert_parallel") else "dense"
+    decay = "no_decay" if float(group.get("wd_mult", 1.0)) == 0.0 or float(group.get("weight_decay", 1.0)) == 0.0 \
+        else "decay"
+    lr_mult = float(group.get("lr_mult", 1.0))
+    return f"{kind}.{decay}" + ("" if lr_mult == 1.0 else f".lr_x{lr_mult:g}")
+
+
+def counts_once(member: Any, param: torch.Tensor) -> bool:
+    """Megatron's own rule for the gradient norm (``get_main_grads_for_grad_norm``): a parameter counts unless it
+    is a shared copy (tied embeddings on the last pipeline stage) or a duplicate of a tensor-parallel peer's."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(
+        param, getattr(member, "tp_group", None))
+
+
+def replica_group(member: Any) -> dist.ProcessGroup | None:
+    """The group over which the member's (non-distributed) optimizer holds identical copies of its parameters:
+    the data(+context)-parallel group for dense parameters, the expert data-parallel group for expert ones. None
+    for a DistributedOptimizer (its shards are disjoint)."""
+    from megatron.core import parallel_state
+
+    if is_distributed(member) or is_stub(member):
+        return None
+    expert = any(g.get("is_expert_parallel") for g in member.optimizer.param_groups)
+    if expert:
+        return parallel_state.get_expert_data_parallel_group()
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def found_inf_skips(optimizer: Any) -> Callable[[Callable[[bool], bool]], Callable[[], None]]:
+    """``found_inf_skips(opt)(decide)``: wrap ``opt.prepare_grads`` so that it returns ``decide(found_inf)``
+    (``decide`` runs after Megatron prepared the gradients; True skips the step). Returns the remover."""
+
+    def install(decide: Callable[[bool], bool]) -> Callable[[], None]:
+        def make(original: Callable[[], bool]) -> Callable[[], bool]:
+            def prepare_grads() -> bool:
+                return decide(bool(original()))
+
+            return prepare_grads
+
+        return replace_method(optimizer, "prepare_grads", make)
+
+    return install
+
+
+def after_step(optimizer: Any, done: Callable[[tuple], None]) -> Callable[[], None]:
+    """Wrap ``optimizer.step`` so ``done(result)`` runs after Megatron's step returned. Returns the remover."""
+
+    def make(original: Callable[..., tuple]) -> Callable[..., tuple]:
+        def step(*args: Any, **kwargs: Any) -> tuple:
+            result = original(*args, **kwargs)
+            done(result)
+            return result
+
+        return step
+
+    return replace_method(optimizer, "step", make)
+
+
+# ------------------------------------------------------------------------------------------ model structure
+
+def transformer_layers(chunks: list[Any]) -> list[Any]:
+    """Every ``TransformerLayer`` of this rank's chunks (its pipeline stage(s)), in order."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for chunk in chunks for m in unwrap_chunk(chunk).modules() if isinstance(m, TransformerLayer)]
+
+
+def layer_index(layer: Any) -> int:
+    """The layer's 0-based index in the whole model (``layer_number`` is 1-based and includes the pipeline
+    offset)."""
+    return int(layer.layer_number) - 1
+
+
+def attention_layout(layer: Any) -> tuple[torch.Tensor, int, int, int] | None:
+    """``(linear_qkv weight, query groups on this TP rank, query heads per group, head dim)`` of a self-attention
+    layer whose fused QKV rows are ``[q heads, k, v]`` per whole query group on this rank; None otherwise (no
+    fused ``linear_qkv``, an output gate in the rows, or fewer query groups than TP ranks)."""
+    from megatron.core import parallel_state
+
+    attention = getattr(layer, "self_attention", None)
+    qkv = getattr(attention, "linear_qkv", None)
+    weight = getattr(qkv, "weight", None)
+    config = layer.config
+    if weight is None or getattr(config, "attention_output_gate", False):
+        return None
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if groups % tp:
+        return None
+    head_dim = config.kv_channels or config.hidden_size // heads
+    return weight, groups // tp, heads // groups, head_dim
+
+
+def router_of(layer: Any) -> Any | None:
+    """The ``TopKRouter`` of a MoE layer (None for a dense MLP)."""
+    return getattr(getattr(layer, "mlp", None), "router", None)
+
+
+def observe_routing(router: Any, observe: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:
+    """Wrap ``router.routing`` so ``observe(logits [tokens, experts], routing_map)`` sees every routing decision
+    (the full logits Megatron's outputs do not carry). Returns the remover."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def routing(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            probs, routing_map = original(logits, *args, **kwargs)
+            observe(logits.reshape(-1, logits.shape[-1]), routing_map)
+            return probs, routing_map
+
+        return routing
+
+    return replace_method(router, "routing", make)
+
+
+def copy_main_to_model_params(member: Any) -> None:
+    """After the fp32 masters of a Float16Optimizer changed outside a step (a rollback's escape), copy them to the
+    bf16/fp16 model parameters as Megatron does after a step. No-op for other members."""
+    if hasattr(member, "float16_groups") and not is_stub(member):
+        member._copy_main_params_to_model_params()

@@ -1,0 +1,117 @@
+"""What a rollback restores under megatron-core: :class:`MegatronTrainState` (the memory tier of recovery).
+
+One rank's state is its model chunks' parameters and buffers (bf16/fp16 or fp32, full tensors of its TP/PP/EP
+shard), and per optimizer member the tensors the inner torch optimizer steps (the DistributedOptimizer's fp32
+shards, the Float16Optimizer's fp32 main copies, or the parameters themselves) with their Adam state, plus the
+python-side state: learning rates and other group settings, the LR scheduler, the grad scaler. Restoring writes
+them back in place, so Megatron's buffers (gradient and parameter buckets, DistOpt views) stay the same memory.
+
+Adam's state is created lazily at the first applied step: a snapshot taken before it has fewer tensors than the
+live state after it. Recovery snapshots verified-stable steps, which come after applied steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from arc_engine.integrations import megatron_internals as mi
+from arc_engine.recovery.state import add_relative_noise
+
+
+class MegatronTrainState:
+    """:class:`arc_engine.recovery.state.TrainState` for megatron DDP chunks and a Megatron optimizer."""
+
+    reshardable = False
+
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+        self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.members = mi.members(optimizer)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
+        seen: set[int] = set()
+
+        def add(tensor: torch.Tensor) -> None:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor.detach())
+
+        for chunk in self.chunks:
+            module = mi.unwrap_chunk(chunk)
+            for param in module.parameters():
+                add(param)
+            for buffer in module.buffers():
+                add(buffer)
+        for member in self.members:
+            inner = mi.inner_optimizer(member)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    add(param)
+                    state = inner.state.get(param, {})
+                    for key in sorted(state):
+                        if isinstance(state[key], torch.Tensor):
+                            add(state[key])
+        return tensors
+
+    def extra_state(self) -> dict[str, Any]:
+        groups = []
+        scalers = []
+        for member in self.members:
+            inner = mi.inner_optimizer(member)
+            groups.append([] if inner is None else
+                          [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in inner.param_groups])
+            scaler = getattr(member, "grad_scaler", None)
+            scalers.append(scaler.state_dict() if scaler is not None else None)
+        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        return {"param_groups": groups, "grad_scalers": scalers, "lr_scheduler": scheduler}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        for member, groups, scaler_state in zip(self.members, state["param_groups"], state["grad_scalers"],
+                                                strict=True):
+            inner = mi.inner_optimizer(member)
+            if inner is not None:
+                for group, values in zip(inner.param_groups, groups, strict=True):
+                    group.update(copy.deepcopy(values))
+            scaler = getattr(member, "grad_scaler", None)
+            if scaler is not None and scaler_state is not None:
+                scaler.load_state_dict(scaler_state)
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        raise ValueError("arc_engine: disk checkpoints of a Megatron job go through Megatron's own "
+                         "dist_checkpointing; arc_engine's disk tier does not serve Megatron yet "
+                         "(set recovery.checkpoint.enabled: false)")
+
+    def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
+        raise ValueError("arc_engine: no disk tier for Megatron yet")
+
+    @torch.no_grad()
+    def perturb(self, scale: float, seed: int) -> None:
+        """ARC's escape: noise on the tensors the optimizers step (the fp32 masters), then Megatron's own copy to
+        the model parameters. A DistributedOptimizer's shards are disjoint pieces of one replicated tensor and
+        every data-parallel rank draws the same noise for the same piece only if the noise is a function of the
+        element's place in the full tensor, which this does not guarantee: so the escape is refused there."""
+        from megatron.core import parallel_state
+
+        if any(mi.is_distributed(m) for m in self.members):
+            raise ValueError("arc_engine: the escape (perturbation) is not supported with Megatron's "
+                             "DistributedOptimizer yet; set recovery.max_escapes: 0")
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        for index, member in enumerate(self.members):
+            inner = mi.inner_optimizer(member)
+            if inner is None:
+                continue
+            params = [p for g in inner.param_groups for p in g["params"]]
+            expert = any(g.get("is_expert_parallel") for g in inner.param_groups)
+            # replicas over data parallelism draw the same noise; model-parallel shards differ
+            shard = 7919 * tp_rank + 104729 * pp_rank + (15485863 * (ep_rank + 1) if expert else 0)
+            add_relative_noise(params, scale, seed + shard + 31 * index)
+            mi.copy_main_to_model_params(member)

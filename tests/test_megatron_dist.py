@@ -1,0 +1,203 @@
+"""megatron-core 0.16.1 on real gloo ranks: the reference script's model (GPTModel, megatron DDP, the
+DistributedOptimizer, ChainedOptimizer members) with arc_engine attached, faults injected at (rank, step).
+
+The CUDA shims (``arc_engine.testing.megatron_cpu``) are installed inside the spawned ranks only. One spawn costs
+about 20-40 s on 2 cores (mostly imports), so each spawn checks several things.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from tests.dist_harness import run_ranks
+from tests.scripts_loader import load_script
+
+pytest.importorskip("megatron.core")
+
+SMALL = ["--cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+
+
+def _arc_yaml(path: Path, run_id: str, *, injections: list[dict] | None = None, **detectors: Any) -> str:
+    """A config file for one run: every step monitored, quiet console, optional faults and detector settings."""
+    config = {"run": {"run_id": run_id, "run_dir": str(path.parent / "runs")}, "stats": {"interval": 1},
+              "sinks": {"console": {"enabled": False}},
+              "detectors": {"qk_spectra": {"every": 2, "warmup_measurements": 3},
+                            "router": {"every": 2, "warmup_measurements": 3}, **detectors},
+              "faults": {"injections": injections or []}}
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _build(flags: list[str]) -> tuple[Any, Any, Any]:
+    script = load_script("train_megatron_gpt")
+    args = script.build_parser().parse_args(flags)
+    script.initialize(args)
+    return script, args, script.build_model_and_optimizer(args)
+
+
+def _params(state: Any) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for chunk in state.model for p in chunk.module.parameters()])
+
+
+def _adam_steps(state: Any) -> list[int]:
+    steps = []
+    for member in state.optimizer.chained_optimizers:
+        for s in member.optimizer.state.values():
+            if "step" in s:
+                steps.append(int(s["step"]))
+    return steps
+
+
+# ------------------------------------------------------------------ TP=2 x DP=2, bf16, DistributedOptimizer
+
+def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[str, Any]:
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
+    script, args, state = _build([*flags, "--no-arc"])
+    for step in range(5):
+        script.train_step(state, args, step)
+    reference = _params(state)
+
+    script, args, state = _build([*flags, "--arc-config", config_ok])
+    grad_norms = []
+    for _ in range(5):
+        _, _ok, grad_norm = script.train_step(state, args, state.arc.data_position)
+        agreed = math.sqrt(float(state.arc.engine.last_stats.total("grad_sq").sum()))
+        grad_norms.append((grad_norm, agreed))
+    with_arc = _params(state)
+    state.arc.close()
+
+    script, args, state = _build([*flags, "--arc-config", config_nan])
+    updates = []
+    for _ in range(5):
+        _, ok, _ = script.train_step(state, args, state.arc.data_position)
+        updates.append(ok)
+    summary = state.arc.summary()
+    decision = state.arc.engine.last_decision
+    state.arc.close()
+    return {"identical": torch.equal(reference, with_arc), "grad_norms": grad_norms, "updates": updates,
+            "finite": bool(torch.isfinite(_params(state)).all()), "adam_steps": sorted(set(_adam_steps(state))),
+            "skipped": summary["skipped_steps"], "detections": summary["detections"],
+            "last_action": decision.action.name if decision else None}
+
+
+@pytest.mark.timeout(400)
+def test_tp2_dp2_bf16_nan_is_skipped_on_all_ranks_and_clean_training_is_bitwise_unchanged(tmp_path: Path) -> None:
+    ok = _arc_yaml(tmp_path / "ok.yaml", "ok")
+    nan = _arc_yaml(tmp_path / "nan.yaml", "nan", injections=[{"kind": "nan_loss", "rank": 3, "step": 2}])
+    results = run_ranks(_tp_dp_bf16, 4, ok, nan, timeout_s=380)
+    for rank, result in enumerate(results):
+        # no fault: the parameters are bitwise those of the run without arc_engine
+        assert result["identical"], rank
+        # the agreed reduced-gradient norm is Megatron's own pre-clip grad norm (TP duplicates counted once)
+        for megatron_norm, agreed in result["grad_norms"]:
+            assert agreed == pytest.approx(megatron_norm, rel=1e-5), (rank, megatron_norm, agreed)
+        # a NaN loss on rank 3 under bf16 (stock megatron-core would apply it): skipped by all four ranks
+        assert result["updates"] == [True, True, False, True, True], rank
+        assert result["finite"], rank
+        assert result["adam_steps"] == [4], rank  # the skipped step left Adam's step count alone
+        assert result["skipped"] == 1 and result["detections"] == {"non_finite": 1}, rank
+
+
+# ------------------------------------------------------------------ EP=2 MoE: router statistics over all tokens
+
+def _ep2_router(rank: int, world: int, config: str) -> dict[str, Any]:
+    from arc_engine.integrations import megatron_internals as mi
+    from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
+
+    flags = [*SMALL, "--expert-model-parallel-size", "2", "--num-experts", "4", "--use-distributed-optimizer",
+             "--arc-config", config]
+    script, args, state = _build(flags)
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for layer in mi.transformer_layers(state.model):
+        index = mi.layer_index(layer)
+        mi.observe_routing(mi.router_of(layer), lambda logits, rmap, index=index: seen.setdefault(index, []).append(
+            (logits.detach().clone(), rmap.detach().clone())))
+    for _ in range(5):
+        seen.clear()
+        weights = {mi.layer_index(layer): mi.router_of(layer).weight.detach().clone()
+                   for layer in mi.transformer_layers(state.model)}  # as the producer reads them: before the update
+        script.train_step(state, args, state.arc.data_position)
+    # step 4 was measured: compare with one computation over the union of every rank's tokens
+    agreed = state.arc.engine.last_stats.total("router_sums")
+    size = router_partials_size(4)
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, {k: v for k, v in seen.items()})
+    out = {}
+    for layer in mi.transformer_layers(state.model):
+        index = mi.layer_index(layer)
+        logits = torch.cat([lg for per_rank in gathered for lg, _ in per_rank[index]])
+        rmap = torch.cat([rm for per_rank in gathered for _, rm in per_rank[index]])
+        union = unpack_router_sums(pack_router_partials(logits, rmap, weights[index]), 4)
+        out[index] = (unpack_router_sums(agreed[index * size:(index + 1) * size], 4), union)
+    detections = state.arc.summary()["detections"]
+    state.arc.close()
+    return {"layers": out, "detections": detections, "members": len(state.optimizer.chained_optimizers)}
+
+
+@pytest.mark.timeout(400)
+def test_ep2_router_statistics_equal_one_computation_over_the_union_of_tokens(tmp_path: Path) -> None:
+    config = _arc_yaml(tmp_path / "ep.yaml", "ep")
+    results = run_ranks(_ep2_router, 4, config, timeout_s=380)
+    for rank, result in enumerate(results):
+        assert result["members"] == 2  # dense + expert DistributedOptimizer
+        assert sorted(result["layers"]) == [0, 1]
+        for layer, (agreed, union) in result["layers"].items():
+            assert agreed["tokens"] == union["tokens"] == 4 * 2 * 32, (rank, layer)  # 4 DP ranks x mbs 2 x seq
+            assert agreed["tokens_per_expert"] == union["tokens_per_expert"], (rank, layer)
+            for key in ("similarity", "conditioning_ratio", "entropy_mean", "entropy_p1", "entropy_p5", "max_vio"):
+                assert agreed[key] == pytest.approx(union[key], rel=1e-9, abs=1e-12), (rank, layer, key)
+        assert result["detections"] == {}, rank
+    assert results[0]["layers"][0][0]["similarity"] == results[3]["layers"][0][0]["similarity"]
+
+
+# ------------------------------------------------------------------ TP=2 per-shard spectra, GQA
+
+def _tp2_spectra(rank: int, world: int, config: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from arc_engine.integrations import megatron_internals as mi
+    from arc_engine.monitors.spectra import layer_spectra
+
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--num-query-groups", "2", "--arc-config", config]
+    script, args, state = _build(flags)
+    layers = mi.transformer_layers(state.model)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def full_weights() -> list[torch.Tensor]:
+        out = []
+        for layer in layers:
+            local = layer.self_attention.linear_qkv.weight.detach().float()
+            parts = [torch.empty_like(local) for _ in range(2)]
+            torch.distributed.all_gather(parts, local, group=tp_group)
+            out.append(torch.cat(parts))  # TP splits the interleaved rows into contiguous blocks
+        return out
+
+    weights = {}
+    for step in range(5):
+        weights[step] = full_weights()  # what the producer reads at step `step` (before its update)
+        script.train_step(state, args, state.arc.data_position)
+    agreed = state.arc.engine.last_stats.total("qk_delta2_entropy").reshape(2, 4)
+    # the TP=1 computation on the same model: the whole linear_qkv of each layer, 2 query groups x 2 heads
+    expected = torch.tensor([[head["delta2"]["entropy"] for head in layer_spectra(weights[4][i], weights[2][i], 2, 2,
+                                                                                  16)]
+                             for i in range(2)], dtype=torch.float64)
+    measured = state.arc.engine.last_stats.total("qk_measured")
+    state.arc.close()
+    return {"agreed": torch.as_tensor(agreed), "expected": expected, "measured": torch.as_tensor(measured)}
+
+
+@pytest.mark.timeout(300)
+def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp_path: Path) -> None:
+    config = _arc_yaml(tmp_path / "tp.yaml", "tp")
+    results = run_ranks(_tp2_spectra, 2, config, timeout_s=280)
+    for result in results:
+        assert result["measured"].tolist() == [4.0, 4.0]  # every head of both layers, written once
+        assert torch.allclose(result["agreed"], result["expected"], rtol=1e-6, atol=1e-9), \
+            (result["agreed"], result["expected"])
+        assert (result["agreed"] > 0).all()
