@@ -144,7 +144,12 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     if config.recovery.enabled:
         engine.enable_recovery(adapter.train_state())  # may resume: counters move
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine))
-    injector.install(adapter.module)
+    error: ValueError | None = None
+    try:  # a fault's parameter may exist on some ranks only (pipeline stages): agree before training starts
+        injector.install(adapter.module)
+    except ValueError as err:
+        error = err
+    runtime.raise_on_every_rank(error, engine.group, "installing the configured faults")
     removers = adapter.install(engine, recompute_fn if wants_recompute else None)
     engine.add_lr_multiplier(injector.lr_multiplier)
     removers.append(register_step_start(engine, adapter.module))

@@ -67,6 +67,18 @@ def gather_by_rank(value: Any, group: dist.ProcessGroup | None) -> dict[int, Any
     return dict(item for item in gathered if item is not None)
 
 
+def raise_on_every_rank(error: Exception | None, group: dist.ProcessGroup | None, what: str) -> None:
+    """Collective (attach time only): raise ValueError on every rank of ``group`` when any rank passes an
+    ``error``, naming each failing rank and its message; so a setting that is wrong on one rank only (a fault's
+    parameter that exists on another pipeline stage) stops the whole job at attach instead of leaving the others
+    waiting in the first collective."""
+    failures = {rank: message for rank, message in gather_by_rank(None if error is None else str(error),
+                                                                  group).items() if message is not None}
+    if failures:
+        detail = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
+        raise ValueError(f"arc_engine: {what} failed on {len(failures)} rank(s): {detail}") from error
+
+
 def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
     """``{global rank: "host:device"}`` for every rank of ``group`` (collective: :func:`gather_by_rank`)."""
     return gather_by_rank(f"{hostname()}:{device_name()}", group)

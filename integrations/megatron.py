@@ -142,32 +142,30 @@ class MegatronAdapter:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        parts = ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads)
+        attention: list[AttentionShard] = []
+        routers: list[RouterShard] = []
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         for layer in layers:
             index = mi.layer_index(layer)
             layout = mi.attention_layout(layer)
             if layout is not None:
                 weight, groups, per_group, head_dim = layout
-                parts.attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
-                                                      tp_rank * groups * per_group, tp_rank,
-                                                      owner=index % dp_size == dp_rank))
+                attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
+                                                tp_rank * groups * per_group, tp_rank,
+                                                owner=index % dp_size == dp_rank))
             router = mi.router_of(layer)
             if router is not None:
-                tp_size = parallel_state.get_tensor_model_parallel_world_size()
                 own_tokens = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
-                ep_rank = parallel_state.get_expert_model_parallel_rank()
-                parts.routers.append(RouterShard(index, router, router.weight, config.moe_router_topk, ep_rank,
-                                                 report_weight=tp_rank == 0 and dp_rank == 0,
-                                                 report_tokens=own_tokens))
-        if parts.attention and len(parts.attention) != len(layers):
-            parts.attention = []  # some layer's QKV layout is not one arc_engine reads: no partial picture
-        if parts.routers:
-            parts.num_experts = config.num_moe_experts
-            parts.experts_per_rank = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-            parts.observe_routing = self._observe_routing
-        if not parts.attention:
-            parts.num_heads = 0
-        return parts
+                routers.append(RouterShard(index, router, router.weight, config.moe_router_topk,
+                                           parallel_state.get_expert_model_parallel_rank(),
+                                           report_weight=tp_rank == 0 and dp_rank == 0, report_tokens=own_tokens))
+        if len(attention) != len(layers):
+            attention = []  # some layer's QKV layout is not one arc_engine reads: no partial picture
+        experts = config.num_moe_experts if routers else 0
+        return ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads if attention else 0,
+                          attention=attention, num_experts=experts or 0,
+                          experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
+                          routers=routers, observe_routing=self._observe_routing if routers else None)
 
     def _observe_routing(self, shard: RouterShard, observe: Callable[[torch.Tensor, torch.Tensor], None]) \
             -> Callable[[], None]:
@@ -181,10 +179,6 @@ class MegatronAdapter:
         if sdc.enabled and sdc.recompute.enabled:
             raise ValueError("arc_engine.attach_megatron: detectors.sdc.recompute is not supported for Megatron "
                              "yet; set detectors.sdc.recompute.enabled: false (detection still works)")
-        if config.recovery.enabled and config.recovery.checkpoint.enabled:
-            raise ValueError("arc_engine.attach_megatron: arc_engine's disk checkpoints do not serve Megatron yet "
-                             "(rollback to memory snapshots does); set recovery.checkpoint.enabled: false and keep "
-                             "saving with Megatron's own dist_checkpointing")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested

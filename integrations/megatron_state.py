@@ -1,4 +1,4 @@
-"""What a rollback restores under megatron-core: :class:`MegatronTrainState` (the memory tier of recovery).
+"""What a rollback or a resume restores under megatron-core: :class:`MegatronTrainState` (both tiers of recovery).
 
 One rank's state is its model chunks' parameters and buffers (bf16/fp16 or fp32, full tensors of its TP/PP/EP
 shard), and per optimizer member the tensors the inner torch optimizer steps (the DistributedOptimizer's fp32
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from arc_engine.integrations import megatron_internals as mi
-from arc_engine.recovery.state import add_relative_noise
+from arc_engine.recovery.state import add_relative_noise, materialize_optimizer_state
 
 
 class MegatronTrainState:
@@ -84,12 +84,42 @@ class MegatronTrainState:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def dcp_state_dict(self) -> dict[str, Any]:
-        raise ValueError("arc_engine: disk checkpoints of a Megatron job go through Megatron's own "
-                         "dist_checkpointing; arc_engine's disk tier does not serve Megatron yet "
-                         "(set recovery.checkpoint.enabled: false)")
+        """The disk tier's view (torch.distributed.checkpoint, not reshardable): the model chunks' tensors under a
+        key per model-parallel shard (``tp/pp/ep`` ranks; data-parallel replicas share it, so DCP writes one
+        copy), each rank's optimizer tensors under its own key (DistributedOptimizer shards differ per
+        data-parallel rank). A fresh job (a resume) has no Adam moments yet: they are created first (one step at
+        learning rate 0 with zero gradients, which leaves the parameters unchanged) so the checkpoint loads into
+        them."""
+        from megatron.core import parallel_state
+
+        for member in self.members:
+            inner = mi.inner_optimizer(member)
+            if inner is not None:
+                materialize_optimizer_state(inner)
+        shard = (f"tp{parallel_state.get_tensor_model_parallel_rank()}"
+                 f".pp{parallel_state.get_pipeline_model_parallel_rank()}"
+                 f".ep{parallel_state.get_expert_model_parallel_rank()}")
+        model: dict[str, torch.Tensor] = {}
+        for index, chunk in enumerate(self.chunks):
+            module = mi.unwrap_chunk(chunk)
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                model[f"{index}.{name}"] = tensor.detach()
+        optim: dict[str, torch.Tensor] = {}
+        for m, member in enumerate(self.members):
+            inner = mi.inner_optimizer(member)
+            if inner is None:
+                continue
+            for g, group in enumerate(inner.param_groups):
+                for p, param in enumerate(group["params"]):
+                    optim[f"{m}.{g}.{p}.param"] = param.detach()
+                    state = inner.state.get(param, {})
+                    for key in sorted(state):
+                        if isinstance(state[key], torch.Tensor):
+                            optim[f"{m}.{g}.{p}.{key}"] = state[key].detach()
+        return {f"model.{shard}": model, f"optim.rank{torch.distributed.get_rank()}": optim}
 
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
-        raise ValueError("arc_engine: no disk tier for Megatron yet")
+        """Nothing left to do: DCP loaded every tensor in place (model parameters and the stepped masters)."""
 
     @torch.no_grad()
     def perturb(self, scale: float, seed: int) -> None:

@@ -58,15 +58,21 @@ def _adam_steps(state: Any) -> list[int]:
 
 def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[str, Any]:
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
+    from tests.training import count_c10d_ops
+
     script, args, state = _build([*flags, "--no-arc"])
+    plain_ops = []
     for step in range(5):
-        script.train_step(state, args, step)
+        plain_ops.append(count_c10d_ops(lambda step=step: script.train_step(state, args, step)))
     reference = _params(state)
 
     script, args, state = _build([*flags, "--arc-config", config_ok])
-    grad_norms = []
+    grad_norms, arc_ops = [], []
     for _ in range(5):
-        _, _ok, grad_norm = script.train_step(state, args, state.arc.data_position)
+        results: list[Any] = []
+        arc_ops.append(count_c10d_ops(lambda results=results: results.append(
+            script.train_step(state, args, state.arc.data_position))))
+        _, _ok, grad_norm = results[0]
         agreed = math.sqrt(float(state.arc.engine.last_stats.total("grad_sq").sum()))
         grad_norms.append((grad_norm, agreed))
     with_arc = _params(state)
@@ -81,6 +87,7 @@ def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[
     decision = state.arc.engine.last_decision
     state.arc.close()
     return {"identical": torch.equal(reference, with_arc), "grad_norms": grad_norms, "updates": updates,
+            "extra_ops": [a - p for a, p in zip(arc_ops, plain_ops, strict=True)],
             "finite": bool(torch.isfinite(_params(state)).all()), "adam_steps": sorted(set(_adam_steps(state))),
             "skipped": summary["skipped_steps"], "detections": summary["detections"],
             "last_action": decision.action.name if decision else None}
@@ -94,6 +101,8 @@ def test_tp2_dp2_bf16_nan_is_skipped_on_all_ranks_and_clean_training_is_bitwise_
     for rank, result in enumerate(results):
         # no fault: the parameters are bitwise those of the run without arc_engine
         assert result["identical"], rank
+        # one collective per monitored step (steps 0, 2, 4 also measure the QK spectra: locally)
+        assert result["extra_ops"] == [1] * 5, (rank, result["extra_ops"])
         # the agreed reduced-gradient norm is Megatron's own pre-clip grad norm (TP duplicates counted once)
         for megatron_norm, agreed in result["grad_norms"]:
             assert agreed == pytest.approx(megatron_norm, rel=1e-5), (rank, megatron_norm, agreed)

@@ -104,3 +104,46 @@ def test_pp2_runs_with_the_monitors_on_and_a_first_stage_nan_is_skipped_by_every
         # QK spectra of both layers (one per stage) measured on steps 2 and 4 (step 0 only keeps W_{t-δ})
         assert result["measured"][2] == [4.0, 4.0] and result["measured"][4] == [4.0, 4.0], result["measured"]
         assert result["measured"][1] == [0.0, 0.0], rank
+
+
+# ------------------------------------------------------------------ the disk tier: resume after a restart
+
+def _resume(rank: int, world: int, flags: list[str], reference: str, first: str, second: str) -> dict[str, Any]:
+    script, args, state = _build([*flags, "--arc-config", reference])
+    while state.arc.step < 6:
+        script.train_step(state, args, state.arc.data_position)
+    state.arc.close()
+    clean = _params(state)
+    script, args, state = _build([*flags, "--arc-config", first])  # saves to disk, "dies" after step 4
+    while state.arc.step < 4:
+        script.train_step(state, args, state.arc.data_position)
+    saves = state.arc.summary()["recovery"]["disk_saves"]
+    state.arc.close()
+    script, args, state = _build([*flags, "--arc-config", second])  # a new job: resumes from the commit
+    resumed_at = state.arc.step
+    while state.arc.step < 6:
+        script.train_step(state, args, state.arc.data_position)
+    state.arc.close()
+    return {"saves": saves, "resumed_at": resumed_at, "equal": torch.equal(_params(state), clean),
+            "adam_steps": sorted(set(_adam_steps(state)))}
+
+
+@pytest.mark.timeout(400)
+def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path) -> None:
+    def config(name: str, run_id: str, disk: bool) -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "run": {"run_id": run_id, "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
+            "sinks": {"console": {"enabled": False}},
+            "recovery": {"enabled": True, "checkpoint_freq": 1, "memory_ring_mb": 64,
+                         "checkpoint": {"enabled": disk, "every_steps": 2, "resume": True}}}))
+        return str(path)
+
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
+    results = run_ranks(_resume, 4, flags, config("reference", "reference", False), config("first", "job", True),
+                        config("second", "job", True), timeout_s=380)
+    for rank, result in enumerate(results):
+        assert result["saves"] >= 1, rank
+        assert 0 < result["resumed_at"] < 6, rank  # the newest committed verified-stable state
+        assert result["equal"], rank  # resumed and continued: bitwise the uninterrupted run
+        assert result["adam_steps"] == [6], rank

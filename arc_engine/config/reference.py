@@ -90,9 +90,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.qk_spectra.warmup_measurements": KeyDoc("Accepted measurements before the alarm can fire.", ">= 3"),
     "detectors.qk_spectra.window": KeyDoc("Accepted measurements in each head's healthy trajectory.",
                                           ">= `warmup_measurements`"),
-    "detectors.qk_spectra.factor": KeyDoc("Robust standard deviations below the trajectory's median that a head's "
-                                          "Δ₂ spectral entropy must fall.", "> 0"),
-    "detectors.qk_spectra.min_relative_drop": KeyDoc("And the fraction of the median it must fall by.", "[0, 1)"),
+    "detectors.qk_spectra.factor": KeyDoc("Robust standard deviations (of the residuals) below its trend that a "
+                                          "head's Δ₂ spectral entropy must fall.", "> 0"),
+    "detectors.qk_spectra.min_relative_drop": KeyDoc("And the fraction of the predicted value it must fall by.",
+                                                     "[0, 1)"),
+    "detectors.qk_spectra.patience": KeyDoc("Consecutive measurements a head must stay below its trend before the "
+                                            "alarm.", ">= 1"),
     "detectors.qk_spectra.action": KeyDoc("What an alarm gets."),
     "detectors.router.enabled": KeyDoc("MoE router health per MoE layer over every token of the job (Megatron with "
                                        "experts; off elsewhere)."),
@@ -102,7 +105,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                       ">= `warmup_measurements`"),
     "detectors.router.factor": KeyDoc("Robust standard deviations of change (entropy down, similarity up) that "
                                       "alarm.", "> 0"),
-    "detectors.router.min_relative_change": KeyDoc("And the fraction of the median the change must exceed.",
+    "detectors.router.min_relative_change": KeyDoc("And the fraction of the predicted value the change must exceed.",
                                                    ">= 0"),
     "detectors.router.action": KeyDoc("What an entropy or similarity alarm gets."),
     "detectors.router.dead_expert_action": KeyDoc("What an expert gets that was alive in the baseline and "
@@ -158,9 +161,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
     f"{FAULT_PREFIX}.steps": KeyDoc("Consecutive steps it lasts (1: transient).", ">= 1"),
     f"{FAULT_PREFIX}.param": KeyDoc("`nan_grad` / `inf_grad`: the parameter (a `named_parameters()` name; null: "
                                     "the first)."),
-    f"{FAULT_PREFIX}.scale": KeyDoc("`loss_scale` / `lr_scale`: the factor.", "any number"),
+    f"{FAULT_PREFIX}.scale": KeyDoc("`loss_scale` / `lr_scale`: the factor; `router_collapse`: what is added to "
+                                    "the chosen expert's logit.", "any number"),
     f"{FAULT_PREFIX}.pattern": KeyDoc("`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules to "
-                                      "corrupt.", "required for `bitflip`"),
+                                      "corrupt; `attention_lowbit` / `router_collapse` / `dead_expert`: on the "
+                                      "attention (default `*core_attention`) or router (default `*router`) "
+                                      "modules.", "required for `bitflip`"),
     f"{FAULT_PREFIX}.where": KeyDoc("`bitflip`: the GEMM output corrupted: forward output, backward-data output "
                                     "(the layer input's gradient) or weight gradient."),
     f"{FAULT_PREFIX}.bit": KeyDoc("`bitflip`: the bit to flip (null: the dtype's default exponent bit).",
@@ -170,10 +176,15 @@ KEY_DOCS: dict[str, KeyDoc] = {
     f"{FAULT_PREFIX}.rate": KeyDoc("`bitflip`: probability that each element is flipped.",
                                    "(0, 1] or null; not with `count`"),
     f"{FAULT_PREFIX}.persistent": KeyDoc("`bitflip`: fire on every call from `step` on, recomputations included (a "
-                                         "faulty device); else once per step, on the first GEMM."),
+                                         "faulty device); else once per step, on the first GEMM. Mechanism "
+                                         "faults: active on every step from `step` on."),
     f"{FAULT_PREFIX}.seed": KeyDoc("`bitflip`: seed of the choice of elements.", "any integer"),
     f"{FAULT_PREFIX}.seconds": KeyDoc("`stall`: how long the rank sleeps at the step's first forward.",
                                       "> 0 for `stall`"),
+    f"{FAULT_PREFIX}.bits": KeyDoc("`attention_lowbit`: the lowest bits of each BF16 word of the attention output "
+                                   "and its gradient that are zeroed (a biased rounding toward zero).", "[1, 7]"),
+    f"{FAULT_PREFIX}.expert": KeyDoc("`router_collapse`: the expert whose logit gets `scale` added; `dead_expert`: "
+                                     "the expert that receives no token.", ">= 0, below the number of experts"),
     # recovery
     "recovery.enabled": KeyDoc("The ARC loop: verified-stable snapshots, rollback, heal, escape, resume."),
     "recovery.checkpoint_freq": KeyDoc("Healthy steps between snapshots; a snapshot becomes verified-stable when "

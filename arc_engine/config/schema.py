@@ -22,7 +22,8 @@ from arc_engine.config.errors import ConfigError, require
 
 ActionName = Literal["warn", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
-FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip", "stall"]
+FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip", "stall",
+                    "attention_lowbit", "router_collapse", "dead_expert"]
 
 
 @dataclass(kw_only=True)
@@ -181,16 +182,20 @@ class QKSpectraConfig:
     Every ``every`` optimizer steps (δ; a multiple of ``stats.interval``), for each layer and query head: the spectra
     of ΔW_q, ΔW_k over the last δ steps and of the QK-product increments Δ₁, Δ₂, Δ₃ (from thin-QR cores). Only W_q
     and W_k at t − δ are kept, on one data-parallel copy per layer. The alarm: a head's Δ₂ spectral entropy falls
-    below its own healthy trajectory (median of the last ``window`` accepted measurements) by more than ``factor``
-    robust standard deviations *and* by more than ``min_relative_drop`` of it, after ``warmup_measurements``.
+    below its own healthy trajectory (a robust trend through its last ``window`` accepted measurements,
+    :mod:`arc_engine.monitors.trajectory`) by more than ``factor`` robust standard deviations of the residuals *and*
+    by more than ``min_relative_drop`` of the predicted value, on ``patience`` consecutive measurements, after
+    ``warmup_measurements``. A head on its way to an alarm stays out of its own history; after the alarm its new
+    level joins it (one alarm per episode).
     """
 
     enabled: bool = True
     every: int = 50
-    warmup_measurements: int = 5
+    warmup_measurements: int = 8
     window: int = 50
     factor: float = 6.0
-    min_relative_drop: float = 0.15
+    min_relative_drop: float = 0.3
+    patience: int = 2
     action: ActionName = "warn"
 
     def __post_init__(self) -> None:
@@ -200,6 +205,7 @@ class QKSpectraConfig:
         require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
         require(self.factor > 0, "factor", self.factor, "must be > 0")
         require(0 <= self.min_relative_drop < 1, "min_relative_drop", self.min_relative_drop, "must be in [0, 1)")
+        require(self.patience >= 1, "patience", self.patience, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)
@@ -209,10 +215,10 @@ class RouterConfig:
     Every ``every`` optimizer steps (a multiple of ``stats.interval``): router weight similarity sim(W_R), the
     conditioning ratio ε, per-token routing entropy of the full softmax (mean and low percentiles), tokens per
     expert, MaxVio and dead experts, summed over the expert-parallel and expert-data-parallel ranks. Alarms against
-    the run's own healthy trajectory (median of the last ``window`` accepted measurements, after
+    the run's own healthy trajectory (a robust trend through the last ``window`` accepted measurements, after
     ``warmup_measurements``): the mean routing entropy falls, or the similarity rises, by more than ``factor`` robust
-    standard deviations and by more than ``min_relative_change``; an expert that received tokens in the baseline
-    and none now (``dead_expert_action``).
+    standard deviations of the residuals and by more than ``min_relative_change`` of the predicted value; an
+    expert that received tokens in the baseline and none now (``dead_expert_action``).
     """
 
     enabled: bool = True
@@ -362,6 +368,13 @@ class FaultSpec:
     ``step`` on, recomputations included: a faulty device).
     ``stall``: ``rank`` sleeps ``seconds`` at the start of the step (a hung data loader or a stuck device), so it
     stops stepping and its peers wait in the next collective (what the hang watchdog is for).
+    Mechanism faults (:mod:`arc_engine.faults.mechanism`, for the mechanism-driven monitors), on every step in
+    ``[step, step + steps)`` or, with ``persistent``, every step from ``step`` on:
+    ``attention_lowbit``: biased low-bit rounding in attention (the paper's Appendix B): the output O and its
+    gradient dO of the modules matching ``pattern`` (default ``*core_attention``) are rounded to BF16 with their
+    lowest ``bits`` bits zeroed (1-7, the BF16 mantissa). ``router_collapse``: ``scale`` is added to the logit of
+    expert ``expert`` of the routers matching ``pattern`` (default ``*router``) before routing. ``dead_expert``:
+    that expert's logit is -inf before routing, so it receives no token from ``rank``.
     ``steps``: how many consecutive steps from ``step`` the fault lasts (1 = transient).
 
     ``step`` counts step *attempts* (:attr:`ArcEngine.iteration`): it equals the optimizer step until a rollback
@@ -382,6 +395,8 @@ class FaultSpec:
     persistent: bool = False
     seed: int = 0
     seconds: float = 0.0
+    bits: int = 6
+    expert: int = 0
 
     def __post_init__(self) -> None:
         require(self.rank >= -1, "rank", self.rank, "a global rank >= 0, or -1 for every rank")
@@ -392,6 +407,8 @@ class FaultSpec:
         require(self.step >= 0, "step", self.step, "must be an integer >= 0")
         require(self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
         require(self.kind != "stall" or self.seconds > 0, "seconds", self.seconds, "must be > 0 for kind 'stall'")
+        require(1 <= self.bits <= 7, "bits", self.bits, "an integer in [1, 7] (the BF16 mantissa bits to zero)")
+        require(self.expert >= 0, "expert", self.expert, "an expert index >= 0")
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,9 @@ Loss faults are applied by the training loop through :meth:`FaultInjector.on_los
 ``stall`` sleeps in a forward pre-hook at the step's first forward.
 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
-a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`.
+a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`,
+the mechanism faults (``attention_lowbit``, ``router_collapse``, ``dead_expert``) to
+:class:`~arc_engine.faults.mechanism.MechanismFault`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from arc_engine.config.schema import FaultSpec
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
+from arc_engine.faults.mechanism import MECHANISM_KINDS, MechanismFault
 
 
 def bitflip_spec(spec: FaultSpec) -> BitFlipSpec:
@@ -39,16 +42,20 @@ class FaultInjector:
         self.fired: list[tuple[int, str]] = []
         self.bitflips = [BitFlipInjector(bitflip_spec(s), rank=rank, current_step=current_step)
                          for s in self.specs if s.kind == "bitflip"]
+        self.mechanisms = [MechanismFault(s, current_step, self.fired) for s in self.specs if s.kind in MECHANISM_KINDS]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _active(self, spec: FaultSpec) -> bool:
         return spec.step <= self.current_step() < spec.step + spec.steps
 
     def install(self, model: torch.nn.Module) -> None:
-        """Register gradient-fault hooks on ``model``'s parameters (raises ValueError on an unknown name)."""
+        """Register the fault hooks on ``model`` (raises ValueError on a parameter or module pattern that matches
+        nothing here)."""
         named = dict(model.named_parameters())
         for injector in self.bitflips:
             injector.install(model)
+        for mechanism in self.mechanisms:
+            mechanism.install(model)
         stalls = [spec for spec in self.specs if spec.kind == "stall"]
         if stalls:
             self._handles.append(model.register_forward_pre_hook(lambda module, args: self._stall(stalls)))
@@ -112,6 +119,8 @@ class FaultInjector:
     def remove(self) -> None:
         for injector in self.bitflips:
             injector.remove()
+        for mechanism in self.mechanisms:
+            mechanism.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

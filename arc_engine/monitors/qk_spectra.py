@@ -14,11 +14,10 @@ Through the one agreement (SUM slots; each (layer, head) is written by exactly o
 * ``qk_measured`` ``[layers]``: heads measured (0 on the steps between measurements, and on the first one, which
   only records W_{t−δ}).
 
-The monitor learns each head's healthy trajectory (median and robust spread of its last ``window`` accepted
-measurements) and alarms when a head's Δ₂ entropy drops below it (see :class:`~arc_engine.config.QKSpectraConfig`),
-naming layer, head and tensor-parallel rank. Its cost is periodic: a few small SVDs per head every δ steps
-(``scripts/bench_qk_cores.py``), plus a host copy of the results.
-"""
+The monitor learns each head's healthy trajectory (a robust trend through its last ``window`` accepted measurements,
+:mod:`arc_engine.monitors.trajectory`) and alarms when a head's Δ₂ entropy drops below it (see
+:class:`~arc_engine.config.QKSpectraConfig`), naming layer, head and tensor-parallel rank. Its cost is periodic: a
+few small SVDs per head every δ steps (``scripts/bench_qk_cores.py``), plus a host copy of the results."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, StatDecl, StepView
 from arc_engine.monitors.spectra import head_spectra, split_qkv_rows
+from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
 
 HEAD_ENTROPY = "qk_delta2_entropy"
@@ -42,7 +42,6 @@ MEASURED = "qk_measured"
 LAYER_FIELDS = (("dwq", "entropy"), ("dwk", "entropy"), ("dwq", "stable_rank"), ("dwk", "stable_rank"),
                 ("dwq", "norm_sq"), ("dwk", "norm_sq"), ("delta1", "entropy"), ("delta3", "entropy"),
                 ("delta2", "stable_rank"))
-MAD_TO_STD = 1.4826
 
 
 def _summary_value(spectra: dict[str, dict[str, float]], quantity: str, summary: str) -> float:
@@ -104,6 +103,8 @@ class QKSpectraMonitor:
         self._layer_sums: np.ndarray | None = None
         self._measured: np.ndarray | None = None
         self._flagged = False
+        self._below = np.zeros((self.num_layers, self.num_heads), dtype=np.int64)  # consecutive measurements below
+        self._below_now: np.ndarray | None = None
 
     def required_stats(self) -> tuple[str, ...]:
         return (HEAD_ENTROPY, LAYER_SUMS, MEASURED)
@@ -118,15 +119,18 @@ class QKSpectraMonitor:
         current = np.where((measured > 0)[:, None], current, np.nan)
         self._current, self._measured = current, measured
         self._layer_sums = np.asarray(stats.total(LAYER_SUMS), dtype=np.float64).reshape(self.num_layers, -1)
+        self._below_now = np.zeros_like(self._below)
         if len(self.history) < self.config.warmup_measurements:
             return []
-        history = np.stack(self.history)
-        with np.errstate(all="ignore"), _quiet_nan_warnings():
-            baseline = np.nanmedian(history, axis=0)
-            spread = MAD_TO_STD * np.nanmedian(np.abs(history - baseline), axis=0)
+        baseline, spread = robust_trend(np.stack(self.history).reshape(len(self.history), -1))
+        baseline = baseline.reshape(current.shape)
+        spread = spread.reshape(current.shape)
+        with np.errstate(all="ignore"):
             threshold = np.maximum(self.config.factor * spread, self.config.min_relative_drop * np.abs(baseline))
             drop = baseline - current
-            flagged = np.argwhere(np.nan_to_num(drop - threshold, nan=-1.0) > 0)
+            below = np.nan_to_num(drop - threshold, nan=-1.0) > 0
+        self._below_now = np.where(below, self._below + 1, 0)
+        flagged = np.argwhere(self._below_now >= self.config.patience)
         if flagged.size == 0:
             return []
         self._flagged = True
@@ -147,10 +151,14 @@ class QKSpectraMonitor:
         if self._current is None:
             return
         self.measurements += 1
-        if self._flagged:
-            self.alarms += 1
-        elif applied:
-            self.history.append(self._current)
+        self.alarms += int(self._flagged)
+        if applied and self._below_now is not None:
+            # a head on its way to an alarm stays out of its own history (NaN); once it alarmed, its new level
+            # joins the history (one alarm per episode: the trend then follows the new regime); the other heads
+            # keep learning theirs
+            pending = (self._below_now > 0) & (self._below_now < self.config.patience)
+            self.history.append(np.where(pending, np.nan, self._current))
+            self._below = np.where(self._below_now >= self.config.patience, 0, self._below_now)
         self._current = None
 
     def metrics(self) -> dict[str, float]:
@@ -174,11 +182,12 @@ class QKSpectraMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [h.tolist() for h in self.history], "alarms": self.alarms,
-                "measurements": self.measurements}
+                "measurements": self.measurements, "below": self._below.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((np.asarray(h, dtype=np.float64) for h in state["history"]), maxlen=self.config.window)
         self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
+        self._below = np.asarray(state.get("below", np.zeros_like(self._below)), dtype=np.int64)
 
 
 class _quiet_nan_warnings:

@@ -9,10 +9,10 @@ per layer copy adds the replicated weight's statistics. The accumulators travel 
 SUM slot ``router_sums`` ``[layers x (6 + experts + 128)]``, so every rank unpacks the same union: similarity,
 conditioning ratio, entropy mean and low percentiles, tokens per expert, MaxVio, dead experts.
 
-The monitor alarms against the run's own trajectory (median and robust spread of the last ``window`` accepted
-measurements, per layer): the mean routing entropy falls, or the similarity rises; and an expert alive in the
-baseline gets no token. Events name the layer, the experts and their expert-parallel ranks.
-"""
+The monitor alarms against the run's own trajectory (a robust trend through the last ``window`` accepted
+measurements, per layer: :mod:`arc_engine.monitors.trajectory`): the mean routing entropy falls, or the similarity
+rises; and an expert alive in the baseline gets no token. Events name the layer, the experts and their expert-
+parallel ranks."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, RouterShard, StatDecl, StepView
 from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
+from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
 
 ROUTER_SUMS = "router_sums"
-MAD_TO_STD = 1.4826
 
 
 class RouterObserver:
@@ -119,12 +119,11 @@ class RouterMonitor:
                 history = history[np.isfinite(history)]
                 if not math.isfinite(value) or history.size < self.config.warmup_measurements:
                     continue
-                median = float(np.median(history))
-                spread = MAD_TO_STD * float(np.median(np.abs(history - median)))
-                change = direction * (value - median)
-                threshold = max(self.config.factor * spread, self.config.min_relative_change * abs(median))
+                predicted, spread = (float(v[0]) for v in robust_trend(history[:, None]))
+                change = direction * (value - predicted)
+                threshold = max(self.config.factor * spread, self.config.min_relative_change * abs(predicted))
                 if change > threshold:
-                    problems.append({"statistic": key, "value": value, "baseline": median, "threshold": threshold})
+                    problems.append({"statistic": key, "value": value, "baseline": predicted, "threshold": threshold})
             if problems:
                 worst = problems[0]
                 findings.append(Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
