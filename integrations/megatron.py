@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from arc_engine import runtime
 from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
@@ -121,6 +122,7 @@ class MegatronAdapter:
 
         self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self._routing_removers: list[Callable[[], None]] = []
+        self._peers: dist.ProcessGroup | None = None
         self.parts = self._model_parts()
         self._windows: dict[int, WindowCache] = {}
         self._bucket_index: dict[int, torch.Tensor] = {}
@@ -149,10 +151,18 @@ class MegatronAdapter:
             index = mi.layer_index(layer)
             layout = mi.attention_layout(layer)
             if layout is not None:
-                weight, groups, per_group, head_dim = layout
-                attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
-                                                tp_rank * groups * per_group, tp_rank,
-                                                owner=index % dp_size == dp_rank))
+                weight, groups, per_group, head_dim, span = layout
+                if span == 1:
+                    attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
+                                                    tp_rank * groups * per_group, tp_rank,
+                                                    owner=index % dp_size == dp_rank))
+                else:  # a query group spans `span` TP ranks: gather its rows, measure this rank's query heads
+                    mine = per_group // span
+                    first = (tp_rank % span) * mine
+                    attention.append(AttentionShard(index, weight, 1, per_group, head_dim, tp_rank * mine, tp_rank,
+                                                    owner=index % dp_size == dp_rank,
+                                                    gather=self._query_group_peers(span),
+                                                    heads=(first, first + mine)))
             router = mi.router_of(layer)
             if router is not None:
                 own_tokens = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
@@ -166,6 +176,25 @@ class MegatronAdapter:
                           attention=attention, num_experts=experts or 0,
                           experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
                           routers=routers, observe_routing=self._observe_routing if routers else None)
+
+    def _query_group_peers(self, span: int) -> dist.ProcessGroup:
+        """The TP ranks sharing this rank's query group (``span`` consecutive TP ranks), as a process group. Built
+        once, collectively: every rank of the job creates every such group in the same order (the TP groups are
+        gathered first, at attach)."""
+        if self._peers is None:
+            from megatron.core import parallel_state
+
+            tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+            all_tp = sorted(set(runtime.gather_by_rank(tuple(tp_ranks), None).values()))
+            me = dist.get_rank()
+            for ranks in all_tp:
+                for start in range(0, len(ranks), span):
+                    members = list(ranks[start:start + span])
+                    group = dist.new_group(members)
+                    if me in members:
+                        self._peers = group
+        assert self._peers is not None
+        return self._peers
 
     def _observe_routing(self, shard: RouterShard, observe: Callable[[torch.Tensor, torch.Tensor], None]) \
             -> Callable[[], None]:

@@ -255,10 +255,13 @@ def layer_index(layer: Any) -> int:
     return int(layer.layer_number) - 1
 
 
-def attention_layout(layer: Any) -> tuple[torch.Tensor, int, int, int] | None:
-    """``(linear_qkv weight, query groups on this TP rank, query heads per group, head dim)`` of a self-attention
-    layer whose fused QKV rows are ``[q heads, k, v]`` per whole query group on this rank; None otherwise (no
-    fused ``linear_qkv``, an output gate in the rows, or fewer query groups than TP ranks)."""
+def attention_layout(layer: Any) -> tuple[torch.Tensor, int, int, int, int] | None:
+    """``(linear_qkv weight, query groups on this TP rank, query heads per group, head dim, span)`` of a
+    self-attention layer whose fused QKV rows are ``[q heads, k, v]`` per query group. ``span``: how many TP ranks
+    share one query group's rows (1 when each rank holds whole groups; with fewer query groups than TP ranks, a
+    group's rows are split over ``tp / groups`` consecutive TP ranks, and the local weight holds a slice of one
+    group: the query-group count returned is then 1, for the rows gathered over those ranks). None without a fused
+    ``linear_qkv`` or with an output gate in the rows."""
     from megatron.core import parallel_state
 
     attention = getattr(layer, "self_attention", None)
@@ -270,10 +273,12 @@ def attention_layout(layer: Any) -> tuple[torch.Tensor, int, int, int] | None:
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if groups % tp:
-        return None
     head_dim = config.kv_channels or config.hidden_size // heads
-    return weight, groups // tp, heads // groups, head_dim
+    if groups % tp == 0:
+        return weight, groups // tp, heads // groups, head_dim, 1
+    if tp % groups:
+        return None
+    return weight, 1, heads // groups, head_dim, tp // groups
 
 
 def router_of(layer: Any) -> Any | None:

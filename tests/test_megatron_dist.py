@@ -167,13 +167,13 @@ def test_ep2_router_statistics_equal_one_computation_over_the_union_of_tokens(tm
 
 # ------------------------------------------------------------------ TP=2 per-shard spectra, GQA
 
-def _tp2_spectra(rank: int, world: int, config: str) -> dict[str, Any]:
+def _tp2_spectra(rank: int, world: int, config: str, groups: int) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from arc_engine.integrations import megatron_internals as mi
     from arc_engine.monitors.spectra import layer_spectra
 
-    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--num-query-groups", "2", "--arc-config", config]
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--num-query-groups", str(groups), "--arc-config", config]
     script, args, state = _build(flags)
     layers = mi.transformer_layers(state.model)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -192,9 +192,9 @@ def _tp2_spectra(rank: int, world: int, config: str) -> dict[str, Any]:
         weights[step] = full_weights()  # what the producer reads at step `step` (before its update)
         script.train_step(state, args, state.arc.data_position)
     agreed = state.arc.engine.last_stats.total("qk_delta2_entropy").reshape(2, 4)
-    # the TP=1 computation on the same model: the whole linear_qkv of each layer, 2 query groups x 2 heads
-    expected = torch.tensor([[head["delta2"]["entropy"] for head in layer_spectra(weights[4][i], weights[2][i], 2, 2,
-                                                                                  16)]
+    # the TP=1 computation on the same model: the whole linear_qkv of each layer, `groups` query groups
+    expected = torch.tensor([[head["delta2"]["entropy"] for head in layer_spectra(weights[4][i], weights[2][i],
+                                                                                  groups, 4 // groups, 16)]
                              for i in range(2)], dtype=torch.float64)
     measured = state.arc.engine.last_stats.total("qk_measured")
     state.arc.close()
@@ -202,9 +202,10 @@ def _tp2_spectra(rank: int, world: int, config: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("groups", [2, 1], ids=["gqa_2_groups", "mqa_1_group_gathered_over_tp"])
+def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp_path: Path, groups: int) -> None:
     config = _arc_yaml(tmp_path / "tp.yaml", "tp")
-    results = run_ranks(_tp2_spectra, 2, config, timeout_s=280)
+    results = run_ranks(_tp2_spectra, 2, config, groups, timeout_s=280)
     for result in results:
         assert result["measured"].tolist() == [4.0, 4.0]  # every head of both layers, written once
         assert torch.allclose(result["agreed"], result["expected"], rtol=1e-6, atol=1e-9), \

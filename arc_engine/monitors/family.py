@@ -59,9 +59,13 @@ class AttentionShard:
     num_query_groups: int      # query groups in ``weight``
     heads_per_group: int
     head_dim: int
-    first_head: int            # global index of the first query head in ``weight``
+    first_head: int            # global index of the first query head this rank measures
     tp_rank: int
     owner: bool
+    # fewer query groups than TP ranks: the group's rows are gathered over ``gather`` (the TP ranks sharing the
+    # group, in order) before the split, and this rank measures query heads ``heads[0]:heads[1]`` of the group
+    gather: Any = None
+    heads: tuple[int, int] | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from arc_engine.config.schema import QKSpectraConfig
 from arc_engine.events import Action, Finding, Severity
@@ -68,13 +69,19 @@ class QKSpectraProducer:
         sums = np.zeros((num_layers, len(LAYER_FIELDS)))
         measured = np.zeros(num_layers)
         for shard in self.shards:
-            q, k = split_qkv_rows(shard.weight.detach(), shard.num_query_groups, shard.heads_per_group,
-                                  shard.head_dim)
+            weight = shard.weight.detach()
+            if shard.gather is not None:  # a query group split over TP ranks: gather its rows (periodic only)
+                pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
+                dist.all_gather(pieces, weight.contiguous(), group=shard.gather)
+                weight = torch.cat(pieces)
+            q, k = split_qkv_rows(weight, shard.num_query_groups, shard.heads_per_group, shard.head_dim)
+            first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
+            q = q[first:last]
             previous = self.previous.get(shard.layer)
             if previous is not None:
                 q_prev, k_prev = previous
                 for h in range(q.shape[0]):
-                    g = h // shard.heads_per_group
+                    g = (first + h) // shard.heads_per_group
                     spectra = head_spectra(q[h], k[g], q_prev[h], k_prev[g])
                     entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
                     sums[shard.layer] += [_summary_value(spectra, *f) for f in LAYER_FIELDS]
@@ -232,5 +239,10 @@ class QKSpectraFamily(FamilyBase):
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         assert ctx.parts is not None
         shards = ctx.parts.attention
-        per_rank = shards[0].num_query_groups * shards[0].heads_per_group if shards else ctx.parts.num_heads
+        if not shards:
+            per_rank = ctx.parts.num_heads
+        elif shards[0].heads is not None:
+            per_rank = shards[0].heads[1] - shards[0].heads[0]
+        else:
+            per_rank = shards[0].num_query_groups * shards[0].heads_per_group
         return [QKSpectraMonitor(ctx.section, ctx.parts, per_rank)]
