@@ -72,7 +72,8 @@ def test_rollback_replays_bitwise_under_megatron(tmp_path: Path, layout: str) ->
 def _pp2(rank: int, world: int, config: str) -> dict[str, Any]:
     from megatron.core import parallel_state
 
-    flags = [*SMALL, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--arc-config", config]
+    flags = [*SMALL, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--overlap-grad-reduce",
+             "--arc-config", config]
     script, args, state = _build(flags)
     updates, measured = [], []
     for _ in range(6):
@@ -87,7 +88,7 @@ def _pp2(rank: int, world: int, config: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(400)
-def test_pp2_runs_with_the_monitors_on_and_a_first_stage_nan_is_skipped_by_every_stage(tmp_path: Path) -> None:
+def test_pp2_with_overlapped_grad_reduce_runs_the_monitors_and_skips_a_first_stage_nan_on_every_stage(tmp_path: Path) -> None:
     config = tmp_path / "pp.yaml"
     config.write_text(yaml.safe_dump({
         "run": {"run_id": "pp", "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
