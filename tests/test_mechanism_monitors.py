@@ -93,19 +93,21 @@ def _router_stats(logits_tn: torch.Tensor, weight_nd: torch.Tensor, layers: int 
     return AgreedStats.from_rows(layout, np.concatenate([partial, np.zeros((layers - 1) * size)])[None, :])
 
 
-def _router_monitor() -> RouterMonitor:
-    return RouterMonitor(RouterConfig(warmup_measurements=5), ModelParts(num_layers=1, num_experts=4,
-                                                                         experts_per_rank=2))
+def _healthy_router_monitor(generator: torch.Generator, weight: torch.Tensor) -> RouterMonitor:
+    """A router monitor after 8 healthy measurements (random logits, a fixed weight): no alarm on any of them."""
+    monitor = RouterMonitor(RouterConfig(warmup_measurements=5), ModelParts(num_layers=1, num_experts=4,
+                                                                            experts_per_rank=2))
+    for step in range(8):
+        logits = torch.randn(256, 4, generator=generator, dtype=torch.float64)
+        assert monitor.evaluate(step, _router_stats(logits, weight)) == []
+        monitor.commit(step, True)
+    return monitor
 
 
 def test_router_monitor_alarms_on_collapsing_entropy_and_on_a_dead_expert() -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(4, 16, generator=generator, dtype=torch.float64)
-    monitor = _router_monitor()
-    for step in range(8):
-        logits = torch.randn(256, 4, generator=generator, dtype=torch.float64)
-        assert monitor.evaluate(step, _router_stats(logits, weight)) == []
-        monitor.commit(step, True)
+    monitor = _healthy_router_monitor(generator, weight)
     collapsed = torch.randn(256, 4, generator=generator, dtype=torch.float64)
     collapsed[:, 0] += 8.0  # every token prefers expert 0: entropy falls
     findings = monitor.evaluate(8, _router_stats(collapsed, weight))
@@ -122,11 +124,7 @@ def test_router_monitor_alarms_on_collapsing_entropy_and_on_a_dead_expert() -> N
 def test_router_monitor_alarms_when_the_router_columns_collapse_onto_their_common_mode() -> None:
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(4, 16, generator=generator, dtype=torch.float64)
-    monitor = _router_monitor()
-    for step in range(8):
-        logits = torch.randn(256, 4, generator=generator, dtype=torch.float64)
-        assert monitor.evaluate(step, _router_stats(logits, weight)) == []
-        monitor.commit(step, True)
+    monitor = _healthy_router_monitor(generator, weight)
     common = weight.mean(dim=0, keepdim=True)
     collapsed = 0.1 * weight + 0.9 * (common + torch.randn(1, 16, generator=generator, dtype=torch.float64))
     findings = monitor.evaluate(8, _router_stats(torch.randn(256, 4, generator=generator, dtype=torch.float64),

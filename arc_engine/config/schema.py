@@ -175,7 +175,27 @@ class SDCConfig:
 
 
 @dataclass(kw_only=True)
-class QKSpectraConfig:
+class TrajectoryMonitorConfig:
+    """What the mechanism families share: a measurement every ``every`` optimizer steps, alarms against a trend
+    learned from the last ``window`` accepted measurements, after ``warmup_measurements`` of them, beyond ``factor``
+    robust standard deviations of the residuals."""
+
+    enabled: bool = True
+    every: int = 50
+    warmup_measurements: int = 8
+    window: int = 50
+    factor: float = 6.0
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3")
+        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class QKSpectraConfig(TrajectoryMonitorConfig):
     """Attention weight-update and QK-product spectra per head (mechanism-driven monitors; Megatron only: the
     adapter describes where each tensor-parallel rank's heads are).
 
@@ -189,27 +209,18 @@ class QKSpectraConfig:
     level joins it (one alarm per episode).
     """
 
-    enabled: bool = True
-    every: int = 50
-    warmup_measurements: int = 8
-    window: int = 50
-    factor: float = 6.0
     min_relative_drop: float = 0.3
     patience: int = 2
     action: ActionName = "warn"
 
     def __post_init__(self) -> None:
-        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
-        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
-                "must be an integer >= 3")
-        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
-        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        super().__post_init__()
         require(0 <= self.min_relative_drop < 1, "min_relative_drop", self.min_relative_drop, "must be in [0, 1)")
         require(self.patience >= 1, "patience", self.patience, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)
-class RouterConfig:
+class RouterConfig(TrajectoryMonitorConfig):
     """MoE router health per MoE layer, over all the tokens of the job (mechanism-driven monitors; Megatron only).
 
     Every ``every`` optimizer steps (a multiple of ``stats.interval``): router weight similarity sim(W_R), the
@@ -221,21 +232,14 @@ class RouterConfig:
     expert that received tokens in the baseline and none now (``dead_expert_action``).
     """
 
-    enabled: bool = True
     every: int = 10
     warmup_measurements: int = 5
-    window: int = 50
-    factor: float = 6.0
     min_relative_change: float = 0.15
     action: ActionName = "warn"
     dead_expert_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
-        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
-        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
-                "must be an integer >= 3")
-        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
-        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        super().__post_init__()
         require(self.min_relative_change >= 0, "min_relative_change", self.min_relative_change, "must be >= 0")
 
 

@@ -194,6 +194,18 @@ def section_of(config: ArcConfig, family: MonitorFamily) -> Any:
     return section
 
 
+def periodic_family_enabled(ctx: FamilyContext, name: str, described: bool) -> bool:
+    """Whether a periodic family (``detectors.<name>.every`` steps) runs: its section is enabled and the adapter
+    ``described`` what it measures. Raises ValueError when ``every`` is not a multiple of ``stats.interval``
+    (measurements happen on monitored steps)."""
+    on = bool(ctx.section.enabled) and described
+    interval = ctx.config.stats.interval
+    if on and ctx.section.every % interval:
+        raise ValueError(f"detectors.{name}.every ({ctx.section.every}) must be a multiple of stats.interval "
+                         f"({interval}): measurements happen on monitored steps")
+    return on
+
+
 def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     """``stats.optimizer_stats_every``: whether monitored step ``step`` is one of the periodic optimizer-statistics
     steps (every ``interval x every`` optimizer steps; never when 0)."""
@@ -202,5 +214,4 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
 
 
 __all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "MonitorFamily", "Producer",
-           "RouterShard", "StatDecl", "StepView",
-           "optimizer_stats_schedule", "section_of"]
+           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_family_enabled", "section_of"]

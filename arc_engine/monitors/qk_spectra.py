@@ -31,7 +31,15 @@ import torch.distributed as dist
 from arc_engine.config.schema import QKSpectraConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, StatDecl, StepView
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    ModelParts,
+    Producer,
+    StatDecl,
+    StepView,
+    periodic_family_enabled,
+)
 from arc_engine.monitors.spectra import head_spectra, split_qkv_rows
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
@@ -217,13 +225,8 @@ class QKSpectraFamily(FamilyBase):
     name = "qk_spectra"
 
     def enabled(self, ctx: FamilyContext) -> bool:
-        on = bool(ctx.section.enabled) and ctx.parts is not None and ctx.parts.num_layers > 0 \
-            and ctx.parts.num_heads > 0
-        interval = ctx.config.stats.interval
-        if on and ctx.section.every % interval:
-            raise ValueError(f"detectors.qk_spectra.every ({ctx.section.every}) must be a multiple of "
-                             f"stats.interval ({interval}): measurements happen on monitored steps")
-        return on
+        described = ctx.parts is not None and ctx.parts.num_layers > 0 and ctx.parts.num_heads > 0
+        return periodic_family_enabled(ctx, self.name, described)
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         assert ctx.parts is not None

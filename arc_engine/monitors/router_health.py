@@ -27,7 +27,16 @@ import torch
 from arc_engine.config.schema import RouterConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, ModelParts, Producer, RouterShard, StatDecl, StepView
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    ModelParts,
+    Producer,
+    RouterShard,
+    StatDecl,
+    StepView,
+    periodic_family_enabled,
+)
 from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
@@ -178,12 +187,7 @@ class RouterFamily(FamilyBase):
     name = "router"
 
     def enabled(self, ctx: FamilyContext) -> bool:
-        on = bool(ctx.section.enabled) and ctx.parts is not None and ctx.parts.num_experts > 0
-        interval = ctx.config.stats.interval
-        if on and ctx.section.every % interval:
-            raise ValueError(f"detectors.router.every ({ctx.section.every}) must be a multiple of stats.interval "
-                             f"({interval}): measurements happen on monitored steps")
-        return on
+        return periodic_family_enabled(ctx, self.name, ctx.parts is not None and ctx.parts.num_experts > 0)
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         assert ctx.parts is not None
