@@ -88,7 +88,7 @@ def _pp2(rank: int, world: int, config: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(400)
-def test_pp2_with_overlapped_grad_reduce_runs_the_monitors_and_skips_a_first_stage_nan_on_every_stage(tmp_path: Path) -> None:
+def test_pp2_overlapped_grad_reduce_monitors_on_first_stage_nan_skipped_everywhere(tmp_path: Path) -> None:
     config = tmp_path / "pp.yaml"
     config.write_text(yaml.safe_dump({
         "run": {"run_id": "pp", "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
