@@ -60,9 +60,16 @@ class _Group:
 
     def __init__(self, index: int, member: Any, group: dict, counted: set[int]) -> None:
         self.index, self.member, self.group, self.counted = index, member, group, counted
+        self._index: torch.Tensor | None = None
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.group["params"] if p.grad is not None and id(p) in self.counted]
+
+    def index_tensor(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` copies of this group's index on ``device`` (kept between steps while the count holds)."""
+        if self._index is None or self._index.numel() != count:
+            self._index = torch.full((count,), self.index, dtype=torch.long, device=device)
+        return self._index
 
 
 def _group_names(labels: list[str]) -> list[str]:
@@ -258,8 +265,7 @@ class MegatronAdapter:
             for group in self.groups:
                 grads = group.grads()
                 if grads:
-                    index = torch.full((len(grads),), group.index, dtype=torch.long, device=device)
-                    accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ)
+                    accumulate_grad_stats(engine.buffer, grads, group.index_tensor(len(grads), device), names.GRAD_SQ)
             if engine.wants_optimizer_stats():
                 self._optimizer_stats()
             self._vetoed = not engine.decide().applies_update

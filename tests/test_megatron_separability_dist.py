@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 
 from tests.dist_harness import run_ranks
 from tests.scripts_loader import load_script
+from tests.test_megatron_dist import _arc_yaml
 
 pytest.importorskip("megatron.core")
 
@@ -48,17 +48,8 @@ RUNS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def _arc_yaml(path: Path, run_id: str, injections: list[dict[str, Any]]) -> str:
-    """Every step monitored; both mechanism families every 2 steps after 3 accepted measurements; the router's
-    alarm thresholds pinned (the assertions depend on them)."""
-    config = {"run": {"run_id": run_id, "run_dir": str(path.parent / "runs")}, "stats": {"interval": 1},
-              "sinks": {"console": {"enabled": False}},
-              "detectors": {"qk_spectra": {"every": 2, "warmup_measurements": 3},
-                            "router": {"every": 2, "warmup_measurements": 3, "window": 50, "factor": 6.0,
-                                       "min_relative_change": 0.15}},
-              "faults": {"injections": injections}}
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+#: the router's alarm thresholds, pinned (the assertions depend on them)
+ROUTER = {"every": 2, "warmup_measurements": 3, "window": 50, "factor": 6.0, "min_relative_change": 0.15}
 
 
 def _train(rank: int, world: int, configs: dict[str, str]) -> dict[str, Any]:
@@ -102,7 +93,8 @@ def _events(run_dir: Path | str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("separability")
-    configs = {name: _arc_yaml(folder / f"{name}.yaml", name, injections) for name, injections in RUNS.items()}
+    configs = {name: _arc_yaml(folder / f"{name}.yaml", name, injections=injections, router=ROUTER)
+               for name, injections in RUNS.items()}
     results = run_ranks(_train, 2, configs, timeout_s=280)
     for name in RUNS:  # every rank took the same decisions
         assert results[0][name]["detections"] == results[1][name]["detections"], name
