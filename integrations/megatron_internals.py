@@ -20,6 +20,12 @@ ground truth; ``../shared/megatron-core-notes.md`` has the checked facts):
   Float16Optimizer's fp32 main copies, or the FP32Optimizer's parameters, each with ``.grad`` and Adam's
   ``exp_avg`` / ``exp_avg_sq`` / ``step`` in ``member.optimizer.state``. The model parameters behind each inner
   group are attributes of the member (:func:`model_params_per_group`).
+* **Checkpoints in Megatron's own format.** ``dist_checkpointing.save`` runs its whole save, including the final
+  gather of write results and a barrier, on the default process group from the calling thread; arc_engine's disk
+  tier writes from a background thread on its own gloo group. :func:`prepare_dist_checkpoint` therefore does what
+  the ``torch_dist`` strategy does before writing (validation, ``common.pt``, the translation of ShardedTensors to
+  DCP with Megatron's save planner), and arc_engine's checkpoint manager writes the result with DCP on its group;
+  the directory is then what ``dist_checkpointing.load`` (and Megatron-LM's ``--load``) reads.
 
 Wrapped methods are instance attributes, removed again by the removers these functions return (``Arc.close``);
 nothing else of Megatron is assigned. The layouts read here change between releases, so :func:`check_version`
@@ -306,3 +312,94 @@ def copy_main_to_model_params(member: Any) -> None:
     bf16/fp16 model parameters as Megatron does after a step. No-op for other members."""
     if hasattr(member, "float16_groups") and not is_stub(member):
         member._copy_main_params_to_model_params()
+
+
+# ----------------------------------------------------------------------------------------- dist_checkpointing
+
+#: the backend and version ``metadata.json`` names: megatron-core's ``torch_dist`` (DCP underneath)
+DIST_CKPT_BACKEND = ("torch_dist", 1)
+DIST_CKPT_COMMON_FILES = ("common.pt", "metadata.json")
+
+
+def sharded_object(key: str, data: Any, rank: int, world: int) -> Any:
+    """A per-rank object in a dist_checkpointing state dict (one entry per rank of ``world``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(key, data, (world,), (rank,), replica_id=0)
+
+
+def prepare_dist_checkpoint(sharded_state_dict: dict, step_dir: Any, *, coordinator: bool, validate: bool,
+                            stage: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]]) -> tuple[dict, Any]:
+    """The ``torch_dist`` strategy's save up to the write: apply factories, split off the common part (the
+    coordinator writes ``common.pt`` and ``metadata.json`` into ``step_dir``), replace every ShardedTensor's data
+    by ``stage``'s host copy (so training can go on while the write runs), translate to DCP. Returns the DCP state
+    dict and Megatron's save planner for ``dcp.async_save``. Collective on the default group when ``validate``
+    (Megatron's access-integrity check)."""
+    import copy
+
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    sharded, common = save_preprocess(sharded_state_dict, validate, None)
+    if coordinator:
+        TorchCommonSaveStrategy("torch", 1).save_common(common, step_dir)
+        save_config(CheckpointingConfig(*DIST_CKPT_BACKEND), step_dir)
+    tensors: list[Any] = []
+
+    def collect(value: Any) -> Any:
+        if isinstance(value, ShardedTensor):
+            tensors.append(value)
+        return value
+
+    dict_list_map_inplace(collect, sharded)
+    staged = stage({i: sh.data for i, sh in enumerate(tensors)})
+    copies = {id(sh): copy.copy(sh) for sh in tensors}
+    for i, sh in enumerate(tensors):
+        copies[id(sh)].data = staged[i]
+    dict_list_map_inplace(lambda v: copies.get(id(v), v) if isinstance(v, ShardedTensor) else v, sharded)
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, True)  # replica 0 of each piece only
+    return mcore_to_pyt_state_dict(sharded, False), MCoreSavePlanner(flatten_state_dict=False)
+
+
+def load_dist_checkpoint(sharded_state_dict: dict, path: Any) -> dict:
+    """``dist_checkpointing.load`` (collective on the default group)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(sharded_state_dict, str(path))
+
+
+def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
+    """``optimizer.load_state_dict`` from a dist_checkpointing load, then Adam's ``step`` of every parameter from
+    its group's saved step. The DistributedOptimizer stores the step in its param groups only and, loading its
+    ``dp_reshardable`` parameter state, writes back the live step tensors of the loading template (megatron-core
+    0.16.1): without this, a rollback would keep the current step counts. Other members get one step tensor per
+    parameter (the load may share one). Under no_grad (the DistributedOptimizer copies into leaf shards)."""
+    with torch.no_grad():
+        optimizer.load_state_dict(state_dict)
+        chained = members(optimizer)
+        if len(chained) == 1:
+            parts = [state_dict]
+        else:
+            parts = [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict)
+        for member, part in zip(chained, parts, strict=True):
+            inner = inner_optimizer(member)
+            saved = part.get("optimizer", {}) if isinstance(part, dict) else {}
+            saved_groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+            if inner is None:
+                continue
+            for index, group in enumerate(inner.param_groups):
+                step = saved_groups[index].get("step") if index < len(saved_groups) else None
+                for param in group["params"]:
+                    state = inner.state.get(param, {})
+                    current = state.get("step")
+                    if isinstance(current, torch.Tensor):
+                        state["step"] = current.clone() if step is None else \
+                            torch.tensor(float(step), dtype=current.dtype, device=current.device)

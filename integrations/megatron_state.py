@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from arc_engine.integrations import megatron_internals as mi
+from arc_engine.integrations.megatron_checkpoint import MegatronDiskFormat
 from arc_engine.recovery.state import add_relative_noise, materialize_optimizer_state
 
 
@@ -82,6 +83,10 @@ class MegatronTrainState:
                 scaler.load_state_dict(scaler_state)
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def native_disk_format(self) -> MegatronDiskFormat:
+        """Megatron's own checkpoint format for the disk tier (``recovery.checkpoint.format: auto``)."""
+        return MegatronDiskFormat(self.chunks, self.optimizer, self.lr_scheduler)
 
     def dcp_state_dict(self) -> dict[str, Any]:
         """The disk tier's view (torch.distributed.checkpoint, not reshardable): the model chunks' tensors under a

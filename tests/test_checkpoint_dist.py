@@ -296,6 +296,60 @@ def test_round_trip_then_a_missing_file_falls_back_to_the_previous_checkpoint(tm
     manager.close()
 
 
+class _JsonSidecarFormat:
+    """A backend format for the test: DCP for the tensors, plus a file the coordinator writes beside them."""
+
+    name = "sidecar"
+    common_files = ("sidecar.json",)
+
+    def __init__(self) -> None:
+        self.fail_load = False
+
+    def prepare_save(self, step: int, state_dict: dict[str, Any], step_dir: Path, *, coordinator: bool,
+                     stage: Any) -> tuple[dict[str, Any], None]:
+        if coordinator:
+            (step_dir / "sidecar.json").write_text(json.dumps({"step": step}))
+        return stage({"weights": state_dict["weights"]}), None
+
+    def load(self, path: Path, state_dict: dict[str, Any]) -> None:
+        if self.fail_load:
+            raise RuntimeError("the framework refused this checkpoint")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        state_dict["sidecar"] = json.loads((path / "sidecar.json").read_text())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_backend_format_is_committed_checksummed_and_falls_back_like_dcp(tmp_path: Path) -> None:
+    """The seam megatron-core's dist_checkpointing format plugs into: the coordinator's extra files are part of the
+    commit (checksummed, verified at load), and a failure of the format's own load falls back to an older commit."""
+    fmt = _JsonSidecarFormat()
+    manager = CheckpointManager(tmp_path, keep_last=5, disk_format=fmt)
+    weights = torch.zeros(100)
+    for step in (1, 2, 3):
+        weights.fill_(float(step))
+        manager.save_async(step, {"weights": weights})
+        weights.fill_(-1.0)  # staged already: the write sees the value at save time
+        assert manager.wait(30)
+    assert "sidecar.json" in manager.latest().files and manager.last_staged_bytes == 400
+
+    def build(info: CommitInfo) -> dict[str, Any]:
+        return {"weights": torch.zeros(100)}
+
+    info, loaded = manager.load_latest(build)
+    assert info.step == 3 and loaded["weights"].unique().tolist() == [3.0] and loaded["sidecar"] == {"step": 3}
+    (tmp_path / "step_00000003" / "sidecar.json").write_text(json.dumps({"step": 99}))
+    info, loaded = manager.load_latest(build)
+    assert info.step == 2 and loaded["sidecar"] == {"step": 2}
+    assert "step_00000003/sidecar.json" in manager.last_load_errors[0]
+    fmt.fail_load = True
+    with pytest.raises(CheckpointError, match="sidecar load failed on rank 0: RuntimeError: the framework refused"):
+        manager.load_latest(build)
+    assert len(manager.last_load_errors) == 3  # step 3 (checksum), then 2 and 1 (the format's load)
+    manager.close()
+
+
 # --------------------------------------------------------------------- draining at close and at exit
 
 def _close_drains(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import pytest
 from arc_engine.integrations import megatron_internals as mi
 
 ROOT = Path(__file__).resolve().parent.parent
-OUTSIDE_INTERNALS = [ROOT / "integrations" / "megatron.py", ROOT / "integrations" / "megatron_state.py"]
+OUTSIDE_INTERNALS = [ROOT / "integrations" / name for name in ("megatron.py", "megatron_state.py",
+                                                               "megatron_checkpoint.py")]
 LAUNCHER = ROOT / "launch" / "megatron" / "pretrain_gpt_arc.py"
 
 

@@ -16,15 +16,17 @@ from tests.test_megatron_dist import SMALL, _adam_steps, _build, _params
 pytest.importorskip("megatron.core")
 
 
-def _recovery_yaml(path: Path, run_id: str, injections: list[dict]) -> str:
-    """Rollback on a non-finite step to the newest verified-stable memory snapshot, replaying the same data at the
-    same learning rate (no healing), so the replay must reproduce the fault-free run bit for bit."""
+def _recovery_yaml(path: Path, run_id: str, injections: list[dict], *, disk: bool = False) -> str:
+    """Rollback on a non-finite step to the newest verified-stable memory snapshot (``disk``: no memory ring, the
+    newest committed checkpoint in Megatron's format), replaying the same data at the same learning rate (no
+    healing), so the replay must reproduce the fault-free run bit for bit."""
     config = {"run": {"run_id": run_id, "run_dir": str(path.parent / "runs")}, "stats": {"interval": 1},
               "sinks": {"console": {"enabled": False}},
               "detectors": {"non_finite": {"action": "rollback"}, "qk_spectra": {"every": 2},
                             "router": {"every": 2}},
-              "recovery": {"enabled": True, "checkpoint_freq": 2, "memory_ring_mb": 64, "lr_reduction_factor": 1.0,
-                           "skip_data": "none", "checkpoint": {"enabled": False}},
+              "recovery": {"enabled": True, "checkpoint_freq": 2, "memory_ring_mb": 0 if disk else 64,
+                           "lr_reduction_factor": 1.0, "skip_data": "none",
+                           "checkpoint": {"enabled": disk, "every_steps": 1}},
               "faults": {"injections": injections}}
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -45,20 +47,22 @@ def _replay(rank: int, world: int, flags: list[str], clean: str, faulty: str, st
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("layout", ["tp2_bf16_distopt", "ep2_moe"])
+@pytest.mark.parametrize("layout", ["tp2_bf16_distopt", "ep2_moe", "ep2_moe_from_disk"])
 def test_rollback_replays_bitwise_under_megatron(tmp_path: Path, layout: str) -> None:
+    moe = [*SMALL, "--expert-model-parallel-size", "2", "--num-experts", "4", "--use-distributed-optimizer"]
     flags = {"tp2_bf16_distopt": [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                                   "--bf16"],
-             "ep2_moe": [*SMALL, "--expert-model-parallel-size", "2", "--num-experts", "4",
-                         "--use-distributed-optimizer"]}[layout]
-    clean = _recovery_yaml(tmp_path / "clean.yaml", "clean", [])
-    faulty = _recovery_yaml(tmp_path / "faulty.yaml", "faulty", [{"kind": "nan_loss", "rank": 1, "step": 5}])
+             "ep2_moe": moe, "ep2_moe_from_disk": [*moe, "--bf16"]}[layout]
+    disk = layout.endswith("from_disk")  # two optimizer members (dense, expert) through dist_checkpointing
+    clean = _recovery_yaml(tmp_path / "clean.yaml", "clean", [], disk=disk)
+    faulty = _recovery_yaml(tmp_path / "faulty.yaml", "faulty", [{"kind": "nan_loss", "rank": 1, "step": 5}],
+                            disk=disk)
     steps = 8
     results = run_ranks(_replay, 4, flags, clean, faulty, steps, timeout_s=480)
     for rank, result in enumerate(results):
         faulty_run, clean_run = result["faulty"], result["clean"]
         assert faulty_run["recovery"]["rollbacks"] == 1, (rank, faulty_run["recovery"])
-        assert faulty_run["recovery"]["restored_from_memory"] == 1, rank
+        assert faulty_run["recovery"]["restored_from_disk" if disk else "restored_from_memory"] == 1, rank
         assert faulty_run["iterations"] > steps  # the rolled-back steps were trained again
         assert faulty_run["detections"].get("non_finite") == 1, rank
         assert clean_run["recovery"]["rollbacks"] == 0, rank
@@ -109,9 +113,37 @@ def test_pp2_overlapped_grad_reduce_monitors_on_first_stage_nan_skipped_everywhe
 
 # ------------------------------------------------------------------ the disk tier: resume after a restart
 
-def _resume(rank: int, world: int, flags: list[str], reference: str, first: str, second: str) -> dict[str, Any]:
+def _megatron_user_load(flags: list[str], path: Path) -> tuple[int, torch.Tensor]:
+    """What a Megatron user does with one of arc_engine's checkpoints, with megatron-core's public API only (as
+    Megatron-LM's ``--load``): a fresh model and optimizer, their sharded state dicts built with the checkpoint's
+    content metadata, ``dist_checkpointing.load``, ``load_state_dict``. Returns the iteration and the parameters."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from arc_engine.recovery.state import materialize_optimizer_state
+
+    _, _, fresh = _build([*flags, "--no-arc"])
+    for member in fresh.optimizer.chained_optimizers:  # 0.16.1's DistributedOptimizer.state_dict() needs Adam's
+        materialize_optimizer_state(member.optimizer)  # state, which torch Adam creates at its first step
+    metadata = {**(dist_checkpointing.load_content_metadata(str(path)) or {}),
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    model = fresh.model[0].module.module  # megatron DDP -> Float16Module -> GPTModel, as Megatron-LM unwraps it
+    sharded: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata)}
+    sharded["optimizer"] = fresh.optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load(sharded, str(path))
+    fresh.model[0].load_state_dict(loaded["model"])
+    with torch.no_grad():
+        fresh.optimizer.load_state_dict(loaded["optimizer"])
+    return int(loaded["iteration"]), _params(fresh)
+
+
+def _resume(rank: int, world: int, flags: list[str], reference: str, first: str, second: str,
+            fmt: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
     script, args, state = _build([*flags, "--arc-config", reference])
+    by_step: dict[int, torch.Tensor] = {}
     while state.arc.step < 6:
+        by_step[state.arc.step] = _params(state)  # the state a checkpoint of this step holds
         script.train_step(state, args, state.arc.data_position)
     state.arc.close()
     clean = _params(state)
@@ -119,32 +151,55 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
     while state.arc.step < 4:
         script.train_step(state, args, state.arc.data_position)
     saves = state.arc.summary()["recovery"]["disk_saves"]
-    state.arc.close()
+    state.arc.close()  # drains the save in flight
+    dist.barrier()
+    committed = state.arc.engine.recovery.checkpoints.committed()
+    out: dict[str, Any] = {"saves": saves, "committed": [info.step for info in committed]}
+    if fmt == "megatron":
+        newest = committed[-1].path
+        out["files"] = sorted(p.name for p in newest.iterdir())
+        iteration, params = _megatron_user_load(flags, newest)
+        out["user_load"] = iteration == committed[-1].step and torch.equal(params, by_step[iteration])
+        dist.barrier()
+        if rank == 0:  # the newest commit's common.pt goes bad: the resume must fall back to the one before
+            (newest / "common.pt").write_bytes(b"not a checkpoint")
+        dist.barrier()
     script, args, state = _build([*flags, "--arc-config", second])  # a new job: resumes from the commit
-    resumed_at = state.arc.step
+    out["resumed_at"] = state.arc.step
+    out["load_errors"] = list(state.arc.engine.recovery.checkpoints.last_load_errors)
     while state.arc.step < 6:
         script.train_step(state, args, state.arc.data_position)
     state.arc.close()
-    return {"saves": saves, "resumed_at": resumed_at, "equal": torch.equal(_params(state), clean),
-            "adam_steps": sorted(set(_adam_steps(state)))}
+    out.update(equal=torch.equal(_params(state), clean), adam_steps=sorted(set(_adam_steps(state))))
+    return out
 
 
 @pytest.mark.timeout(400)
-def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["megatron", "dcp"])
+def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path, fmt: str) -> None:
+    """``megatron`` (what ``auto`` picks): each checkpoint is a dist_checkpointing checkpoint that megatron-core's
+    own load reads; arc_engine's checksums cover Megatron's files too (a corrupted ``common.pt`` falls back)."""
     def config(name: str, run_id: str, disk: bool) -> str:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({
             "run": {"run_id": run_id, "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
             "sinks": {"console": {"enabled": False}},
             "recovery": {"enabled": True, "checkpoint_freq": 1, "memory_ring_mb": 64,
-                         "checkpoint": {"enabled": disk, "every_steps": 2, "resume": True}}}))
+                         "checkpoint": {"enabled": disk, "every_steps": 2, "resume": True,
+                                        "format": "auto" if fmt == "megatron" else fmt}}}))
         return str(path)
 
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
     results = run_ranks(_resume, 4, flags, config("reference", "reference", False), config("first", "job", True),
-                        config("second", "job", True), timeout_s=380)
+                        config("second", "job", True), fmt, timeout_s=380)
     for rank, result in enumerate(results):
-        assert result["saves"] >= 1, rank
-        assert 0 < result["resumed_at"] < 6, rank  # the newest committed verified-stable state
+        assert result["saves"] >= 2 and len(result["committed"]) >= 2, rank
+        if fmt == "megatron":
+            assert {"common.pt", "metadata.json", ".metadata", "COMMITTED.json"} <= set(result["files"]), rank
+            assert result["user_load"], rank  # megatron-core's own load: the model and optimizer of that step
+            assert result["resumed_at"] == result["committed"][-2], rank  # the newest one's common.pt is bad
+            assert any("common.pt" in error for error in result["load_errors"]), result["load_errors"]
+        else:
+            assert result["resumed_at"] == result["committed"][-1], rank
         assert result["equal"], rank  # resumed and continued: bitwise the uninterrupted run
         assert result["adam_steps"] == [6], rank

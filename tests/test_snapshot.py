@@ -154,3 +154,42 @@ def test_no_target_yet_skips_but_an_escalated_failure_stops() -> None:
     controller = RecoveryController(RecoveryConfig(enabled=True))
     assert controller.resolve(rollback(1), has_target=False).action == Action.SKIP
     assert controller.resolve(rollback(1, from_policy=True), has_target=False).action == Action.ABORT
+
+
+class _NativeFormatState:
+    """A train state whose backend brings its own checkpoint format (as megatron-core's does)."""
+
+    def native_disk_format(self) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="megatron")
+
+
+@pytest.mark.parametrize(("wanted", "state", "expected"), [
+    ("auto", "native", "megatron"), ("dcp", "native", None), ("megatron", "native", "megatron"),
+    ("auto", "plain", None), ("dcp", "plain", None), ("megatron", "plain", ValueError)])
+def test_checkpoint_format_selection(wanted: str, state: str, expected: object) -> None:
+    from types import SimpleNamespace
+
+    from arc_engine.config.schema import CheckpointConfig
+    from arc_engine.recovery.rollback import Recovery
+
+    engine = SimpleNamespace(config=SimpleNamespace(recovery=RecoveryConfig(
+        enabled=True, checkpoint=CheckpointConfig(format=wanted))))
+    model, _ = tiny_model_and_data()
+    train_state = _NativeFormatState() if state == "native" else TorchTrainState(model, make_optimizer(model))
+    recovery = Recovery(engine, train_state)  # type: ignore[arg-type]
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="format: megatron is not available for TorchTrainState"):
+            recovery._disk_format()
+    else:
+        chosen = recovery._disk_format()
+        assert (chosen.name if chosen is not None else None) == expected
+
+
+def test_an_unknown_checkpoint_format_is_a_config_error() -> None:
+    from arc_engine.config.errors import ConfigError
+    from arc_engine.config.schema import CheckpointConfig
+
+    with pytest.raises(ConfigError, match="format"):
+        CheckpointConfig(format="torch_dist")

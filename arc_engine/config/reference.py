@@ -215,6 +215,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "recovery.checkpoint.commit_timeout_s": KeyDoc("Bound on waiting for every rank's shard before a save is "
                                                    "declared failed.", "> 0"),
     "recovery.checkpoint.resume": KeyDoc("At attach, load the newest committed checkpoint if there is one."),
+    "recovery.checkpoint.format": KeyDoc("Files inside a checkpoint: `auto` (the framework's own where arc_engine "
+                                         "writes it: megatron-core `dist_checkpointing`; else DCP), `dcp` "
+                                         "(arc_engine's DCP layout), `megatron`."),
     # watchdog
     "watchdog.enabled": KeyDoc("A thread per rank that reports a hang when no step completes in time."),
     "watchdog.warmup_steps": KeyDoc("Completed steps before the timeout is derived from step times.", ">= 1"),

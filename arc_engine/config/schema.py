@@ -432,7 +432,9 @@ class CheckpointConfig:
     ``every_steps``: save a verified-stable state to disk at the first one at least this many steps after the
     previous save (0 = no disk checkpoints). ``keep_last``: committed checkpoints kept (pinned ones are kept
     besides). ``commit_timeout_s``: bound on waiting for every rank's shard before a save is declared failed.
-    ``resume``: on attach, load the newest committed checkpoint if there is one.
+    ``resume``: on attach, load the newest committed checkpoint if there is one. ``format``: the files inside a
+    checkpoint: ``auto`` is the framework's own where arc_engine writes one (megatron-core: ``dist_checkpointing``,
+    which Megatron users load with their tools), else arc_engine's DCP layout; ``dcp`` and ``megatron`` force one.
     """
 
     enabled: bool = True
@@ -441,12 +443,14 @@ class CheckpointConfig:
     keep_last: int = 3
     commit_timeout_s: float = 600.0
     resume: bool = True
+    format: Literal["auto", "dcp", "megatron"] = "auto"
 
     def __post_init__(self) -> None:
         require(self.dir is None or self.dir != "", "dir", self.dir, "a non-empty path (or unset)")
         require(self.every_steps >= 0, "every_steps", self.every_steps, "must be an integer >= 0 (0 = never)")
         require(self.keep_last >= 1, "keep_last", self.keep_last, "must be an integer >= 1")
         require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0 seconds")
+        require(self.format in ("auto", "dcp", "megatron"), "format", self.format, "one of auto, dcp, megatron")
 
 
 @dataclass(kw_only=True)

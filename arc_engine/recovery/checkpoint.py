@@ -11,6 +11,10 @@ previous checkpoint the newest one.
 ``load_latest`` verifies the newest commit's checksums (the files spread over the ranks, one agreed verdict) and
 loads it in place with ``dcp.load``, falling back to older commits on any mismatch.
 
+The files inside a checkpoint directory are DCP's by default (keys chosen by the backend's ``TrainState``); a
+backend may bring its own :class:`DiskFormat` (megatron-core: ``dist_checkpointing``'s format, which Megatron
+users load with their own tools). The commit protocol around it is the same.
+
 Multi-node: DCP's ``FileSystemWriter`` writes one directory from every rank, so ``root`` must be on a filesystem
 that every rank sees (NFS, Lustre, GPFS, ...), as must the markers this module reads.
 """
@@ -30,12 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from arc_engine.recovery.commit import (
     DCP_METADATA_NAME,
@@ -57,9 +62,29 @@ from arc_engine.recovery.commit import (
 )
 from arc_engine.recovery.staging import AlreadyStaged, HostStager, ReplicaOwners
 
-__all__ = ["CheckpointError", "CheckpointManager", "CommitInfo"]
+__all__ = ["CheckpointError", "CheckpointManager", "CommitInfo", "DiskFormat"]
 
 logger = logging.getLogger("arc_engine")
+
+
+class DiskFormat(Protocol):
+    """A backend's own layout inside a checkpoint directory, written by DCP on the checkpoint group.
+
+    ``prepare_save`` runs on the caller's thread of every rank (it may be collective over the whole job, as the
+    save itself is): it returns the DCP state dict to write -- its tensors copied to host memory by ``stage`` (a
+    :meth:`HostStager.stage`), so training may change them as soon as ``save_async`` returns -- and the planner.
+    The coordinator also writes the files ``common_files`` names into ``step_dir`` (created already), which it
+    then checksums with its shards.
+    ``load`` loads the checkpoint at ``path`` into the live state (collective over the job) and puts into
+    ``state_dict`` -- what the recovery tier asked for -- the entries that are not the model or optimizer."""
+
+    name: str
+    common_files: tuple[str, ...]
+
+    def prepare_save(self, step: int, state_dict: dict[str, Any], step_dir: Path, *, coordinator: bool,
+                     stage: Callable[[dict], dict]) -> tuple[dict[str, Any], SavePlanner | None]: ...
+
+    def load(self, path: Path, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -91,7 +116,7 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | Path, *, keep_last: int = 3, process_group: dist.ProcessGroup | None = None,
-                 commit_timeout_s: float = 600.0) -> None:
+                 commit_timeout_s: float = 600.0, disk_format: DiskFormat | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         if commit_timeout_s <= 0:
@@ -99,6 +124,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s
+        self.disk_format = disk_format
         self._group = self._checkpoint_group(process_group)
         self.rank = dist.get_rank(self._group) if self._group is not None else 0
         self.world_size = dist.get_world_size(self._group) if self._group is not None else 1
@@ -158,14 +184,21 @@ class CheckpointManager:
         step_dir = self.root / step_dir_name(step)
         if self.rank == 0 and step_dir.exists():
             self._clear_step_dir(step_dir)
-        skipped = self._owners.skipped(state_dict) if self._owners is not None else frozenset()
-        staged = self._stager.stage(state_dict, skipped)
+        planner: SavePlanner | None = None
+        if self.disk_format is not None:
+            if self.rank == 0:
+                step_dir.mkdir(parents=True, exist_ok=True)
+            staged, planner = self.disk_format.prepare_save(step, state_dict, step_dir, coordinator=self.rank == 0,
+                                                            stage=self._stager.stage)
+        else:
+            skipped = self._owners.skipped(state_dict) if self._owners is not None else frozenset()
+            staged = self._stager.stage(state_dict, skipped)
         self.last_staged_bytes = self._stager.nbytes
         if self._worker is None:  # before DCP's thread exists: starting it then would wait for the GIL
             self._worker = threading.Thread(target=self._work, name="arc-checkpoint-commit", daemon=True)
             self._worker.start()
         upload = dcp.async_save(staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
-                                process_group=self._group, async_stager=AlreadyStaged(),
+                                planner=planner, process_group=self._group, async_stager=AlreadyStaged(),
                                 no_dist=self._group is None)
         self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload)
         self._jobs.put(self._job)
@@ -208,7 +241,7 @@ class CheckpointManager:
             dcp_metadata = job.upload.result(timeout=max(0.0, deadline - time.monotonic()))
             storage_meta = getattr(dcp_metadata, "storage_meta", None)
             save_id = getattr(storage_meta, "save_id", None)
-            job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata)}
+            job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata), *self._common_files()}
             checksums = {name: file_checksum(job.step_dir / name) for name in self._own_files(job.expected_files)}
         except BaseException as err:
             job.step_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +254,10 @@ class CheckpointManager:
         """The files this rank wrote: DCP prefixes them ``__<group rank>_``; the coordinator adds ``.metadata``."""
         prefix = f"__{self.rank}_"
         owned = sorted(name for name in expected if name.startswith(prefix))
-        return [DCP_METADATA_NAME, *owned] if self.rank == 0 else owned
+        return [DCP_METADATA_NAME, *self._common_files(), *owned] if self.rank == 0 else owned
+
+    def _common_files(self) -> tuple[str, ...]:
+        return self.disk_format.common_files if self.disk_format is not None else ()
 
     def _commit(self, job: _SaveJob, save_id: str | None, deadline: float) -> None:
         """Rank 0: gather the reports (no lock held: ``pin`` must not block on the poll), then commit and apply
@@ -355,13 +391,27 @@ class CheckpointManager:
         return [problem for rank_problems in gathered for problem in rank_problems or []]
 
     def _load_into(self, info: CommitInfo, state_dict: dict[str, Any]) -> str | None:
-        """dcp.load in place; the problem on failure (DCP raises it on every rank), else None."""
+        """dcp.load in place (or the backend's format); the problem on failure, else None. DCP raises on every rank;
+        a format's load is agreed: a failure on any rank is every rank's."""
+        if self.disk_format is None:
+            try:
+                dcp.load(state_dict, storage_reader=FileSystemReader(info.path), process_group=self._group,
+                         no_dist=self._group is None)
+            except (Exception, CheckpointException) as err:
+                return f"{info.path}: dcp.load failed: {_first_lines(str(err))}"
+            return None
+        problem = None
         try:
-            dcp.load(state_dict, storage_reader=FileSystemReader(info.path), process_group=self._group,
-                     no_dist=self._group is None)
+            self.disk_format.load(info.path, state_dict)
         except (Exception, CheckpointException) as err:
-            return f"{info.path}: dcp.load failed: {_first_lines(str(err))}"
-        return None
+            problem = f"{info.path}: {self.disk_format.name} load failed on rank {self.rank}: " \
+                      f"{_first_lines(f'{type(err).__name__}: {err}')}"
+        if self._group is None:
+            return problem
+        gathered: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, problem, group=self._group)
+        failed = [p for p in gathered if p is not None]
+        return "; ".join(failed) if failed else None
 
     def _record_fallback(self, info: CommitInfo, problems: list[str]) -> None:
         self.last_load_errors.extend(problems)

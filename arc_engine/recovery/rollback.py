@@ -36,7 +36,7 @@ import torch.distributed as dist
 from arc_engine import runtime
 from arc_engine.events import Action, Severity
 from arc_engine.policy.decision import Decision
-from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo
+from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo, DiskFormat
 from arc_engine.recovery.controller import RecoveryController
 from arc_engine.recovery.snapshot import Snapshot, SnapshotRing, capture, restore, ring_capacity, set_rng_state
 from arc_engine.recovery.state import TrainState
@@ -95,9 +95,28 @@ class Recovery:
             root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
             self._check_shared(root)
             self.checkpoints = CheckpointManager(root, keep_last=ckpt.keep_last, process_group=self.group,
-                                                 commit_timeout_s=ckpt.commit_timeout_s)
+                                                 commit_timeout_s=ckpt.commit_timeout_s,
+                                                 disk_format=self._disk_format())
             if ckpt.resume:
                 self._resume()
+
+    def _disk_format(self) -> DiskFormat | None:
+        """The format ``recovery.checkpoint.format`` asks for: the backend's own (``native_disk_format``) for
+        ``auto`` where it has one, None (arc_engine's DCP layout) otherwise. A backend format loads and saves
+        through the whole job's collectives (megatron-core's ``dist_checkpointing``): the decision group must then
+        be the whole job."""
+        wanted = self.config.checkpoint.format
+        native = getattr(self.state, "native_disk_format", None)
+        fmt = native() if native is not None and wanted != "dcp" else None
+        if wanted not in ("auto", "dcp") and (fmt is None or fmt.name != wanted):
+            raise ValueError(f"arc_engine: recovery.checkpoint.format: {wanted} is not available for "
+                             f"{type(self.state).__name__} (use auto or dcp)")
+        if fmt is not None and self.group is not None and dist.get_world_size(self.group) != dist.get_world_size():
+            if wanted == "auto":
+                return None
+            raise ValueError(f"arc_engine: recovery.checkpoint.format: {wanted} needs the decision group to be the "
+                             "whole job (its saves and loads are collective over every rank); use dcp")
+        return fmt
 
     def _check_shared(self, root: Path) -> None:
         """Collective: every rank must see the same checkpoint directory (DCP writes one directory from all ranks;

@@ -1,0 +1,96 @@
+"""The disk tier under megatron-core in Megatron's own checkpoint format: :class:`MegatronDiskFormat`.
+
+Each committed checkpoint directory is a ``dist_checkpointing`` checkpoint (backend ``torch_dist``: DCP files,
+``common.pt``, ``metadata.json``) with Megatron-LM's top-level layout, so Megatron users load it with their own
+tools (``dist_checkpointing.load`` with the model's and optimizer's sharded state dicts, or Megatron-LM's
+``--load`` pointed at it with ``--no-load-rng``)::
+
+    model (model0, model1, ... with several chunks)   the sharded model state dict (ShardedTensors)
+    optimizer                                         the optimizer's, DistributedOptimizer shards ``dp_reshardable``
+    opt_param_scheduler                               the LR scheduler's state (when one was given to attach)
+    iteration, checkpoint_version (3.0)               as Megatron-LM writes them
+    content_metadata                                  the sharding options used (Megatron-LM reads them at load)
+    arc                                               arc_engine's own state (recovery, monitors, counters)
+    arc_rng                                           each rank's RNG states (a per-rank ShardedObject)
+
+arc_engine's commit protocol wraps it as it wraps plain DCP: the files are checksummed per rank, the commit marker
+``COMMITTED.json`` is written last, and a directory without it is not a checkpoint. The write runs in the
+background on arc_engine's checkpoint group; what precedes it (building the sharded state dicts, Megatron's
+integrity check on the first save, ``common.pt``) runs on the training thread at the save, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlanner
+
+from arc_engine.integrations import megatron_internals as mi
+
+RNG_PREFIX = "arc_rng/rank"
+
+
+class MegatronDiskFormat:
+    """:class:`arc_engine.recovery.checkpoint.DiskFormat` for megatron DDP chunks and a Megatron optimizer."""
+
+    name = "megatron"
+    common_files = mi.DIST_CKPT_COMMON_FILES
+
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+        self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self._validated = False  # Megatron's integrity check (a gather over the job) on the first save only
+
+    def _content_metadata(self) -> dict[str, Any]:
+        """The sharding options Megatron-LM uses by default (and reads back at load)."""
+        return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+
+    def _sharded_state_dict(self, *, loading: bool) -> dict[str, Any]:
+        from megatron.core import parallel_state
+
+        metadata = {**self._content_metadata(),
+                    "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+        state: dict[str, Any] = {"checkpoint_version": 3.0}
+        for index, chunk in enumerate(self.chunks):
+            key = "model" if len(self.chunks) == 1 else f"model{index}"
+            state[key] = mi.unwrap_chunk(chunk).sharded_state_dict(metadata=metadata)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+        return state
+
+    def prepare_save(self, step: int, state_dict: dict[str, Any], step_dir: Path, *, coordinator: bool,
+                     stage: Callable[[dict], dict]) -> tuple[dict[str, Any], SavePlanner | None]:
+        """Megatron's sharded state dicts of the live model and optimizer, plus arc_engine's entries of
+        ``state_dict`` (everything but ``train``, the plain-DCP view of the same tensors). Collective over the job."""
+        state = self._sharded_state_dict(loading=False)
+        state["iteration"] = step
+        state["content_metadata"] = self._content_metadata()
+        if self.lr_scheduler is not None:
+            state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
+        state["arc"] = {key: value for key, value in state_dict.items()
+                        if key != "train" and not key.startswith(RNG_PREFIX)}
+        rng = [value for key, value in state_dict.items() if key.startswith(RNG_PREFIX)]
+        if rng:
+            state["arc_rng"] = mi.sharded_object("arc_rng", rng[0], dist.get_rank(), dist.get_world_size())
+        staged, planner = mi.prepare_dist_checkpoint(state, step_dir, coordinator=coordinator,
+                                                     validate=not self._validated, stage=stage)
+        self._validated = True
+        return staged, planner
+
+    def load(self, path: Path, state_dict: dict[str, Any]) -> None:
+        """Load the checkpoint into the live model chunks and optimizer (collective over the job), and put its
+        arc_engine entries into ``state_dict``."""
+        state = self._sharded_state_dict(loading=True)
+        rng_keys = [key for key in state_dict if key.startswith(RNG_PREFIX)]
+        if rng_keys:
+            state["arc_rng"] = mi.sharded_object("arc_rng", None, dist.get_rank(), dist.get_world_size())
+        loaded = mi.load_dist_checkpoint(state, path)
+        for index, chunk in enumerate(self.chunks):
+            mi.unwrap_chunk(chunk).load_state_dict(loaded["model" if len(self.chunks) == 1 else f"model{index}"])
+        mi.load_optimizer_state(self.optimizer, loaded["optimizer"])
+        for key, value in loaded.get("arc", {}).items():
+            state_dict[key] = value
+        for key in rng_keys:
+            state_dict[key] = loaded["arc_rng"]
