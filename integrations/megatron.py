@@ -39,6 +39,7 @@ from arc_engine import runtime
 from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
+from arc_engine.faults.bitflip import register_gemm_type
 from arc_engine.integrations import megatron_internals as mi
 from arc_engine.integrations.megatron_state import MegatronTrainState
 from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard
@@ -103,6 +104,8 @@ class MegatronAdapter:
                              f"(get_megatron_optimizer), got {type(optimizer).__name__}")
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.module = mi.unwrap_chunk(chunks[0])
+        for gemm in mi.parallel_linear_types():  # the bitflip fault reaches Megatron's GEMMs too
+            register_gemm_type(gemm)
         self.members = mi.members(optimizer)
         self.params = [p for chunk in chunks for p in mi.unwrap_chunk(chunk).parameters() if p.requires_grad]
         self.groups: list[_Group] = []

@@ -307,6 +307,13 @@ def observe_routing(router: Any, observe: Callable[[torch.Tensor, torch.Tensor],
     return replace_method(router, "routing", make)
 
 
+def parallel_linear_types() -> tuple[type, ...]:
+    """megatron-core's tensor-parallel GEMM modules; their forward returns ``(output, bias)``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
 def copy_main_to_model_params(member: Any) -> None:
     """After the fp32 masters of a Float16Optimizer changed outside a step (a rollback's escape), copy them to the
     bf16/fp16 model parameters as Megatron does after a step. No-op for other members."""

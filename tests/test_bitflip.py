@@ -350,3 +350,36 @@ def test_bad_pattern_lists_linear_modules():
 def test_spec_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         BitFlipSpec(pattern="*", **kwargs)
+
+
+class _TupleGemm(torch.nn.Module):
+    """A GEMM module returning ``(output, bias)``, as megatron-core's parallel linears do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 6))
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.weight.t(), self.bias
+
+
+def test_registered_gemm_types_are_hooked_and_their_tuple_output_flipped_in_place() -> None:
+    from arc_engine.faults.bitflip import _GEMM_TYPES, register_gemm_type
+
+    model = torch.nn.Sequential(_TupleGemm())
+    spec = BitFlipSpec(pattern="0", where="forward", steps={0}, count=2)
+    with pytest.raises(ValueError, match=r"matches no nn\.Linear"):
+        BitFlipInjector(spec, rank=0, current_step=lambda: 0).install(model)
+    register_gemm_type(_TupleGemm)
+    try:
+        x = torch.randn(3, 6)
+        clean, bias = model[0](x)
+        injector = BitFlipInjector(spec, rank=0, current_step=lambda: 0)
+        assert injector.install(model) == ["0"]
+        flipped, same_bias = model[0](x)
+        xor = torch.bitwise_xor(words(flipped), words(clean))
+        assert int((xor != 0).sum()) == 2 and same_bias is bias
+        injector.remove()
+    finally:
+        del _GEMM_TYPES[_TupleGemm]

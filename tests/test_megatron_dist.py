@@ -113,6 +113,49 @@ def test_tp2_dp2_bf16_nan_is_skipped_on_all_ranks_and_clean_training_is_bitwise_
         assert result["skipped"] == 1 and result["detections"] == {"non_finite": 1}, rank
 
 
+# ------------------------------------------------------------------ SDC: a bit flip in one rank's GEMM
+
+FLIP_RANK, FLIP_STEP = 1, 8
+
+
+def _sdc_flip(rank: int, world: int, config: str) -> dict[str, Any]:
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
+    script, args, state = _build([*flags, "--arc-config", config])
+    verdicts = []
+    while state.arc.step < 10:
+        step = state.arc.step
+        _, applied, _ = script.train_step(state, args, state.arc.data_position)
+        decision = state.arc.engine.last_decision
+        verdicts.append((step, applied, decision.action.name,
+                         {f.detector: list(f.ranks) for f in decision.findings}))
+    fired = state.arc.faults.bitflips_fired()
+    state.arc.close()
+    return {"verdicts": verdicts, "fired": fired,
+            "finite": all(bool(torch.isfinite(p).all()) for chunk in state.model for p in chunk.parameters())}
+
+
+@pytest.mark.timeout(300)
+def test_an_sdc_bit_flip_in_a_megatron_gemm_is_caught_named_and_skipped_on_every_rank(tmp_path: Path) -> None:
+    """The bitflip fault on megatron-core's ColumnParallelLinear (the weight-gradient GEMM of one TP rank, the top
+    exponent bit of 4 bf16 elements, x 2^128): the SDC rule flags the step (the rank's local gradient norm
+    overflows, so non_finite does too), names the rank from the per-rank local statistics, and all four ranks skip
+    it."""
+    config = _arc_yaml(tmp_path / "sdc.yaml", "sdc", injections=[
+        {"kind": "bitflip", "rank": FLIP_RANK, "step": FLIP_STEP, "pattern": "decoder.layers.0.mlp.linear_fc1",
+         "where": "weight_grad", "bit": 14, "count": 4}],
+        sdc={"enabled": True, "warmup_steps": 4, "update_sample": 1.0})
+    results = run_ranks(_sdc_flip, 4, config, timeout_s=280)
+    verdicts = results[0]["verdicts"]
+    assert all(result["verdicts"] == verdicts for result in results)  # one verdict per step, job-wide
+    assert [r["fired"] != [] for r in results] == [rank == FLIP_RANK for rank in range(4)]
+    assert results[FLIP_RANK]["fired"][0]["dtype"] == "bfloat16"
+    skipped = [(step, findings) for step, applied, _, findings in verdicts if not applied]
+    assert [step for step, _ in skipped] == [FLIP_STEP], verdicts
+    findings = skipped[0][1]
+    assert findings.get("sdc") == [FLIP_RANK], findings
+    assert all(result["finite"] for result in results)
+
+
 # ------------------------------------------------------------------ EP=2 MoE: router statistics over all tokens
 
 def _ep2_router(rank: int, world: int, config: str) -> dict[str, Any]:

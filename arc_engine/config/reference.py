@@ -163,8 +163,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                     "the first)."),
     f"{FAULT_PREFIX}.scale": KeyDoc("`loss_scale` / `lr_scale`: the factor; `router_collapse`: what is added to "
                                     "the chosen expert's logit.", "any number"),
-    f"{FAULT_PREFIX}.pattern": KeyDoc("`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules to "
-                                      "corrupt; `attention_lowbit` / `router_collapse` / `dead_expert`: on the "
+    f"{FAULT_PREFIX}.pattern": KeyDoc("`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules (and "
+                                      "megatron-core's parallel linears) to corrupt; `attention_lowbit` / "
+                                      "`router_collapse` / `dead_expert`: on the "
                                       "attention (default `*core_attention`) or router (default `*router`) "
                                       "modules.", "required for `bitflip`"),
     f"{FAULT_PREFIX}.where": KeyDoc("`bitflip`: the GEMM output corrupted: forward output, backward-data output "

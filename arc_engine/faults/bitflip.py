@@ -1,4 +1,5 @@
-"""Software bit-flip injection into the results of ``nn.Linear`` GEMMs, forward or backward.
+"""Software bit-flip injection into the results of ``nn.Linear`` GEMMs (and the GEMM modules integrations register,
+such as megatron-core's tensor-parallel linears), forward or backward.
 
 The software counterpart of instruction-level SDC injection (NVBit on HMMA instructions, as in
 ``shared/papers/sdc-in-llm-pretraining.txt``): a faulty GPU flips bits in what a GEMM computes, and only exponent
@@ -119,13 +120,29 @@ def choose_elements(shape: torch.Size | tuple[int, ...], rate: float | None, cou
     return mask.view(tuple(shape)).to(device)
 
 
-def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` modules of ``model`` whose ``named_modules()`` name matches the fnmatch ``pattern``.
+#: GEMM module types hooked besides ``nn.Linear``, each with the index of the GEMM's result in the tuple its forward
+#: returns (megatron-core's parallel linears return ``(output, bias)``). Integrations register theirs.
+_GEMM_TYPES: dict[type, int] = {}
+
+
+def register_gemm_type(cls: type, output_index: int = 0) -> None:
+    """Let the bit-flip fault hook modules of ``cls``: a module holding a 2-D ``weight`` whose forward computes
+    ``input @ weight.T`` (returning it, or a tuple with it at ``output_index``). Idempotent."""
+    _GEMM_TYPES[cls] = output_index
+
+
+def _is_gemm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, *_GEMM_TYPES))
+
+
+def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Module]:
+    """The ``nn.Linear`` (or registered GEMM) modules of ``model`` whose ``named_modules()`` name matches the fnmatch
+    ``pattern``.
 
     Raises ValueError naming the model's Linear modules when none matches. Only Linears called as modules are hooked:
     a weight used directly (a tied LM head ``x @ emb.weight.t()``, ``nn.MultiheadAttention.out_proj``) is not.
     """
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {name: m for name, m in model.named_modules() if _is_gemm(m)}
     selected = {name: m for name, m in linears.items() if fnmatch.fnmatchcase(name, pattern)}
     if not selected:
         raise ValueError(f"bitflip: pattern {pattern!r} matches no nn.Linear; Linear modules: {sorted(linears)}")
@@ -236,18 +253,23 @@ class BitFlipInjector:
             handle.remove()
         self._handles.clear()
 
-    def _register(self, name: str, module: nn.Linear) -> torch.utils.hooks.RemovableHandle:
+    def _register(self, name: str, module: nn.Module) -> torch.utils.hooks.RemovableHandle:
         if self.spec.where == "forward":
             return module.register_forward_hook(self._forward_hook(name))
         if self.spec.where == "backward":
             return module.register_forward_pre_hook(self._input_grad_pre_hook(name))
         return module.weight.register_hook(self._grad_hook(name))
 
-    def _forward_hook(self, name: str) -> Callable[..., torch.Tensor | None]:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    def _forward_hook(self, name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             step = self._due(name)
             if step is None:
                 return None
+            if isinstance(output, tuple):  # a registered GEMM type returning (result, ...)
+                index = next(i for cls, i in _GEMM_TYPES.items() if isinstance(module, cls))
+                bit, mask = self._plan(name, output[index], step)
+                flipped = _FlipStraightThrough.apply(output[index], bit, mask)
+                return (*output[:index], flipped, *output[index + 1:])
             bit, mask = self._plan(name, output, step)
             return _FlipStraightThrough.apply(output, bit, mask)
 
