@@ -27,6 +27,8 @@ these places:
 - ``WrappedTorchNorm`` accepts ``sequence_parallel`` and tags its parameters ``.sequence_parallel = True``: TP with
   MoE requires sequence parallelism, the local spec's torch norm asserts it off (apex's norm would allow it), and
   ``finalize_model_grads`` all-reduces norm grads over TP only for parameters carrying that tag.
+
+Megatron-LM's own training code (``megatron/training`` from a checkout) needs a few more: :func:`install_megatron_lm`.
 """
 
 from __future__ import annotations
@@ -187,3 +189,78 @@ def _patch_torch_norm() -> None:
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(build_sequence_parallel_norm)
+
+
+_megatron_lm_installed = False
+
+
+def install_megatron_lm() -> None:
+    """Everything :func:`install` does, plus what Megatron-LM's own training code (``megatron/training`` from a
+    checkout, at tag ``core_v0.16.1``) needs on CPU ranks over gloo (idempotent; same rules as :func:`install`):
+
+    - ``pretrain()`` calls ``initialize_megatron`` without ``allow_no_cuda``, which asserts
+      ``torch.cuda.is_available()``: ``training.initialize_megatron`` is wrapped to pass ``allow_no_cuda=True``
+      (``is_available`` itself stays False for torch and everyone else).
+    - ``_initialize_distributed`` creates the model-parallel groups and ``_set_random_seed`` seeds the model-parallel
+      RNG tracker only when ``torch.cuda.device_count() > 0``: it reports one device, and ``torch.cuda.set_device``
+      is a no-op.
+    - ``validate_args`` reads the GPU's architecture (``get_device_arch_version``, from
+      ``torch.cuda.get_device_properties``): it reports 0, i.e. not Blackwell, so TP > 1 still asserts
+      ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment.
+    - ``_compile_dependencies`` runs ``make`` on ``megatron/core/datasets`` (pybind11, a compiler, a writable
+      source tree) and builds the fused CUDA kernels with nvcc: the dataset helpers are taken as built when
+      ``helpers_cpp`` imports (the installed megatron-core wheel ships them), and the fused kernels are not loaded.
+    - ``initialize.py`` imports ``enable_batch_invariant_mode`` from megatron-core's Triton kernels, which import
+      ``triton`` (a CUDA-only package): without Triton, that module is replaced by a stand-in whose functions
+      raise (``--batch-invariant-mode`` is unavailable on CPU).
+    - ``set_jit_fusion_options`` warms up the ``torch.compile``-d bias-GeLU / bias-dropout-add fusions on CUDA
+      tensors: the warm-up is skipped (pass ``--no-bias-gelu-fusion --no-bias-dropout-fusion`` so the model does
+      not compile them either).
+    """
+    global _megatron_lm_installed
+    if _megatron_lm_installed:
+        return
+    install()
+    _stand_in_batch_invariant_kernels()
+    from functools import partial
+
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.legacy import fused_kernels
+    from megatron.training import arguments, initialize, training
+    from megatron.training import utils as training_utils
+
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    arguments.get_device_arch_version = training_utils.get_device_arch_version = lambda: 0
+    training.initialize_megatron = partial(initialize.initialize_megatron, allow_no_cuda=True)
+    build_helpers = dataset_utils.compile_helpers
+
+    def compile_helpers() -> None:
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            build_helpers()
+
+    dataset_utils.compile_helpers = compile_helpers
+    fused_kernels.load = lambda args: None
+    initialize._warmup_jit_function = lambda: None
+    _megatron_lm_installed = True
+
+
+def _stand_in_batch_invariant_kernels() -> None:
+    import importlib.util
+    import sys
+    import types
+
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("batch-invariant mode needs Triton (not installed)")
+
+    stand_in = types.ModuleType(name)
+    for function in ("set_batch_invariant_mode", "enable_batch_invariant_mode", "disable_batch_invariant_mode"):
+        setattr(stand_in, function, unavailable)
+    stand_in.is_batch_invariant_mode_enabled = lambda: False  # type: ignore[attr-defined]
+    sys.modules[name] = stand_in

@@ -16,7 +16,15 @@ What it adds, and nothing else:
   the job-wide decision, the veto through Megatron's own skip path -- ``optimizer.step()`` returns
   ``update_successful=False`` and Megatron-LM counts a skipped iteration);
 * **the loss**: each micro-batch's per-token loss from ``pretrain_gpt.loss_func``, recorded on the last pipeline
-  stage.
+  stage, after arc_engine's loss faults (``faults.injections`` of kind ``nan_loss`` / ``loss_scale``) are applied to
+  the loss Megatron-LM back-propagates (Megatron-LM's own ``lm loss`` report stays the unfaulted one).
+
+It calls ``pretrain()`` as ``pretrain_gpt.py`` does (same providers, ``args_defaults`` and
+``get_embedding_ranks``), except for Megatron-LM's in-process restart: ``--inprocess-restart`` is refused (a
+restarted ``pretrain()`` would attach arc_engine a second time).
+
+``--help`` lists Megatron-LM's flags only: its ``ft_integration.setup()`` parses (and answers ``--help``) before
+``pretrain()`` adds the extra providers. arc_engine's flags are documented with arc_engine's configuration.
 
 Leave Megatron-LM's own ``--check-for-nan-in-loss-and-grad`` as you like: it is fatal on a NaN where arc_engine
 skips the step, so with arc_engine you may turn it off (``--no-check-for-nan-in-loss-and-grad``).
@@ -68,6 +76,8 @@ class ArcHooks:
 
             from arc_engine.integrations.megatron import attach_megatron
 
+            if getattr(get_args(), "inprocess_restart", False):
+                raise SystemExit("pretrain_gpt_arc: --inprocess-restart is not supported with arc_engine")
             model, optimizer, scheduler = setup(*args, **kwargs)
             self.arc = attach_megatron(model, optimizer, arc_engine.config_from_args(get_args()),
                                        lr_scheduler=scheduler)
@@ -84,8 +94,9 @@ class ArcHooks:
             def loss_with_arc(*loss_args: Any, **loss_kwargs: Any) -> Any:
                 result = loss_func(*loss_args, **loss_kwargs)
                 if self.arc is not None and isinstance(result, tuple) and len(result) >= 2:
-                    loss, num_tokens = result[0], result[1]
+                    loss, num_tokens = self.arc.faults.on_loss(result[0]), result[1]
                     self.arc.record_loss(loss.detach().float() / num_tokens.clamp(min=1).float())
+                    result = (loss, *result[1:])
                 return result
 
             return output, loss_with_arc
@@ -109,7 +120,8 @@ def main() -> None:
     try:
         pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  hooks.wrap_forward_step(pretrain_gpt.forward_step),
-                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=arc_args_provider(inner))
+                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=arc_args_provider(inner),
+                 get_embedding_ranks=getattr(pretrain_gpt, "get_embedding_ranks", None))
     except arc_engine.ArcAbort as abort:
         print(f"[arc_engine] {abort}", file=sys.stderr, flush=True)
         sys.exit(abort.exit_code)
