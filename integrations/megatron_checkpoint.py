@@ -31,6 +31,9 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from arc_engine.integrations import megatron_internals as mi
 
 RNG_PREFIX = "arc_rng/rank"
+#: the sharding options Megatron-LM uses by default (it reads them back at load from ``content_metadata``)
+CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True}
 
 
 class MegatronDiskFormat:
@@ -43,15 +46,10 @@ class MegatronDiskFormat:
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self._validated = False  # Megatron's integrity check (a gather over the job) on the first save only
 
-    def _content_metadata(self) -> dict[str, Any]:
-        """The sharding options Megatron-LM uses by default (and reads back at load)."""
-        return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
-
     def _sharded_state_dict(self, *, loading: bool) -> dict[str, Any]:
         from megatron.core import parallel_state
 
-        metadata = {**self._content_metadata(),
+        metadata = {**CONTENT_METADATA,
                     "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
         state: dict[str, Any] = {"checkpoint_version": 3.0}
         for index, chunk in enumerate(self.chunks):
@@ -66,7 +64,7 @@ class MegatronDiskFormat:
         ``state_dict`` (everything but ``train``, the plain-DCP view of the same tensors). Collective over the job."""
         state = self._sharded_state_dict(loading=False)
         state["iteration"] = step
-        state["content_metadata"] = self._content_metadata()
+        state["content_metadata"] = dict(CONTENT_METADATA)
         if self.lr_scheduler is not None:
             state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
         state["arc"] = {key: value for key, value in state_dict.items()
