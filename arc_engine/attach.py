@@ -103,7 +103,7 @@ class Adapter(Protocol):
     group_names: list[str]           # the optimizer's parameter groups (G slots per gradient statistic)
     shard_reduce: Reduce             # SUM: each rank holds its shard / owned part; REPLICATED: the whole value
     params: list[torch.Tensor]       # this rank's trainable parameters as held (family producers read them)
-    data_parallel_group: dist.ProcessGroup | None  # the replicas of this rank's shard (SDC recomputation)
+    recompute_group: dist.ProcessGroup | None  # what the decision group must be for the SDC recomputation
     supports_recompute: bool
     # optional: ``parts`` (a :class:`~arc_engine.monitors.family.ModelParts`), the model's structure for the
     # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
@@ -139,11 +139,12 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
                        shard_reduce=adapter.shard_reduce, params=adapter.params,
                        parts=getattr(adapter, "parts", None))
     wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
-                                       data_parallel_group=adapter.data_parallel_group)
+                                       required_group=adapter.recompute_group)
     engine.start()
     if config.recovery.enabled:
         engine.enable_recovery(adapter.train_state())  # may resume: counters move
-    injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine))
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine),
+                             recomputing=lambda: engine.recomputing)
     error: ValueError | None = None
     try:  # a fault's parameter may exist on some ranks only (pipeline stages): agree before training starts
         injector.install(adapter.module)
@@ -183,7 +184,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     ``recompute_fn(module, data_rank)``: required by ``detectors.sdc.recompute`` (DDP and DeepSpeed): yields the
     losses of the micro-batches rank ``data_rank`` trained on in the current step (at :attr:`Arc.data_position`),
     computed with ``module`` (the unwrapped model) and scaled as they were back-propagated; see
-    :mod:`arc_engine.recovery.recompute`.
+    :mod:`arc_engine.recovery.recompute`. Under megatron-core it runs ``forward_backward_func`` itself (see
+    :func:`arc_engine.integrations.megatron.attach_megatron`).
 
     ``ddp_comm_hook=(hook, state)``: DDP accepts a single comm hook and arc_engine installs one, so a reduction hook
     of your own (e.g. ``default_hooks.fp16_compress_hook`` with its process group as state) goes here instead of
@@ -201,7 +203,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if isinstance(model, (list, tuple)) or type(model).__module__.startswith("megatron."):
         from arc_engine.integrations.megatron import attach_megatron
 
-        return attach_megatron(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
+        return attach_megatron(model, optimizer, config, group=group, lr_scheduler=lr_scheduler,
+                               recompute_fn=recompute_fn)
     if type(model).__module__.startswith("deepspeed."):
         from arc_engine.integrations.deepspeed import attach_deepspeed
 

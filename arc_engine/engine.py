@@ -215,9 +215,10 @@ class ArcEngine:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step (call once per micro-batch; the mean is used).
 
-        Device-side only, no host sync. Any rank may record a NaN: the gathered verdict stays agreed.
+        Device-side only, no host sync. Any rank may record a NaN: the gathered verdict stays agreed. Ignored while
+        an SDC recomputation re-runs the step (the training loop's loss function may record again).
         """
-        if self.buffer is None or not self.is_monitored():
+        if self.buffer is None or not self.is_monitored() or self.recomputing:
             return
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1

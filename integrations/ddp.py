@@ -33,7 +33,7 @@ from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations.torch_optim import optimizer_stats, register_optimizer_hooks
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
-from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
+from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
@@ -183,7 +183,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     return state
 
 
-class DDPGradientTarget:
+class DDPGradientTarget(ReplicaTarget):
     """The reduced gradient of a DDP model for :mod:`arc_engine.recovery.recompute`: ``param.grad`` of the local
     module's trainable parameters (identical on every rank after DDP's all-reduce); gate slots are DDP buckets."""
 
@@ -196,6 +196,7 @@ class DDPGradientTarget:
         self.params = [p for p in model.module.parameters() if p.requires_grad]
         self.group_of_p = [hook_state.groups.group_of.get(id(p), 0) for p in self.params]
         self.hook_state = hook_state
+        self.engine = hook_state.engine
         self.optimizer = optimizer
 
     def slot_params(self, slot: int) -> list[int]:
@@ -244,6 +245,7 @@ class TorchAdapter:
         self.shard_reduce = Reduce.REPLICATED if self.owned is None else Reduce.SUM
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.data_parallel_group = model.process_group if self.is_ddp else None
+        self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.is_ddp
 
     def check_config(self, config: ArcConfig) -> None:

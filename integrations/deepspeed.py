@@ -267,6 +267,7 @@ class ZeroAdapter:
         self.group_names = [str(g.get("name") or f"group{i}") for i, g in enumerate(self.torch_optimizer.param_groups)]
         self.params = [p for p in ds_engine.module.parameters() if p.requires_grad]
         self.data_parallel_group = deepspeed_internals.data_parallel_group(self.zero)
+        self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.stage in (1, 2)
         self.hooks: ZeroStepHooks | None = None
 

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations import deepspeed_internals
 from arc_engine.integrations.deepspeed import ZeroPartitionStats, grad_divisor
+from arc_engine.recovery.recompute import ReplicaTarget
 
 
-class ZeroGradientTarget:
+class ZeroGradientTarget(ReplicaTarget):
     """The reduced gradient of a ZeRO-1/2 engine, seen through this rank's partitions."""
 
     per_micro_batch = True

@@ -155,6 +155,7 @@ class FSDPAdapter:
         self.pre_reduce_stats = pre_reduce_stats
         self.sharded = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
         self.data_parallel_group = fsdp_group(self.sharded)
+        self.recompute_group = None
         self.groups = ParamGroupIndex(optimizer.param_groups)
         self.group_names = self.groups.names
         self.shard_reduce = Reduce.SUM

@@ -43,9 +43,9 @@ from arc_engine.faults.bitflip import register_gemm_type
 from arc_engine.integrations import megatron_internals as mi
 from arc_engine.integrations.megatron_state import MegatronTrainState
 from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard
-from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
-from arc_engine.recovery.recompute import RecomputeFn
+from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import accumulate_grad_stats
@@ -90,9 +90,10 @@ class MegatronAdapter:
 
     name = "Megatron"
     shard_reduce = Reduce.SUM
-    supports_recompute = False
+    supports_recompute = True
 
-    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
+                 checkpoint_args: Callable[[], Any] | None = None) -> None:
         mi.check_version()
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         if not chunks or not all(mi.is_megatron_ddp(c) for c in chunks):
@@ -103,6 +104,7 @@ class MegatronAdapter:
             raise ValueError("arc_engine.attach_megatron: the optimizer must be a Megatron optimizer "
                              f"(get_megatron_optimizer), got {type(optimizer).__name__}")
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.checkpoint_args = checkpoint_args
         self.module = mi.unwrap_chunk(chunks[0])
         for gemm in mi.parallel_linear_types():  # the bitflip fault reaches Megatron's GEMMs too
             register_gemm_type(gemm)
@@ -131,6 +133,10 @@ class MegatronAdapter:
         from megatron.core import parallel_state
 
         self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # the recomputation's units and corrections span Megatron's own groups: the decision group is the job
+        self.recompute_group = dist.group.WORLD if dist.is_initialized() else None
+        self._gate: LocalGate | None = None
+        self._recompute_target: Any = None
         self._routing_removers: list[Callable[[], None]] = []
         self._peers: dist.ProcessGroup | None = None
         self.parts = self._model_parts()
@@ -208,22 +214,28 @@ class MegatronAdapter:
 
     def _observe_routing(self, shard: RouterShard, observe: Callable[[torch.Tensor, torch.Tensor], None]) \
             -> Callable[[], None]:
-        remover = mi.observe_routing(shard.module, observe)
+        def observed(logits: torch.Tensor, routing_map: torch.Tensor) -> None:
+            if not getattr(getattr(self, "engine", None), "recomputing", False):  # a recomputation: seen already
+                observe(logits, routing_map)
+
+        remover = mi.observe_routing(shard.module, observed)
         self._routing_removers.append(remover)
         return remover
 
     # ----------------------------------------------------------------------------------------- contract
     def check_config(self, config: ArcConfig) -> None:
         sdc = config.detectors.sdc
-        if sdc.enabled and sdc.recompute.enabled:
-            raise ValueError("arc_engine.attach_megatron: detectors.sdc.recompute is not supported for Megatron "
-                             "yet; set detectors.sdc.recompute.enabled: false (detection still works)")
+        refusal = mi.recompute_refusal(self.chunks, self.optimizer) if sdc.enabled and sdc.recompute.enabled \
+            else None
+        if refusal is not None:
+            raise ValueError(f"arc_engine.attach_megatron: detectors.sdc.recompute does not support {refusal}; set "
+                             "detectors.sdc.recompute.enabled: false (detection and the agreed skip still work)")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested
 
     def train_state(self) -> TrainState:
-        return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler)
+        return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -232,6 +244,17 @@ class MegatronAdapter:
         self.engine = engine
         self.parts.current_step = lambda: engine.step
         removers = [*self._routing_removers]
+        if recompute_fn is not None:
+            from arc_engine.integrations.megatron_recompute import MegatronGradientTarget
+
+            sdc = engine.config.detectors.sdc
+            self._gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
+            target = MegatronGradientTarget(engine, self.chunks, self.optimizer, self.params,
+                                            [self._model_group.get(id(p), 0) for p in self.params],
+                                            self._reduced_stats)
+            self._recompute_target = target
+            engine.use_recompute(SDCRecompute(engine, sdc.recompute, self._gate, target, recompute_fn),
+                                 target.record_stats)
         removers += [mi.wrap_start_grad_sync(ref, self._local_stats) for ref in mi.bucket_groups(self.chunks)]
         removers.append(mi.found_inf_skips(self.optimizer)(self._decide))
         removers.append(mi.after_step(self.optimizer, self._after_step))
@@ -256,6 +279,12 @@ class MegatronAdapter:
             add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), buffers,
                                 [BUCKET_SKETCH_INDEX + 64 * ref.index + k for k in range(len(buffers))],
                                 self._sketch_cache)
+        if self._gate is not None:  # detectors.sdc.recompute: withhold a suspicious bucket (contribute zeros)
+            first = self._recompute_target.slot_base[ref.index]
+            for k, buffer in enumerate(ref.flat_buffers()):
+                withheld = self._gate.check(first + k, torch.linalg.vector_norm(buffer, dtype=torch.float64).square())
+                engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
+                zero_where(withheld, buffer)
 
     @torch.no_grad()
     def _decide(self, found_inf: bool) -> bool:
@@ -264,17 +293,22 @@ class MegatronAdapter:
         engine = self.engine
         self._found_inf, self._vetoed, self._saved_lrs = found_inf, False, None
         if engine.is_monitored():
-            device = engine.pipeline.device
-            for group in self.groups:
-                grads = group.grads()
-                if grads:
-                    accumulate_grad_stats(engine.buffer, grads, group.index_tensor(len(grads), device), names.GRAD_SQ)
-            if engine.wants_optimizer_stats():
-                self._optimizer_stats()
+            self._reduced_stats()
             self._vetoed = not engine.decide().applies_update
         if not (found_inf or self._vetoed):
             self._saved_lrs = heal_step(engine, self.optimizer.param_groups)
         return found_inf or self._vetoed
+
+    def _reduced_stats(self) -> None:
+        """Statistics of the reduced gradient on this rank's shard (and the prospective update when due)."""
+        engine = self.engine
+        device = engine.pipeline.device
+        for group in self.groups:
+            grads = group.grads()
+            if grads:
+                accumulate_grad_stats(engine.buffer, grads, group.index_tensor(len(grads), device), names.GRAD_SQ)
+        if engine.wants_optimizer_stats():
+            self._optimizer_stats()
 
     def _optimizer_stats(self) -> None:
         for group in self.groups:
@@ -293,11 +327,22 @@ class MegatronAdapter:
 
 
 def attach_megatron(model: Any, optimizer: Any, config: ArcConfig | str | Path | None = None, *,
-                    group: dist.ProcessGroup | None = None, lr_scheduler: Any | None = None) -> Arc:
+                    group: dist.ProcessGroup | None = None, lr_scheduler: Any | None = None,
+                    recompute_fn: RecomputeFn | None = None, checkpoint_args: Callable[[], Any] | None = None) -> Arc:
     """Attach arc_engine to megatron-core. Collective: call on every rank, once, after ``get_megatron_optimizer``
     and before the first step. ``model``: the megatron ``DistributedDataParallel`` chunk or list of chunks.
     ``optimizer``: what ``get_megatron_optimizer`` returned. ``group``: the decision group (default: the whole
     job; a narrower one must hold every TP/PP/EP peer of its ranks). Record each micro-batch's loss on the last
     pipeline stage with :meth:`Arc.record_loss` (inside the loss function); ``optimizer.step()`` then returns
-    ``update_successful=False`` on every rank for a step the job decided to skip."""
-    return wire(MegatronAdapter(model, optimizer, lr_scheduler), config, group=group)
+    ``update_successful=False`` on every rank for a step the job decided to skip.
+
+    ``recompute_fn(model_chunks, data_rank)``: required by ``detectors.sdc.recompute``; runs Megatron's
+    ``forward_backward_func`` (``forward_only=False``) over ``model_chunks`` on the micro-batches data-parallel rank
+    ``data_rank`` trained on in the current step (at :attr:`Arc.data_position`), as the training loop does, and
+    returns nothing (see :mod:`arc_engine.integrations.megatron_recompute`).
+
+    ``checkpoint_args``: returns what disk checkpoints in Megatron's format store as ``args`` (Megatron-LM's own
+    arguments: the launcher passes ``megatron.training.get_args``, so a Megatron-LM ``--load`` also restores its data
+    position); default: the model's shape and parallel layout."""
+    adapter = MegatronAdapter(model, optimizer, lr_scheduler, checkpoint_args)
+    return wire(adapter, config, group=group, recompute_fn=recompute_fn)

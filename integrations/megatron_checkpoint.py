@@ -8,13 +8,18 @@ tools (``dist_checkpointing.load`` with the model's and optimizer's sharded stat
     model (model0, model1, ... with several chunks)   the sharded model state dict (ShardedTensors)
     optimizer                                         the optimizer's, DistributedOptimizer shards ``dp_reshardable``
     opt_param_scheduler                               the LR scheduler's state (when one was given to attach)
-    iteration, checkpoint_version (3.0)               as Megatron-LM writes them
+    iteration, checkpoint_version (3.0), args         as Megatron-LM writes them (``args``: Megatron-LM's own
+                                                      arguments under the launcher, else the model's shape and
+                                                      parallel layout, which Megatron-LM's load checks)
     content_metadata                                  the sharding options used (Megatron-LM reads them at load)
     arc                                               arc_engine's own state (recovery, monitors, counters)
     arc_rng                                           each rank's RNG states (a per-rank ShardedObject)
 
 arc_engine's commit protocol wraps it as it wraps plain DCP: the files are checksummed per rank, the commit marker
-``COMMITTED.json`` is written last, and a directory without it is not a checkpoint. The write runs in the
+``COMMITTED.json`` is written last, and a directory without it is not a checkpoint. After each commit the root also
+gets Megatron-LM's names (:meth:`MegatronDiskFormat.publish`): ``iter_0000100`` (a relative symlink to arc_engine's
+``step_00000100``) for each committed checkpoint, and ``latest_checkpointed_iteration.txt`` naming the newest, so
+Megatron-LM's ``--load <root>`` finds it. The write runs in the
 background on arc_engine's checkpoint group; what precedes it (building the sharded state dicts, Megatron's
 integrity check on the first save, ``common.pt``) runs on the training thread at the save, as in Megatron-LM.
 """
@@ -29,8 +34,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from arc_engine.integrations import megatron_internals as mi
+from arc_engine.recovery.commit import CommitInfo
 
 RNG_PREFIX = "arc_rng/rank"
+#: Megatron-LM's names: its loader reads the tracker file and opens ``iter_{iteration:07d}`` beside it
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+ITER_PREFIX = "iter_"
 #: the sharding options Megatron-LM uses by default (it reads them back at load from ``content_metadata``)
 CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}
@@ -42,8 +51,10 @@ class MegatronDiskFormat:
     name = "megatron"
     common_files = mi.DIST_CKPT_COMMON_FILES
 
-    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
+                 checkpoint_args: Callable[[], Any] | None = None) -> None:
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.checkpoint_args = checkpoint_args
         self._validated = False  # Megatron's integrity check (a gather over the job) on the first save only
 
     def _sharded_state_dict(self, *, loading: bool) -> dict[str, Any]:
@@ -64,6 +75,7 @@ class MegatronDiskFormat:
         ``state_dict`` (everything but ``train``, the plain-DCP view of the same tensors). Collective over the job."""
         state = self._sharded_state_dict(loading=False)
         state["iteration"] = step
+        state["args"] = self.checkpoint_args() if self.checkpoint_args is not None else mi.layout_args(self.chunks)
         state["content_metadata"] = dict(CONTENT_METADATA)
         if self.lr_scheduler is not None:
             state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
@@ -92,3 +104,19 @@ class MegatronDiskFormat:
             state_dict[key] = value
         for key in rng_keys:
             state_dict[key] = loaded["arc_rng"]
+
+    def publish(self, root: Path, committed: list[CommitInfo]) -> None:
+        """Megatron-LM's index of ``root`` (coordinator, after a commit and retention): an ``iter_XXXXXXX`` symlink
+        to each committed checkpoint, none to a removed one, and the tracker file naming the newest (written to a
+        temporary file and renamed: a reader never sees half of it)."""
+        wanted = {f"{ITER_PREFIX}{info.step:07d}": info.path.name for info in committed}
+        for link in root.glob(f"{ITER_PREFIX}*"):
+            if link.is_symlink() and wanted.get(link.name) != str(link.readlink()):
+                link.unlink()
+        for name, target in wanted.items():
+            if not (root / name).is_symlink():
+                (root / name).symlink_to(target, target_is_directory=True)
+        if committed:
+            tmp = root / f".{TRACKER_FILE}.tmp"
+            tmp.write_text(str(committed[-1].step))
+            tmp.replace(root / TRACKER_FILE)

@@ -335,6 +335,28 @@ def sharded_object(key: str, data: Any, rank: int, world: int) -> Any:
     return ShardedObject(key, data, (world,), (rank,), replica_id=0)
 
 
+def layout_args(chunks: list[Any]) -> Any:
+    """What Megatron-LM's checkpoint loader checks of the ``args`` it saves (model shape, parallel layout), for a
+    job that does not run under Megatron-LM's own arguments. No data position (``consumed_train_samples``): a
+    Megatron-LM job loading it starts its data from the beginning."""
+    import argparse
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    model = unwrap_chunk(chunks[0])
+    return argparse.Namespace(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        add_position_embedding=getattr(model, "position_embedding_type", "learned_absolute") == "learned_absolute",
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(), world_size=dist.get_world_size())
+
+
 def prepare_dist_checkpoint(sharded_state_dict: dict, step_dir: Any, *, coordinator: bool, validate: bool,
                             stage: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]]) -> tuple[dict, Any]:
     """The ``torch_dist`` strategy's save up to the write: apply factories, split off the common part (the
@@ -410,3 +432,180 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
                     if isinstance(current, torch.Tensor):
                         state["step"] = current.clone() if step is None else \
                             torch.tensor(float(step), dtype=current.dtype, device=current.device)
+
+
+# ----------------------------------------------------------------------------------------- SDC recomputation
+
+def recompute_refusal(chunks: list[Any], optimizer: Any) -> str | None:
+    """Why the SDC recomputation cannot run on this Megatron setup (None when it can). Local; the same answer on
+    every rank (the settings are job-wide)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    ddp_config = chunks[0].ddp_config
+    if getattr(config, "fp16", False):
+        return "fp16 (the loss scaler's unscale and overflow check would have to be replayed; bf16 and fp32 work)"
+    if getattr(config, "calculate_per_token_loss", False):
+        return "calculate_per_token_loss (the gradients are scaled by the job-wide token count after the reduction)"
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+        return "num_distributed_optimizer_instances > 1"
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "overlap_param_gather", False):
+        return "megatron FSDP or overlap_param_gather"
+    if any(getattr(m, "config", None) is not None and getattr(m.config, "use_precision_aware_optimizer", False)
+           for m in members(optimizer)):
+        return "the precision-aware optimizer"
+    return None
+
+
+def parallel_coordinates() -> dict[str, Any]:
+    """This rank's data-parallel rank (without context parallelism: what picks its batches), its position in the
+    model-parallel grid, and the ranks of the groups one forward pass spans (TP, PP, CP, EP, expert TP)."""
+    from megatron.core import parallel_state as ps
+
+    groups = [ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_context_parallel_group(), ps.get_expert_model_parallel_group(),
+              ps.get_expert_tensor_parallel_group()]
+    return {"data_rank": ps.get_data_parallel_rank(),
+            "position": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                         ps.get_context_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                         ps.get_expert_tensor_parallel_rank()),
+            "peers": [tuple(dist.get_process_group_ranks(g)) for g in groups if g is not None]}
+
+
+def reduction_of(ref: BucketGroupRef) -> tuple[dist.ProcessGroup, float]:
+    """The group a bucket group's gradients are reduced over and the factor Megatron's reduction applies to each
+    rank's contribution (``gradient_scaling_factor``, divided by the group size when it averages in the
+    collective): the reduced gradient is ``factor x sum over the group``."""
+    # the communication group of start_grad_sync (with one distributed-optimizer instance: the whole DP group)
+    group = ref.group.intra_distributed_optimizer_instance_group if ref.group.ddp_config.use_distributed_optimizer \
+        else ref.group.data_parallel_group
+    scales = {float(bucket.gradient_scaling_factor) for bucket in ref.group.buckets}
+    assert len(scales) == 1, scales
+    factor = scales.pop()
+    if ref.group.ddp_config.average_in_collective:
+        factor /= dist.get_world_size(group)
+    return group, factor
+
+
+def bucket_params(ref: BucketGroupRef) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each bucket of the group."""
+    return [list(bucket.params_list) for bucket in ref.group.buckets]
+
+
+def main_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's ``main_grad`` (its view of a grad buffer)."""
+    return [p.main_grad for p in params]
+
+
+class IsolatedBackward:
+    """Run a forward/backward pass of the chunks (``forward_backward_func``) without touching the step's gradients:
+    saves and zeroes every grad buffer, keeps every bucket group from starting its reduction (its
+    ``is_last_microbatch`` stays False, the schedule gets no no-sync, grad-sync or finalize hooks: no collective
+    over the data-parallel groups), and on exit puts back the buffers and the schedule hooks. Inside, each
+    parameter's ``main_grad`` holds this pass's local gradient. Peak extra memory: one copy of the grad buffers."""
+
+    HOOKS = ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func")
+
+    def __init__(self, chunks: list[Any]) -> None:
+        from megatron.core.utils import get_model_config
+
+        self.config = get_model_config(chunks[0])
+        self.groups = [g for chunk in chunks for g in (*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups)]
+        self.buffers = [bucket.grad_data for g in self.groups for bucket in g.buckets]
+
+    def __enter__(self) -> IsolatedBackward:
+        self.saved = [buffer.clone() for buffer in self.buffers]
+        self.hooks = {name: getattr(self.config, name, None) for name in self.HOOKS}
+        self.last = [g.is_last_microbatch for g in self.groups]
+        for buffer in self.buffers:
+            buffer.zero_()
+        for g in self.groups:
+            g.is_last_microbatch = False
+        for name in self.HOOKS:
+            setattr(self.config, name, None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, value in self.hooks.items():
+            setattr(self.config, name, value)
+        for g, last in zip(self.groups, self.last, strict=True):
+            g.is_last_microbatch = last
+        with torch.no_grad():
+            for buffer, saved in zip(self.buffers, self.saved, strict=True):
+                buffer.copy_(saved)
+        self.saved = []
+
+
+@torch.no_grad()
+def post_reduction(chunks: list[Any], params: list[torch.nn.Parameter],
+                   deltas: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What ``finalize_model_grads`` does after the data-parallel reduction, applied to ``deltas`` (an addition to
+    each parameter's reduced gradient, None for none): the all-reduce over the tensor-parallel group of the
+    sequence-parallel / QK-layernorm / TP-averaged gradients and the word and position embedding all-reduces over
+    the first and last pipeline stages, by Megatron's own functions on a temporary copy in the grad buffers.
+    Collective over those groups: every rank calls it. Returns the transformed deltas."""
+    import importlib
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package exports a function
+
+    embedding = ps.get_embedding_group(check_initialized=False)
+    position = ps.get_position_embedding_group(check_initialized=False)
+    needed = ps.get_tensor_model_parallel_world_size() > 1 or \
+        (embedding is not None and dist.get_world_size(embedding) > 1) or \
+        (position is not None and dist.get_world_size(position) > 1)
+    if not needed:
+        return deltas
+    config = get_model_config(chunks[0])
+    with IsolatedBackward(chunks):  # saves and zeroes the buffers, puts them back after
+        for param, delta in zip(params, deltas, strict=True):
+            if delta is not None:
+                param.main_grad.copy_(delta.to(param.main_grad.dtype))
+        # the groups and calls of finalize_model_grads without a pg_collection
+        pp_group = ps.get_pipeline_model_parallel_group()
+        fmg._allreduce_non_tensor_model_parallel_grads(chunks, config, ps.get_tensor_model_parallel_group())
+        fmg._allreduce_word_embedding_grads(chunks, config, embedding, pp_group)
+        fmg._allreduce_position_embedding_grads(chunks, config, position, pp_group)
+        return [None if delta is None else param.main_grad.detach().to(torch.float32, copy=True)
+                for param, delta in zip(params, deltas, strict=True)]
+
+
+def inner_grad_views(member: Any) -> list[tuple[torch.Tensor, torch.nn.Parameter, int, int]]:
+    """``(inner parameter, model parameter, start, end)`` for each parameter the member's torch optimizer steps:
+    its ``.grad`` is elements ``start:end`` of the flattened model parameter's reduced gradient (a
+    DistributedOptimizer shard's range; the whole parameter for the other members)."""
+    if is_stub(member):
+        return []
+    views: list[tuple[torch.Tensor, torch.nn.Parameter, int, int]] = []
+    if is_distributed(member):
+        pairs = [*zip(member.model_float16_groups, member.shard_fp32_from_float16_groups, strict=True),
+                 *zip(member.model_fp32_groups, member.shard_fp32_groups, strict=True)]
+        for model_group, shard_group in pairs:
+            for model_param, shard in zip(model_group, shard_group, strict=True):
+                param_range = member._get_model_param_range_map(model_param)["param"]
+                views.append((shard, model_param, param_range.start, param_range.end))
+        return views
+    if hasattr(member, "float16_groups"):  # Float16OptimizerWithFloat16Params
+        for model_group, main_group in zip(member.float16_groups, member.fp32_from_float16_groups, strict=True):
+            views += [(main, model, 0, model.numel()) for model, main in zip(model_group, main_group, strict=True)]
+        views += [(p, p, 0, p.numel()) for group in member.fp32_from_fp32_groups for p in group]
+        return views
+    return [(p, p, 0, p.numel()) for group in member.optimizer.param_groups for p in group["params"]]
+
+
+def rng_tracker_states() -> list[torch.Tensor]:
+    """The model-parallel RNG tracker's generator states (tensor-parallel dropout), in name order."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states = get_cuda_rng_tracker().get_states()
+    return [states[name] for name in sorted(states)]
+
+
+def set_rng_tracker_states(values: list[torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    names = sorted(tracker.get_states())
+    tracker.set_states(dict(zip(names, values, strict=True)))

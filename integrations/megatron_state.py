@@ -27,8 +27,10 @@ class MegatronTrainState:
 
     reshardable = False
 
-    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None) -> None:
+    def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
+                 checkpoint_args: Any | None = None) -> None:
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.checkpoint_args = checkpoint_args  # () -> what Megatron-LM saves as "args" (see MegatronDiskFormat)
         self.members = mi.members(optimizer)
 
     def live_tensors(self) -> list[torch.Tensor]:
@@ -86,7 +88,7 @@ class MegatronTrainState:
 
     def native_disk_format(self) -> MegatronDiskFormat:
         """Megatron's own checkpoint format for the disk tier (``recovery.checkpoint.format: auto``)."""
-        return MegatronDiskFormat(self.chunks, self.optimizer, self.lr_scheduler)
+        return MegatronDiskFormat(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args)
 
     def dcp_state_dict(self) -> dict[str, Any]:
         """The disk tier's view (torch.distributed.checkpoint, not reshardable): the model chunks' tensors under a

@@ -187,25 +187,32 @@ def build_model_and_optimizer(args: argparse.Namespace) -> TrainState:
         config.no_sync_func = model_chunks[0].no_sync
         config.grad_sync_func = model_chunks[0].start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
-    # arc_engine: after the chunks, the optimizer and parallel_state's groups exist (collective)
-    arc = None if args.no_arc else arc_engine.attach(model_chunks, optimizer, arc_engine.config_from_args(args))
-
     data_parallel_size = parallel_state.get_data_parallel_world_size()
     global_batch_size = args.global_batch_size or args.micro_batch_size * data_parallel_size
     num_microbatches, remainder = divmod(global_batch_size, args.micro_batch_size * data_parallel_size)
     if remainder or num_microbatches < 1:
         raise ValueError(f"--global-batch-size {global_batch_size} must be a positive multiple of "
                          f"--micro-batch-size {args.micro_batch_size} x data-parallel size {data_parallel_size}")
-    return TrainState(model=model_chunks, optimizer=optimizer, config=config, data=data, device=device,
-                      num_microbatches=num_microbatches,
-                      data_parallel_rank=parallel_state.get_data_parallel_rank(), arc=arc)
+    state = TrainState(model=model_chunks, optimizer=optimizer, config=config, data=data, device=device,
+                       num_microbatches=num_microbatches,
+                       data_parallel_rank=parallel_state.get_data_parallel_rank(), arc=None)
+    if not args.no_arc:
+        # arc_engine: after the chunks, the optimizer and parallel_state's groups exist (collective)
+        arc_config = arc_engine.config_from_args(args)
+        sdc = arc_config.detectors.sdc
+        recompute = partial(_recompute, state, args) if sdc.enabled and sdc.recompute.enabled else None
+        state.arc = arc_engine.attach(model_chunks, optimizer, arc_config, recompute_fn=recompute)
+    return state
 
 
-def _micro_batches(state: TrainState, args: argparse.Namespace, step_index: int) -> Iterator:
-    """This rank's micro-batches of iteration ``step_index``: every pipeline stage draws the same ones."""
+def _micro_batches(state: TrainState, args: argparse.Namespace, step_index: int,
+                   data_rank: int | None = None) -> Iterator:
+    """The micro-batches of iteration ``step_index`` for data-parallel rank ``data_rank`` (default: this rank's):
+    every pipeline stage draws the same ones."""
+    data_rank = state.data_parallel_rank if data_rank is None else data_rank
     for micro_index in range(state.num_microbatches):
         position = step_index * state.num_microbatches + micro_index
-        inputs, targets = state.data.batch(position, state.data_parallel_rank, args.micro_batch_size)
+        inputs, targets = state.data.batch(position, data_rank, args.micro_batch_size)
         yield inputs.to(state.device), targets.to(state.device)
 
 
@@ -229,6 +236,27 @@ def _forward_step(arc: arc_engine.Arc | None, data_iterator: Iterator, model: to
     return output, partial(_loss_func, arc)
 
 
+def _forward_backward(state: TrainState, args: argparse.Namespace, model: list, step_index: int,
+                      data_rank: int | None = None) -> list:
+    """Megatron's schedule over the micro-batches of (``step_index``, ``data_rank``); returns its loss reports."""
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, state.arc),
+        data_iterator=_micro_batches(state, args, step_index, data_rank),
+        model=model,
+        num_microbatches=state.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+
+
+def _recompute(state: TrainState, args: argparse.Namespace, model: list, data_rank: int) -> None:
+    """arc_engine's ``recompute_fn`` (``detectors.sdc.recompute``): the current step's forward and backward again,
+    on data-parallel rank ``data_rank``'s micro-batches."""
+    _forward_backward(state, args, model, state.arc.data_position, data_rank)
+
+
 def train_step(state: TrainState, args: argparse.Namespace,
                step_index: int) -> tuple[float | None, bool, float | None]:
     """One optimizer step over ``state.num_microbatches`` micro-batches. Collective: every rank.
@@ -241,16 +269,7 @@ def train_step(state: TrainState, args: argparse.Namespace,
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, state.arc),
-        data_iterator=_micro_batches(state, args, step_index),
-        model=state.model,
-        num_microbatches=state.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.seq_length,
-        forward_only=False,
-    )
+    reports = _forward_backward(state, args, state.model, step_index)
     update_successful, grad_norm, _num_zeros = state.optimizer.step()
     loss = None
     if parallel_state.is_pipeline_last_stage():

@@ -81,5 +81,6 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                 proc.kill()
     if errors:
         rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        others = "".join(f"\nrank {r} also failed: {errors[r].splitlines()[0]}" for r in sorted(errors) if r != rank)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}{others}")
     return [results[r] for r in range(world)]

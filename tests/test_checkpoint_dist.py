@@ -319,6 +319,9 @@ class _JsonSidecarFormat:
         dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         state_dict["sidecar"] = json.loads((path / "sidecar.json").read_text())
 
+    def publish(self, root: Path, committed: list[CommitInfo]) -> None:
+        (root / "index.txt").write_text(" ".join(str(info.step) for info in committed))
+
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_backend_format_is_committed_checksummed_and_falls_back_like_dcp(tmp_path: Path) -> None:
@@ -333,6 +336,7 @@ def test_a_backend_format_is_committed_checksummed_and_falls_back_like_dcp(tmp_p
         weights.fill_(-1.0)  # staged already: the write sees the value at save time
         assert manager.wait(30)
     assert "sidecar.json" in manager.latest().files and manager.last_staged_bytes == 400
+    assert (tmp_path / "index.txt").read_text() == "1 2 3"  # the format's index follows each commit
 
     def build(info: CommitInfo) -> dict[str, Any]:
         return {"weights": torch.zeros(100)}

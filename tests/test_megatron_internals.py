@@ -15,7 +15,7 @@ from arc_engine.integrations import megatron_internals as mi
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE_INTERNALS = [ROOT / "integrations" / name for name in ("megatron.py", "megatron_state.py",
-                                                               "megatron_checkpoint.py")]
+                                                               "megatron_checkpoint.py", "megatron_recompute.py")]
 LAUNCHER = ROOT / "launch" / "megatron" / "pretrain_gpt_arc.py"
 
 

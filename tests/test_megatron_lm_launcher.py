@@ -115,3 +115,43 @@ def test_megatron_lm_trains_and_every_rank_vetoes_the_injected_faults(tmp_path: 
         summary = next(e["values"] for e in events if e["detector"] == "summary")
         assert (summary["steps"], summary["iterations"], summary["skipped_steps"]) == (ITERATIONS, ITERATIONS, 2)
         assert summary["monitored_steps"] == ITERATIONS
+
+
+def test_megatron_lm_load_resumes_from_arc_engine_checkpoints(tmp_path: Path) -> None:
+    """arc_engine's disk tier under the launcher (format ``auto``: megatron-core's dist_checkpointing, with
+    Megatron-LM's ``iter_XXXXXXX`` names and tracker file) is what a plain Megatron-LM job's ``--load`` reads: a
+    second run without arc_engine's recovery loads the newest commit and continues from its iteration."""
+    pytest.importorskip("megatron.core")
+    checkpoints = tmp_path / "checkpoints"
+    saving = tmp_path / "save.yaml"
+    saving.write_text(f"""\
+run: {{run_id: save, run_dir: {tmp_path / 'runs'}}}
+recovery:
+  enabled: true
+  checkpoint_freq: 1
+  checkpoint: {{dir: {checkpoints}, every_steps: 2}}
+""")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"run: {{run_id: load, run_dir: {tmp_path / 'runs'}}}\n")
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(free_port()), str(ENTRY), *args, "--tensor-model-parallel-size", "2"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=_env(),
+                              check=False)
+
+    first = launch(*GPT_ARGS, "--arc-config", str(saving))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    tracked = int((checkpoints / "latest_checkpointed_iteration.txt").read_text())
+    assert (checkpoints / f"iter_{tracked:07d}" / "metadata.json").is_file()
+
+    total = ITERATIONS + 2
+    # --no-load-optim: megatron-core 0.16.1's DistributedOptimizer cannot build its state dict before torch Adam's
+    # first step (an assert), which a fresh CPU job with torch Adam is at; the same for its own checkpoints
+    args = [*GPT_ARGS, "--arc-config", str(plain), "--load", str(checkpoints), "--no-load-rng", "--no-load-optim"]
+    args[args.index("--train-iters") + 1] = str(total)
+    second = launch(*args)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    assert f"loading distributed checkpoint from {checkpoints} at iteration {tracked}" in output, output[-4000:]
+    logged = sorted(int(it) for it, _, _ in ITERATION_LOG.findall(output))
+    assert logged == list(range(tracked + 1, total + 1)), output[-4000:]

@@ -158,7 +158,10 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
     if fmt == "megatron":
         newest = committed[-1].path
         out["files"] = sorted(p.name for p in newest.iterdir())
-        iteration, params = _megatron_user_load(flags, newest)
+        root = newest.parent  # found as Megatron-LM's --load finds it: the tracker file, then iter_XXXXXXX
+        tracked = int((root / "latest_checkpointed_iteration.txt").read_text())
+        out["megatron_lm_names"] = (tracked, sorted(p.name for p in root.glob("iter_*")))
+        iteration, params = _megatron_user_load(flags, root / f"iter_{tracked:07d}")
         out["user_load"] = iteration == committed[-1].step and torch.equal(params, by_step[iteration])
         dist.barrier()
         if rank == 0:  # the newest commit's common.pt goes bad: the resume must fall back to the one before
@@ -197,6 +200,9 @@ def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path,
         if fmt == "megatron":
             assert {"common.pt", "metadata.json", ".metadata", "COMMITTED.json"} <= set(result["files"]), rank
             assert result["user_load"], rank  # megatron-core's own load: the model and optimizer of that step
+            # Megatron-LM's names: the tracker names the newest commit, one iter_ link per committed checkpoint
+            assert result["megatron_lm_names"] == (result["committed"][-1],
+                                                   [f"iter_{step:07d}" for step in result["committed"]]), rank
             assert result["resumed_at"] == result["committed"][-2], rank  # the newest one's common.pt is bad
             assert any("common.pt" in error for error in result["load_errors"]), result["load_errors"]
         else:

@@ -111,8 +111,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.router.dead_expert_action": KeyDoc("What an expert gets that was alive in the baseline and "
                                                   "receives no token."),
     "detectors.sdc.recompute.enabled": KeyDoc("Withhold a suspect local gradient before the reduction and recompute "
-                                              "it on that rank only (DDP and DeepSpeed ZeRO-1/2; needs "
-                                              "`recompute_fn` at attach)."),
+                                              "it on that rank only (DDP, DeepSpeed ZeRO-1/2; megatron-core: on its "
+                                              "replica's model-parallel group; needs `recompute_fn` at attach)."),
     "detectors.sdc.recompute.gate_factor": KeyDoc("A local gradient norm above this many times its running "
                                                   "reference is withheld.", "> 1"),
     "detectors.sdc.recompute.peer_rtol": KeyDoc("Relative tolerance of the peer check: the suspect's recomputation "

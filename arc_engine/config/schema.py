@@ -117,13 +117,15 @@ class GradNormConfig:
 
 @dataclass(kw_only=True)
 class RecomputeConfig:
-    """Recovery from SDC by localized recomputation (needs a ``recompute_fn`` at attach; DDP and DeepSpeed ZeRO-1/2).
+    """Recovery from SDC by localized recomputation (needs a ``recompute_fn`` at attach; DDP, DeepSpeed ZeRO-1/2 and
+    megatron-core).
 
-    Before the gradient reduction each rank checks its own local gradient (per DDP bucket / per ZeRO parameter):
-    a non-finite norm, or (after ``detectors.sdc.warmup_steps`` observations) a norm above ``gate_factor`` times
-    its running reference, is withheld (the rank contributes zeros). The suspect alone then re-runs forward and
-    backward on the same micro-batches with the same RNG state and adds its recomputed share in one correction
-    all-reduce. If the recomputation reproduces the anomaly, the lowest healthy rank recomputes the suspect's
+    Before the gradient reduction each rank checks its own local gradient (per DDP or megatron bucket / per ZeRO
+    parameter): a non-finite norm, or (after ``detectors.sdc.warmup_steps`` observations) a norm above
+    ``gate_factor`` times its running reference, is withheld (the rank contributes zeros). The suspect alone (under
+    Megatron: its data-parallel replica's model-parallel group) then re-runs forward and backward on the same
+    micro-batches with the same RNG state and adds its recomputed share back through the framework's reductions.
+    If the recomputation reproduces the anomaly, the lowest healthy rank (replica) recomputes the suspect's
     micro-batches: agreeing (within ``peer_rtol``) means the data caused it (``detectors.loss_spike.action``
     decides); disagreeing means the suspect's device is faulty: it is written to ``quarantine.json`` in the run
     directory and ``on_faulty_device`` applies (``abort``: every rank stops with exit code 5; ``exclude``: the

@@ -2,9 +2,11 @@
 
 Gradient faults use a tensor hook on the chosen parameter, which runs before the gradient is accumulated and
 so before DDP's reduction sees it: the corruption is local to the chosen rank, as a faulty device's would be.
-Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`. Learning-rate faults
-(``lr_scale``) scale the learning rate of the step through the engine (:meth:`FaultInjector.lr_multiplier`).
-``stall`` sleeps in a forward pre-hook at the step's first forward.
+Loss faults are applied by the training loop through :meth:`FaultInjector.on_loss`; they model an event of the
+step's training pass, so an SDC recomputation of the step (``recomputing``) does not see them again, while gradient
+and bit-flip faults stay active for their whole step, recomputation included, as a faulty device's would.
+Learning-rate faults (``lr_scale``) scale the learning rate of the step through the engine
+(:meth:`FaultInjector.lr_multiplier`). ``stall`` sleeps in a forward pre-hook at the step's first forward.
 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
 a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`,
@@ -35,10 +37,12 @@ def bitflip_spec(spec: FaultSpec) -> BitFlipSpec:
 class FaultInjector:
     """Holds this rank's faults; ``current_step`` reports the optimizer step the next gradient belongs to."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, current_step: Callable[[], int]) -> None:
+    def __init__(self, specs: list[FaultSpec], rank: int, current_step: Callable[[], int],
+                 recomputing: Callable[[], bool] = lambda: False) -> None:
         self.specs = [s for s in specs if s.rank in (rank, -1)]
         self.rank = rank
         self.current_step = current_step
+        self.recomputing = recomputing
         self.fired: list[tuple[int, str]] = []
         self.bitflips = [BitFlipInjector(bitflip_spec(s), rank=rank, current_step=current_step)
                          for s in self.specs if s.kind == "bitflip"]
@@ -100,7 +104,10 @@ class FaultInjector:
         return scale
 
     def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Apply active loss faults (``nan_loss``, ``loss_scale``) to this rank's loss; identity otherwise."""
+        """Apply active loss faults (``nan_loss``, ``loss_scale``) to this rank's loss; identity otherwise (and
+        while the step is being recomputed)."""
+        if self.recomputing():
+            return loss
         for spec in self.specs:
             if not self._active(spec):
                 continue

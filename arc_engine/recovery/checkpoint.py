@@ -76,7 +76,10 @@ class DiskFormat(Protocol):
     The coordinator also writes the files ``common_files`` names into ``step_dir`` (created already), which it
     then checksums with its shards.
     ``load`` loads the checkpoint at ``path`` into the live state (collective over the job) and puts into
-    ``state_dict`` -- what the recovery tier asked for -- the entries that are not the model or optimizer."""
+    ``state_dict`` -- what the recovery tier asked for -- the entries that are not the model or optimizer.
+    ``publish`` runs on the coordinator after each commit and retention pass, with every committed checkpoint
+    (oldest first): it keeps the backend's own index of the root up to date (e.g. the names its loader looks for);
+    an OSError there is logged, the commit stands."""
 
     name: str
     common_files: tuple[str, ...]
@@ -85,6 +88,8 @@ class DiskFormat(Protocol):
                      stage: Callable[[dict], dict]) -> tuple[dict[str, Any], SavePlanner | None]: ...
 
     def load(self, path: Path, state_dict: dict[str, Any]) -> None: ...
+
+    def publish(self, root: Path, committed: list[CommitInfo]) -> None: ...
 
 
 @dataclass
@@ -272,6 +277,12 @@ class CheckpointManager:
                 apply_retention(self.root, self.keep_last, info)
             except OSError as err:  # the commit stands; old checkpoints stay until the next retention pass
                 logger.warning("checkpoint %s: retention failed: %s", self.root, err)
+            if self.disk_format is not None:
+                try:
+                    self.disk_format.publish(self.root, list_committed(self.root))
+                except OSError as err:  # the commit stands; the backend's index is fixed at the next commit
+                    logger.warning("checkpoint %s: publishing for %s failed: %s", self.root,
+                                   self.disk_format.name, err)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until this rank's save in flight (upload, report, and on rank 0 the commit) is done. Local. True if

@@ -5,19 +5,24 @@ The flow on one monitored step (every rank runs the same branch: each branch is 
 1. Before the reduction, each rank's :class:`~arc_engine.monitors.sdc_local.LocalGate` withholds (zeroes) a local
    gradient slot whose norm is not finite or far above its history; the count goes into the ``sdc_withheld``
    slot of the step's single statistics gather.
-2. :meth:`SDCRecompute.resolve`: each suspect (a rank that withheld something) re-runs forward and backward on its
-   own micro-batches with the RNG state captured at the step's start, through the user's ``recompute_fn``. The
-   other ranks run nothing. One small all-reduce shares the verdicts: the recomputation is *healthy* when the gate
-   would not withhold it again (a transient fault).
-3. If it reproduces the anomaly, the lowest-ranked non-suspect receives the suspect's RNG state and withheld
-   slots (one broadcast) and recomputes the suspect's micro-batches; one small all-reduce compares the two.
-   Equal within ``peer_rtol``: the data caused it. Different: the suspect's device is faulty (quarantine file,
+2. :meth:`SDCRecompute.resolve`: each suspect's *unit* re-runs forward and backward on its own micro-batches with
+   the RNG state captured at the step's start, through the user's ``recompute_fn``. A unit is the set of ranks
+   that run one forward pass together (:class:`Units`): one rank under data parallelism (DDP, ZeRO); under
+   Megatron, a data-parallel replica's tensor/pipeline/context-parallel peers (with expert parallelism, the
+   replicas its expert-parallel peers belong to as well). The other units run nothing. One small all-reduce
+   shares the verdicts: the recomputation is *healthy* when the gate would not withhold it again (a transient
+   fault).
+3. If it reproduces the anomaly, the lowest non-suspect unit recomputes the suspect unit's micro-batches: each of
+   its ranks receives the RNG state and withheld slots of its counterpart (the rank at the same model-parallel
+   position; one point-to-point message each), and one small all-reduce compares the two. Equal within
+   ``peer_rtol``: the data caused it. Different: the suspect's device is faulty (quarantine file,
    ``on_faulty_device``).
-4. One correction all-reduce adds every withheld share back (the suspect's recomputation, or for a faulty device
-   the peer's), divided by the group size like the reduction itself.
+4. The correction adds every withheld share back (the suspect's recomputation, or for a faulty device the
+   peer's): one all-reduce per reduction group of the framework (:meth:`GradientTarget.correction_groups`),
+   scaled like the framework's own reduction.
 
 :meth:`SDCRecompute.recompute_all` is the fallback when only the update-RMS rule fired: every rank recomputes its
-own micro-batches and one all-reduce replaces the reduced gradient. Every collective here happens only on such
+own micro-batches and the correction replaces the reduced gradient. Every collective here happens only on such
 steps, every recomputation runs once per step at most, and a recomputation that raises is reported in the next
 collective (never a hang): the step then falls to the ``detectors.sdc.action`` policy.
 """
@@ -27,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,17 +51,55 @@ if TYPE_CHECKING:
 
 #: ``recompute_fn(module, data_rank)``: yield the loss of each micro-batch that rank ``data_rank`` trained on in the
 #: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
-#: back-propagated. It must not call ``backward`` itself.
-RecomputeFn = Callable[[torch.nn.Module, int], Iterable[torch.Tensor]]
+#: back-propagated. It must not call ``backward`` itself. Under Megatron it is ``recompute_fn(model_chunks,
+#: data_rank)`` with ``data_rank`` the data-parallel rank, and it runs Megatron's ``forward_backward_func`` on
+#: those batches itself (see :mod:`arc_engine.integrations.megatron_recompute`).
+RecomputeFn = Callable[[Any, int], Iterable[torch.Tensor] | None]
 
 QUARANTINE_FILE = "quarantine.json"
 
 
-class GradientTarget(Protocol):
-    """What an integration exposes to the recomputation (DDP: ``integrations/ddp.py``; ZeRO: ``deepspeed.py``)."""
+@dataclass(frozen=True)
+class Units:
+    """Which rows of the decision group recompute together (a *unit*), whose data each row trains on, and each
+    row's position inside its unit (model-parallel coordinates: the counterpart of a row in another unit is the
+    row at the same position)."""
 
-    module: torch.nn.Module          # the unwrapped module ``recompute_fn`` runs
-    params: list[torch.Tensor]       # its trainable parameters, in the same order on every rank
+    of_row: tuple[int, ...]
+    data_rank: tuple[int, ...]       # what recompute_fn receives to recompute a row's micro-batches
+    position: tuple[Any, ...]
+
+    @classmethod
+    def per_rank(cls, ranks: Iterable[int]) -> Units:
+        """Data parallelism: every rank is a unit of its own and trains on its own data."""
+        ranks = tuple(ranks)
+        return cls(tuple(range(len(ranks))), ranks, ((),) * len(ranks))
+
+    def rows(self, unit: int) -> list[int]:
+        return [row for row, u in enumerate(self.of_row) if u == unit]
+
+    def counterpart(self, row: int, unit: int) -> int | None:
+        """The row of ``unit`` at ``row``'s position (None when there is no single one)."""
+        matches = [r for r in self.rows(unit) if self.position[r] == self.position[row]]
+        return matches[0] if len(matches) == 1 else None
+
+
+@dataclass(frozen=True)
+class CorrectionGroup:
+    """One reduction of the framework: the sum over ``group`` of the ranks' contributions to the parameters at
+    ``indices`` (into :attr:`GradientTarget.params`), times ``scale``, is what that reduction adds to the gradient."""
+
+    group: dist.ProcessGroup | None
+    indices: tuple[int, ...]
+    scale: float
+
+
+class GradientTarget(Protocol):
+    """What an integration exposes to the recomputation (DDP: ``integrations/ddp.py``; ZeRO:
+    ``deepspeed_recompute.py``; Megatron: ``megatron_recompute.py``)."""
+
+    module: Any                      # what ``recompute_fn`` runs (the unwrapped module; Megatron: the chunks)
+    params: list[torch.Tensor]       # its trainable parameters, in the same order on every rank of a reduction
     loss_factor: float               # what the framework multiplies a micro-batch loss by before backward
     per_micro_batch: bool            # the gate judges each micro-batch (ZeRO) or the accumulated gradient (DDP)
     group_of_p: list[int]            # optimizer parameter group of each of ``params``
@@ -64,12 +107,56 @@ class GradientTarget(Protocol):
     def slot_params(self, slot: int) -> list[int]:
         """Indices into ``params`` of a gate slot."""
 
+    def units(self, ranks: list[int]) -> Units:
+        """The recompute units of the decision group's ``ranks`` (collective at attach where it must gather)."""
+
+    def gradients(self, recompute_fn: RecomputeFn, data_rank: int
+                  ) -> Iterable[tuple[int, Sequence[torch.Tensor | None]]]:
+        """Run ``recompute_fn`` for ``data_rank``: (micro-batch, gradient of each of ``params``) as the framework
+        accumulates them locally, before its reduction; nothing of the framework's gradient state changes."""
+
+    def correction_groups(self) -> list[CorrectionGroup]:
+        """The framework's reductions of the gradient (collectives run by every rank in these groups)."""
+
+    def rng_state(self) -> torch.Tensor:
+        """Every RNG state a forward pass draws from, as one uint8 tensor (same size at the same position)."""
+
+    def set_rng_state(self, state: torch.Tensor) -> None: ...
+
     def apply(self, reduced_p: list[torch.Tensor | None], replace: bool) -> None:
-        """Add (or, ``replace``, set) ``reduced_p[i]`` -- identical on every rank -- to the reduced gradient of
-        ``params[i]`` as the optimizer will see it."""
+        """Add (or, ``replace``, set) ``reduced_p[i]`` -- identical on every rank of its reduction -- to the reduced
+        gradient of ``params[i]`` as the optimizer will see it. Every rank calls it (it may communicate)."""
 
     def record_stats(self) -> None:
         """Write the reduced-gradient and optimizer statistics of the (corrected) step into the engine's buffer."""
+
+
+class ReplicaTarget:
+    """Defaults of :class:`GradientTarget` for data parallelism: every rank a unit, the loss of each micro-batch
+    from ``recompute_fn`` differentiated with autograd, one reduction over the decision group (a mean)."""
+
+    module: Any
+    params: list[torch.Tensor]
+    loss_factor: float
+    engine: ArcEngine
+
+    def units(self, ranks: list[int]) -> Units:
+        return Units.per_rank(ranks)
+
+    def gradients(self, recompute_fn: RecomputeFn, data_rank: int
+                  ) -> Iterable[tuple[int, Sequence[torch.Tensor | None]]]:
+        for micro_batch, loss in enumerate(recompute_fn(self.module, data_rank) or ()):
+            yield micro_batch, torch.autograd.grad(loss * self.loss_factor, self.params, allow_unused=True)
+
+    def correction_groups(self) -> list[CorrectionGroup]:
+        return [CorrectionGroup(self.engine.group, tuple(range(len(self.params))),
+                                1.0 / self.engine.pipeline.num_ranks)]
+
+    def rng_state(self) -> torch.Tensor:
+        return rng_state(self.params[0].device if self.params else torch.device("cpu"))
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        set_rng_state(state, self.params[0].device if self.params else torch.device("cpu"))
 
 
 @dataclass
@@ -84,27 +171,27 @@ class Recomputed:
 
 
 def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
-                     data_parallel_group: dist.ProcessGroup | None = None) -> bool:
+                     required_group: dist.ProcessGroup | None = None) -> bool:
     """Validate the attach arguments: True when the localized recomputation should be wired up. Raises
     ValueError when it is enabled without ``recompute_fn``, on a backend that does not support it, or when the
-    decision group is not the data-parallel group (the recomputation and its correction run over the decision
-    group, which must then hold replicas of one model: no model parallelism yet); warns when ``recompute_fn`` is
-    given but the recomputation is off."""
+    decision group is not ``required_group`` (the adapter's ``recompute_group``: DDP and ZeRO, whose correction
+    runs over the decision group, need it to be the data-parallel group; Megatron, whose units and corrections
+    span its own groups, needs the whole job); warns when ``recompute_fn`` is given but the recomputation is off."""
     sdc = engine.config.detectors.sdc
     wanted = sdc.enabled and sdc.recompute.enabled
     if wanted and not supported:
-        raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP and DeepSpeed ZeRO-1/2 "
-                         f"are); set detectors.sdc.recompute.enabled: false")
-    if wanted and dist.is_initialized() and data_parallel_group is not None \
-            and dist.get_process_group_ranks(data_parallel_group) != list(engine.pipeline.ranks):
+        raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP, DeepSpeed ZeRO-1/2 "
+                         f"and megatron-core are); set detectors.sdc.recompute.enabled: false")
+    if wanted and dist.is_initialized() and required_group is not None \
+            and dist.get_process_group_ranks(required_group) != list(engine.pipeline.ranks):
         raise ValueError("detectors.sdc.recompute.enabled: the decision group (ranks "
-                         f"{_ranks_text(engine.pipeline.ranks)}) is not the data-parallel group (ranks "
-                         f"{_ranks_text(dist.get_process_group_ranks(data_parallel_group))}): the recomputation "
-                         "supports data parallelism only; set detectors.sdc.recompute.enabled: false (detection "
+                         f"{_ranks_text(engine.pipeline.ranks)}) is not the group the recomputation on {backend} "
+                         f"runs over (ranks {_ranks_text(dist.get_process_group_ranks(required_group))}); pass "
+                         "that group (or none) to attach, or set detectors.sdc.recompute.enabled: false (detection "
                          "and the agreed skip still work)")
     if wanted and recompute_fn is None:
-        raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) -> micro-batch "
-                         "losses to attach (it re-runs a rank's forward for the current step)")
+        raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) to attach (it "
+                         "re-runs a rank's forward for the current step; see docs/recovery.md)")
     if recompute_fn is not None and not wanted:
         engine.log_warning("recompute_fn has no effect: detectors.sdc.enabled and detectors.sdc.recompute.enabled "
                            "are not both true")
@@ -142,8 +229,8 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 class SDCRecompute:
     """Per-rank driver of the localized recomputation (see the module docstring). Built by the integrations when
-    ``detectors.sdc.recompute.enabled``; the engine calls :meth:`capture` at each step start and :meth:`resolve` /
-    :meth:`recompute_all` from ``decide``."""
+    ``detectors.sdc.recompute.enabled`` (collective: the target may gather its units); the engine calls
+    :meth:`capture` at each step start and :meth:`resolve` / :meth:`recompute_all` from ``decide``."""
 
     def __init__(self, engine: ArcEngine, config: RecomputeConfig, gate: LocalGate, target: GradientTarget,
                  recompute_fn: RecomputeFn) -> None:
@@ -152,7 +239,8 @@ class SDCRecompute:
         self.gate = gate
         self.target = target
         self.recompute_fn = recompute_fn
-        self.device = target.params[0].device if target.params else torch.device("cpu")
+        self.units = target.units(list(engine.pipeline.ranks))
+        self.my_row = list(engine.pipeline.ranks).index(engine.rank)
         self._rng: torch.Tensor | None = None
         self._own: Recomputed | None = None   # this rank's recomputation on the current step
         self.calls = 0                         # forward/backward passes run by recompute_fn on this rank
@@ -162,7 +250,7 @@ class SDCRecompute:
 
     def capture(self) -> None:
         """At the step's first forward (every rank): remember the RNG state the step starts from."""
-        self._rng = rng_state(self.device)
+        self._rng = self.target.rng_state()
         self._own = None
         self.gate.reset_step()
 
@@ -176,48 +264,57 @@ class SDCRecompute:
 
     def resolve(self, stats: AgreedStats) -> list[Finding]:
         """Collective (every rank of the engine's group, after a gather that showed withheld slots): recompute on
-        the suspects, classify, correct the reduced gradient. Returns the findings to report."""
+        the suspects' units, classify, correct the reduced gradient. Returns the findings to report."""
+        units, my_row = self.units, stats.my_row
         rows = [row for row, count in enumerate(stats.per_rank(names.SDC_WITHHELD)[:, 0]) if count > 0]
-        my_row = stats.my_row
+        suspect_units = sorted({units.of_row[row] for row in rows})
+        runs_here = units.of_row[my_row] in suspect_units
         withheld = self.gate.withheld() if my_row in rows else {}
-        if my_row in rows:
-            self._own = self._run(self.engine.rank, self._rng, withheld)
-        verdict = self._share(len(stats.ranks), my_row, self._own if my_row in rows else None)
-        healthy = {row for row in rows if verdict[row, 1] > 0}
-        failed = [row for row in rows if verdict[row, 0] > 0]
+        if runs_here:
+            self._own = self._run(units.data_rank[my_row], self._rng, withheld)
+        verdict = self._share(len(stats.ranks), my_row, self._own if runs_here else None)
+        failed = any(verdict[row, 0] > 0 for unit in suspect_units for row in units.rows(unit))
+        healthy = {unit for unit in suspect_units
+                   if all(verdict[row, 1] > 0 for row in rows if units.of_row[row] == unit)}
         classes: dict[int, tuple[str, float, float]] = {}
         peer_shares: dict[int, dict[int, torch.Tensor]] = {}
-        peers = [row for row in range(len(stats.ranks)) if row not in rows]
-        for row in (r for r in rows if r not in healthy and r not in failed):
+        peers = [unit for unit in sorted(set(units.of_row)) if unit not in suspect_units]
+        for unit in (u for u in suspect_units if u not in healthy and not failed):
+            unit_rows = [row for row in rows if units.of_row[row] == unit]
             if not peers:
-                classes[row] = ("unknown", float(verdict[row, 2]), math.nan)
+                classes.update({row: ("unknown", float(verdict[row, 2]), math.nan) for row in unit_rows})
                 continue
-            peer_energy, peer_share = self._peer_check(stats, row, peers[0], my_row, withheld)
-            kind = "unknown" if peer_energy is None else \
-                classify(float(verdict[row, 2]), peer_energy, self.config.peer_rtol)
-            classes[row] = (kind, float(verdict[row, 2]), math.nan if peer_energy is None else peer_energy)
-            if peer_share is not None:
-                peer_shares[row] = peer_share
+            peer_energy, share = self._peer_check(stats, unit, peers[0], my_row, withheld)
+            for row in unit_rows:
+                energy = peer_energy[row]
+                kind = "unknown" if energy is None else classify(float(verdict[row, 2]), energy, self.config.peer_rtol)
+                classes[row] = (kind, float(verdict[row, 2]), math.nan if energy is None else energy)
+            if share is not None:
+                peer_shares[share[0]] = share[1]
+        if failed:  # a recomputation raised somewhere: nothing is applied, the step falls to the policy
+            return self._findings(stats, rows, verdict, set(rows), classes)
         shares: dict[int, torch.Tensor] = {}
-        if my_row in rows and self._own is not None:
+        if runs_here and self._own is not None:
             if classes.get(my_row, ("",))[0] == "device":  # its share comes from the peer; its own stats go too
                 self._own = Recomputed(total_p=[None] * len(self.target.params))
             shares = self._own.share_p
-        for row, share in peer_shares.items():  # this rank is the peer of a faulty device
-            if classes[row][0] == "device":
+        for row, share in peer_shares.items():  # this rank is the counterpart of a faulty device
+            if classes.get(row, ("",))[0] == "device":
                 shares = {**shares, **share}
-        if self._correct(shares, replace=False):  # a failure anywhere: nothing was applied
-            failed = rows
-        return self._findings(stats, rows, verdict, set(failed), classes)
+        self._correct(shares, replace=False)
+        return self._findings(stats, rows, verdict, set(), classes)
 
     def recompute_all(self) -> list[Finding]:
         """Collective fallback when the update-RMS rule fired with nothing withheld: every rank recomputes its own
         micro-batches once and the reduced gradient is replaced by the reduction of the recomputed ones."""
-        self._own = self._run(self.engine.rank, self._rng, {})
-        if self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True):
+        self._own = self._run(self.units.data_rank[self.my_row], self._rng, {})
+        flag = torch.tensor([float(self._own.failed)], dtype=torch.float64, device=self.engine.pipeline.device)
+        self._all_reduce(flag)
+        if float(flag[0]) > 0:
             return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
                             "recomputation of the step failed on some rank: the gradient was left as reduced", (),
                             {"classification": "failed"})]
+        self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True)
         return [Finding("sdc_recompute", Action.WARN, Severity.WARNING,
                         "update-RMS jump with no rank standing out: the step was recomputed on every rank", (),
                         {"recomputed_ranks": "all"})]
@@ -243,27 +340,26 @@ class SDCRecompute:
         params = self.target.params
         share_from = {p: start for slot, start in withheld.items() for p in self.target.slot_params(slot)}
         result = Recomputed(total_p=[None] * len(params))
-        saved = rng_state(self.device)
+        saved = self.target.rng_state()
         self.engine.recomputing = True
         try:
             if rng is not None:
-                set_rng_state(rng, self.device)
+                self.target.set_rng_state(rng)
             with torch.enable_grad():
-                for micro_batch, loss in enumerate(self.recompute_fn(self.target.module, data_rank)):
-                    grads = torch.autograd.grad(loss * self.target.loss_factor, params, allow_unused=True)
+                for micro_batch, grads in self.target.gradients(self.recompute_fn, data_rank):
                     self._accumulate(result, micro_batch, grads, share_from)
             self.calls += 1
         except Exception as err:  # reported to every rank by the next collective
-            self.engine.log_warning(f"sdc recompute for rank {data_rank} failed: {type(err).__name__}: {err}")
+            self.engine.log_warning(f"sdc recompute for data rank {data_rank} failed: {type(err).__name__}: {err}")
             return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False, failed=True)
         finally:
             self.engine.recomputing = False
-            set_rng_state(saved, self.device)
+            self.target.set_rng_state(saved)
         self._judge(result, withheld)
         return result
 
     @torch.no_grad()
-    def _accumulate(self, result: Recomputed, micro_batch: int, grads: tuple[torch.Tensor | None, ...],
+    def _accumulate(self, result: Recomputed, micro_batch: int, grads: Sequence[torch.Tensor | None],
                     share_from: dict[int, int]) -> None:
         for index, grad in enumerate(grads):
             if grad is None:
@@ -292,7 +388,8 @@ class SDCRecompute:
             self._observe(result, slot, norm_sq)
 
     def _share(self, num_rows: int, my_row: int, own: Recomputed | None) -> Any:
-        """All-reduce each suspect's [failed, healthy, recomputed energy, withheld energy] (one small collective)."""
+        """All-reduce each recomputing row's [failed, healthy, recomputed energy, withheld energy] (one small
+        collective)."""
         verdict = torch.zeros(num_rows, 4, dtype=torch.float64, device=self.engine.pipeline.device)
         if own is not None:
             failed = own.failed
@@ -302,50 +399,66 @@ class SDCRecompute:
         self._all_reduce(verdict)
         return verdict.cpu().numpy()
 
-    def _peer_check(self, stats: AgreedStats, row: int, peer_row: int, my_row: int,
-                    withheld: dict[int, int]) -> tuple[float | None, dict[int, torch.Tensor] | None]:
-        """Collective: the suspect at ``row`` broadcasts its RNG state and withheld slots; the peer recomputes
-        the suspect's micro-batches; one all-reduce shares the peer's energy. Returns it (None when the peer's
-        recomputation failed) and, on the peer, its shares."""
+    def _peer_check(self, stats: AgreedStats, unit: int, peer_unit: int, my_row: int, withheld: dict[int, int]
+                    ) -> tuple[dict[int, float | None], tuple[int, dict[int, torch.Tensor]] | None]:
+        """Collective: each row of the suspect ``unit`` sends its RNG state and withheld slots to its counterpart
+        in ``peer_unit`` (point to point), the peer unit recomputes the suspect unit's micro-batches, one
+        all-reduce shares the counterparts' energies. Returns {suspect row: the counterpart's energy over that
+        row's withheld slots (None when it failed or there is no counterpart)} and, on a counterpart, (its suspect
+        row, its shares)."""
+        units = self.units
         device = self.engine.pipeline.device
-        rng_size = rng_state(self.device).numel()
+        pairs = {row: units.counterpart(row, peer_unit) for row in units.rows(unit)}
+        if any(other is None for other in pairs.values()):  # the units differ in shape: no one-to-one check
+            return {row: None for row in pairs}, None
+        rng_size = self.target.rng_state().numel()
         num_slots = len(self.target.params)
         package = torch.zeros(rng_size + num_slots, dtype=torch.float64, device=device)
-        if my_row == row:
+        energy = torch.zeros(len(stats.ranks), 2, dtype=torch.float64, device=device)
+        share = None
+        partner = pairs.get(my_row)
+        if partner is not None:  # this rank is a suspect row: tell its counterpart what to recompute
             package[:rng_size] = self._rng.double().to(device) if self._rng is not None else 0.0
             for slot, start in withheld.items():
                 package[rng_size + slot] = start + 1.0
-        if self.engine.pipeline.num_ranks > 1:
-            dist.broadcast(package, src=stats.ranks[row], group=self.engine.group)
-        energy = torch.zeros(2, dtype=torch.float64, device=device)
-        share = None
-        if my_row == peer_row:
+            dist.send(package, dst=stats.ranks[partner], group=self.engine.group)
+        suspect = next((row for row, other in pairs.items() if other == my_row), None)
+        if suspect is not None:  # this rank is a counterpart: recompute the suspect's micro-batches
+            dist.recv(package, src=stats.ranks[suspect], group=self.engine.group)
             host = package.cpu()
             their_withheld = {slot: int(v) - 1 for slot, v in enumerate(host[rng_size:].tolist()) if v > 0}
-            result = self._run(stats.ranks[row], host[:rng_size].to(torch.uint8), their_withheld)
-            energy[0], energy[1] = result.energy, float(not result.failed)
-            share = result.share_p
+            result = self._run(units.data_rank[suspect], host[:rng_size].to(torch.uint8), their_withheld)
+            energy[suspect, 0], energy[suspect, 1] = result.energy, float(not result.failed)
+            share = (suspect, result.share_p)
         self._all_reduce(energy)
-        return (float(energy[0]) if float(energy[1]) > 0 else None), share
+        host_energy = energy.cpu()
+        return ({row: float(host_energy[row, 0]) if pairs[row] is not None and float(host_energy[row, 1]) > 0
+                 else None for row in pairs}, share)
 
-    def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> bool:
-        """Collective: all-reduce every rank's shares (zeros elsewhere) plus a failure flag, divide by the group
-        size, hand them to the target. Returns True when some rank reported a failure (then nothing is applied)."""
+    def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> None:
+        """Collective: for each of the framework's reductions, all-reduce every rank's shares (zeros elsewhere)
+        over its group and scale them like the reduction, then hand them to the target (every rank)."""
         params = self.target.params
-        sizes = [p.numel() for p in params]
-        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=self.device)
-        pieces = list(flat[:-1].split(sizes))
-        for index, share in shares.items():
-            pieces[index].copy_(share.reshape(-1))
-        flat[-1] = float(self._own is not None and self._own.failed)
-        self._all_reduce(flat)
-        if float(flat[-1]) > 0:
-            return True
-        flat[:-1].div_(self.engine.pipeline.num_ranks)
+        reduced: list[torch.Tensor | None] = [None] * len(params)
+        for correction in self.target.correction_groups():
+            indices = list(correction.indices)
+            if not indices:
+                continue
+            sizes = [params[i].numel() for i in indices]
+            device = params[indices[0]].device
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            pieces = list(flat.split(sizes))
+            for piece, index in zip(pieces, indices, strict=True):
+                share = shares.get(index)
+                if share is not None:
+                    piece.copy_(share.reshape(-1))
+            if dist.is_initialized() and dist.get_world_size(correction.group) > 1:  # None: the default group
+                dist.all_reduce(flat, group=correction.group)
+            flat.mul_(correction.scale)
+            for piece, index in zip(pieces, indices, strict=True):
+                reduced[index] = piece.view_as(params[index])
         # Every rank applies every entry (zeros where nobody had a share): the same call on every rank.
-        self.target.apply([piece.view_as(param) for piece, param in zip(flat[:-1].split(sizes), params, strict=True)],
-                          replace)
-        return False
+        self.target.apply(reduced, replace)
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.engine.pipeline.num_ranks > 1:
@@ -362,19 +475,27 @@ class SDCRecompute:
             where = f"rank {rank} ({self.engine.locations.get(rank, '?')})"
             values: dict[str, Any] = {"withheld_energy": float(verdict[row, 3]),
                                       "recomputed_energy": float(verdict[row, 2]),
-                                      "location": self.engine.locations.get(rank, "?")}
+                                      "location": self.engine.locations.get(rank, "?"),
+                                      "recomputed_ranks": [stats.ranks[r] for r in
+                                                           self.units.rows(self.units.of_row[row])]}
             if row in failed:
                 findings.append(Finding("sdc_recompute", Action.parse(sdc.action), Severity.ERROR,
                                         f"SDC suspected on {where}: the recomputation failed", (rank,),
                                         {**values, "classification": "failed"}))
             elif row not in classes:
                 findings.append(Finding("sdc_recompute", Action.WARN, Severity.WARNING,
-                                        f"SDC on {where}: its gradient was withheld, recomputed on that rank only "
-                                        f"and the transient fault corrected", (rank,),
-                                        {**values, "classification": "transient"}))
+                                        f"SDC on {where}: its gradient was withheld, recomputed on "
+                                        f"{self._recomputed_on(stats, row)} and the transient fault corrected",
+                                        (rank,), {**values, "classification": "transient"}))
             else:
                 findings.append(self._classified(rank, where, values, *classes[row]))
         return findings
+
+    def _recomputed_on(self, stats: AgreedStats, row: int) -> str:
+        unit_rows = self.units.rows(self.units.of_row[row])
+        if len(unit_rows) == 1:
+            return "that rank only"
+        return f"its model-parallel unit only (ranks {_ranks_text(stats.ranks[r] for r in unit_rows)})"
 
     def _classified(self, rank: int, where: str, values: dict[str, Any], kind: str, suspect_energy: float,
                     peer_energy: float) -> Finding:

@@ -80,7 +80,7 @@ class ArcHooks:
                 raise SystemExit("pretrain_gpt_arc: --inprocess-restart is not supported with arc_engine")
             model, optimizer, scheduler = setup(*args, **kwargs)
             self.arc = attach_megatron(model, optimizer, arc_engine.config_from_args(get_args()),
-                                       lr_scheduler=scheduler)
+                                       lr_scheduler=scheduler, checkpoint_args=get_args)
             return model, optimizer, scheduler
 
         return setup_model_and_optimizer
