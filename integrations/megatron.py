@@ -19,6 +19,10 @@ optimizer ``get_megatron_optimizer`` returns (a ``ChainedOptimizer`` of ``Distri
   is skipped with Adam's step counts unchanged and no parameter all-gather, and ``optimizer.step()`` returns
   ``update_successful=False`` (Megatron-LM counts a skipped iteration and does not step the LR scheduler).
 
+With ``detectors.sdc.recompute`` (and a ``recompute_fn``), each bucket's local gradient is also judged by the SDC gate
+as its group starts reducing (a withheld bucket contributes zeros), and the suspect replica's model-parallel group
+recomputes the step (:mod:`arc_engine.integrations.megatron_recompute`).
+
 Under bf16 and fp32 stock megatron-core has no non-finite check (found_inf needs a grad scaler): with arc_engine a
 NaN loss or gradient on any rank is skipped by all ranks. The prospective Adam update is computed on the unclipped
 gradient (the decision comes before Megatron clips). Everything read of Megatron's internals, and the three
