@@ -13,6 +13,7 @@ only and the router monitor under the router fault only. Figures: docs/megatron.
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import tempfile
 from pathlib import Path
@@ -24,8 +25,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_megatron_gpt as train
 
-MODEL = ["--cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.1"]
+MOE = ["--cpu", "--seq-length", "32", "--num-experts", "4", "--expert-model-parallel-size", "2",
+       "--moe-aux-loss-coeff", "0.1"]
 FAULTS = {"healthy": None,
           "attention_lowbit": {"kind": "attention_lowbit", "bits": 7},
           "router_collapse": {"kind": "router_collapse", "scale": 2.0, "expert": 0}}
@@ -45,7 +46,9 @@ def _config(folder: Path, name: str, fault: dict | None, args: argparse.Namespac
 
 def _run(config: str, args: argparse.Namespace) -> tuple[dict[str, list[int]], dict[int, np.ndarray]]:
     """One training run: {monitor: alarm steps} and {measurement step: Δ₂ entropy [layers, heads]}."""
-    parsed = train.build_parser().parse_args([*MODEL, "--seed", str(args.seed), "--arc-config", config])
+    shape = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+             str(args.num_attention_heads)]
+    parsed = train.build_parser().parse_args([*MOE, *shape, "--seed", str(args.seed), "--arc-config", config])
     train.initialize(parsed)
     state = train.build_model_and_optimizer(parsed)
     engine = state.arc.engine
@@ -70,12 +73,19 @@ def main() -> int:
     parser.add_argument("--fault-step", type=int, default=24)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--dump", type=Path, help="also write every run's alarms and per-head entropies (pickle)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: _run(_config(Path(tmp), name, fault, args), args) for name, fault in FAULTS.items()}
     if torch.distributed.get_rank() != 0:
         return 0
-    print(f"seed {args.seed}, {args.steps} steps, faults from step {args.fault_step}, measured every {args.every}")
+    if args.dump is not None:
+        args.dump.write_bytes(pickle.dumps(results))
+    print(f"seed {args.seed}, {args.num_layers} layers x {args.hidden_size}, {args.steps} steps, faults from step "
+          f"{args.fault_step}, measured every {args.every}")
     for name, (alarms, _) in results.items():
         print(f"  {name:17s} qk_spectra alarms at {sorted(set(alarms['qk_spectra']))}, "
               f"router alarms at {sorted(set(alarms['router']))}")
