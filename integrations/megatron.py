@@ -276,19 +276,22 @@ class MegatronAdapter:
             index = torch.tensor([self._model_group.get(id(p), 0) for p in ref.params()], dtype=torch.long,
                                  device=engine.pipeline.device)
             self._bucket_index[ref.index] = index
-        accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
-                              names.GRAD_NONFINITE_LOCAL)
+        norms_sq = accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
+                                         names.GRAD_NONFINITE_LOCAL)
         if names.GRAD_SKETCH_LOCAL in engine.layout:
             buffers = ref.flat_buffers()
             add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), buffers,
                                 [BUCKET_SKETCH_INDEX + 64 * ref.index + k for k in range(len(buffers))],
                                 self._sketch_cache)
-        if self._gate is not None:  # detectors.sdc.recompute: withhold a suspicious bucket (contribute zeros)
+        if self._gate is not None and norms_sq is not None:  # detectors.sdc.recompute: withhold a suspicious bucket
+            # each bucket's squared norm from the per-tensor ones just taken (no second pass over the gradient)
+            bucket_of = self._recompute_target.bucket_of_param(ref.index, norms_sq.device)
+            bucket_sq = norms_sq.new_zeros(len(ref.flat_buffers())).index_add_(0, bucket_of, norms_sq)
             first = self._recompute_target.slot_base[ref.index]
             for k, buffer in enumerate(ref.flat_buffers()):
-                withheld = self._gate.check(first + k, torch.linalg.vector_norm(buffer, dtype=torch.float64).square())
+                withheld = self._gate.check(first + k, bucket_sq[k])
                 engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
-                zero_where(withheld, buffer)
+                zero_where(withheld, buffer)  # contributes zeros to the reduction
 
     @torch.no_grad()
     def _decide(self, found_inf: bool) -> bool:

@@ -80,6 +80,8 @@ class MegatronGradientTarget:
         index_of = {id(p): i for i, p in enumerate(params)}
         self.slots: list[list[int]] = []
         self.slot_base: dict[int, int] = {}  # bucket group index -> its first slot
+        self._bucket_sizes: dict[int, list[int]] = {}  # bucket group index -> parameters per bucket
+        self._bucket_of: dict[tuple[int, torch.device], torch.Tensor] = {}
         corrections: dict[tuple[int, float], tuple[Any, list[int]]] = {}
         for ref in mi.bucket_groups(chunks):
             self.slot_base[ref.index] = len(self.slots)
@@ -88,11 +90,21 @@ class MegatronGradientTarget:
             for bucket in mi.bucket_params(ref):
                 self.slots.append([index_of[id(p)] for p in bucket])
                 indices += self.slots[-1]
+            self._bucket_sizes[ref.index] = [len(bucket) for bucket in mi.bucket_params(ref)]
         self._corrections = [CorrectionGroup(group, tuple(indices), scale)
                              for (_, scale), (group, indices) in corrections.items()]
         self._views = [(inner, index_of[id(model)], start, end) for member in mi.members(optimizer)
                        for inner, model, start, end in mi.inner_grad_views(member)]
         self._coordinates = mi.parallel_coordinates()
+
+    def bucket_of_param(self, group_index: int, device: torch.device) -> torch.Tensor:
+        """For each parameter of bucket group ``group_index`` (in ``BucketGroupRef.local_grads`` order), its bucket
+        within the group, as a long tensor on ``device`` (kept between steps)."""
+        key = (group_index, device)
+        if key not in self._bucket_of:
+            sizes = torch.tensor(self._bucket_sizes[group_index])
+            self._bucket_of[key] = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
+        return self._bucket_of[key]
 
     # ------------------------------------------------------------------ GradientTarget
     def slot_params(self, slot: int) -> list[int]:
