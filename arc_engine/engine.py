@@ -109,6 +109,7 @@ class ArcEngine:
         self.sdc_recompute: SDCRecompute | None = None  # see use_recompute (detectors.sdc.recompute)
         self.restat: Callable[[], None] | None = None    # the adapter's re-recording of reduced statistics
         self.recomputing = False  # True while recompute_fn runs: reduction-side hooks stand aside
+        self.recomputed_losses: list[torch.Tensor] | None = None  # record_loss calls while recompute_fn runs
         self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
         self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
         self._step_open = False
@@ -215,10 +216,18 @@ class ArcEngine:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step (call once per micro-batch; the mean is used).
 
-        Device-side only, no host sync. Any rank may record a NaN: the gathered verdict stays agreed. Ignored while
-        an SDC recomputation re-runs the step (the training loop's loss function may record again).
+        Device-side only, no host sync. Any rank may record a NaN: the gathered verdict stays agreed. While an SDC
+        recomputation re-runs the step, the losses go to the recomputation instead (they replace this rank's loss
+        before any detector judges the corrected step).
         """
-        if self.buffer is None or not self.is_monitored() or self.recomputing:
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"record_loss expects the loss as a torch.Tensor (one number, e.g. the micro-batch's "
+                            f"mean loss); got {type(loss).__name__}")
+        if self.recomputing:
+            if self.recomputed_losses is not None:
+                self.recomputed_losses.append(loss.detach().float().reshape(()))
+            return
+        if self.buffer is None or not self.is_monitored():
             return
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1

@@ -117,11 +117,11 @@ class MegatronGradientTarget:
                      tuple(gathered[r]["position"] for r in ranks))
 
     def gradients(self, recompute_fn: RecomputeFn, data_rank: int
-                  ) -> Iterable[tuple[int, Sequence[torch.Tensor | None]]]:
+                  ) -> Iterable[tuple[int, torch.Tensor | None, Sequence[torch.Tensor | None]]]:
         with mi.IsolatedBackward(self.chunks):
-            recompute_fn(self.chunks, data_rank)
+            recompute_fn(self.chunks, data_rank)  # the losses: the loss function's record_loss calls
             grads = [grad.detach().clone() for grad in mi.main_grads(self.params)]
-        yield 0, grads
+        yield 0, None, grads
 
     def correction_groups(self) -> list[CorrectionGroup]:
         return self._corrections

@@ -1,5 +1,6 @@
 """The mechanism monitors' decisions on synthetic agreed statistics (no model, no processes): the robust trend,
-the QK-spectra alarm against each head's own trajectory (with patience, naming layer / head / TP rank), and the
+the QK-spectra alarm (a CUSUM of the layers' drops below their own trajectories, naming layer / head / TP
+rank), and the
 router alarms (entropy, similarity, dead expert)."""
 
 from __future__ import annotations
@@ -41,48 +42,93 @@ def _qk_stats(entropy_lh: np.ndarray) -> AgreedStats:
 
 
 def _qk_monitor(**overrides: object) -> QKSpectraMonitor:
-    config = QKSpectraConfig(**{"warmup_measurements": 5, "patience": 2, **overrides})
+    config = QKSpectraConfig(**{"warmup_measurements": 5, **overrides})
     return QKSpectraMonitor(config, ModelParts(num_layers=LAYERS, num_heads=HEADS), heads_per_tp_rank=2)
 
 
 def _healthy(step: int, rng: np.random.Generator) -> np.ndarray:
-    return 2.0 - 0.02 * step + 0.01 * rng.standard_normal((LAYERS, HEADS))  # drifting down, a little noise
+    """Drifting down by 0.1 a measurement until step 10, then by 0.005, with 2 % noise per head."""
+    level = 2.0 - 0.1 * min(step, 10) - 0.005 * max(step - 10, 0)
+    return level * (1 + 0.02 * rng.standard_normal((LAYERS, HEADS)))
 
 
-def test_qk_monitor_follows_a_drifting_healthy_run_and_alarms_on_one_collapsing_head() -> None:
+def _feed(monitor: QKSpectraMonitor, step: int, entropy: np.ndarray) -> list:
+    findings = monitor.evaluate(step, _qk_stats(entropy))
+    monitor.commit(step, True)
+    return findings
+
+
+def test_qk_monitor_follows_a_drifting_healthy_run_and_alarms_on_a_sustained_drop() -> None:
     rng = np.random.default_rng(0)
     monitor = _qk_monitor()
-    for step in range(30):  # a slow healthy decline: never an alarm
-        assert monitor.evaluate(step, _qk_stats(_healthy(step, rng))) == []
-        monitor.commit(step, True)
-    collapsed = _healthy(30, rng)
-    collapsed[1, 3] = 0.3  # layer 1, head 3 (TP rank 1 with 2 heads per rank)
-    assert monitor.evaluate(30, _qk_stats(collapsed)) == []  # patience: one measurement is not enough
-    monitor.commit(30, True)
-    collapsed = _healthy(31, rng)
-    collapsed[1, 3] = 0.25
-    findings = monitor.evaluate(31, _qk_stats(collapsed))
+    for step in range(40):  # a healthy decline: never an alarm
+        assert _feed(monitor, step, _healthy(step, rng)) == []
+    assert monitor.cusum == 0.0 and len(monitor.history) == 16
+    # every head 25 % below its trend, head 3 of layer 1 (TP rank 1) most: 0.20, 0.40, then 0.60 > 0.5
+    for step in (40, 41):
+        dropped = _healthy(step, rng) * 0.75
+        dropped[1, 3] *= 0.5
+        assert _feed(monitor, step, dropped) == []
+        assert len(monitor.history) == 16 and monitor.history[-1][1, 3] > 1.5 * dropped[1, 3]  # kept out
+    assert 0.3 < monitor.cusum < 0.5
+    dropped = _healthy(42, rng) * 0.75
+    dropped[1, 3] *= 0.5
+    findings = monitor.evaluate(42, _qk_stats(dropped))
     assert len(findings) == 1 and findings[0].action is Action.WARN
-    heads = findings[0].values["heads"]
-    assert [(h["layer"], h["head"], h["tp_rank"]) for h in heads] == [(1, 3, 1)]
-    assert heads[0]["baseline"] > 1.0
+    values = findings[0].values
+    assert 0.2 < values["drop"] < 0.3 and values["accumulated_drop"] > 0.5
+    assert [layer["layer"] for layer in values["layers"]] == [0, 1]
+    assert (values["heads"][0]["layer"], values["heads"][0]["head"], values["heads"][0]["tp_rank"]) == (1, 3, 1)
+    assert values["heads"][0]["baseline"] > 1.5 * dropped[1, 3]
     assert "layer 1 head 3 (TP rank 1)" in findings[0].message
-    monitor.commit(31, True)
-    assert monitor.alarms == 1
+    monitor.commit(42, True)
+    assert monitor.alarms == 1 and monitor.cusum == 0.0  # one alarm per episode: the new level joins the trajectory
+    assert np.isclose(monitor.history[-1][1, 3], dropped[1, 3])
+
+
+def test_qk_monitor_ignores_one_dip_and_one_collapsed_head() -> None:
+    rng = np.random.default_rng(1)
+    monitor = _qk_monitor()
+    for step in range(20):
+        assert _feed(monitor, step, _healthy(step, rng)) == []
+    dip = _healthy(20, rng) * 0.6  # one measurement 40 % down (about 35 % below the trend): below the alarm
+    assert _feed(monitor, 20, dip) == []
+    assert 0.2 < monitor.cusum < 0.5
+    for step in range(21, 30):  # back on the trend: the sum drains (the trend held meanwhile), the trajectory resumes
+        assert _feed(monitor, step, _healthy(step, rng)) == []
+    assert monitor.cusum == 0.0
+    for step in range(30, 40):  # one head of four collapsed: the layer's median head barely moves
+        one_head = _healthy(step, rng)
+        one_head[0, 0] = 0.05
+        assert _feed(monitor, step, one_head) == []
+    assert monitor.alarms == 0
 
 
 def test_qk_monitor_is_quiet_during_warmup_and_between_measurements() -> None:
     monitor = _qk_monitor()
     for step in range(5):
-        assert monitor.evaluate(step, _qk_stats(np.full((LAYERS, HEADS), 2.0 if step < 4 else 0.1))) == []
-        monitor.commit(step, True)
+        assert _feed(monitor, step, np.full((LAYERS, HEADS), 2.0 if step < 4 else 0.1)) == []
     layout_empty = _qk_stats(np.zeros((LAYERS, HEADS)))
     layout_empty._totals[:] = 0.0  # no head measured on this step
     assert monitor.evaluate(5, layout_empty) == []
+    monitor.commit(5, True)
+    assert monitor.measurements == 5 and monitor.cusum == 0.0
+    monitor.cusum = 0.3
     state = monitor.state_dict()
     restored = _qk_monitor()
     restored.load_state_dict(state)
-    assert len(restored.history) == len(monitor.history)
+    assert len(restored.history) == len(monitor.history) and restored.cusum == 0.3
+
+
+def test_qk_monitor_skipped_steps_do_not_move_the_sum() -> None:
+    rng = np.random.default_rng(2)
+    monitor = _qk_monitor()
+    for step in range(10):
+        assert _feed(monitor, step, _healthy(step, rng)) == []
+    before = (len(monitor.history), monitor.cusum)
+    monitor.evaluate(10, _qk_stats(_healthy(10, rng) * 0.5))
+    monitor.commit(10, False)  # the step was vetoed (skipped or rolled back)
+    assert (len(monitor.history), monitor.cusum) == before
 
 
 def _router_stats(logits_tn: torch.Tensor, weight_nd: torch.Tensor, layers: int = 1) -> AgreedStats:
@@ -131,3 +177,18 @@ def test_router_monitor_alarms_when_the_router_columns_collapse_onto_their_commo
                                                  collapsed))
     statistics = {p["statistic"] for f in findings for p in f.values.get("problems", [])}
     assert "similarity" in statistics
+
+
+def test_router_monitor_ignores_a_small_similarity_move_near_zero() -> None:
+    """Healthy router columns are nearly orthogonal (similarity ~0): a move of a few thousandths is far more than
+    ``min_relative_change`` of the prediction but not a collapse; ``min_similarity_change`` is the floor."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(4, 16, generator=generator, dtype=torch.float64)
+    monitor = _healthy_router_monitor(generator, weight)
+    nudged = weight + 0.08 * weight.mean(dim=0, keepdim=True)
+    stats = _router_stats(torch.randn(256, 4, generator=generator, dtype=torch.float64), nudged)
+    findings = monitor.evaluate(8, stats)
+    before = monitor.history[-1][0]["similarity"]
+    after = monitor._current[0]["similarity"]
+    assert 0.15 * abs(before) < after - before < RouterConfig().min_similarity_change
+    assert not [p for f in findings for p in f.values.get("problems", []) if p["statistic"] == "similarity"]

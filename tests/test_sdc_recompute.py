@@ -108,9 +108,11 @@ def test_peer_check_calls_agreement_data_and_disagreement_a_faulty_device() -> N
 
 def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any] | None,
            overrides: tuple[str, ...] = (), crafted: tuple[int, int] | None = None,
-           broken: bool = False) -> dict[str, Any]:
+           broken: bool = False, blowup: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train the tiny GPT under DDP with recomputation on; ``spec``: a bit flip; ``crafted``: (rank, step) whose
-    batch is a pathological one (inputs scaled in the embedding: a genuine, reproducible gradient spike)."""
+    batch is a pathological one (inputs scaled in the embedding: a genuine, reproducible gradient spike);
+    ``blowup``: (rank, step) whose forward pass is transiently corrupted at its end (the loss x 2**16, as a flipped
+    exponent bit of the last activation: loss and gradient both; not in the recomputation)."""
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
     ddp = DistributedDataParallel(model)
@@ -139,6 +141,8 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
         while arc.step < steps:
             step = arc.step
             loss = loss_of(ddp, arc.data_position, rank)
+            if blowup == (rank, step):
+                loss = loss * 2.0 ** 16
             arc.record_loss(loss)
             loss.backward()
             optimizer.step()
@@ -157,7 +161,8 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
     key_bias = slice(model.blocks[0].attn.qkv.bias.numel() // 3, 2 * model.blocks[0].attn.qkv.bias.numel() // 3)
     return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "snapshots": snapshots,
             "key_bias": key_bias, "eval_loss": float(model(*data.batch(10_000, 0, 16)).detach()),
-            "calls": arc.engine.sdc_recompute.calls, "findings": findings, "exit_code": exit_code,
+            "calls": arc.engine.sdc_recompute.calls if arc.engine.sdc_recompute else 0, "findings": findings,
+            "exit_code": exit_code,
             "step": arc.step, "fired": [f["step"] for f in injector.fired] if injector else []}
 
 
@@ -195,6 +200,38 @@ def assert_matches_clean(clean: dict[str, Any], faulty: dict[str, Any], fault_st
             value[clean["key_bias"]] = other[clean["key_bias"]] = 0.0
         torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-6, msg=name)
     assert faulty["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
+
+
+def forward_flip(rank: int, step: int, bit: int) -> dict[str, Any]:
+    """An exponent bit of 4 values of a forward GEMM output: the loss and the gradient of that rank both wrong."""
+    return {"pattern": "blocks.0.attn.qkv", "where": "forward", "rank": rank, "steps": [step], "count": 4,
+            "bit": bit, "max_per_step": 1}
+
+
+@pytest.mark.parametrize("fault", ["loss-explodes", "nan"])
+def test_a_forward_corruption_is_repaired_not_skipped(tmp_path: Path, fault: str) -> None:
+    """The recomputation's loss replaces the corrupted one before the loss detectors judge the step: the step is
+    applied on every rank and training goes on like the fault-free run (loss-spike and non-finite detectors on).
+
+    ``nan``: bit 30 of 4 values of rank 1's QKV output (a NaN loss and gradient). ``loss-explodes``: rank 1's loss
+    and gradient x 2**16 -- on this pre-LN model no single GEMM output flip gives a finite explosion (LayerNorm
+    absorbs exponent bits 26-29; bit 30 overflows to NaN), so the corruption is put on the loss itself."""
+    detectors = ("detectors.loss_spike.enabled=true",)
+    spec = forward_flip(1, 30, 30) if fault == "nan" else None
+    blowup = (1, 30) if fault == "loss-explodes" else None
+    clean = run_ranks(_train, 3, tmp_path / "clean", 36, None, detectors)
+    faulty = run_ranks(_train, 3, tmp_path / "faulty", 36, spec, detectors, None, False, blowup)
+    if spec is not None:
+        assert [r["fired"] for r in faulty] == [[], [30], []]
+    assert [r["calls"] for r in faulty] == [0, 1, 0]
+    for result in faulty:
+        assert result["findings"] == {30: [("sdc_recompute", "warn", (1,), "transient")]}
+        assert result["step"] == 36
+    for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
+        assert_matches_clean(clean_rank, faulty_rank, 30)
+    recompute = [e for e in read_jsonl(tmp_path / "faulty" / "test" / "events.jsonl")
+                 if e["detector"] == "sdc_recompute"]
+    assert len(recompute) == 1 and recompute[0]["step"] == 30
 
 
 def persistent_flip(rank: int, start: int) -> dict[str, Any]:

@@ -88,14 +88,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.qk_spectra.every": KeyDoc("δ: optimizer steps between measurements (W_q, W_k at t − δ are kept).",
                                          "a multiple of `stats.interval`"),
     "detectors.qk_spectra.warmup_measurements": KeyDoc("Accepted measurements before the alarm can fire.", ">= 3"),
-    "detectors.qk_spectra.window": KeyDoc("Accepted measurements in each head's healthy trajectory.",
+    "detectors.qk_spectra.window": KeyDoc("Accepted measurements in each layer's healthy trajectory.",
                                           ">= `warmup_measurements`"),
-    "detectors.qk_spectra.factor": KeyDoc("Robust standard deviations (of the residuals) below its trend that a "
-                                          "head's Δ₂ spectral entropy must fall.", "> 0"),
-    "detectors.qk_spectra.min_relative_drop": KeyDoc("And the fraction of the predicted value it must fall by.",
-                                                     "[0, 1)"),
-    "detectors.qk_spectra.patience": KeyDoc("Consecutive measurements a head must stay below its trend before the "
-                                            "alarm.", ">= 1"),
+    "detectors.qk_spectra.allowance": KeyDoc("Relative drop per measurement (mean over layers of each layer's "
+                                             "median head below its trend) the accumulated sum absorbs.", "[0, 1)"),
+    "detectors.qk_spectra.alarm_drop": KeyDoc("Accumulated drop beyond the allowance that alarms (e.g. 0.5: a "
+                                              "sustained 30 % drop alarms on the 3rd measurement).", "> 0"),
     "detectors.qk_spectra.action": KeyDoc("What an alarm gets."),
     "detectors.router.enabled": KeyDoc("MoE router health per MoE layer over every token of the job (Megatron with "
                                        "experts; off elsewhere)."),
@@ -107,6 +105,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                       "alarm.", "> 0"),
     "detectors.router.min_relative_change": KeyDoc("And the fraction of the predicted value the change must exceed.",
                                                    ">= 0"),
+    "detectors.router.min_similarity_change": KeyDoc("And, for the similarity (a mean cosine, about 0 for a healthy "
+                                                     "router), this absolute rise.", "[0, 2]"),
     "detectors.router.action": KeyDoc("What an entropy or similarity alarm gets."),
     "detectors.router.dead_expert_action": KeyDoc("What an expert gets that was alive in the baseline and "
                                                   "receives no token."),

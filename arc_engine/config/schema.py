@@ -179,21 +179,18 @@ class SDCConfig:
 @dataclass(kw_only=True)
 class TrajectoryMonitorConfig:
     """What the mechanism families share: a measurement every ``every`` optimizer steps, alarms against a trend
-    learned from the last ``window`` accepted measurements, after ``warmup_measurements`` of them, beyond ``factor``
-    robust standard deviations of the residuals."""
+    learned from the last ``window`` accepted measurements, after ``warmup_measurements`` of them."""
 
     enabled: bool = True
     every: int = 50
     warmup_measurements: int = 8
     window: int = 50
-    factor: float = 6.0
 
     def __post_init__(self) -> None:
         require(self.every >= 1, "every", self.every, "must be an integer >= 1")
         require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
                 "must be an integer >= 3")
         require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
-        require(self.factor > 0, "factor", self.factor, "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -203,22 +200,26 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
 
     Every ``every`` optimizer steps (δ; a multiple of ``stats.interval``), for each layer and query head: the spectra
     of ΔW_q, ΔW_k over the last δ steps and of the QK-product increments Δ₁, Δ₂, Δ₃ (from thin-QR cores). Only W_q
-    and W_k at t − δ are kept, on one data-parallel copy per layer. The alarm: a head's Δ₂ spectral entropy falls
-    below its own healthy trajectory (a robust trend through its last ``window`` accepted measurements,
-    :mod:`arc_engine.monitors.trajectory`) by more than ``factor`` robust standard deviations of the residuals *and*
-    by more than ``min_relative_drop`` of the predicted value, on ``patience`` consecutive measurements, after
-    ``warmup_measurements``. A head on its way to an alarm stays out of its own history; after the alarm its new
-    level joins it (one alarm per episode).
+    and W_k at t − δ are kept, on one data-parallel copy per layer.
+
+    The alarm is a one-sided CUSUM on the model's relative drop of Δ₂ spectral entropy: each measurement, each
+    layer's median head is compared with that layer's trend (Theil-Sen through the last ``window`` accepted
+    measurements, :mod:`arc_engine.monitors.trajectory`); d = the mean over layers of (trend − value) / trend; the
+    sum S = max(0, S + d − ``allowance``) alarms when it exceeds ``alarm_drop``, after ``warmup_measurements``. A
+    measurement taken while S > 0 stays out of the trajectory; after an alarm S restarts at 0 and the new level
+    joins it (one alarm per episode). A sustained drop of x alarms after about ``alarm_drop`` / (x − ``allowance``)
+    measurements; a fault confined to one of L layers counts 1/L.
     """
 
-    min_relative_drop: float = 0.3
-    patience: int = 2
+    window: int = 16
+    allowance: float = 0.05
+    alarm_drop: float = 0.5
     action: ActionName = "warn"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(0 <= self.min_relative_drop < 1, "min_relative_drop", self.min_relative_drop, "must be in [0, 1)")
-        require(self.patience >= 1, "patience", self.patience, "must be an integer >= 1")
+        require(0 <= self.allowance < 1, "allowance", self.allowance, "must be in [0, 1)")
+        require(self.alarm_drop > 0, "alarm_drop", self.alarm_drop, "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -230,19 +231,25 @@ class RouterConfig(TrajectoryMonitorConfig):
     expert, MaxVio and dead experts, summed over the expert-parallel and expert-data-parallel ranks. Alarms against
     the run's own healthy trajectory (a robust trend through the last ``window`` accepted measurements, after
     ``warmup_measurements``): the mean routing entropy falls, or the similarity rises, by more than ``factor`` robust
-    standard deviations of the residuals and by more than ``min_relative_change`` of the predicted value; an
+    standard deviations of the residuals and by more than ``min_relative_change`` of the predicted value (the
+    similarity, a mean cosine near 0 for a healthy router, also by ``min_similarity_change`` in absolute terms); an
     expert that received tokens in the baseline and none now (``dead_expert_action``).
     """
 
     every: int = 10
     warmup_measurements: int = 5
+    factor: float = 6.0
     min_relative_change: float = 0.15
+    min_similarity_change: float = 0.05
     action: ActionName = "warn"
     dead_expert_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
         require(self.min_relative_change >= 0, "min_relative_change", self.min_relative_change, "must be >= 0")
+        require(0 <= self.min_similarity_change <= 2, "min_similarity_change", self.min_similarity_change,
+                "must be in [0, 2]")
 
 
 @dataclass(kw_only=True)

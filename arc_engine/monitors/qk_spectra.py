@@ -14,13 +14,16 @@ Through the one agreement (SUM slots; each (layer, head) is written by exactly o
 * ``qk_measured`` ``[layers]``: heads measured (0 on the steps between measurements, and on the first one, which
   only records W_{t−δ}).
 
-The monitor learns each head's healthy trajectory (a robust trend through its last ``window`` accepted measurements,
-:mod:`arc_engine.monitors.trajectory`) and alarms when a head's Δ₂ entropy drops below it (see
-:class:`~arc_engine.config.QKSpectraConfig`), naming layer, head and tensor-parallel rank. Its cost is periodic: a
+The alarm is on a persistent drop of the model's attention updates, not on one head: per measurement, each layer's
+median head is compared with that layer's healthy trajectory (a robust trend through the last ``window`` accepted
+measurements, :mod:`arc_engine.monitors.trajectory`), the relative drops are averaged over layers, and a one-sided
+CUSUM accumulates them beyond an allowance (see :class:`~arc_engine.config.QKSpectraConfig`); the event names the
+layers and the heads that fell most, with their tensor-parallel ranks. Its cost is periodic: a
 few small SVDs per head every δ steps (``scripts/bench_qk_cores.py``), plus a host copy of the results."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -61,12 +64,16 @@ def _summary_value(spectra: dict[str, dict[str, float]], quantity: str, summary:
 
 class QKSpectraProducer:
     """Writes this rank's heads every δ steps (see module docstring). Local; the SVDs run on the weights' device,
-    the results travel to the buffer in one copy per slot."""
+    the results travel to the buffer in one copy per slot.
+
+    A head is measured only over an increment of exactly δ steps of the current timeline (after a rollback or a
+    resume the first measurement only records W) and only when its weights moved: a window of skipped steps has
+    ΔW = 0, whose spectrum says nothing about the attention updates (its entropy would read 0)."""
 
     def __init__(self, parts: ModelParts, every: int) -> None:
         self.parts, self.every = parts, every
         self.shards = [s for s in parts.attention if s.owner]
-        self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.previous: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # layer: (step, W_q, W_k)
 
     @torch.no_grad()
     def write(self, buffer: StatBuffer, view: StepView) -> None:
@@ -86,15 +93,17 @@ class QKSpectraProducer:
             first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
             q = q[first:last]
             previous = self.previous.get(shard.layer)
-            if previous is not None:
-                q_prev, k_prev = previous
-                for h in range(q.shape[0]):
-                    g = (first + h) // shard.heads_per_group
-                    spectra = head_spectra(q[h], k[g], q_prev[h], k_prev[g])
-                    entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
-                    sums[shard.layer] += [_summary_value(spectra, *f) for f in LAYER_FIELDS]
-                    measured[shard.layer] += 1
-            self.previous[shard.layer] = (q.float().clone(), k.float().clone())
+            if previous is not None and view.step - previous[0] == self.every:
+                _, q_prev, k_prev = previous
+                heads = [head_spectra(q[h], k[(first + h) // shard.heads_per_group], q_prev[h],
+                                      k_prev[(first + h) // shard.heads_per_group]) for h in range(q.shape[0])]
+                norms = [spectra["delta2"]["norm"] for spectra in heads]
+                if all(math.isfinite(n) and n > 0.0 for n in norms):  # else: no update (skipped steps), or NaN
+                    for h, spectra in enumerate(heads):
+                        entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
+                        sums[shard.layer] += [_summary_value(spectra, *f) for f in LAYER_FIELDS]
+                        measured[shard.layer] += 1
+            self.previous[shard.layer] = (view.step, q.float().clone(), k.float().clone())
         if measured.any():
             device = buffer.device
             buffer.view(HEAD_ENTROPY).add_(torch.from_numpy(entropy.reshape(-1)).to(device))
@@ -103,7 +112,8 @@ class QKSpectraProducer:
 
 
 class QKSpectraMonitor:
-    """Per-head Δ₂ entropy against its own healthy trajectory (see module docstring)."""
+    """A persistent drop of the model's attention-update entropy below its own healthy trajectory (see
+    :class:`~arc_engine.config.QKSpectraConfig`); per-head detail in the event."""
 
     name = "qk_spectra"
 
@@ -111,76 +121,91 @@ class QKSpectraMonitor:
         self.config = config
         self.num_layers, self.num_heads = parts.num_layers, parts.num_heads
         self.heads_per_tp_rank = max(1, heads_per_tp_rank)
-        self.history: deque[np.ndarray] = deque(maxlen=config.window)
+        self.history: deque[np.ndarray] = deque(maxlen=config.window)  # accepted [layers, heads] measurements
+        self.cusum = 0.0  # accumulated drop beyond the allowance
         self.alarms = 0
         self.measurements = 0
         self._current: np.ndarray | None = None
         self._layer_sums: np.ndarray | None = None
         self._measured: np.ndarray | None = None
+        self._cusum_now: float | None = None  # what this measurement makes of the sum (None: not judged)
+        self._drop_now = float("nan")
         self._flagged = False
-        self._below = np.zeros((self.num_layers, self.num_heads), dtype=np.int64)  # consecutive measurements below
-        self._below_now: np.ndarray | None = None
 
     def required_stats(self) -> tuple[str, ...]:
         return (HEAD_ENTROPY, LAYER_SUMS, MEASURED)
 
     def evaluate(self, step: int, stats: Any) -> list[Finding]:
         measured = np.asarray(stats.total(MEASURED), dtype=np.float64)
-        self._flagged = False
-        if not measured.any():
+        self._flagged, self._cusum_now, self._drop_now = False, None, float("nan")
+        complete = measured >= self.num_heads  # each head is written by one rank: a layer counts when all were
+        if not complete.any():
             self._current = None
             return []
         current = np.asarray(stats.total(HEAD_ENTROPY), dtype=np.float64).reshape(self.num_layers, self.num_heads)
-        current = np.where((measured > 0)[:, None], current, np.nan)
+        current = np.where(complete[:, None], current, np.nan)
         self._current, self._measured = current, measured
         self._layer_sums = np.asarray(stats.total(LAYER_SUMS), dtype=np.float64).reshape(self.num_layers, -1)
-        self._below_now = np.zeros_like(self._below)
         if len(self.history) < self.config.warmup_measurements:
             return []
-        baseline, spread = robust_trend(np.stack(self.history).reshape(len(self.history), -1))
-        baseline = baseline.reshape(current.shape)
-        spread = spread.reshape(current.shape)
-        with np.errstate(all="ignore"):
-            threshold = np.maximum(self.config.factor * spread, self.config.min_relative_drop * np.abs(baseline))
-            drop = baseline - current
-            below = np.nan_to_num(drop - threshold, nan=-1.0) > 0
-        self._below_now = np.where(below, self._below + 1, 0)
-        flagged = np.argwhere(self._below_now >= self.config.patience)
-        if flagged.size == 0:
+        history = np.stack(self.history)  # [n, layers, heads]
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            layer_now = np.nanmedian(current, axis=1)
+            layer_baseline, _ = robust_trend(np.nanmedian(history, axis=2))
+            layer_drop = _relative_drop(layer_baseline, layer_now)
+            drop = float(np.nanmean(layer_drop)) if np.isfinite(layer_drop).any() else 0.0
+        self._drop_now = drop
+        self._cusum_now = max(0.0, self.cusum + drop - self.config.allowance)
+        if self._cusum_now <= self.config.alarm_drop:
             return []
         self._flagged = True
-        heads = sorted(({"layer": int(layer), "head": int(head),
-                         "tp_rank": int(head) // self.heads_per_tp_rank,
-                         "delta2_entropy": float(current[layer, head]), "baseline": float(baseline[layer, head]),
-                         "threshold": float(threshold[layer, head])}
-                        for layer, head in flagged), key=lambda h: h["delta2_entropy"] - h["baseline"])
-        worst = heads[0]
-        message = (f"attention update collapse: Δ₂ spectral entropy of layer {worst['layer']} head {worst['head']} "
-                   f"(TP rank {worst['tp_rank']}) {worst['delta2_entropy']:.3g} vs healthy {worst['baseline']:.3g}"
-                   f"; {len(heads)} head(s) below their trajectory")
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            head_baseline, _ = robust_trend(history.reshape(len(history), -1))
+        head_baseline = head_baseline.reshape(current.shape)
+        head_drop = _relative_drop(head_baseline, current)
+        order = np.argsort(-np.nan_to_num(head_drop, nan=-np.inf), axis=None)
+        heads = [{"layer": int(layer), "head": int(head), "tp_rank": int(head) // self.heads_per_tp_rank,
+                  "delta2_entropy": float(current[layer, head]), "baseline": float(head_baseline[layer, head]),
+                  "drop": float(head_drop[layer, head])}
+                 for layer, head in (np.unravel_index(i, current.shape) for i in order[:16])
+                 if np.isfinite(head_drop[layer, head])]
+        layers = [{"layer": layer, "delta2_entropy_median": float(layer_now[layer]),
+                   "baseline": float(layer_baseline[layer]), "drop": float(layer_drop[layer])}
+                  for layer in range(self.num_layers) if np.isfinite(layer_drop[layer])]
+        message = (f"attention update collapse: Δ₂ spectral entropy {drop:.0%} below its healthy trajectory "
+                   f"(mean over layers; accumulated drop {self._cusum_now:.2f} > {self.config.alarm_drop:g})")
+        if heads:
+            worst = heads[0]
+            message += (f"; largest: layer {worst['layer']} head {worst['head']} (TP rank {worst['tp_rank']}) "
+                        f"{worst['delta2_entropy']:.3g} vs healthy {worst['baseline']:.3g}")
         return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING, message,
-                        values={"heads": heads[:64], "flagged_heads": len(heads),
-                                "layers": sorted({h["layer"] for h in heads})})]
+                        values={"drop": drop, "accumulated_drop": self._cusum_now, "layers": layers,
+                                "heads": heads})]
 
     def commit(self, step: int, applied: bool) -> None:
         if self._current is None:
             return
         self.measurements += 1
         self.alarms += int(self._flagged)
-        if applied and self._below_now is not None:
-            # a head on its way to an alarm stays out of its own history (NaN); once it alarmed, its new level
-            # joins the history (one alarm per episode: the trend then follows the new regime); the other heads
-            # keep learning theirs
-            pending = (self._below_now > 0) & (self._below_now < self.config.patience)
-            self.history.append(np.where(pending, np.nan, self._current))
-            self._below = np.where(self._below_now >= self.config.patience, 0, self._below_now)
+        if applied:
+            if self._cusum_now is None:  # warm-up
+                self.history.append(self._current)
+            elif self._flagged:  # one alarm per episode: the new level becomes the baseline
+                self.cusum = 0.0
+                self.history.append(self._current)
+            else:
+                self.cusum = self._cusum_now
+                if self.cusum == 0.0:  # a measurement inside a drop stays out of the healthy trajectory
+                    self.history.append(self._current)
         self._current = None
 
     def metrics(self) -> dict[str, float]:
+        out = {"alarms": float(self.alarms), "accumulated_drop": float(self.cusum)}
+        if np.isfinite(self._drop_now):
+            out["delta2_entropy_drop"] = self._drop_now
         if self._measured is None or self._layer_sums is None or (not self.history and self._current is None):
-            return {"alarms": float(self.alarms)}
+            return out
         latest = self._current if self._current is not None else self.history[-1]
-        out = {"alarms": float(self.alarms)}
         with np.errstate(all="ignore"), _quiet_nan_warnings():
             for layer in range(self.num_layers):
                 row = latest[layer]
@@ -196,13 +221,19 @@ class QKSpectraMonitor:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [h.tolist() for h in self.history], "alarms": self.alarms,
-                "measurements": self.measurements, "below": self._below.tolist()}
+        return {"history": [h.tolist() for h in self.history], "cusum": self.cusum, "alarms": self.alarms,
+                "measurements": self.measurements}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((np.asarray(h, dtype=np.float64) for h in state["history"]), maxlen=self.config.window)
+        self.cusum = float(state.get("cusum", 0.0))
         self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
-        self._below = np.asarray(state.get("below", np.zeros_like(self._below)), dtype=np.int64)
+
+
+def _relative_drop(baseline: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """(baseline − value) / |baseline|, NaN where the baseline is NaN or ~0."""
+    with np.errstate(all="ignore"):
+        return np.where(np.abs(baseline) > 1e-12, (baseline - value) / np.abs(baseline), np.nan)
 
 
 class _quiet_nan_warnings:

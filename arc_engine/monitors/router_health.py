@@ -131,6 +131,8 @@ class RouterMonitor:
                 predicted, spread = (float(v[0]) for v in robust_trend(history[:, None]))
                 change = direction * (value - predicted)
                 threshold = max(self.config.factor * spread, self.config.min_relative_change * abs(predicted))
+                if key == "similarity":  # a mean cosine, ~0 when healthy: a relative change of ~0 means nothing
+                    threshold = max(threshold, self.config.min_similarity_change)
                 if change > threshold:
                     problems.append({"statistic": key, "value": value, "baseline": predicted, "threshold": threshold})
             if problems:

@@ -20,6 +20,10 @@ The flow on one monitored step (every rank runs the same branch: each branch is 
 4. The correction adds every withheld share back (the suspect's recomputation, or for a faulty device the
    peer's): one all-reduce per reduction group of the framework (:meth:`GradientTarget.correction_groups`),
    scaled like the framework's own reduction.
+5. Every statistic the recomputation yields replaces the suspect's before any detector judges the step: its local
+   gradient statistics and its loss (the mean of the losses ``record_loss`` received while ``recompute_fn`` ran,
+   else of the losses it yielded; for a faulty device, its counterpart's loss on its micro-batches). A corruption
+   in the forward pass -- a loss and a gradient both wrong -- is repaired, not skipped.
 
 :meth:`SDCRecompute.recompute_all` is the fallback when only the update-RMS rule fired: every rank recomputes its
 own micro-batches and the correction replaces the reduced gradient. Every collective here happens only on such
@@ -111,9 +115,10 @@ class GradientTarget(Protocol):
         """The recompute units of the decision group's ``ranks`` (collective at attach where it must gather)."""
 
     def gradients(self, recompute_fn: RecomputeFn, data_rank: int
-                  ) -> Iterable[tuple[int, Sequence[torch.Tensor | None]]]:
-        """Run ``recompute_fn`` for ``data_rank``: (micro-batch, gradient of each of ``params``) as the framework
-        accumulates them locally, before its reduction; nothing of the framework's gradient state changes."""
+                  ) -> Iterable[tuple[int, torch.Tensor | None, Sequence[torch.Tensor | None]]]:
+        """Run ``recompute_fn`` for ``data_rank``: (micro-batch, its loss or None, gradient of each of ``params``)
+        as the framework accumulates them locally, before its reduction; nothing of the framework's gradient state
+        changes. A None loss: the losses come from ``record_loss`` calls made while it runs."""
 
     def correction_groups(self) -> list[CorrectionGroup]:
         """The framework's reductions of the gradient (collectives run by every rank in these groups)."""
@@ -144,9 +149,9 @@ class ReplicaTarget:
         return Units.per_rank(ranks)
 
     def gradients(self, recompute_fn: RecomputeFn, data_rank: int
-                  ) -> Iterable[tuple[int, Sequence[torch.Tensor | None]]]:
+                  ) -> Iterable[tuple[int, torch.Tensor | None, Sequence[torch.Tensor | None]]]:
         for micro_batch, loss in enumerate(recompute_fn(self.module, data_rank) or ()):
-            yield micro_batch, torch.autograd.grad(loss * self.loss_factor, self.params, allow_unused=True)
+            yield micro_batch, loss, torch.autograd.grad(loss * self.loss_factor, self.params, allow_unused=True)
 
     def correction_groups(self) -> list[CorrectionGroup]:
         return [CorrectionGroup(self.engine.group, tuple(range(len(self.params))),
@@ -168,6 +173,8 @@ class Recomputed:
     energy: float = 0.0   # Σ squared norms of the withheld observations
     healthy: bool = True  # the gate would let every withheld observation through now
     failed: bool = False  # recompute_fn raised: nothing above is usable
+    loss: float | None = None  # the mean micro-batch loss of the recomputation (None: no loss recorded)
+    loss_count: int = 0
 
 
 def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
@@ -278,13 +285,15 @@ class SDCRecompute:
                    if all(verdict[row, 1] > 0 for row in rows if units.of_row[row] == unit)}
         classes: dict[int, tuple[str, float, float]] = {}
         peer_shares: dict[int, dict[int, torch.Tensor]] = {}
+        peer_losses: dict[int, float] = {}
         peers = [unit for unit in sorted(set(units.of_row)) if unit not in suspect_units]
         for unit in (u for u in suspect_units if u not in healthy and not failed):
             unit_rows = [row for row in rows if units.of_row[row] == unit]
             if not peers:
                 classes.update({row: ("unknown", float(verdict[row, 2]), math.nan) for row in unit_rows})
                 continue
-            peer_energy, share = self._peer_check(stats, unit, peers[0], my_row, withheld)
+            peer_energy, losses, share = self._peer_check(stats, unit, peers[0], my_row, withheld)
+            peer_losses.update(losses)
             for row in unit_rows:
                 energy = peer_energy[row]
                 kind = "unknown" if energy is None else classify(float(verdict[row, 2]), energy, self.config.peer_rtol)
@@ -296,7 +305,9 @@ class SDCRecompute:
         shares: dict[int, torch.Tensor] = {}
         if runs_here and self._own is not None:
             if classes.get(my_row, ("",))[0] == "device":  # its share comes from the peer; its own stats go too
-                self._own = Recomputed(total_p=[None] * len(self.target.params))
+                loss = peer_losses.get(my_row, math.nan)
+                self._own = Recomputed(total_p=[None] * len(self.target.params),
+                                       loss=None if math.isnan(loss) else loss, loss_count=1)
             shares = self._own.share_p
         for row, share in peer_shares.items():  # this rank is the counterpart of a faulty device
             if classes.get(row, ("",))[0] == "device":
@@ -320,10 +331,15 @@ class SDCRecompute:
                         {"recomputed_ranks": "all"})]
 
     def write_local_stats(self, buffer: Any) -> None:
-        """After a correction, replace this rank's pre-reduction statistics by those of its recomputation (by
-        nothing when its device was found faulty: its own contribution was excluded)."""
+        """After a correction, replace this rank's pre-reduction statistics -- gradient and loss -- by those of its
+        recomputation (when its device was found faulty: no gradient, its own contribution was excluded, and the
+        loss of its counterpart's recomputation of its micro-batches), so every detector judges the corrected step."""
         if self._own is None:
             return
+        if self._own.loss is not None and names.LOSS in buffer.layout:
+            buffer.put(names.LOSS, self._own.loss)
+            buffer.put(names.LOSS_COUNT, float(self._own.loss_count))
+            buffer.put(names.LOSS_RANKS, 1.0)
         for slot in (names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL):
             buffer.view(slot).zero_()
         present = [(g, self.target.group_of_p[i]) for i, g in enumerate(self._own.total_p) if g is not None]
@@ -341,20 +357,29 @@ class SDCRecompute:
         share_from = {p: start for slot, start in withheld.items() for p in self.target.slot_params(slot)}
         result = Recomputed(total_p=[None] * len(params))
         saved = self.target.rng_state()
+        yielded: list[torch.Tensor] = []
         self.engine.recomputing = True
+        self.engine.recomputed_losses = []
         try:
             if rng is not None:
                 self.target.set_rng_state(rng)
             with torch.enable_grad():
-                for micro_batch, grads in self.target.gradients(self.recompute_fn, data_rank):
+                for micro_batch, loss, grads in self.target.gradients(self.recompute_fn, data_rank):
+                    if loss is not None:
+                        yielded.append(loss.detach().float().reshape(()))
                     self._accumulate(result, micro_batch, grads, share_from)
             self.calls += 1
         except Exception as err:  # reported to every rank by the next collective
             self.engine.log_warning(f"sdc recompute for data rank {data_rank} failed: {type(err).__name__}: {err}")
             return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False, failed=True)
         finally:
+            recorded, self.engine.recomputed_losses = self.engine.recomputed_losses, None
             self.engine.recomputing = False
             self.target.set_rng_state(saved)
+        # the losses the training loop's own record_loss calls gave (the scale it records), else the yielded ones
+        losses = recorded or yielded
+        if losses:
+            result.loss, result.loss_count = float(torch.stack(losses).mean()), len(losses)
         self._judge(result, withheld)
         return result
 
@@ -400,21 +425,22 @@ class SDCRecompute:
         return verdict.cpu().numpy()
 
     def _peer_check(self, stats: AgreedStats, unit: int, peer_unit: int, my_row: int, withheld: dict[int, int]
-                    ) -> tuple[dict[int, float | None], tuple[int, dict[int, torch.Tensor]] | None]:
+                    ) -> tuple[dict[int, float | None], dict[int, float], tuple[int, dict[int, torch.Tensor]] | None]:
         """Collective: each row of the suspect ``unit`` sends its RNG state and withheld slots to its counterpart
         in ``peer_unit`` (point to point), the peer unit recomputes the suspect unit's micro-batches, one
-        all-reduce shares the counterparts' energies. Returns {suspect row: the counterpart's energy over that
-        row's withheld slots (None when it failed or there is no counterpart)} and, on a counterpart, (its suspect
-        row, its shares)."""
+        all-reduce shares the counterparts' energies and losses. Returns {suspect row: the counterpart's energy over
+        that row's withheld slots (None when it failed or there is no counterpart)}, {suspect row: the
+        counterpart's mean loss on its micro-batches (NaN: none recorded)} and, on a counterpart, (its suspect row,
+        its shares)."""
         units = self.units
         device = self.engine.pipeline.device
         pairs = {row: units.counterpart(row, peer_unit) for row in units.rows(unit)}
         if any(other is None for other in pairs.values()):  # the units differ in shape: no one-to-one check
-            return {row: None for row in pairs}, None
+            return {row: None for row in pairs}, {}, None
         rng_size = self.target.rng_state().numel()
         num_slots = len(self.target.params)
         package = torch.zeros(rng_size + num_slots, dtype=torch.float64, device=device)
-        energy = torch.zeros(len(stats.ranks), 2, dtype=torch.float64, device=device)
+        energy = torch.zeros(len(stats.ranks), 3, dtype=torch.float64, device=device)
         share = None
         partner = pairs.get(my_row)
         if partner is not None:  # this rank is a suspect row: tell its counterpart what to recompute
@@ -429,11 +455,12 @@ class SDCRecompute:
             their_withheld = {slot: int(v) - 1 for slot, v in enumerate(host[rng_size:].tolist()) if v > 0}
             result = self._run(units.data_rank[suspect], host[:rng_size].to(torch.uint8), their_withheld)
             energy[suspect, 0], energy[suspect, 1] = result.energy, float(not result.failed)
+            energy[suspect, 2] = math.nan if result.loss is None else result.loss
             share = (suspect, result.share_p)
         self._all_reduce(energy)
         host_energy = energy.cpu()
         return ({row: float(host_energy[row, 0]) if pairs[row] is not None and float(host_energy[row, 1]) > 0
-                 else None for row in pairs}, share)
+                 else None for row in pairs}, {row: float(host_energy[row, 2]) for row in pairs}, share)
 
     def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> None:
         """Collective: for each of the framework's reductions, all-reduce every rank's shares (zeros elsewhere)
