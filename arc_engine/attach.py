@@ -22,6 +22,7 @@ is SKIP, and raises :class:`arc_engine.ArcAbort` on every rank when it is ABORT.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,8 @@ class Arc:
             remove()
         self._removers.clear()
         self.faults.remove()
+        if self.adapter is not None:
+            _mark_attached(self.adapter.module, False)
         self.engine.close()
 
     def __enter__(self) -> Arc:
@@ -134,6 +137,9 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     then the adapter's hooks, then the step-start hook."""
     if not isinstance(config, ArcConfig):
         config = load_config(config)
+    if _is_attached(adapter.module):
+        raise ValueError("arc_engine.attach: this model already has an arc_engine attached; two engines would both "
+                         "hook and decide every step (call arc.close() on the first one before attaching again)")
     adapter.check_config(config)
     engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
                        shard_reduce=adapter.shard_reduce, params=adapter.params,
@@ -154,7 +160,31 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     removers = adapter.install(engine, recompute_fn if wants_recompute else None)
     engine.add_lr_multiplier(injector.lr_multiplier)
     removers.append(register_step_start(engine, adapter.module))
+    _mark_attached(adapter.module, True)
     return Arc(engine, injector, removers, adapter)
+
+
+_ATTACHED = "_arc_engine_attached"
+
+
+def _is_attached(module: Any) -> bool:
+    return bool(getattr(module, _ATTACHED, False))
+
+
+def _mark_attached(module: Any, attached: bool) -> None:
+    with contextlib.suppress(AttributeError, TypeError):  # an object without a __dict__: no guard
+        object.__setattr__(module, _ATTACHED, attached)
+
+
+def check_optimizer_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds none of ``model``'s trainable parameters (built for another model, or for
+    the parameters before FSDP2 replaced them): nothing would train and every NaN would look persistent."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    owned = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+    if trainable and not trainable & owned:
+        raise ValueError(f"arc_engine.attach: the optimizer holds none of the model's {len(trainable)} trainable "
+                         "parameters (built for another model, or before DDP/FSDP2 wrapped it? build the optimizer "
+                         "from the model you pass to attach)")
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -211,6 +241,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         return attach_deepspeed(model, config, group=group, recompute_fn=recompute_fn)
     if optimizer is None:
         raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
+    check_optimizer_owns(model, optimizer)
     if isinstance(model, FSDPModule):
         from arc_engine.integrations.fsdp import attach_fsdp
 

@@ -312,7 +312,22 @@ class ZeroAdapter:
             engine.use_recompute(SDCRecompute(engine, sdc.recompute, gate, target, recompute_fn), target.record_stats)
         handles = [self.torch_optimizer.register_step_pre_hook(hooks.pre_step),
                    self.torch_optimizer.register_step_post_hook(hooks.post_step)]
-        return [*(h.remove for h in handles), local_grads.remove]
+        return [*(h.remove for h in handles), local_grads.remove, self._close_skips_after_step(hooks)]
+
+    def _close_skips_after_step(self, hooks: ZeroStepHooks) -> Callable[[], None]:
+        """Wrap this engine's ``step()`` so a step DeepSpeed skipped on overflow is closed (decided and reported)
+        before ``engine.step()`` returns: ``arc.last_step_applied`` is then already False. DeepSpeed has no
+        post-step hook and never calls the torch optimizer on such a step; every rank calls ``step()`` and the
+        overflow verdict is agreed, so the catch-up's collective is reached by all. Returns the remover."""
+        ds_engine, original = self.ds_engine, self.ds_engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            hooks.catch_up()
+            return result
+
+        object.__setattr__(ds_engine, "step", step)
+        return lambda: ds_engine.__dict__.pop("step", None)
 
     def before_record_loss(self) -> None:
         """Close the steps DeepSpeed skipped on its own before this micro-batch (see ZeroStepHooks.catch_up)."""

@@ -100,7 +100,9 @@ def test_empty_file_gives_defaults(tmp_path):
 BAD_CONFIGS = {
     "unknown_top_level": ("bogus: 1\n", "bogus", "1", "unknown key; allowed keys here: detectors, faults"),
     "unknown_nested": ("detectors:\n  loss_spike:\n    fctor: 8\n", "detectors.loss_spike.fctor", "8",
-                       "allowed keys here: action, enabled, factor"),
+                       "unknown key (did you mean `factor`?); allowed keys here: action, enabled, factor"),
+    "unknown_section": ("detectors:\n  los_spike:\n    factor: 8\n", "detectors.los_spike", "{'factor': 8}",
+                        "unknown key (did you mean `loss_spike`?)"),
     "string_for_int": ("stats:\n  interval: ten\n", "stats.interval", "'ten'", "expected an integer"),
     "bool_for_int": ("stats:\n  interval: true\n", "stats.interval", "True", "expected an integer"),
     "int_for_literal": ("detectors:\n  loss_spike:\n    action: 3\n", "detectors.loss_spike.action", "3",
@@ -217,7 +219,26 @@ def test_unknown_arc_option_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         arc_parser().parse_args(["--arc.foo=1"])
     assert info.value.code == 2
-    assert "--arc.foo=1" in capsys.readouterr().err
+    assert "arc_engine: invalid config: --arc.foo: unknown key;" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--arc.detectors.loss_spike.factr=3"], ["--arc.detectors.loss_spike.factr", "3"]])
+def test_a_mistyped_arc_option_names_the_nearest_key(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        arc_parser().parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--arc.detectors.loss_spike.factr: unknown key (did you mean `detectors.loss_spike.factor`?)" in err
+    assert err.count("\n") == 1
+
+
+def test_other_argparse_errors_stay_argparse_errors(capsys):
+    parser = arc_parser()
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--steps", "x"])
+    assert info.value.code == 2
+    assert "invalid int value" in capsys.readouterr().err
 
 
 def test_config_from_args_exits_2_with_one_line(capsys):
@@ -269,6 +290,14 @@ def test_cli_validate_config_rejects_bad_file(tmp_path, text, key):
     assert lines[0].startswith(f"arc_engine: invalid config: {path}: ")
     assert key in lines[0]
     assert result.stdout == ""
+
+
+def test_python_dash_m_arc_engine_is_the_cli():
+    result = subprocess.run([sys.executable, "-m", "arc_engine", "validate-config", "configs/demo.yaml",
+                             "detectors.loss_spike.factr=3"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "did you mean `factor`?" in result.stderr
 
 
 def test_cli_validate_config_checks_overrides_too():

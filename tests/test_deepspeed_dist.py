@@ -53,7 +53,8 @@ def train(engine, data, arc, rank: int, steps: int, first: int = 0) -> list[dict
         engine.backward(loss)
         engine.step()
         record = {"params": torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()]),
-                  "applied": engine.was_step_applied()}
+                  "applied": engine.was_step_applied(),
+                  "arc_applied": None if arc is None else arc.last_step_applied}
         if arc is not None and arc.engine.last_stats is not None and arc.engine.last_decision.step == step:
             stats = arc.engine.last_stats
             record.update(grad_sq=stats.total(names.GRAD_SQ), weight_sq=stats.total(names.WEIGHT_SQ),
@@ -140,7 +141,8 @@ def _faults_rank(rank: int, world: int, run_dir: Path) -> list[dict]:
     records = train(engine, data, arc, rank, 10)
     summary = arc.summary()
     arc.close()
-    return [{"params": r["params"], "action": r.get("action"), "applied": r["applied"]} for r in records] + [summary]
+    return [{"params": r["params"], "action": r.get("action"), "applied": r["applied"],
+             "arc_applied": r["arc_applied"]} for r in records] + [summary]
 
 
 def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Path) -> None:
@@ -149,6 +151,8 @@ def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Pa
         *records, summary = result
         # step 4: rank 1's NaN gradient makes DeepSpeed skip the step itself (overflow); arc_engine reports it
         assert records[4]["applied"] is False and torch.equal(records[4]["params"], records[3]["params"])
+        # ... and arc_engine has closed that step by the time engine.step() returns
+        assert [r["arc_applied"] for r in records[3:6]] == [True, False, True]
         # step 7: a loss spike only arc_engine sees; arc_engine skips it on every rank
         assert records[7]["action"] == "SKIP" and torch.equal(records[7]["params"], records[6]["params"])
         assert all(torch.isfinite(r["params"]).all() for r in records)

@@ -106,3 +106,25 @@ def test_console_sink_filters_by_severity() -> None:
     out = stream.getvalue().splitlines()
     assert out == [format_event(Event("r", 40, "detection", "non_finite", Severity.ERROR, "skip", "NaN", (1,)))]
     assert "step     40" in out[0] and "-> SKIP" in out[0] and "ranks [1]" in out[0]
+
+
+def test_attach_refuses_an_optimizer_of_another_model_and_a_second_engine(tmp_path: Path) -> None:
+    model, _data = tiny_model_and_data()
+    other, _ = tiny_model_and_data()
+    with pytest.raises(ValueError, match=r"the optimizer holds none of the model's .* trainable parameters"):
+        arc_engine.attach(model, make_optimizer(other), make_config(tmp_path))
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(model, optimizer, make_config(tmp_path))
+    with pytest.raises(ValueError, match="already has an arc_engine attached"):
+        arc_engine.attach(model, optimizer, make_config(tmp_path))
+    arc.close()
+    arc_engine.attach(model, optimizer, make_config(tmp_path)).close()  # after close it attaches again
+
+
+def test_record_loss_says_what_it_expects(tmp_path: Path) -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    with arc_engine.attach(model, optimizer, make_config(tmp_path)) as arc:
+        loss = model(*data.batch(0, 0, BATCH))
+        with pytest.raises(TypeError, match=r"record_loss expects the loss as a torch\.Tensor .* got float"):
+            arc.record_loss(float(loss))

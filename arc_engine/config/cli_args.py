@@ -11,11 +11,12 @@ Usage, next to ``deepspeed.add_config_arguments(parser)``::
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
 from arc_engine.config.errors import ConfigError
-from arc_engine.config.loader import describe_type, leaf_keys, load_config
+from arc_engine.config.loader import describe_type, did_you_mean, leaf_keys, load_config
 from arc_engine.config.schema import ArcConfig
 
 EXIT_BAD_CONFIG = 2
@@ -34,16 +35,32 @@ class _OverrideAction(argparse.Action):
 def add_arc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--arc-config`` and one ``--arc.<key>`` option per config leaf to ``parser``; returns it.
 
-    Unknown ``--arc.*`` options are rejected by argparse itself ("unrecognized arguments"). Create ``parser``
-    with ``allow_abbrev=False`` so that a misspelt prefix (``--arc.stats.int``) is not silently expanded.
+    An unknown ``--arc.*`` option exits with code 2 and the nearest allowed key ("did you mean ...?") instead of
+    argparse's bare "unrecognized arguments" (``parser.error`` is wrapped for it; other errors are argparse's).
+    Create ``parser`` with ``allow_abbrev=False`` so that a misspelt prefix (``--arc.stats.int``) is not silently
+    expanded.
     """
     group = parser.add_argument_group("arc_engine")
     group.add_argument("--arc-config", "--arc_config", dest="arc_config", default=None, metavar="PATH",
                        help="arc_engine YAML config (defaults apply when omitted)")
     parser.set_defaults(**{_OVERRIDE_DEST: []})
+    keys = []
     for key, hint in leaf_keys(ArcConfig):
+        keys.append(key)
         group.add_argument(f"--arc.{key}", action=_OverrideAction, metavar=key, default=argparse.SUPPRESS,
                            help=f"override {key} ({describe_type(hint)})")
+    argparse_error = parser.error
+
+    def error(message: str) -> NoReturn:
+        unknown = re.findall(r"--arc\.([^\s=]+)", message) if message.startswith("unrecognized arguments") else []
+        if unknown:
+            key = unknown[0]
+            print(f"arc_engine: invalid config: --arc.{key}: unknown key{did_you_mean(key, keys)}; "
+                  f"`arc-engine show-config` lists every key", file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)
+        argparse_error(message)
+
+    parser.error = error  # type: ignore[method-assign]
     return parser
 
 

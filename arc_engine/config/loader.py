@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
 from arc_engine.config.errors import ConfigError
-from arc_engine.config.schema import ArcConfig
+from arc_engine.config.schema import ArcConfig, DetectorsConfig
 
 T = TypeVar("T")
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -62,7 +63,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str | None = Non
             continue
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise ConfigError(dotted, value, f"unknown key; allowed keys here: {allowed}", source)
+            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(key), fields)}; allowed keys here: "
+                              f"{allowed}", source)
         kwargs[key] = _coerce(hints[key], value, dotted, source)
     missing = [
         name for name, f in fields.items()
@@ -75,6 +77,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str | None = Non
         return cls(**kwargs)
     except ConfigError as err:
         raise err.with_context(prefix=prefix, source=source) from None
+
+
+def did_you_mean(key: str, allowed: Iterable[str]) -> str:
+    """``" (did you mean `x`?)"`` for the allowed name closest to ``key`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str, Any]:
@@ -90,8 +98,10 @@ def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str
         section_class = plugin_section_class(str(name))
         if section_class is None:
             known = ", ".join(plugin_names()) or "none registered"
-            raise ConfigError(dotted, value, "unknown key; not a built-in section nor a registered monitor family "
-                              f"(plugin families: {known})", source)
+            candidates = [f.name for f in dataclasses.fields(DetectorsConfig) if not f.metadata.get("plugin_sections")]
+            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(name), [*candidates, *plugin_names()])}"
+                              f"; not a built-in section nor a registered monitor family (plugin families: {known})",
+                              source)
         parsed[str(name)] = value if isinstance(value, section_class) else \
             from_dict(section_class, {} if value is None else value, source=source, prefix=dotted)
     return parsed

@@ -260,13 +260,17 @@ and out-of-range values are errors that name the file, the key, the value and wh
 
 ```
 $ arc-engine validate-config bad.yaml
-arc_engine: invalid config: bad.yaml: detectors.loss_spike.factr = 3: unknown key; allowed keys here: action, \
-enabled, factor, min_relative_increase, warmup_steps, window
+arc_engine: invalid config: bad.yaml: detectors.loss_spike.factr = 3: unknown key (did you mean `factor`?); \
+allowed keys here: action, enabled, factor, min_relative_increase, warmup_steps, window
 $ echo $?
 2
+$ python train.py --arc.detectors.loss_spike.factr=3      # a training script with arc_engine.add_arc_args
+arc_engine: invalid config: --arc.detectors.loss_spike.factr: unknown key (did you mean \
+`detectors.loss_spike.factor`?); `arc-engine show-config` lists every key
 ```
 
-`arc-engine show-config [--arc-config F] [--arc.key=value ...]` prints the effective configuration. Shipped,
+`arc-engine show-config [--arc-config F] [--arc.key=value ...]` prints the effective configuration;
+`python -m arc_engine ...` is the same command line as `arc-engine ...`. Shipped,
 commented examples: [`configs/default.yaml`](../configs/default.yaml) (every key at its default),
 [`configs/demo.yaml`](../configs/demo.yaml), [`configs/monitoring_only.yaml`](../configs/monitoring_only.yaml)
 (report only, never intervene), [`configs/aggressive_recovery.yaml`](../configs/aggressive_recovery.yaml) (tight

@@ -60,6 +60,7 @@ from arc_engine.recovery.commit import (
     write_marker,
     write_rank_report,
 )
+from arc_engine.recovery.portable import SafeLoadPlanner
 from arc_engine.recovery.staging import AlreadyStaged, HostStager, ReplicaOwners
 
 __all__ = ["CheckpointError", "CheckpointManager", "CommitInfo", "DiskFormat"]
@@ -407,7 +408,7 @@ class CheckpointManager:
         if self.disk_format is None:
             try:
                 dcp.load(state_dict, storage_reader=FileSystemReader(info.path), process_group=self._group,
-                         no_dist=self._group is None)
+                         no_dist=self._group is None, planner=SafeLoadPlanner())
             except (Exception, CheckpointException) as err:
                 return f"{info.path}: dcp.load failed: {_first_lines(str(err))}"
             return None

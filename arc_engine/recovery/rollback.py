@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from arc_engine import runtime
 from arc_engine.events import Action, Severity
 from arc_engine.policy.decision import Decision
+from arc_engine.recovery import portable
 from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo, DiskFormat
 from arc_engine.recovery.controller import RecoveryController
 from arc_engine.recovery.snapshot import Snapshot, SnapshotRing, capture, restore, ring_capacity, set_rng_state
@@ -217,11 +217,12 @@ class Recovery:
 
     def _disk_state(self, verified: Snapshot) -> dict[str, Any]:
         """The live tensors (equal to the verified snapshot's: nothing was applied since) plus the snapshot's
-        python state, pickled: replicated under one key, this rank's RNG under a rank key."""
+        python state as JSON (:mod:`arc_engine.recovery.portable`, never pickle): replicated under one key, this
+        rank's RNG under a rank key."""
         shared = {"framework": verified.framework, "arc": verified.extra,
                   "controller": self.controller.state_dict(), "engine": self.engine.counters_state_dict()}
-        return {"train": self.state.dcp_state_dict(), "arc_state": pickle.dumps(shared),
-                f"arc_rng/rank{runtime.global_rank()}": pickle.dumps(verified.rng)}
+        return {"train": self.state.dcp_state_dict(), "arc_state": portable.dumps(shared),
+                f"arc_rng/rank{runtime.global_rank()}": portable.dumps(verified.rng)}
 
     # ------------------------------------------------------------------ step end
 
@@ -311,11 +312,11 @@ class Recovery:
 
     def _apply_disk_state(self, info: CommitInfo, state_dict: dict[str, Any], *, full: bool) -> None:
         self.state.after_dcp_load(state_dict["train"])
-        shared = pickle.loads(state_dict["arc_state"])
+        shared = portable.loads(state_dict["arc_state"])
         self.state.load_extra_state(shared["framework"])
         rng_key = f"arc_rng/rank{runtime.global_rank()}"
         if rng_key in state_dict:
-            set_rng_state(pickle.loads(state_dict[rng_key]))
+            set_rng_state(portable.loads(state_dict[rng_key]))
         else:
             log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
                         info.world_size, self._world())
