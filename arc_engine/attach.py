@@ -63,6 +63,12 @@ class Arc:
 
     @property
     def last_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters (False after a skip, a rollback, or a step the
+        framework skipped on its own, e.g. DeepSpeed's fp16 overflow -- known here as soon as its ``step()``
+        returns; local, never a collective)."""
+        pending = getattr(self.adapter, "framework_skip_pending", None)
+        if pending is not None and pending():
+            return False
         return self.engine.last_step_applied
 
     @property
@@ -70,6 +76,12 @@ class Arc:
         """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
         on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
         return self.engine.data_position
+
+    def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A known long phase between steps (evaluation, a checkpoint of your own): the hang watchdog does not count
+        its time. ``with arc.watchdog_paused(): evaluate()``."""
+        watchdog = self.engine.watchdog
+        return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
 
     def summary(self) -> dict[str, Any]:
         return self.engine.summary()

@@ -41,7 +41,7 @@ from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
 from arc_engine.sinks.wandb_sink import active_wandb_run
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
-from arc_engine.watchdog import HangWatchdog
+from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, ProgressBoard
 
 if TYPE_CHECKING:
     from arc_engine.recovery.recompute import SDCRecompute
@@ -148,8 +148,12 @@ class ArcEngine:
         self.reporter.open(self.run_id, self.run_dir, leader=self.rank == self.pipeline.leader,
                            wandb_owner=wandb_owner, locations=self.locations)
         if self.config.watchdog.enabled:
-            self.watchdog = HangWatchdog(self.config.watchdog, self.rank, self.run_dir, self._watchdog_report,
-                                         lambda: self.iteration).start()
+            store = runtime.default_store()
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            board = ProgressBoard(store, self.run_id, world) if store is not None else None
+            self.watchdog = HangWatchdog(self.config.watchdog, runtime.global_rank(), self.run_dir,
+                                         self._watchdog_report, lambda: self.iteration, board=board,
+                                         world_size=world, on_abort=self.reporter.close).start()
         self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
@@ -183,6 +187,8 @@ class ArcEngine:
         if self._step_open:
             return
         self._step_open = True
+        if self.watchdog is not None:
+            self.watchdog.reached(STEP_STARTED)
         if self.recovery is not None:  # a rollback's restore or a snapshot is not a hang
             with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
                 self.recovery.on_step_start()
@@ -227,6 +233,8 @@ class ArcEngine:
             if self.recomputed_losses is not None:
                 self.recomputed_losses.append(loss.detach().float().reshape(()))
             return
+        if self.watchdog is not None:
+            self.watchdog.reached(LOSS_RECORDED)
         if self.buffer is None or not self.is_monitored():
             return
         self.buffer.add(names.LOSS, loss.detach().float())
@@ -292,6 +300,8 @@ class ArcEngine:
             prepare = getattr(monitor, "before_agreement", None)
             if prepare is not None:
                 prepare(self.buffer)
+        if self.watchdog is not None:  # a peer's hang report shows this rank as waiting for the others
+            self.watchdog.reached(AGREEING)
         return self.pipeline.agree(self.buffer)
 
     def _regather(self) -> AgreedStats:

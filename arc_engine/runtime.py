@@ -90,3 +90,16 @@ def elect_rank(candidate: bool, group: dist.ProcessGroup | None) -> int:
     candidates = gather_by_rank(bool(candidate), group)
     chosen = [rank for rank, wanted in candidates.items() if wanted]
     return min(chosen or candidates)
+
+
+def default_store() -> Any | None:
+    """The c10d store the default process group was created with (None without one): where the hang watchdog
+    publishes each rank's progress. (``torch.distributed`` exposes it only through a private accessor.)"""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # an older / newer torch without it: the watchdog names no peers
+        return None

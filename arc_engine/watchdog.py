@@ -8,9 +8,22 @@ thread's stack, via ``sys._current_frames``) and reports a critical ``hang`` eve
 sinks: W&B alert, console, JSONL). It fires once per hang and re-arms on the next completed step, which it reports
 as an info ``hang`` event with the stall's length.
 
-It never communicates with other ranks: a rank stuck in a dead collective keeps its watchdog thread (the
+It never takes part in a collective: a rank stuck in a dead collective keeps its watchdog thread (the
 collective releases the GIL while it waits), and a peer stuck elsewhere times out on its own watchdog.
 :meth:`paused` marks known long phases (a rollback's restore, a synchronous checkpoint) that must not count.
+
+**Who is stuck.** The training thread keeps a progress counter in a plain attribute: 4 x steps completed, plus
+the furthest point of the current step it reached (1: its first forward began, 2: it recorded a loss, i.e. its
+forward ran and its backward -- with the framework's gradient reduction -- is next, 3: it waits in the step's
+agreement). The watchdog thread publishes it to a :class:`ProgressBoard` (the job's c10d store) when it changes,
+at most once a wake-up. On a hang every rank reads the board: the ranks behind the
+others (the lowest progress) are the ones that stopped; the ranks ahead of them are waiting for them in a
+collective. A dead rank stops publishing and is behind too. Equal progress everywhere: no rank is ahead (a dead
+collective, or every rank stuck alike).
+
+**Ending a hang** (``action: abort``): after ``abort_after`` timeouts in a row without a completed step, the
+watchdog reports a critical ``hang`` event with ``"abort": true``, flushes the sinks (bounded) and exits the
+process with :data:`~arc_engine.policy.decision.EXIT_HANG` (``os._exit``: the training thread may be stuck anywhere).
 """
 
 from __future__ import annotations
@@ -24,8 +37,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from arc_engine.config.schema import WatchdogConfig
+from arc_engine.policy.decision import EXIT_HANG
 
 log = logging.getLogger("arc_engine.watchdog")
 
@@ -49,6 +64,45 @@ def format_stacks() -> str:
     return "\n".join(parts)
 
 
+#: Points of a step the progress counter tells apart (see the module docstring).
+STEP_STARTED, LOSS_RECORDED, AGREEING, PHASES = 1, 2, 3, 4
+
+
+class ProgressBoard:
+    """Each rank's progress in a c10d store under ``arc/<run id>/progress/<rank>`` (written by that rank's watchdog
+    thread, read on a hang). Store errors are swallowed: the board is an aid to the hang report, never a new way
+    to fail."""
+
+    def __init__(self, store: Any, run_id: str, world_size: int) -> None:
+        self.store, self.prefix, self.world_size = store, f"arc/{run_id}/progress/", world_size
+
+    def publish(self, rank: int, progress: int) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}{rank}", str(progress))
+
+    def read(self) -> dict[int, int]:
+        """{rank: progress} of the ranks that published (never blocks on a missing key)."""
+        out = {}
+        for rank in range(self.world_size):
+            key = f"{self.prefix}{rank}"
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    out[rank] = int(self.store.get(key))
+        return out
+
+
+def stuck_ranks(progress: dict[int, int], world_size: int) -> list[int]:
+    """The ranks behind the others: the lowest progress, or none published. Empty when every rank is level
+    (nobody is ahead, so nobody is waiting for a particular rank). Pure."""
+    if not progress:
+        return []
+    missing = [rank for rank in range(world_size) if rank not in progress]
+    lowest = min(progress.values())
+    behind = sorted([rank for rank, value in progress.items() if value == lowest and lowest < max(progress.values())]
+                    + missing)
+    return behind
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +118,9 @@ class HangWatchdog:
 
     def __init__(self, config: WatchdogConfig, rank: int, run_dir: Path,
                  report: Callable[[str, str, dict], None], iteration: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, board: ProgressBoard | None = None,
+                 world_size: int = 1, on_abort: Callable[[], None] | None = None,
+                 exit: Callable[[int], None] = os._exit) -> None:
         self.config = config
         self.rank = rank
         self.run_dir = Path(run_dir)
@@ -74,6 +130,11 @@ class HangWatchdog:
         self.completed_steps = 0
         self.longest_step_s = 0.0
         self.fired = 0
+        self.board, self.world_size = board, world_size
+        self.on_abort, self.exit = on_abort, exit
+        self.progress = 0            # 2 x completed steps (+1 while waiting in the agreement); training thread
+        self._published = -1
+        self._timeouts = 0           # timeouts in a row in the current hang
         self.last_dump: Path | None = None
         self._last_beat = clock()
         self._hung_since: float | None = None
@@ -97,6 +158,8 @@ class HangWatchdog:
         with self._lock:
             elapsed = now - self._last_beat
             self.completed_steps += 1
+            self.progress = PHASES * self.completed_steps
+            self._timeouts = 0
             # the warm-up's steps (compilation, first communicators) do not set the timeout
             if self.completed_steps > self.config.warmup_steps and self._hung_since is None:
                 self.longest_step_s = max(self.longest_step_s, elapsed)
@@ -105,6 +168,13 @@ class HangWatchdog:
         if hung_since is not None:
             self._safe_report("resumed", f"rank {self.rank} completed a step again after {now - hung_since:.0f} s "
                               "without one", {"stalled_s": round(now - hung_since, 3)})
+
+    def reached(self, phase: int) -> None:
+        """The training thread reached ``phase`` of the current step (:data:`STEP_STARTED`, :data:`LOSS_RECORDED`,
+        :data:`AGREEING`); cheap: a comparison and an assignment."""
+        progress = PHASES * self.completed_steps + phase
+        if progress > self.progress:
+            self.progress = progress
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -130,16 +200,48 @@ class HangWatchdog:
         while not self._stop.is_set():
             timeout = self.timeout_s
             self._stop.wait(max(0.05, min(1.0, timeout / 20)))
+            self._publish()
             with self._lock:
                 stalled = self.clock() - self._last_beat
-                due = self._pauses == 0 and self._hung_since is None and stalled > timeout
+                timeouts = int(stalled // timeout) if self._pauses == 0 else 0
+                due = timeouts > self._timeouts
                 if due:
-                    self._hung_since = self._last_beat
-            if due:
-                self._fire(stalled, timeout)
+                    first = self._hung_since is None
+                    self._timeouts = timeouts
+                    if first:
+                        self._hung_since = self._last_beat
+            if not due:
+                continue
+            abort = self.config.action == "abort" and timeouts >= self.config.abort_after
+            if first or abort:
+                self._fire(stalled, timeout, first=first, abort=abort)
+            if abort:
+                self._abort()
+                return
 
-    def _fire(self, stalled: float, timeout: float) -> None:
-        self.fired += 1
+    def _publish(self) -> None:
+        progress = self.progress
+        if self.board is not None and progress != self._published:
+            self.board.publish(self.rank, progress)
+            self._published = progress
+
+    def _abort(self) -> None:
+        """Flush what can be flushed (bounded: a sink may hang too), then end the process."""
+        if self.on_abort is not None:
+            flusher = threading.Thread(target=self._safe_on_abort, name="arc-hang-abort-flush", daemon=True)
+            flusher.start()
+            flusher.join(10.0)
+        self.exit(EXIT_HANG)
+
+    def _safe_on_abort(self) -> None:
+        try:
+            assert self.on_abort is not None
+            self.on_abort()
+        except Exception as err:
+            log.warning("arc_engine watchdog: flushing before the abort failed (%s: %s)", type(err).__name__, err)
+
+    def _fire(self, stalled: float, timeout: float, *, first: bool = True, abort: bool = False) -> None:
+        self.fired += int(first)
         iteration = self.iteration()
         where = ""
         if self.config.dump_stacks:
@@ -151,11 +253,22 @@ class HangWatchdog:
                 self.last_dump, where = path, f"; stacks in {path}"
             except OSError as err:
                 where = f"; stack dump failed: {err}"
+        progress = self.board.read() if self.board is not None else {}
+        stuck = stuck_ranks(progress, self.world_size)
+        if stuck:
+            who = f"; stopped: rank(s) {stuck} (behind the others)"
+        elif progress and len(progress) > 1:
+            who = "; every rank is at the same point (no rank is ahead: a dead collective, or all stuck alike)"
+        else:
+            who = ""
+        ending = f"; aborting with exit code {EXIT_HANG}" if abort else ""
         message = (f"no step completed on rank {self.rank} for {stalled:.1f} s (timeout {timeout:.1f} s, after "
-                   f"{self.completed_steps} steps){where}")
+                   f"{self.completed_steps} steps){who}{where}{ending}")
         log.error("arc_engine: %s", message)
         self._safe_report("hang", message, {"stalled_s": round(stalled, 3), "timeout_s": round(timeout, 3),
-                                            "completed_steps": self.completed_steps,
+                                            "completed_steps": self.completed_steps, "stuck_ranks": stuck,
+                                            "progress": {str(k): v for k, v in sorted(progress.items())},
+                                            "abort": abort, "exit_code": EXIT_HANG if abort else None,
                                             "stack_dump": str(self.last_dump) if self.last_dump else None})
 
     def _safe_report(self, kind: str, message: str, values: dict) -> None:

@@ -192,13 +192,17 @@ class ZeroStepHooks:
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and deepspeed_internals.uses_dynamic_loss_scale(
             self.zero)
 
+    def skip_pending(self) -> bool:
+        """DeepSpeed completed a step without stepping the optimizer that :meth:`catch_up` has not closed (local)."""
+        return int(self.ds_engine.global_steps) - self.step_offset > self.engine.step
+
     def catch_up(self) -> None:
         """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips).
 
         Every rank calls this at the same point (DeepSpeed's overflow verdict is agreed), so on a monitored step it
         gathers what the ranks recorded for the skipped step (loss, local gradients) in that step's one collective
         and names the rank(s) holding NaN/Inf; gradient-norm monitors are not run (DeepSpeed discarded them)."""
-        while int(self.ds_engine.global_steps) - self.step_offset > self.engine.step:
+        while self.skip_pending():
             escalate = not self.dynamic_loss_scale
             values = {"deepspeed_skipped_steps": int(self.ds_engine.skipped_steps),
                       "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
@@ -312,22 +316,13 @@ class ZeroAdapter:
             engine.use_recompute(SDCRecompute(engine, sdc.recompute, gate, target, recompute_fn), target.record_stats)
         handles = [self.torch_optimizer.register_step_pre_hook(hooks.pre_step),
                    self.torch_optimizer.register_step_post_hook(hooks.post_step)]
-        return [*(h.remove for h in handles), local_grads.remove, self._close_skips_after_step(hooks)]
+        return [*(h.remove for h in handles), local_grads.remove]
 
-    def _close_skips_after_step(self, hooks: ZeroStepHooks) -> Callable[[], None]:
-        """Wrap this engine's ``step()`` so a step DeepSpeed skipped on overflow is closed (decided and reported)
-        before ``engine.step()`` returns: ``arc.last_step_applied`` is then already False. DeepSpeed has no
-        post-step hook and never calls the torch optimizer on such a step; every rank calls ``step()`` and the
-        overflow verdict is agreed, so the catch-up's collective is reached by all. Returns the remover."""
-        ds_engine, original = self.ds_engine, self.ds_engine.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            hooks.catch_up()
-            return result
-
-        object.__setattr__(ds_engine, "step", step)
-        return lambda: ds_engine.__dict__.pop("step", None)
+    def framework_skip_pending(self) -> bool:
+        """Whether DeepSpeed skipped a step (overflow) that arc_engine has not closed yet (local: DeepSpeed's
+        public step counter against arc_engine's; the closing itself, collective, runs at the next record_loss or
+        optimizer step)."""
+        return self.hooks is not None and self.hooks.skip_pending()
 
     def before_record_loss(self) -> None:
         """Close the steps DeepSpeed skipped on its own before this micro-batch (see ZeroStepHooks.catch_up)."""

@@ -277,7 +277,7 @@ def test_gradient_faults_and_unsharded_models_are_refused(tmp_path: Path) -> Non
 def _stalled(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
     config = make_config(run_dir, "faults.injections=[{kind: stall, rank: 1, step: 8, seconds: 6}]",
                          "watchdog.warmup_steps=3", "watchdog.safety_factor=3", "watchdog.min_timeout_s=1.5",
-                         "watchdog.max_timeout_s=3")
+                         "watchdog.max_timeout_s=3", "watchdog.action=alert")
     model, data, optimizer = sharded_gpt()
     arc = attach_fsdp(model, optimizer, config)
     for step in range(12):

@@ -15,8 +15,17 @@ import pytest
 
 from arc_engine.config import load_config
 from arc_engine.events import Event, Severity
+from arc_engine.policy.decision import EXIT_HANG
 from arc_engine.sinks.alerts import AlertLimiter, alert_level, alert_title, redact, summary_title
-from arc_engine.watchdog import HangWatchdog, hang_timeout
+from arc_engine.watchdog import (
+    AGREEING,
+    LOSS_RECORDED,
+    STEP_STARTED,
+    HangWatchdog,
+    ProgressBoard,
+    hang_timeout,
+    stuck_ranks,
+)
 from tests.dist_harness import run_ranks
 from tests.training import make_config, train_ddp
 from tests.wandb_records import alerts, history, read_records, run_ids, transaction_logs
@@ -123,10 +132,11 @@ def test_watchdog_timeout_counts_steps_after_warmup_only() -> None:
 
 def test_watchdog_fires_once_per_stall_with_a_stack_dump_rearms_and_ignores_paused_phases(tmp_path: Path) -> None:
     config = load_config(None, ["watchdog.warmup_steps=2", "watchdog.safety_factor=2", "watchdog.min_timeout_s=0.5",
-                                "watchdog.initial_timeout_s=30"]).watchdog
+                                "watchdog.initial_timeout_s=30", "watchdog.action=alert"]).watchdog
     clock = ManualClock()
     reports: list[tuple[str, str, dict]] = []
-    watchdog = HangWatchdog(config, 0, tmp_path, lambda *r: reports.append(r), lambda: 42, clock=clock).start()
+    watchdog = HangWatchdog(config, 0, tmp_path, lambda *r: reports.append(r), lambda: 42, clock=clock,
+                            exit=lambda code: pytest.fail(f"exited with {code} under action: alert")).start()
     try:
         for step in range(1, 5):  # four 1 s steps; the last two are past the warm-up
             clock.now = float(step)
@@ -139,7 +149,8 @@ def test_watchdog_fires_once_per_stall_with_a_stack_dump_rearms_and_ignores_paus
         clock.wait_for_watchdog_polls()
         assert [r[0] for r in reports] == ["hang"]
         dump = tmp_path / "stacks" / "rank0-iter42.txt"
-        assert reports[0][2] == {"stalled_s": 2.5, "timeout_s": 2.0, "completed_steps": 4, "stack_dump": str(dump)}
+        assert reports[0][2] == {"stalled_s": 2.5, "timeout_s": 2.0, "completed_steps": 4, "stack_dump": str(dump),
+                                 "stuck_ranks": [], "progress": {}, "abort": False, "exit_code": None}
         text = dump.read_text()
         assert "wait_for_watchdog_polls" in text and "arc-hang-watchdog" in text  # every thread, this one included
         clock.now = 20.0  # the same stall goes on: no second report
@@ -154,6 +165,66 @@ def test_watchdog_fires_once_per_stall_with_a_stack_dump_rearms_and_ignores_paus
         clock.now = 101.0  # the pause re-armed from its end: 1 s since
         clock.wait_for_watchdog_polls()
         assert len(reports) == 2
+    finally:
+        watchdog.stop()
+
+
+class DictStore:
+    """The two calls of a c10d store the progress board makes."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def test_stuck_ranks_are_the_ones_behind() -> None:
+    assert stuck_ranks({0: 19, 1: 17, 2: 19}, 3) == [1]  # rank 1 never reached step 5's agreement
+    assert stuck_ranks({0: 9, 2: 9}, 3) == [1]  # rank 1 never published (dead from the start)
+    assert stuck_ranks({0: 9, 1: 9}, 2) == []  # level: nobody is ahead
+    assert stuck_ranks({}, 2) == []
+
+
+def test_watchdog_abort_names_the_rank_behind_and_exits_after_abort_after_timeouts(tmp_path: Path) -> None:
+    config = load_config(None, ["watchdog.warmup_steps=1", "watchdog.safety_factor=2", "watchdog.min_timeout_s=1",
+                                "watchdog.initial_timeout_s=30", "watchdog.action=abort",
+                                "watchdog.abort_after=2"]).watchdog
+    clock, store = ManualClock(), DictStore()
+    board = ProgressBoard(store, "run", 2)
+    board.publish(1, 4 * 3 + 1)  # rank 1: 3 steps done, its 4th forward began and never recorded a loss
+    reports: list[tuple[str, str, dict]] = []
+    exits: list[int] = []
+    flushed: list[bool] = []
+    watchdog = HangWatchdog(config, 0, tmp_path, lambda *r: reports.append(r), lambda: 4, clock=clock, board=board,
+                            world_size=2, on_abort=lambda: flushed.append(True), exit=exits.append).start()
+    try:
+        for step in range(1, 4):
+            clock.now = float(step)
+            watchdog.heartbeat()
+        for phase in (STEP_STARTED, LOSS_RECORDED, AGREEING):  # rank 0 waits for rank 1 in step 4's agreement
+            watchdog.reached(phase)
+        assert watchdog.timeout_s == 2.0
+        clock.now = 5.5  # first timeout: the alert names rank 1, no exit yet
+        clock.wait_for_watchdog_polls()
+        assert [r[0] for r in reports] == ["hang"] and exits == []
+        assert reports[0][2]["stuck_ranks"] == [1] and reports[0][2]["progress"] == {"0": 15, "1": 13}
+        assert "stopped: rank(s) [1]" in reports[0][1]
+        clock.now = 7.5  # second timeout in a row: abort
+        clock.wait_for_watchdog_polls(1)
+        deadline = time.monotonic() + 60  # a bound on a stuck thread only
+        while not exits:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert exits == [EXIT_HANG] and flushed == [True]
+        assert reports[-1][2]["abort"] is True and reports[-1][2]["exit_code"] == EXIT_HANG
+        assert f"aborting with exit code {EXIT_HANG}" in reports[-1][1]
     finally:
         watchdog.stop()
 
@@ -277,7 +348,7 @@ def test_a_stalled_rank_triggers_the_watchdog_alert_and_stack_dumps(tmp_path: Pa
     how long a step took: only on the clamp and on the order of events."""
     overrides = _wandb_overrides(tmp_path, "faults.injections=[{kind: stall, rank: 1, step: 12, seconds: 10}]",
                                  "watchdog.warmup_steps=3", "watchdog.safety_factor=3", "watchdog.min_timeout_s=1.5",
-                                 "watchdog.max_timeout_s=5")
+                                 "watchdog.max_timeout_s=5", "watchdog.action=alert")
     results = run_ranks(_train, 2, tmp_path, 20, overrides, timeout_s=300)
     assert all(r["summary"]["steps"] == 20 for r in results)
     stacks = tmp_path / "test" / "stacks"

@@ -228,6 +228,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "watchdog.max_timeout_s": KeyDoc("Upper clamp of the derived timeout.", ">= `min_timeout_s`"),
     "watchdog.dump_stacks": KeyDoc("On a hang, write every thread's Python stack to "
                                    "`<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt`."),
+    "watchdog.action": KeyDoc("`alert`: report the hang only; `abort`: after `abort_after` timeouts in a row, exit "
+                              "with code 6 (every rank's own watchdog does)."),
+    "watchdog.abort_after": KeyDoc("Timeouts in a row without a completed step before `abort` ends the process.",
+                                   ">= 1"),
 }
 
 # The manual page of each section (relative to docs/); a subsection without an entry takes its parent's.

@@ -517,8 +517,12 @@ class WatchdogConfig:
     communicators, load data); after, ``safety_factor`` x the longest step seen since warm-up, clamped to
     [``min_timeout_s``, ``max_timeout_s``]. On firing: a critical ``hang`` event through every sink of the rank
     (alerts included) and, with ``dump_stacks``, every thread's Python stack in
-    ``<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt``. Once per hang; re-armed by the next completed step. It only reads
-    clocks and writes local files: it never takes part in a collective, so a dead collective cannot hang it.
+    ``<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt``. Once per hang; re-armed by the next completed step. It never
+    takes part in a collective, so a dead collective cannot hang it. Each rank's progress (steps completed, and
+    whether it is waiting in the step's agreement) is published in the job's c10d store from the watchdog thread:
+    the hang event names the ranks that stopped -- the ones behind the others -- not the rank that noticed. With
+    ``action: abort``, after ``abort_after`` timeouts in a row without a completed step the rank exits with code 6
+    (every rank's own watchdog does the same, so every rank that can still run exits).
     """
 
     enabled: bool = True
@@ -528,6 +532,8 @@ class WatchdogConfig:
     min_timeout_s: float = 300.0
     max_timeout_s: float = 3600.0
     dump_stacks: bool = True
+    action: Literal["alert", "abort"] = "abort"
+    abort_after: int = 2
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
@@ -536,6 +542,7 @@ class WatchdogConfig:
         require(self.min_timeout_s > 0, "min_timeout_s", self.min_timeout_s, "must be > 0 seconds")
         require(self.max_timeout_s >= self.min_timeout_s, "max_timeout_s", self.max_timeout_s,
                 "must be >= min_timeout_s")
+        require(self.abort_after >= 1, "abort_after", self.abort_after, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)

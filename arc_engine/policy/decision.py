@@ -15,6 +15,9 @@ EXIT_RECOVERY_EXHAUSTED = 4
 #: Exit code of a run stopped because a device was found faulty (silent data corruption reproduced on one rank but
 #: not by a healthy peer); the device is listed in the run directory's ``quarantine.json``.
 EXIT_FAULTY_DEVICE = 5
+#: Exit code of a rank the hang watchdog ended (``watchdog.action: abort``): no step completed for ``abort_after``
+#: timeouts in a row; the ``hang`` event names the ranks that stopped.
+EXIT_HANG = 6
 
 
 class ArcAbort(RuntimeError):
