@@ -96,9 +96,11 @@ def make_job(backend: str, config: ArcConfig | None, rank: int, world: int) -> t
     return zero2_job(config, rank, world)
 
 
-def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = None) -> dict[str, Any]:
+def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = None,
+          draw_before_forward: bool = False) -> dict[str, Any]:
     """Train until ``steps`` optimizer steps are done, batches from the data position (arc's when attached). Each
-    step draws from the torch RNG, so a replay is bitwise only if the RNG was restored. ``record_at``: also return
+    step draws from the torch RNG, so a replay is bitwise only if the RNG was restored; after its forward, or with
+    ``draw_before_forward`` before it (as a loop that masks or augments its batch does). ``record_at``: also return
     the parameters at the start of that step (first visit)."""
     arc, iteration, losses, params_at = job.arc, 0, [], None
     try:
@@ -107,7 +109,9 @@ def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = No
             if params_at is None and arc is not None and arc.step == record_at:
                 params_at = [p.clone() for p in job.params()]
             position = arc.data_position if arc is not None else iteration
-            loss = job.forward(*data.batch(position, rank, BATCH)) * (1 + 1e-3 * torch.rand(()))
+            noise = torch.rand(()) if draw_before_forward else None
+            loss = job.forward(*data.batch(position, rank, BATCH))
+            loss = loss * (1 + 1e-3 * (noise if noise is not None else torch.rand(())))
             if arc is not None:
                 loss = arc.faults.on_loss(loss)
                 arc.record_loss(loss)
@@ -203,10 +207,11 @@ def test_persistent_fault_escapes_then_stops_with_exit_code_4(tmp_path: Path) ->
 
 # ------------------------------------------------------------------ resume after a restart
 
-def _resume_run(rank: int, world: int, backend: str, config: ArcConfig, steps: int) -> dict[str, Any]:
+def _resume_run(rank: int, world: int, backend: str, config: ArcConfig, steps: int,
+                draw_before_forward: bool = False) -> dict[str, Any]:
     job, data = make_job(backend, config, rank, world)
     resumed_at = job.arc.step
-    out = train(job, data, rank, steps)
+    out = train(job, data, rank, steps, draw_before_forward=draw_before_forward)
     out["resumed_at"] = resumed_at
     return out
 
@@ -221,6 +226,22 @@ def test_relaunched_job_resumes_from_the_newest_committed_checkpoint(tmp_path: P
     for rank in range(2):
         assert second[rank]["resumed_at"] == 15  # newest committed, verified-stable checkpoint
         assert all(torch.equal(a, b) for a, b in zip(second[rank]["params"], straight[rank]["params"], strict=True))
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_resume_is_bitwise_when_the_loop_draws_random_numbers_before_its_forward(tmp_path: Path,
+                                                                                 backend: str) -> None:
+    """The snapshot records the RNG at the end of the previous step (what the data position stands for), not at
+    the forward: a loop that draws before its forward resumes on the same draws. The step attempt counter
+    (``iteration``) is the snapshot's too."""
+    disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / 'ckpt'}"]
+    run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "a", *disk), 18, True)  # "crashes" at 18
+    second = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "b", *disk), 25, True)
+    straight = run_ranks(_resume_run, 2, backend, recovery_config(tmp_path / "c"), 25, True)
+    for rank in range(2):
+        assert second[rank]["resumed_at"] == 15
+        assert all(torch.equal(a, b) for a, b in zip(second[rank]["params"], straight[rank]["params"], strict=True))
+        assert second[rank]["summary"]["iterations"] == straight[rank]["summary"]["iterations"] == 25
 
 
 def _resume_alone(rank: int, world: int, backend: str, config: ArcConfig) -> Any:

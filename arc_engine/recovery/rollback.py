@@ -38,7 +38,15 @@ from arc_engine.policy.decision import Decision
 from arc_engine.recovery import portable
 from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo, DiskFormat
 from arc_engine.recovery.controller import RecoveryController
-from arc_engine.recovery.snapshot import Snapshot, SnapshotRing, capture, restore, ring_capacity, set_rng_state
+from arc_engine.recovery.snapshot import (
+    Snapshot,
+    SnapshotRing,
+    capture,
+    restore,
+    ring_capacity,
+    rng_state,
+    set_rng_state,
+)
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import names
 
@@ -73,6 +81,10 @@ class Recovery:
         self.candidate: Snapshot | None = None
         self.pending: PendingRestore | None = None
         self.capture_due = False
+        # The RNG a snapshot records: the state at the end of the previous optimizer step (the point its data
+        # position and weights stand for), not at the next forward -- a loop that draws before its forward
+        # (masking, noise) would otherwise resume one step's draws ahead.
+        self._step_end_rng = rng_state()
         self.last_disk_step: int | None = None
         self.disk_saves = 0
         self.restores = {"memory": 0, "disk": 0}
@@ -150,6 +162,7 @@ class Recovery:
             return
         info, state_dict = loaded
         self._apply_disk_state(info, state_dict, full=True)
+        self._step_end_rng = rng_state()  # the checkpoint's: what the next snapshot must record
         self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path})",
                                    {"step": info.step, "path": str(info.path)})
 
@@ -164,12 +177,12 @@ class Recovery:
             self._carry_out(pending)
         elif self.capture_due:
             self.capture_due = False
-            self.candidate = capture(self.engine.step, self.state, self._arc_extra())
+            self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng)
             self._size_ring(self.candidate.nbytes)
 
     def _arc_extra(self) -> dict[str, Any]:
         return {"data_position": self.engine.data_position, "monitors": self.engine.monitor_state_dict(),
-                "step": self.engine.step}
+                "step": self.engine.step, "iteration": self.engine.iteration}
 
     def _size_ring(self, local_bytes: int) -> None:
         if self._ring_sized:
@@ -233,6 +246,8 @@ class Recovery:
             self._plan_rollback(decision)
         elif decision is None or decision.applies_update:
             self.capture_due = self.controller.on_healthy_step() or self.capture_due
+            if self.capture_due:
+                self._step_end_rng = rng_state()
         else:
             self.controller.on_unhealthy_step()
 
@@ -324,6 +339,8 @@ class Recovery:
         if full:  # a restart: everything, including the counters a rollback keeps
             self.controller.load_state_dict(shared["controller"])
             self.engine.load_counters_state_dict(shared["engine"])
+            if "iteration" in shared["arc"]:  # the step attempt of the snapshot, not of the later save
+                self.engine.iteration = int(shared["arc"]["iteration"])
             self.engine.rewind(info.step, int(shared["arc"]["data_position"]))
             self.last_disk_step = info.step
             self.disk_saves = 1

@@ -78,11 +78,13 @@ class Snapshot:
         return tensor_bytes(self.tensors)
 
 
-def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None) -> Snapshot:
+def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
+            rng: dict[str, Any] | None = None) -> Snapshot:
     """Copy this rank's state to host memory. Local (no communication); returns once the copies are done (a
-    device-to-host copy synchronizes with the device)."""
+    device-to-host copy synchronizes with the device). ``rng``: the RNG states to record (default: now's)."""
     tensors = [t.detach().to("cpu", copy=True) for t in state.live_tensors()]
-    return Snapshot(step, tensors, to_host(state.extra_state()), rng_state(), to_host(extra or {}))
+    return Snapshot(step, tensors, to_host(state.extra_state()), rng if rng is not None else rng_state(),
+                    to_host(extra or {}))
 
 
 @torch.no_grad()
