@@ -1,6 +1,7 @@
-"""``arc-engine``: validate a config, print the defaults, run the demo.
+"""``arc-engine``: validate a config, print the defaults, run the demo, resend undelivered W&B alerts.
 
-Exit codes: 0 ok, 2 bad config or usage, 3 (EXIT_ABORT) the demo was stopped by arc_engine.
+Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts), 2 bad config or usage, 3 (EXIT_ABORT) the demo was
+stopped by arc_engine.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ def _demo(args: argparse.Namespace, extra: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _resend(args: argparse.Namespace) -> int:
+    """Send an ``undelivered_alerts.jsonl`` to W&B (``sinks.wandb`` of the config, the run ``arc-<run id>``)."""
+    from arc_engine.sinks.wandb_sink import resend_alerts
+
+    config = config_from_args(args)
+    run_id = args.run_id or config.run.run_id or args.file.resolve().parent.name
+    if not args.file.is_file():
+        print(f"arc-engine resend-alerts: {args.file}: no such file", file=sys.stderr)
+        return 2
+    try:
+        sent = resend_alerts(args.file, config.sinks.wandb, run_id)
+    except Exception as err:
+        print(f"arc-engine resend-alerts: W&B could not be reached ({type(err).__name__}: {err}); nothing was "
+              f"removed, run it again later", file=sys.stderr)
+        return 1
+    done = args.file.with_name(args.file.name + ".sent")
+    args.file.replace(done)
+    print(f"{sent} alert(s) sent to W&B run arc-{run_id}; {args.file} moved to {done}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arc_args(show)
     demo = sub.add_parser("demo", help="run the demo job (torchrun, gloo, CPU); extra args go to the trainer")
     demo.add_argument("--nproc", type=int, default=2)
+    resend = sub.add_parser("resend-alerts", help="send a run's undelivered_alerts.jsonl to W&B (exit 1: W&B "
+                            "still unreachable, nothing removed)", allow_abbrev=False)
+    resend.add_argument("file", type=Path)
+    resend.add_argument("--run-id", default=None, help="the arc run id (default: run.run_id, else the file's "
+                        "directory name)")
+    add_arc_args(resend)
     return parser
 
 
@@ -62,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "resend-alerts":
+        return _resend(args)
     if args.command == "validate-config":
         args.arc_overrides = args.overrides
         return _validate(args)

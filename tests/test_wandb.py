@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -326,7 +328,8 @@ def _train_with_failing_sinks(rank: int, world: int, run_dir: Path, steps: int) 
     summary = arc.summary()
     arc.close()
     return {"steps": summary["steps"], "skipped": summary["skipped_steps"], "failed": wandb_sink.failed,
-            "logs": records, "train_s": train_s, "disabled": sorted(arc.engine.sinks.disabled)}
+            "logs": records, "train_s": train_s, "disabled": sorted(arc.engine.sinks.disabled),
+            "undelivered_path": str(wandb_sink.undelivered_path), "undelivered": wandb_sink.undelivered}
 
 
 def test_wandb_init_raising_and_a_throwing_sink_leave_training_running(tmp_path: Path) -> None:
@@ -339,6 +342,21 @@ def test_wandb_init_raising_and_a_throwing_sink_leave_training_running(tmp_path:
     assert FAKE_KEY not in logs and FAKE_KEY not in result["failed"]
     events = (tmp_path / "test" / "events.jsonl").read_text()
     assert FAKE_KEY not in events and json.loads(events.splitlines()[-1])["detector"] == "summary"
+    # nothing lost at close: the NaN alert W&B never got is kept, the close says how many, and it can be resent
+    kept = tmp_path / "test" / "undelivered_alerts.jsonl"
+    assert result["undelivered_path"] == str(kept) and result["undelivered"] >= 1
+    records = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert [r["event"]["detector"] for r in records if r["level"] == "ERROR"][:1] == ["non_finite"]
+    assert any(f"{result['undelivered']} alert(s) were not delivered to W&B" in line for line in result["logs"])
+    resend = subprocess.run([sys.executable, "-m", "arc_engine", "resend-alerts", str(kept), "--run-id", "test",
+                             "--arc.sinks.wandb.mode=offline", f"--arc.sinks.wandb.dir={tmp_path / 'resent'}"],
+                            capture_output=True, text=True, timeout=300,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("WANDB_")})
+    assert resend.returncode == 0, resend.stderr
+    assert f"{len(records)} alert(s) sent to W&B run arc-test" in resend.stdout
+    sent = alerts(_wandb_log(tmp_path / "resent"))
+    assert [a["title"] for a in sent] == [f"[resent] {r['title']}" for r in records]
+    assert not kept.exists() and kept.with_name(kept.name + ".sent").exists()
 
 
 def test_a_stalled_rank_triggers_the_watchdog_alert_and_stack_dumps(tmp_path: Path) -> None:

@@ -14,13 +14,17 @@ the same arc run id the same W&B run continues, and W&B's own step keeps increas
   row of the script's next own ``log`` call and never move its step.
 
 Any W&B failure (missing package, ``wandb.init`` raising or timing out, no network, a bad key, rate limits) is
-logged once, without secrets (:func:`~arc_engine.sinks.alerts.redact`); the sink then drops its items and
-training goes on. ``close`` flushes pending summaries and waits at most ``close_timeout_s``.
+logged once, without secrets (:func:`~arc_engine.sinks.alerts.redact`); the sink then drops its metrics and
+training goes on. Alerts are not lost: every alert that could not be sent (W&B failed, the queue was full, the
+close timed out with it still queued) is kept, and ``close`` writes them to
+``<run_dir>/<run_id>/undelivered_alerts.jsonl`` and says how many there are; ``arc-engine resend-alerts FILE``
+sends them once W&B is reachable. ``close`` flushes pending summaries and waits at most ``close_timeout_s``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import queue
 import re
@@ -28,15 +32,38 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from arc_engine.config.schema import WandbSinkConfig
-from arc_engine.events import Event, Severity
-from arc_engine.sinks.alerts import AlertLimiter, Outgoing, redact
+from arc_engine.events import Event, Severity, json_safe
+from arc_engine.sinks.alerts import AlertLimiter, Outgoing, alert_level, alert_text, alert_title, redact
 
 log = logging.getLogger("arc_engine.sinks.wandb")
 
 _STOP = object()
+#: Alerts W&B did not get, one JSON object per line (title, level, text, the event), in the run directory.
+UNDELIVERED_FILE = "undelivered_alerts.jsonl"
+
+
+def resend_alerts(path: Path, config: WandbSinkConfig, run_id: str) -> int:
+    """Send the alerts of an ``undelivered_alerts.jsonl`` to W&B (the run ``arc-<run id>``, resumed); returns how
+    many were sent. Raises on a W&B failure (nothing is removed: run it again)."""
+    import wandb
+
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records:
+        return 0
+    run = wandb.init(project=config.project, entity=config.entity, mode=config.mode, dir=config.dir,
+                     id=wandb_run_id(run_id), resume="allow",
+                     settings=wandb.Settings(init_timeout=config.init_timeout_s, console="off"))
+    try:
+        for record in records:
+            run.alert(title=f"[resent] {record['title']}", text=record["text"], level=record["level"],
+                      wait_duration=0)
+    finally:
+        run.finish()
+    return len(records)
 
 
 def wandb_run_id(run_id: str) -> str:
@@ -76,6 +103,9 @@ class WandbSink:
         self.reused = False
         self.run: Any | None = None
         self._closed = False
+        self._undelivered: list[dict[str, Any]] = []  # alerts W&B did not get (written at close)
+        self._undelivered_lock = threading.Lock()
+        self.undelivered_path: Path | None = None
         if importlib.util.find_spec("wandb") is None:
             self.failed = "the wandb package is not installed (pip install 'arc_engine[wandb]')"
             log.warning("arc_engine W&B sink disabled: %s; training continues without W&B", self.failed)
@@ -86,7 +116,10 @@ class WandbSink:
 
     def emit(self, event: Event) -> None:
         if event.severity >= self.min_severity:
-            self._put(("alert", event))
+            if self.failed is not None and not self._closed:
+                self._keep(event)
+            else:
+                self._put(("alert", event))
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._put(("metrics", step, dict(metrics)))
@@ -105,6 +138,49 @@ class WandbSink:
         if self._thread.is_alive():
             log.warning("arc_engine W&B sink: W&B did not finish within %.0f s; not waiting longer",
                         self.config.close_timeout_s)
+            self._drain()
+        self._write_undelivered()
+
+    @property
+    def undelivered(self) -> int:
+        """Alerts W&B did not get so far."""
+        with self._undelivered_lock:
+            return len(self._undelivered)
+
+    def _keep(self, event: Event) -> None:
+        record = {"title": alert_title(event, self.limiter.locations), "level": alert_level(event.severity),
+                  "text": alert_text(event, self.limiter.locations, self.run_dir), "event": event.to_dict()}
+        with self._undelivered_lock:
+            self._undelivered.append(record)
+
+    def _drain(self) -> None:
+        """The alerts still queued when the thread is gone or stuck (close)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple) and item[0] == "alert":
+                self._keep(item[1])
+
+    def _write_undelivered(self) -> None:
+        with self._undelivered_lock:
+            records = list(self._undelivered)
+        if not records:
+            return
+        path = Path(self.run_dir) / UNDELIVERED_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as out:
+                for record in records:
+                    out.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
+            self.undelivered_path = path
+            where = f"kept in {path} (send them with `arc-engine resend-alerts {path}`)"
+        except OSError as err:
+            where = f"and could not be kept ({err})"
+        message = f"arc_engine W&B sink: {len(records)} alert(s) were not delivered to W&B; {where}"
+        log.warning(message)
+        print(f"[arc] {message}", file=sys.stderr)
 
     def _put(self, item: tuple) -> None:
         if self._closed or self.failed is not None:
@@ -113,6 +189,8 @@ class WandbSink:
             self.queue.put_nowait(item)
         except queue.Full:
             self.dropped += 1
+            if item[0] == "alert":
+                self._keep(item[1])
             if self.dropped == 1:
                 log.warning("arc_engine W&B sink: queue full (%d items; W&B is slow or unreachable): dropping "
                             "items, training continues", self.config.queue_size)
@@ -131,7 +209,10 @@ class WandbSink:
                 self._guard(self._finish)
                 return
             if item is not None:
-                self._guard(self._handle, item)
+                if self.failed is not None and item[0] == "alert":
+                    self._keep(item[1])  # W&B is gone: keep it for a resend
+                else:
+                    self._guard(self._handle, item)
             self._guard(self._flush, False)
 
     def _guard(self, function: Callable[..., None], *args: Any) -> None:
@@ -147,7 +228,11 @@ class WandbSink:
         if item[0] == "alert":
             outgoing = self.limiter.offer(item[1], self.clock())
             if outgoing is not None:
-                self._send(outgoing)
+                try:
+                    self._send(outgoing)
+                except Exception:
+                    self._keep(item[1])
+                    raise
         else:
             _, step, metrics = item
             self._log(step, metrics)
