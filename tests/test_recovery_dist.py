@@ -282,3 +282,73 @@ def _attach_with_local_dir(rank: int, world: int, run_dir: Path) -> str:
 def test_a_checkpoint_dir_not_shared_by_every_rank_is_refused(tmp_path: Path) -> None:
     messages = run_ranks(_attach_with_local_dir, 2, tmp_path)
     assert all("is not shared: ranks [1]" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------ checkpoint I/O failures are events
+
+def _attach_and_train(rank: int, world: int, config: ArcConfig, steps: int, fail_checksum_at: int | None = None
+                      ) -> Any:
+    """A DDP job for ``steps`` steps; ``fail_checksum_at``: on rank 1, the checksum of that step's shard raises
+    (a disk error in the middle of a save: DCP has written its shards, the rank cannot report them)."""
+    if fail_checksum_at is not None and rank == 1:
+        import arc_engine.recovery.checkpoint as checkpoint
+
+        original = checkpoint.file_checksum
+
+        def failing(path: Path) -> Any:
+            if f"step_{fail_checksum_at:08d}" in str(path):
+                raise OSError(28, "No space left on device", str(path))
+            return original(path)
+
+        checkpoint.file_checksum = failing
+    try:
+        job, data = make_job("ddp", config, rank, world)
+    except ValueError as err:
+        return str(err)
+    return train(job, data, rank, steps)["summary"]
+
+
+def test_an_unwritable_checkpoint_dir_is_one_clear_error_or_with_continue_an_event(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={blocker / 'ckpt'}"]
+    errors = run_ranks(_attach_and_train, 2, recovery_config(tmp_path / "a", *disk), 8)
+    for error in errors:  # every rank, one line, no traceback
+        assert isinstance(error, str) and "recovery.checkpoint.dir" in error and "is not writable" in error, error
+        assert "\n" not in error and "on_error: continue" in error
+    summaries = run_ranks(_attach_and_train, 2, recovery_config(tmp_path / "b", *disk,
+                                                                "recovery.checkpoint.on_error=continue"), 8)
+    assert all(s["steps"] == 8 and s["recovery"]["checkpoint_saves"] == {} for s in summaries)
+    disabled = [e for e in events(tmp_path / "b") if e.get("action") == "checkpoint_disabled"]
+    assert disabled and disabled[0]["severity"] == "error" and "not writable" in disabled[0]["message"]
+
+
+def test_a_save_failing_mid_run_is_an_event_counted_and_cleaned_up(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={ckpt}"]
+    summaries = run_ranks(_attach_and_train, 2, recovery_config(tmp_path / "a", *disk), 18, 10)
+    saves = summaries[0]["recovery"]["checkpoint_saves"]  # rank 0 commits: it knows which saves committed
+    # (the summary is taken before close drains the last save: step 15 may still be in flight then)
+    assert saves["started"] == 3 and saves["failed"] == 1 and saves["committed"] in (1, 2), saves
+    assert summaries[1]["recovery"]["checkpoint_saves"]["failed"] == 1
+    assert not (ckpt / "step_00000010").exists()  # the partial shards and reports are gone
+    assert (ckpt / "step_00000005" / "COMMITTED.json").exists()
+    assert (ckpt / "step_00000015" / "COMMITTED.json").exists()
+    failed = [e for e in events(tmp_path / "a") if e.get("action") == "checkpoint_failed"]
+    assert failed and failed[0]["severity"] == "error" and failed[0]["values"]["step"] == 10
+    assert "No space left on device" in failed[0]["message"] and "its files were removed" in failed[0]["message"]
+
+
+def test_a_fallback_at_resume_is_an_event_naming_the_skipped_checkpoint(tmp_path: Path) -> None:
+    disk = ["recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={tmp_path / 'ckpt'}"]
+    run_ranks(_resume_run, 2, "ddp", recovery_config(tmp_path / "a", *disk), 18)  # commits 5, 10, 15
+    shard = sorted((tmp_path / "ckpt" / "step_00000015").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated on disk
+    second = run_ranks(_resume_run, 2, "ddp", recovery_config(tmp_path / "b", *disk), 12)
+    assert [r["resumed_at"] for r in second] == [10, 10]
+    found = events(tmp_path / "b")
+    fallback = [e for e in found if e.get("action") == "checkpoint_fallback"]
+    assert fallback and fallback[0]["severity"] == "error" and fallback[0]["values"]["step"] == 15
+    assert shard.name in fallback[0]["message"]
+    resume = next(e for e in found if e["detector"] == "resume")
+    assert resume["values"]["step"] == 10 and any(shard.name in problem for problem in resume["values"]["skipped"])

@@ -122,7 +122,8 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | Path, *, keep_last: int = 3, process_group: dist.ProcessGroup | None = None,
-                 commit_timeout_s: float = 600.0, disk_format: DiskFormat | None = None) -> None:
+                 commit_timeout_s: float = 600.0, disk_format: DiskFormat | None = None,
+                 on_event: Callable[[str, str, dict[str, Any]], None] | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         if commit_timeout_s <= 0:
@@ -148,6 +149,9 @@ class CheckpointManager:
         self.last_staged_bytes = 0  # tensor bytes the last save_async copied on this rank
         self.last_save_error: BaseException | None = None
         self.last_load_errors: list[str] = []
+        # what happened to the saves this rank started (rank 0 alone knows which committed)
+        self.saves = {"started": 0, "committed": 0, "failed": 0}
+        self.on_event = on_event  # (what, message, values): a failed save, cleanup or fallback, for the sinks
         self._atexit_hook = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit_hook)
 
@@ -207,6 +211,7 @@ class CheckpointManager:
                                 planner=planner, process_group=self._group, async_stager=AlreadyStaged(),
                                 no_dist=self._group is None)
         self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload)
+        self.saves["started"] += 1
         self._jobs.put(self._job)
         self.last_stall_s = time.perf_counter() - started
 
@@ -236,9 +241,31 @@ class CheckpointManager:
             save_id = self._report(job, deadline)
             if self.rank == 0:
                 self._commit(job, save_id, deadline)
+                self.saves["committed"] += 1
         except BaseException as err:
             self.last_save_error = err
-            logger.error("checkpoint %s: save of step %d failed, not committed: %s", job.step_dir, job.step, err)
+            self.saves["failed"] += 1
+            reason = _first_lines(f"{type(err).__name__}: {err}", 400)
+            logger.error("checkpoint %s: save of step %d failed, not committed: %s", job.step_dir, job.step, reason)
+            cleanup = ""
+            if self.rank == 0:  # the partial shards and the ranks' checksum reports go; the previous commit stays
+                try:
+                    remove_checkpoint(job.step_dir)
+                    cleanup = "; its files were removed"
+                except OSError as clean_err:
+                    cleanup = f"; removing its files failed too: {clean_err}"
+            self._emit("checkpoint_failed", f"checkpoint of step {job.step} failed on rank {self.rank}, not "
+                       f"committed ({reason}){cleanup}; the newest committed checkpoint stays the one to load",
+                       {"step": job.step, "path": str(job.step_dir), "reason": reason, "rank": self.rank,
+                        "saves": dict(self.saves)})
+
+    def _emit(self, what: str, message: str, values: dict[str, Any]) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(what, message, values)
+        except Exception as err:  # reporting must never break a save or a load
+            logger.warning("checkpoint %s: reporting %s failed: %s", self.root, what, err)
 
     def _report(self, job: _SaveJob, deadline: float) -> str | None:
         """Wait for the upload, then write this rank's report; on failure report the error and re-raise."""
@@ -431,6 +458,9 @@ class CheckpointManager:
             for problem in problems:
                 logger.error("checkpoint of step %d unusable: %s; falling back to an older commit", info.step,
                              problem)
+        self._emit("checkpoint_fallback", f"checkpoint of step {info.step} ({info.path}) skipped: "
+                   f"{_first_lines('; '.join(problems), 400)}; trying an older commit",
+                   {"step": info.step, "path": str(info.path), "problems": problems})
 
 
 def _first_lines(text: str, limit: int = 800) -> str:

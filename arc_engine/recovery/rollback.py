@@ -105,10 +105,11 @@ class Recovery:
         ckpt = self.config.checkpoint
         if ckpt.enabled:
             root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
-            self._check_shared(root)
+            if not self._check_shared(root):
+                return  # recovery.checkpoint.on_error: continue -- the disk tier is off, the memory tier stays
             self.checkpoints = CheckpointManager(root, keep_last=ckpt.keep_last, process_group=self.group,
                                                  commit_timeout_s=ckpt.commit_timeout_s,
-                                                 disk_format=self._disk_format())
+                                                 disk_format=self._disk_format(), on_event=self._checkpoint_event)
             if ckpt.resume:
                 self._resume()
 
@@ -130,18 +131,34 @@ class Recovery:
                              "whole job (its saves and loads are collective over every rank); use dcp")
         return fmt
 
-    def _check_shared(self, root: Path) -> None:
-        """Collective: every rank must see the same checkpoint directory (DCP writes one directory from all ranks;
-        a node-local path would leave every commit waiting for shards it cannot see). Rank 0 writes a probe file,
-        every rank reads it back. Raises ValueError on every rank naming the ranks that cannot see it."""
-        if self.group is None:
-            return
-        token = [f"{self.engine.run_id}-{time.time_ns()}" if dist.get_rank(self.group) == 0 else None]
+    def _check_shared(self, root: Path) -> bool:
+        """Collective: the checkpoint directory must be writable, and every rank must see the same one (DCP writes
+        one directory from all ranks; a node-local path would leave every commit waiting for shards it cannot see).
+        Rank 0 writes a probe file, every rank reads it back. Raises ValueError on every rank, in one line, naming
+        the directory and the reason (not writable) or the ranks that cannot see it. A directory rank 0 cannot
+        write to, with ``checkpoint.on_error: continue``: an error event and False (the disk tier is off)."""
+        leader = self.group is None or dist.get_rank(self.group) == 0
         probe = root / ".arc_shared_probe"
-        if token[0] is not None:
-            root.mkdir(parents=True, exist_ok=True)
-            probe.write_text(token[0])
-        dist.broadcast_object_list(token, group_src=0, group=self.group)
+        token: list[str | None] = [f"{self.engine.run_id}-{time.time_ns()}" if leader else None]
+        if leader:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                probe.write_text(token[0] or "")
+            except OSError as err:
+                token[0] = f"!{err.strerror or type(err).__name__}" + (f": {err.filename}" if err.filename else "")
+        if self.group is not None:
+            dist.broadcast_object_list(token, group_src=0, group=self.group)
+        if token[0] is not None and token[0].startswith("!"):
+            reason = f"recovery.checkpoint.dir {root} is not writable ({token[0][1:]})"
+            if self.config.checkpoint.on_error == "continue":
+                self.engine.emit_action(self.engine.step, "checkpoint_disabled", Severity.ERROR,
+                                        f"{reason}: disk checkpoints are off for this run (on_error: continue); "
+                                        "rollbacks use the memory tier only", {"dir": str(root), "reason": reason})
+                return False
+            raise ValueError(f"arc_engine: {reason}; fix its permissions, choose another directory, or set "
+                             "recovery.checkpoint.on_error: continue to train without disk checkpoints")
+        if self.group is None:
+            return True
         seen = False
         for _ in range(20):  # bounded: network filesystems may show a new file after a moment
             seen = probe.exists() and probe.read_text() == token[0]
@@ -154,6 +171,12 @@ class Recovery:
         if blind:
             raise ValueError(f"arc_engine: recovery.checkpoint.dir {root} is not shared: ranks {blind} do not see "
                              "the file rank 0 wrote there; use a filesystem every rank sees (and the same path)")
+        return True
+
+    def _checkpoint_event(self, what: str, message: str, values: dict[str, Any]) -> None:
+        """A failed save, its cleanup or a fallback at load (from the checkpoint worker thread or a load): an
+        error event through every sink of this rank (W&B alert, console, JSONL)."""
+        self.engine.emit_action(int(values.get("step", self.engine.step)), what, Severity.ERROR, message, values)
 
     def _resume(self) -> None:
         assert self.checkpoints is not None
@@ -161,10 +184,12 @@ class Recovery:
         if loaded is None:
             return
         info, state_dict = loaded
+        skipped = list(self.checkpoints.last_load_errors)
         self._apply_disk_state(info, state_dict, full=True)
         self._step_end_rng = rng_state()  # the checkpoint's: what the next snapshot must record
-        self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path})",
-                                   {"step": info.step, "path": str(info.path)})
+        note = f"; {len(skipped)} newer checkpoint problem(s) skipped: {'; '.join(skipped)[:400]}" if skipped else ""
+        self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path}){note}",
+                                   {"step": info.step, "path": str(info.path), "skipped": skipped})
 
     # ------------------------------------------------------------------ step start
 
@@ -368,7 +393,8 @@ class Recovery:
     def summary(self) -> dict[str, Any]:
         return {"rollbacks": self.controller.rollbacks, "escapes": self.controller.total_escapes,
                 "restored_from_memory": self.restores["memory"], "restored_from_disk": self.restores["disk"],
-                "disk_saves": self.disk_saves, "ring_steps": self.ring.steps, "state": self.controller.state.value}
+                "disk_saves": self.disk_saves, "ring_steps": self.ring.steps, "state": self.controller.state.value,
+                "checkpoint_saves": dict(self.checkpoints.saves) if self.checkpoints is not None else {}}
 
     def close(self) -> None:
         """Drain the in-flight disk save (bounded) and release the store. Local, idempotent."""
