@@ -103,3 +103,16 @@ def default_store() -> Any | None:
         return _get_default_store()
     except Exception:  # an older / newer torch without it: the watchdog names no peers
         return None
+
+
+def new_gloo_group(what: str, timeout: Any, **kwargs: Any) -> dist.ProcessGroup:
+    """``dist.new_group(backend="gloo", timeout=timeout, **kwargs)`` (collective), its connection set-up bounded by
+    ``timeout``; a failure is one clear error naming the group and the usual cause under torchrun restarts."""
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout, **kwargs)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(
+            f"arc_engine: creating its {what} gloo group failed ({type(err).__name__}: {first[:300]}). After a "
+            "torchrun restart this is usually the rendezvous store shared across restarts: set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/torchrun.sh and launch/slurm.sbatch do)") from err

@@ -22,6 +22,10 @@
 #   RDZV_ID (arc)         job id shared by all nodes; workers see it as TORCHELASTIC_RUN_ID, which arc_engine
 #                         uses as its run id (run dir <run.run_dir>/<RDZV_ID>) unless run.run_id is set
 #   MAX_RESTARTS (0)      elastic restarts of the whole worker group after a worker fails
+#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE (1)  set here: each restart gets a fresh store for the workers' process
+#                         groups. With torch 2.13's default (the agent's rendezvous store shared across restarts)
+#                         a restart often fails in init_process_group or in later gloo groups ("Gloo
+#                         connectFullMesh failed ... Connection refused") or hangs; 1 made every try succeed.
 #   RDZV_CONF (unset)     extra rendezvous options, e.g. join_timeout=900 (c10d's default join timeout is 600 s)
 #   TORCHRUN_ARGS (unset) extra torchrun options, split on spaces, e.g. "--log_dir logs --redirects 3 --tee 3"
 #   PYTHON (python)       the interpreter of the training environment (runs torch.distributed.run)
@@ -71,6 +75,7 @@ if [ -z "${MASTER_ADDR:-}" ]; then
   MASTER_ADDR=127.0.0.1
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"  # restarts that work
 
 target=("$1")
 if [ "$1" = "-m" ]; then target=(--module "$2"); shift; fi

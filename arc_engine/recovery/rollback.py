@@ -98,10 +98,10 @@ class Recovery:
             timeout = timedelta(seconds=self.config.checkpoint.commit_timeout_s)
             ranks = dist.get_process_group_ranks(self.engine.group) if self.engine.group is not None else None
             if ranks is None or len(ranks) == dist.get_world_size():
-                self.group = dist.new_group(backend="gloo", timeout=timeout)
+                self.group = runtime.new_gloo_group("checkpoint", timeout)
             else:  # one of several data-parallel groups (e.g. beside tensor parallelism): only its members call
-                self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                                            use_local_synchronization=True)
+                self.group = runtime.new_gloo_group("checkpoint", timeout, ranks=ranks,
+                                                    use_local_synchronization=True)
         ckpt = self.config.checkpoint
         if ckpt.enabled:
             root = Path(ckpt.dir) if ckpt.dir else self.engine.run_dir / "checkpoints"
