@@ -15,8 +15,8 @@ collective releases the GIL while it waits), and a peer stuck elsewhere times ou
 **Who is stuck.** The training thread keeps a progress counter in a plain attribute: 4 x steps completed, plus
 the furthest point of the current step it reached (1: its first forward began, 2: it recorded a loss, i.e. its
 forward ran and its backward -- with the framework's gradient reduction -- is next, 3: it waits in the step's
-agreement). The watchdog thread publishes it to a :class:`ProgressBoard` (the job's c10d store) when it changes,
-at most once a wake-up. On a hang every rank reads the board: the ranks behind the
+agreement). The watchdog thread publishes it to a :class:`ProgressBoard` (the job's c10d store) when it changed,
+at most every ``min(5 s, timeout / 4)``. On a hang every rank reads the board: the ranks behind the
 others (the lowest progress) are the ones that stopped; the ranks ahead of them are waiting for them in a
 collective. A dead rank stops publishing and is behind too. Equal progress everywhere: no rank is ahead (a dead
 collective, or every rank stuck alike).
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -64,6 +65,8 @@ def format_stacks() -> str:
     return "\n".join(parts)
 
 
+#: The longest a rank's published progress lags its own (see :meth:`HangWatchdog._publish`).
+PUBLISH_EVERY_S = 5.0
 #: Points of a step the progress counter tells apart (see the module docstring).
 STEP_STARTED, LOSS_RECORDED, AGREEING, PHASES = 1, 2, 3, 4
 
@@ -134,6 +137,7 @@ class HangWatchdog:
         self.on_abort, self.exit = on_abort, exit
         self.progress = 0            # 2 x completed steps (+1 while waiting in the agreement); training thread
         self._published = -1
+        self._published_at = -math.inf
         self._timeouts = 0           # timeouts in a row in the current hang
         self.last_dump: Path | None = None
         self._last_beat = clock()
@@ -200,9 +204,9 @@ class HangWatchdog:
         while not self._stop.is_set():
             timeout = self.timeout_s
             self._stop.wait(max(0.05, min(1.0, timeout / 20)))
-            self._publish()
             with self._lock:
-                stalled = self.clock() - self._last_beat
+                now = self.clock()  # one read per poll (tests drive the clock by counting reads)
+                stalled = now - self._last_beat
                 timeouts = int(stalled // timeout) if self._pauses == 0 else 0
                 due = timeouts > self._timeouts
                 if due:
@@ -210,6 +214,7 @@ class HangWatchdog:
                     self._timeouts = timeouts
                     if first:
                         self._hung_since = self._last_beat
+            self._publish(now, timeout)
             if not due:
                 continue
             abort = self.config.action == "abort" and timeouts >= self.config.abort_after
@@ -219,11 +224,14 @@ class HangWatchdog:
                 self._abort()
                 return
 
-    def _publish(self) -> None:
+    def _publish(self, now: float, timeout: float) -> None:
+        """At most every ``min(5 s, timeout / 4)``: a hang is a state that lasts, so a value a few seconds old is
+        current when the watchdog fires, and thousands of ranks stay well under the store's capacity."""
         progress = self.progress
-        if self.board is not None and progress != self._published:
+        interval = min(PUBLISH_EVERY_S, timeout / 4)
+        if self.board is not None and progress != self._published and now - self._published_at >= interval:
             self.board.publish(self.rank, progress)
-            self._published = progress
+            self._published, self._published_at = progress, now
 
     def _abort(self) -> None:
         """Flush what can be flushed (bounded: a sink may hang too), then end the process."""
