@@ -419,9 +419,11 @@ class ArcEngine:
         """Report a lifecycle event (resume, checkpoint, ...) through this rank's sinks (:mod:`arc_engine.reporter`)."""
         self.reporter.lifecycle(self.step, self.iteration, what, message, values)
 
-    def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any]) -> None:
-        """Report an action taken by a subsystem (rollback, escape) for ``step``."""
-        self.reporter.emit(Event(self.run_id, step, "action", "recovery", severity, action, message, (), values,
+    def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any], *,
+                    detector: str = "recovery") -> None:
+        """Report an action taken by a subsystem (``recovery``: rollback, escape; ``checkpoint``: a failed save, a
+        fallback, the disk tier turned off) for ``step``."""
+        self.reporter.emit(Event(self.run_id, step, "action", detector, severity, action, message, (), values,
                                  iteration=self.iteration))
 
     def emit_finding(self, finding: Finding) -> None:

@@ -84,10 +84,14 @@ class ProgressBoard:
             self.store.set(f"{self.prefix}{rank}", str(progress))
 
     def read(self) -> dict[int, int]:
-        """{rank: progress} of the ranks that published (never blocks on a missing key)."""
+        """{rank: progress} of the ranks that published (never blocks on a missing key): one ``check`` and one
+        ``multi_get`` when every rank published, key by key only when some did not."""
+        keys = [f"{self.prefix}{rank}" for rank in range(self.world_size)]
+        with contextlib.suppress(Exception):
+            if self.store.check(keys):
+                return {rank: int(value) for rank, value in enumerate(self.store.multi_get(keys))}
         out = {}
-        for rank in range(self.world_size):
-            key = f"{self.prefix}{rank}"
+        for rank, key in enumerate(keys):
             with contextlib.suppress(Exception):
                 if self.store.check([key]):
                     out[rank] = int(self.store.get(key))

@@ -186,6 +186,9 @@ class DictStore:
     def get(self, key: str) -> bytes:
         return self.values[key].encode()
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
 
 def test_stuck_ranks_are_the_ones_behind() -> None:
     assert stuck_ranks({0: 19, 1: 17, 2: 19}, 3) == [1]  # rank 1 never reached step 5's agreement

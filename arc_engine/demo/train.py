@@ -99,9 +99,9 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
             print(f"[train] step {step:>4}/{args.steps}  loss {loss_value:.4f}  {per_step_ms:.1f} ms/step"
                   f"{applied}", flush=True)
     loss_value = float(loss.detach())
-    summary = arc.summary() if arc is not None else {}
     if arc is not None:
-        arc.close()
+        arc.close()  # drains the last disk save: the summary then counts what committed
+    summary = arc.summary() if arc is not None else {}
     if args.save_params is not None and rank == 0:
         module = model.module if isinstance(model, DistributedDataParallel) else model
         torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, args.save_params)
@@ -133,8 +133,9 @@ def print_report(config: ArcConfig, result: dict) -> None:
               f"learning rate x {values['lr_factor']:.3g}")
     if "recovery" in summary:
         recovery = summary["recovery"]
+        committed = recovery.get("checkpoint_saves", {}).get("committed", 0)
         print(f"recovery: {recovery['rollbacks']} rollback(s), {recovery['escapes']} escape(s), "
-              f"{recovery['disk_saves']} disk checkpoint(s) in {Path(summary['run_dir']) / 'checkpoints'}")
+              f"{committed} disk checkpoint(s) committed in {Path(summary['run_dir']) / 'checkpoints'}")
     print(f"events: {Path(summary['run_dir']) / config.sinks.jsonl.events_file}")
     print("==========================================================", flush=True)
 

@@ -153,7 +153,8 @@ class Recovery:
             if self.config.checkpoint.on_error == "continue":
                 self.engine.emit_action(self.engine.step, "checkpoint_disabled", Severity.ERROR,
                                         f"{reason}: disk checkpoints are off for this run (on_error: continue); "
-                                        "rollbacks use the memory tier only", {"dir": str(root), "reason": reason})
+                                        "rollbacks use the memory tier only", {"dir": str(root), "reason": reason},
+                                        detector="checkpoint")
                 return False
             raise ValueError(f"arc_engine: {reason}; fix its permissions, choose another directory, or set "
                              "recovery.checkpoint.on_error: continue to train without disk checkpoints")
@@ -176,7 +177,8 @@ class Recovery:
     def _checkpoint_event(self, what: str, message: str, values: dict[str, Any]) -> None:
         """A failed save, its cleanup or a fallback at load (from the checkpoint worker thread or a load): an
         error event through every sink of this rank (W&B alert, console, JSONL)."""
-        self.engine.emit_action(int(values.get("step", self.engine.step)), what, Severity.ERROR, message, values)
+        self.engine.emit_action(int(values.get("step", self.engine.step)), what, Severity.ERROR, message, values,
+                                detector="checkpoint")
 
     def _resume(self) -> None:
         assert self.checkpoints is not None
