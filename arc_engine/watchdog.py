@@ -206,10 +206,10 @@ class HangWatchdog:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            timeout = self.timeout_s
-            self._stop.wait(max(0.05, min(1.0, timeout / 20)))
+            self._stop.wait(max(0.05, min(1.0, self.timeout_s / 20)))
             with self._lock:
                 now = self.clock()  # one read per poll (tests drive the clock by counting reads)
+                timeout = self.timeout_s  # as of this reading: steps completed during the wait count
                 stalled = now - self._last_beat
                 timeouts = int(stalled // timeout) if self._pauses == 0 else 0
                 due = timeouts > self._timeouts
