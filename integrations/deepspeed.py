@@ -281,17 +281,19 @@ class ZeroAdapter:
         return self.hooks.local_grads if self.hooks is not None else None
 
     def check_config(self, config: ArcConfig) -> None:
-        if config.recovery.enabled and self.stage == 3:
-            raise ValueError("recovery.enabled: rollback and checkpoints of DeepSpeed ZeRO-3 are not supported yet "
-                             "(ZeRO-1/2, DDP and FSDP2 are); disable recovery or use ZeRO-2")
+        if config.recovery.enabled and self.stage == 3 and deepspeed_internals.offloads_parameters(self.zero):
+            raise ValueError("recovery.enabled: rollback and checkpoints of DeepSpeed ZeRO-3 with offload_param "
+                             "(parameter partitions on the CPU or NVMe) are not supported yet; keep the parameters "
+                             "on the device or disable recovery")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested
 
     def train_state(self) -> TrainState:
-        from arc_engine.integrations.deepspeed_state import ZeroTrainState
+        from arc_engine.integrations.deepspeed_state import Zero3TrainState, ZeroTrainState
 
-        return ZeroTrainState(self.ds_engine, rank=runtime.global_rank())
+        state_type = Zero3TrainState if self.stage == 3 else ZeroTrainState
+        return state_type(self.ds_engine, rank=runtime.global_rank())
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         """The step attempt: DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught

@@ -24,7 +24,10 @@ Why no public DeepSpeed API serves (DeepSpeed 0.19.8):
   has no setter for them other than loading a whole checkpoint from disk, so :func:`restore_engine_counters` and
   :func:`restore_loss_scaler` assign the public attributes DeepSpeed's own checkpoint loading assigns. They are the
   only assignments to a DeepSpeed object in ``integrations/`` (``tests/test_deepspeed_internals.py`` checks it);
-  nothing assigns to a private (underscore) attribute or replaces a method.
+  nothing assigns to a private (underscore) attribute or replaces a method. Under ZeRO-3 a restore also writes the
+  bit16 sub-group partitions from the fp32 masters and then runs what ZeRO-3's step runs after it updated them
+  (:func:`refresh_gathered_parameters`); a resume first creates the lazy optimizer state the checkpoint loads
+  into (:func:`materialize_sub_group_states`, one zero-learning-rate step per sub-group in ZeRO-3's own layout).
 
 The layouts read here change between DeepSpeed releases, so :func:`check_version` (called by ``attach_deepspeed``)
 refuses a version this module was not tested with.
@@ -256,6 +259,50 @@ def sub_group_pending_gradient(zero: Any, sub_group_id: int) -> list[torch.Tenso
 def param_partition_numel(param: torch.Tensor) -> int:
     """Elements of a ZeRO-3 parameter's partition on each rank (padding included)."""
     return int(param.partition_numel())
+
+
+def offloads_parameters(zero: Any) -> bool:
+    """Whether ZeRO-3 keeps the bit16 parameter partitions off the device (``offload_param``: CPU or NVMe)."""
+    return bool(getattr(zero, "offload_param", False))
+
+
+def sub_group_bit16_partitions(zero: Any) -> list[torch.Tensor]:
+    """This rank's flat bit16 partition of each sub-group: a view of the buffer every parameter's ``ds_tensor``
+    (its partition, which the forward all-gathers) lives in. Equal to the fp32 master partition cast to bit16
+    between steps (the step copies it over); the same tensor as the master when the model trains in fp32."""
+    return zero.fp16_partitioned_groups_flat
+
+
+@torch.no_grad()
+def materialize_sub_group_states(zero: Any) -> None:
+    """Create the torch optimizer's state of every sub-group partition that has none yet (it is created lazily
+    at the first step), so that a checkpoint can be loaded into it in place: one step per such sub-group with a
+    zero gradient and a learning rate of 0, laid out as ``DeepSpeedZeroOptimizer_Stage3._optimizer_step`` lays
+    it out (the owning parameter group holds just that partition, every other group nothing, then none again).
+    Leaves the partitions unchanged. Local. Call before any arc_engine step hook is registered."""
+    optimizer = wrapped_optimizer(zero)
+    for sub_group_id, partition in enumerate(sub_group_partitions(zero)):
+        if partition in optimizer.state:
+            continue
+        group = optimizer.param_groups[sub_group_owner(zero, sub_group_id)]
+        saved_grad, saved_lr, saved_params = partition.grad, group["lr"], group["params"]
+        partition.grad, group["lr"], group["params"] = torch.zeros_like(partition), 0.0, [partition]
+        try:
+            optimizer.step()
+        finally:
+            partition.grad, group["lr"], group["params"] = saved_grad, saved_lr, saved_params
+
+
+def refresh_gathered_parameters(zero: Any) -> None:
+    """After recovery wrote the sub-group partitions in place: what the end of ZeRO-3's own step does after it
+    updated them -- release every gathered parameter (its full copy is stale), re-gather the persistent ones
+    (small parameters ZeRO-3 keeps whole between steps) and drop ZeRO++'s secondary partitions. Collective over
+    ZeRO-3's parameter groups: every rank calls it together (a rollback, a resume and an escape are agreed)."""
+    zero.parameter_offload.partition_all_parameters()
+    persistent = zero.persistent_parameters
+    if persistent:
+        persistent[0].all_gather(persistent)
+    zero.invalidate_secondary_tensor()
 
 
 # ------------------------------------------------------------------ rollback: the only writes

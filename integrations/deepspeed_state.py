@@ -1,16 +1,25 @@
-"""DeepSpeed ZeRO-1/2 training state for recovery (:class:`arc_engine.recovery.state.TrainState`).
+"""DeepSpeed ZeRO training state for recovery (:class:`arc_engine.recovery.state.TrainState`), stages 1, 2 and 3.
 
-What one rank holds in DeepSpeed 0.19.8 (``deepspeed/runtime/zero/stage_1_and_2.py``): the module's bit16
-parameters (full copies: ZeRO-1/2 partition only the optimizer), per parameter group ``j`` the fp32 master
-partition ``single_partition_of_fp32_groups[j]`` and its Adam moments in the wrapped torch optimizer's state, the
-loss scaler, and on the engine the LR scheduler and the step/sample counters. Snapshots and checkpoints are taken
-between steps, when the bit16 parameters equal the fp32 masters (DeepSpeed re-gathers them at the end of each
-step), and restored there too; every tensor is written in place, so DeepSpeed's flat buffers and views stay valid.
+What one rank holds in DeepSpeed 0.19.8 under ZeRO-1/2 (``deepspeed/runtime/zero/stage_1_and_2.py``): the
+module's bit16 parameters (full copies: ZeRO-1/2 partition only the optimizer), per parameter group ``j`` the fp32
+master partition ``single_partition_of_fp32_groups[j]`` and its Adam moments in the wrapped torch optimizer's
+state, the loss scaler, and on the engine the LR scheduler and the step/sample counters. Snapshots and
+checkpoints are taken between steps, when the bit16 parameters equal the fp32 masters (DeepSpeed re-gathers them
+at the end of each step), and restored there too; every tensor is written in place, so DeepSpeed's flat buffers
+and views stay valid.
+
+Under ZeRO-3 (``stage3.py``) the module's parameters are partitioned too: between steps a parameter's full data
+is gone (only the small *persistent* ones stay gathered) and each rank holds, per sub-group ``i``, the flat bit16
+partition every parameter's ``ds_tensor`` is a view of, the flat fp32 master partition
+``fp32_partitioned_groups_flat[i]`` and its Adam moments. The state recovery saves is the fp32 partitions and the
+moments (plus the module's buffers, replicated, and the same python state as ZeRO-1/2); a restore writes them in
+place, casts the masters into the bit16 partitions as ZeRO-3's step does, and re-gathers the persistent
+parameters (:meth:`Zero3TrainState.load_extra_state`, collective: every rank restores together).
 
 The fp32 partitions and moments are rank-local: their checkpoint keys carry the rank, and a checkpoint loads only
 into a job with the same data-parallel size (``reshardable = False``; DeepSpeed's universal checkpoint is the tool
-for changing it). The bit16 parameters are replicated and written once. ZeRO's partitions, the loss scaler and the
-engine's counters are reached through :mod:`arc_engine.integrations.deepspeed_internals`.
+for changing it). The bit16 parameters of ZeRO-1/2 are replicated and written once. ZeRO's partitions, the loss
+scaler and the engine's counters are reached through :mod:`arc_engine.integrations.deepspeed_internals`.
 """
 
 from __future__ import annotations
@@ -85,3 +94,57 @@ class ZeroTrainState:
         for j, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
             partition_id = deepspeed_internals.partition_rank(self.zero, j)
             partition.copy_(deepspeed_internals.bit16_partition(self.zero, j, partition_id))
+
+
+class Zero3TrainState(ZeroTrainState):
+    """Recovery's view of a DeepSpeed engine running ZeRO stage 3 with the partitions on the device."""
+
+    def _partition_state(self) -> list[tuple[str, torch.Tensor]]:
+        named: list[tuple[str, torch.Tensor]] = []
+        for i, partition in enumerate(deepspeed_internals.sub_group_partitions(self.zero)):
+            named.append((f"fp32_{i}", partition))
+            state = self.torch_optimizer.state.get(partition, {})
+            named += [(f"state_{i}_{k}", state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        return named
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        buffers = list(self.ds_engine.module.buffers())
+        return [t.detach() for t in buffers + [t for _, t in self._partition_state()]]
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """The python state, then the bit16 partitions and the gathered parameters from the (restored) fp32
+        masters. Collective over ZeRO-3's parameter groups: called last in every restore, on every rank."""
+        super().load_extra_state(state)
+        self._refresh_bit16()
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        # A fresh engine (a resume) has no Adam moments yet: create them so the checkpoint loads into them.
+        deepspeed_internals.materialize_sub_group_states(self.zero)
+        buffers = {name: t.detach() for name, t in self.ds_engine.module.named_buffers()}
+        return {"model": buffers, f"zero_rank{self.rank}": {name: t.detach() for name, t in self._partition_state()}}
+
+    @torch.no_grad()
+    def _refresh_bit16(self) -> None:
+        bit16 = deepspeed_internals.sub_group_bit16_partitions(self.zero)
+        for target, master in zip(bit16, deepspeed_internals.sub_group_partitions(self.zero), strict=True):
+            if target is not master:  # the same tensor when the model trains in fp32
+                target.copy_(master)
+        deepspeed_internals.refresh_gathered_parameters(self.zero)
+
+    @torch.no_grad()
+    def perturb(self, scale: float, seed: int) -> None:
+        """Perturb each parameter's piece of this rank's fp32 partitions (padding excluded; noise drawn per rank,
+        the pieces differ), then refresh the bit16 partitions and the gathered parameters. Collective, like
+        :meth:`load_extra_state`."""
+        size = deepspeed_internals.param_partition_numel
+        pieces = []
+        for partition, params, paddings in zip(deepspeed_internals.sub_group_partitions(self.zero),
+                                               deepspeed_internals.sub_group_params(self.zero),
+                                               deepspeed_internals.sub_group_paddings(self.zero), strict=True):
+            offset = 0
+            for param, pad in zip(params, paddings, strict=True):
+                if param.requires_grad and size(param) > pad:
+                    pieces.append(partition.narrow(0, offset, size(param) - pad))
+                offset += size(param)
+        add_relative_noise(pieces, scale, seed + self.rank * 7919)
+        self._refresh_bit16()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -84,3 +85,26 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         others = "".join(f"\nrank {r} also failed: {errors[r].splitlines()[0]}" for r in sorted(errors) if r != rank)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}{others}")
     return [results[r] for r in range(world)]
+
+
+def run_ranks_to_exit(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
+                      collective_timeout_s: float = 60.0) -> list[int | None]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that are expected to die (e.g. SIGKILL
+    themselves); return their exit codes by rank (None: still running at ``timeout_s``, then killed)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    codes: list[int | None] = []
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        codes.append(proc.exitcode)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+    return codes

@@ -93,19 +93,25 @@ def make_job(backend: str, config: ArcConfig | None, rank: int, world: int) -> t
         return ddp_job(config)
     if backend == "fsdp":
         return fsdp_job(config)
+    if backend in ("zero3", "zero3-fp32"):
+        from tests.test_deepspeed_zero3_recovery_dist import zero3_job
+
+        return zero3_job(config, rank, world, bf16=backend == "zero3")
     return zero2_job(config, rank, world)
 
 
 def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = None,
-          draw_before_forward: bool = False) -> dict[str, Any]:
+          draw_before_forward: bool = False, at_step_start: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Train until ``steps`` optimizer steps are done, batches from the data position (arc's when attached). Each
     step draws from the torch RNG, so a replay is bitwise only if the RNG was restored; after its forward, or with
     ``draw_before_forward`` before it (as a loop that masks or augments its batch does). ``record_at``: also return
-    the parameters at the start of that step (first visit)."""
+    the parameters at the start of that step (first visit). ``at_step_start(arc)``: called before each attempt."""
     arc, iteration, losses, params_at = job.arc, 0, [], None
     try:
         while (arc.step if arc is not None else iteration) < steps:
             assert iteration < 4 * steps + 50, "the run does not terminate"
+            if at_step_start is not None:
+                at_step_start(arc)
             if params_at is None and arc is not None and arc.step == record_at:
                 params_at = [p.clone() for p in job.params()]
             position = arc.data_position if arc is not None else iteration

@@ -90,7 +90,8 @@ def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
 @torch.no_grad()
 def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
     """Put ``snapshot`` back in place: every state tensor, the framework state, the RNG. Returns a copy of its
-    ``extra``; the snapshot itself stays intact. Local. Raises RuntimeError when the live state no longer has the
+    ``extra``; the snapshot itself stays intact. Local, but for ``state.load_extra_state`` (collective for some
+    backends: call on every rank together). Raises RuntimeError when the live state no longer has the
     snapshot's structure (e.g. the optimizer re-created its state tensors with other shapes)."""
     live = state.live_tensors()
     if _signature(live) != _signature(snapshot.tensors):

@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor
 
 
 class TrainState(Protocol):
-    """One rank's training state as recovery sees it. Every method is local (no communication) unless noted."""
+    """One rank's training state as recovery sees it. Every method is local (no communication) unless noted;
+    ``load_extra_state`` and ``perturb`` may be collective over the data-parallel group (ZeRO-3 re-gathers the
+    parameters it keeps whole), so recovery calls them on every rank together, as every restore is agreed."""
 
     #: whether torch.distributed.checkpoint can load this state into a job of another world size
     reshardable: bool
