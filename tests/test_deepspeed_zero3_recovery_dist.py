@@ -33,8 +33,8 @@ PERSISTENCE = 100  # elements: layer norms and biases stay gathered between step
 
 
 def zero3_job(config: ArcConfig | None, rank: int, world: int, bf16: bool = True) -> tuple[Job, Any]:
-    """The ZeRO-3 job (``bf16=False``: the model trains in fp32, and each fp32 master partition is the bit16
-    partition itself)."""
+    """The ZeRO-3 job with DeepSpeed's warm-up LR scheduler (``bf16=False``: the model trains in fp32, and each fp32
+    master partition is the bit16 partition itself)."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
@@ -43,7 +43,9 @@ def zero3_job(config: ArcConfig | None, rank: int, world: int, bf16: bool = True
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10_000,
-                 "bf16": {"enabled": bf16},
+                 "bf16": {"enabled": bf16},  # a warm-up schedule: the learning rate differs at every step
+                 "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                              "warmup_num_steps": 40}},
                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     arc = None
