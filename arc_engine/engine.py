@@ -35,6 +35,7 @@ from arc_engine.monitors.family import (
     section_of,
 )
 from arc_engine.monitors.registry import families
+from arc_engine.own_work import OwnWork
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
 from arc_engine.recovery.state import TrainState
 from arc_engine.reporter import Reporter
@@ -80,6 +81,9 @@ class ArcEngine:
         self.layout = StatLayout()
         for name, size, reduce in names.adapter_statistics(len(self.group_names), shard_reduce):
             self.layout.add(name, size, reduce)
+        device = stats_device(group, config.stats.device)
+        # stats.own_work: the engine's entry points and the families' producers timed as pieces (unchanged when off)
+        self.own_work = OwnWork(config.stats.own_work, device)
         self.families: list[tuple[MonitorFamily, FamilyContext]] = []
         self.monitors: list[Monitor] = []
         self.producers: list[Producer] = []
@@ -95,9 +99,10 @@ class ArcEngine:
                 if producer.hook not in HOOKS:
                     raise ValueError(f"monitor family {family.name!r}: producer hook {producer.hook!r} is not one "
                                      f"of {list(HOOKS)}")
-                self.producers.append(producer)
+                self.producers.append(dataclasses.replace(
+                    producer, write=self.own_work.wrap(f"{family.name}.producer", producer.write)))
         self.policy = DecisionPolicy(config.policy)
-        self.pipeline = StatsPipeline(self.layout, group, stats_device(group, config.stats.device))
+        self.pipeline = StatsPipeline(self.layout, group, device)
         self.reporter = Reporter(config, self.rank, sinks)
         self.buffer: StatBuffer | None = None
         self.run_id = ""
@@ -120,6 +125,8 @@ class ArcEngine:
         self.framework_skipped_steps = 0
         self._closed = False
         self.watchdog: HangWatchdog | None = None
+        for piece in ("on_step_start", "record_loss", "decide", "finish_step", "skip_by_framework"):
+            setattr(self, piece, self.own_work.wrap(piece, getattr(self, piece)))
 
     # ------------------------------------------------------------------ setup
 
@@ -302,7 +309,8 @@ class ArcEngine:
                 prepare(self.buffer)
         if self.watchdog is not None:  # a peer's hang report shows this rank as waiting for the others
             self.watchdog.reached(AGREEING)
-        return self.pipeline.agree(self.buffer)
+        with self.own_work.section("agree"):
+            return self.pipeline.agree(self.buffer)
 
     def _regather(self) -> AgreedStats:
         """Collective: after a correction of the reduced gradient, re-record the reduced statistics (keeping the
@@ -369,6 +377,7 @@ class ArcEngine:
             self.recovery.on_step_end(decision)
         if self.watchdog is not None:
             self.watchdog.heartbeat()
+        self.own_work.end_step()
 
     def step_lr_factor(self) -> float:
         """What the integrations multiply this step's learning rate by (and undo after the step): recovery's
@@ -439,6 +448,10 @@ class ArcEngine:
                    "run_dir": str(self.run_dir)}
         if self.recovery is not None:
             summary["recovery"] = self.recovery.summary()
+        if self.own_work.enabled:
+            report = self.own_work.report()
+            summary["own_work"] = {"host_ms": report.host_ms, "device_ms": report.device_ms,
+                                   "step_ms": report.step_ms, "fraction": report.fraction, "pieces": report.pieces}
         return summary
 
     def close(self) -> None:

@@ -148,7 +148,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             accumulate_grad_stats(engine.buffer, share, share_index, names.GRAD_SQ)
         return reduced
 
-    return future.then(finish)
+    return future.then(engine.own_work.wrap("ddp.reduced_stats", finish))
 
 
 def mean_allreduce(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
@@ -179,7 +179,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     sdc = engine.config.detectors.sdc
     if sdc.enabled and sdc.recompute.enabled:
         state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
-    model.register_comm_hook(state, stats_allreduce_hook)
+    model.register_comm_hook(state, engine.own_work.wrap("ddp.comm_hook", stats_allreduce_hook))
     return state
 
 

@@ -316,8 +316,9 @@ class ZeroAdapter:
             target = ZeroGradientTarget(engine, self.ds_engine, hooks.stats, param_groups)
             hooks.recompute_target = target
             engine.use_recompute(SDCRecompute(engine, sdc.recompute, gate, target, recompute_fn), target.record_stats)
-        handles = [self.torch_optimizer.register_step_pre_hook(hooks.pre_step),
-                   self.torch_optimizer.register_step_post_hook(hooks.post_step)]
+        timed = engine.own_work.wrap
+        handles = [self.torch_optimizer.register_step_pre_hook(timed("deepspeed.pre_step", hooks.pre_step)),
+                   self.torch_optimizer.register_step_post_hook(timed("deepspeed.post_step", hooks.post_step))]
         return [*(h.remove for h in handles), local_grads.remove]
 
     def framework_skip_pending(self) -> bool:

@@ -110,10 +110,13 @@ class LocalGradHooks:
             self._position = {id(p): i for i, p in enumerate(self.params)}
             if deepspeed_internals.reduces_in_gradient_hooks(zero):
                 self.source = "buckets"
-                self.handles = [param.register_hook(self._bucket_hook(i)) for i, param in enumerate(self.params)]
+                timed = engine.own_work.wrap
+                self.handles = [param.register_hook(timed("deepspeed.grad_hook", self._bucket_hook(i)))
+                                for i, param in enumerate(self.params)]
             else:
                 self.source = "accumulated"
-            zero.register_grad_acc_post_hook(_weak_callback(self._after_backward))
+            zero.register_grad_acc_post_hook(
+                engine.own_work.wrap("deepspeed.after_backward", _weak_callback(self._after_backward)))
         else:
             self._register_tensor_hooks()
 
@@ -123,7 +126,8 @@ class LocalGradHooks:
         return self._zero is not None
 
     def _register_tensor_hooks(self) -> None:
-        self.handles = [param.register_hook(self._hook(i)) for i, param in enumerate(self.params)]
+        timed = self.engine.own_work.wrap
+        self.handles = [param.register_hook(timed("grad_hook", self._hook(i))) for i, param in enumerate(self.params)]
 
     def _watching(self) -> bool:
         engine = self.engine

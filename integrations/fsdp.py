@@ -186,14 +186,17 @@ class FSDPAdapter:
         from arc_engine.integrations.torch_optim import register_optimizer_hooks
 
         producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats)
-        handles = [p.register_post_accumulate_grad_hook(producer.on_reduced_grad) for p in self.sharded]
+        timed = engine.own_work.wrap
+        on_reduced_grad = timed("fsdp.reduced_grad", producer.on_reduced_grad)
+        handles = [p.register_post_accumulate_grad_hook(on_reduced_grad) for p in self.sharded]
         for module in self.model.modules():
             if self.pre_reduce_stats and isinstance(module, FSDPModule):
                 index_by_name = {n: producer.position[id(p)] for n, p in module.named_parameters()
                                  if id(p) in producer.position}
-                handles.append(module.register_forward_pre_hook(functools.partial(producer.hook_unsharded,
-                                                                                  index_by_name)))
-        handles.append(self.optimizer.register_step_pre_hook(producer.flush))  # before the deciding pre-hook
+                hook = timed("fsdp.unsharded", functools.partial(producer.hook_unsharded, index_by_name))
+                handles.append(module.register_forward_pre_hook(hook))
+        # before the deciding pre-hook
+        handles.append(self.optimizer.register_step_pre_hook(timed("fsdp.flush", producer.flush)))
         hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=True,
                                          local_shards=True)
         return [producer.remove_hooks, *(h.remove for h in handles), hooks.remove]

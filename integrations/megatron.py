@@ -259,9 +259,11 @@ class MegatronAdapter:
             self._recompute_target = target
             engine.use_recompute(SDCRecompute(engine, sdc.recompute, self._gate, target, recompute_fn),
                                  target.record_stats)
-        removers += [mi.wrap_start_grad_sync(ref, self._local_stats) for ref in mi.bucket_groups(self.chunks)]
-        removers.append(mi.found_inf_skips(self.optimizer)(self._decide))
-        removers.append(mi.after_step(self.optimizer, self._after_step))
+        timed = engine.own_work.wrap
+        local_stats = timed("megatron.bucket_stats", self._local_stats)
+        removers += [mi.wrap_start_grad_sync(ref, local_stats) for ref in mi.bucket_groups(self.chunks)]
+        removers.append(mi.found_inf_skips(self.optimizer)(timed("megatron.decide", self._decide)))
+        removers.append(mi.after_step(self.optimizer, timed("megatron.after_step", self._after_step)))
         return removers
 
     # ------------------------------------------------------------------------------------- per step

@@ -107,5 +107,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             restore_learning_rates(opt.param_groups, saved_lrs.pop())
         engine.finish_step()
 
-    handles = [optimizer.register_step_pre_hook(pre_step), optimizer.register_step_post_hook(post_step)]
+    timed = engine.own_work.wrap
+    handles = [optimizer.register_step_pre_hook(timed("optimizer.pre_step", pre_step)),
+               optimizer.register_step_post_hook(timed("optimizer.post_step", post_step))]
     return OptimizerHooks(handles)

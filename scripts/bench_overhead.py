@@ -1,22 +1,33 @@
-"""Overhead of arc_engine's always-on monitoring on a training step, measured side by side.
+"""Overhead of arc_engine's always-on monitoring on a training step: its own work, and side by side.
 
     .venv/bin/python scripts/bench_overhead.py            # re-launches itself under torchrun, 2 ranks (gloo, CPU)
+    .venv/bin/python scripts/bench_overhead.py --model thin --backend ddp   # 316 tensors, >= 8 buckets
 
-Both variants -- the same GPT (4 layers, d_model 256, seq 256, micro-batch 8 per rank) under DeepSpeed ZeRO-2
-(default) or DDP, AdamW, gradient clipping 1.0, without and with arc_engine attached (default config plus any
-``--arc`` overrides) -- live in the same processes and alternate in blocks of steps, so machine noise hits both
-alike. A block is timed as a whole between two barriers (steady-state throughput: the ranks of a data-parallel job
-wait for each other once per step anyway, so a wait that only moves where the slower rank is waited for is not
-counted as overhead, and one that adds time is). Reported: the median over block pairs of the ratio of the two
-variants' mean step times in adjacent blocks (the headline), the ratio of the median block step times, and
+Three variants -- the same GPT (``--model standard``: 4 layers, d_model 256, 52 tensors; ``thin``: 26 layers,
+d_model 96, 316 tensors, 1 MB buckets; seq 256, micro-batch 8 per rank) under DeepSpeed ZeRO-2 (default) or DDP,
+AdamW, gradient clipping 1.0: without arc_engine, with it (default config plus any ``--arc`` overrides), and a
+second one without it (the A/A control) -- live in the same processes and take turns in blocks of steps, so machine
+noise hits them alike. A block spans every periodic schedule of the configuration (its length is their least
+common multiple: 10 steps by default, for the every-10th-step optimizer statistics), and is timed as a whole
+between two barriers (steady-state throughput: the ranks of a data-parallel job wait for each other once per step
+anyway, so a wait that only moves where the slower rank is waited for is not counted as overhead, and one that
+adds time is).
+
+Reported: arc_engine's *own work* (``stats.own_work``: the CPU time of each of its pieces per step, on the slowest
+rank, and as a fraction of the step), then for A/B and A/A the median over block pairs of the ratio of the mean
+step times in adjacent blocks, the 10% trimmed mean of those ratios and the ratio of mean step times, and
 arc_engine's collectives and host copies per monitored step (from the profiler: c10d ops with minus without
-arc_engine).
+arc_engine). The last two lines are ``arc_engine own work: X% of step`` and ``overhead (A/B, median of block
+pairs): +Y%``. The own-work timers run during the A/B blocks (about a microsecond per timed call; their count per
+step is printed), so the A/B figure includes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -41,12 +52,20 @@ from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--model", choices=tuple(MODELS), default="standard",
+                        help="standard: 4 layers, d_model 256 (52 tensors); thin: 26 layers, d_model 96 (316 "
+                             "tensors) with 1 MB buckets (>= 8 buckets under DDP and ZeRO-2)")
+    parser.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    parser.add_argument("--d-model", type=int, default=None, help="override the model's width")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="DDP bucket_cap_mb / ZeRO-2 reduce_bucket_size (default: the model's: 25 MB DDP and "
+                             "DeepSpeed's own for standard, 1 MB for thin)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=80, help="alternating blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=1)
+    parser.add_argument("--steps-per-block", type=int, default=None,
+                        help="default: the least common multiple of the configuration's periods (a block spans "
+                             "every periodic schedule)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--backend", choices=("deepspeed", "ddp"), default="deepspeed",
@@ -73,7 +92,35 @@ def parse_args() -> argparse.Namespace:
                              "percent, so one launch of 80 pairs cannot resolve 1%%: use --blocks 160 and several "
                              "launches)")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set for each launch by main()
-    return parser.parse_args()
+    args = parser.parse_args()
+    preset = MODELS[args.model]
+    args.layers = args.layers if args.layers is not None else preset["layers"]
+    args.d_model = args.d_model if args.d_model is not None else preset["d_model"]
+    args.bucket_mb = args.bucket_mb if args.bucket_mb is not None else preset["bucket_mb"]
+    return args
+
+
+#: The benchmark's models: about the same parameter count, 6x the tensors (and buckets) in ``thin``.
+MODELS = {"standard": {"layers": 4, "d_model": 256, "bucket_mb": None},
+          "thin": {"layers": 26, "d_model": 96, "bucket_mb": 1.0}}
+
+
+def periodic_block(config, mechanisms: bool = False) -> int:
+    """Steps per block so that every block holds the same periodic work: the least common multiple of the
+    configuration's periods (optimizer statistics every k-th monitored step, snapshots every ``checkpoint_freq``
+    healthy steps, disk checkpoints; with ``mechanisms``, for a model that has attention or router parts the
+    mechanism monitors measure, their periods too). Pure."""
+    periods = [config.stats.interval]
+    if config.stats.optimizer_stats_every:
+        periods.append(config.stats.interval * config.stats.optimizer_stats_every)
+    if config.recovery.enabled:
+        periods.append(config.recovery.checkpoint_freq)
+        if config.recovery.checkpoint.every_steps:
+            periods.append(config.recovery.checkpoint.every_steps)
+    for section in (config.detectors.qk_spectra, config.detectors.router) if mechanisms else ():
+        if section.enabled:
+            periods.append(section.every)
+    return math.lcm(*periods)
 
 
 def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool = False) -> tuple[Callable, object]:
@@ -86,8 +133,11 @@ def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool 
     if args.backend == "deepspeed":
         import deepspeed
 
+        zero: dict = {"stage": 2}
+        if args.bucket_mb is not None:  # in elements of 4 bytes
+            zero["reduce_bucket_size"] = int(args.bucket_mb * 2**20 / 4)
         ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0,
-                     "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+                     "zero_optimization": zero, "steps_per_print": 10**9}
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         arc = arc_engine.attach(engine, None, config) if config is not None else None
 
@@ -99,7 +149,7 @@ def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool 
             engine.step()
 
         return ds_step, arc
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
     if torch_hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -130,13 +180,46 @@ def run_steps(step_fn: Callable, data: CharDataset, rank: int, first_step: int, 
 
 
 def overhead_figures(plain_blocks: list[float], arc_blocks: list[float]) -> dict[str, float]:
-    """Overheads (fractions) from per-block mean step times of the two variants, block ``b`` of each run next to
-    each other: the median of per-pair ratios (the headline: robust to slow phases of the machine, which hit both
-    blocks of a pair), the ratio of medians, and the ratio of means. Pure."""
-    ratios = [a / p for p, a in zip(plain_blocks, arc_blocks, strict=True)]
-    return {"pair_median": statistics.median(ratios) - 1,
+    """Overheads (fractions) from per-block mean step times of two variants, block ``b`` of each run next to each
+    other: the median of per-pair ratios (the headline: robust to slow phases of the machine, which hit both blocks
+    of a pair), the 10% trimmed mean of the ratios (both tails cut), the ratio of medians and the ratio of means
+    (which a one-off stall moves). Pure."""
+    ratios = sorted(a / p for p, a in zip(plain_blocks, arc_blocks, strict=True))
+    cut = len(ratios) // 10
+    trimmed = ratios[cut: len(ratios) - cut] or ratios
+    return {"pair_median": statistics.median(ratios) - 1, "trimmed_mean": statistics.fmean(trimmed) - 1,
             "median_ratio": statistics.median(arc_blocks) / statistics.median(plain_blocks) - 1,
             "mean_ratio": statistics.fmean(arc_blocks) / statistics.fmean(plain_blocks) - 1}
+
+
+def block_order(block: int, variants: int = 3) -> list[int]:
+    """The order the variants run in block ``block``: their permutations in turn, so over any ``variants!``
+    consecutive blocks each one runs right after each other equally often (a variant that warms the caches for
+    the next, or leaves it a slow phase, favours none). Pure."""
+    orders = list(itertools.permutations(range(variants)))
+    return list(orders[block % len(orders)])
+
+
+def slowest_rank(reports: list[dict]) -> dict:
+    """The own-work report (``OwnWork.report`` as a dict) of the rank with the largest own work. Pure."""
+    return max(reports, key=lambda report: report["host_ms"])
+
+
+def timer_cost_ns(repeats: int = 100_000) -> float:
+    """Host time of one timed call of an empty function (``stats.own_work`` on) minus an untimed one, in ns."""
+    from arc_engine.own_work import OwnWork
+
+    def empty() -> None:
+        return None
+
+    timed = OwnWork(True).wrap("empty", empty)
+    best = []
+    for function in (empty, timed):
+        start = time.perf_counter_ns()
+        for _ in range(repeats):
+            function()
+        best.append((time.perf_counter_ns() - start) / repeats)
+    return best[1] - best[0]
 
 
 def neighbour_ratios(steps: list[tuple[bool, float]]) -> list[float]:
@@ -162,50 +245,77 @@ def pin_to_core(local_rank: int) -> None:
 
 
 def measure_models(args: argparse.Namespace, data: CharDataset, rank: int, config) -> object:
-    """The two-model method (see ``--method``): prints the figures on rank 0 and returns the arc handle."""
+    """The side-by-side method (see ``--method``): prints the figures on rank 0 and returns the arc handle."""
     plain_step, _ = build(args, data, None)
     arc_step, arc = build(args, data, config)  # built in every mode: the same allocations
+    control_step, _ = build(args, data, None)  # A/A: a second plain model
     if args.control != "none":
         arc_step, _ = build(args, data, None, torch_hook=args.control == "torch-hook")
-    run_steps(plain_step, data, rank, 0, args.warmup, args.micro_batch)
-    run_steps(arc_step, data, rank, 0, args.warmup, args.micro_batch)
-    plain_times: list[tuple[float, float]] = []
-    arc_times: list[tuple[float, float]] = []
+    steps_per_block = args.steps_per_block or periodic_block(config)
+    variants = [plain_step, arc_step, control_step]
+    for step_fn in variants:
+        run_steps(step_fn, data, rank, 0, max(args.warmup, steps_per_block), args.micro_batch)
+    arc.engine.own_work.reset()
+    times: list[list[tuple[float, float]]] = [[], [], []]
     for block in range(args.blocks):
-        first = args.warmup + block * args.steps_per_block
-        variants = [(plain_step, plain_times), (arc_step, arc_times)]
-        for step_fn, sink in variants if block % 2 == 0 else variants[::-1]:
-            sink.append(run_steps(step_fn, data, rank, first, args.steps_per_block, args.micro_batch))
+        first = args.warmup + block * steps_per_block
+        for index in block_order(block):
+            times[index].append(run_steps(variants[index], data, rank, first, steps_per_block, args.micro_batch))
+    own = arc.engine.own_work.report()
+    own_dict = {"host_ms": own.host_ms, "step_ms": own.step_ms, "fraction": own.fraction, "lines": own.lines(),
+                "timed_calls": sum(piece["calls"] for piece in own.pieces.values())}
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, own_dict)
     copies_before = arc.engine.pipeline.host_copies
     arc_ops = count_collectives(arc_step, data, rank, 2, args.micro_batch)
     host_copies = (arc.engine.pipeline.host_copies - copies_before) / 2
     plain_ops = count_collectives(plain_step, data, rank, 2, args.micro_batch)
     if rank == 0:
-        figures = overhead_figures([t[0] for t in plain_times], [t[0] for t in arc_times])
-        cpu = overhead_figures([t[1] for t in plain_times], [t[1] for t in arc_times])
+        plain, arc_times, control = ([t[0] for t in series] for series in times)
+        figures = overhead_figures(plain, arc_times)
+        control_figures = overhead_figures(plain, control)
+        cpu = overhead_figures([t[1] for t in times[0]], [t[1] for t in times[1]])
         if os.environ.get("ARC_BENCH_DEBUG"):
-            print([round(t[0] * 1e3) for t in plain_times], [round(t[0] * 1e3) for t in arc_times])
-            print([round(t[1] * 1e3) for t in plain_times], [round(t[1] * 1e3) for t in arc_times])
+            print([[round(t[0] * 1e3) for t in series] for series in times])
         backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
-        print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "
-              f"{args.micro_batch}; {backend}, AdamW, clip 1.0, {dist.get_world_size()} ranks, gloo, CPU")
+        tensors = sum(1 for p in GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=args.seq_len,
+                                                num_layers=args.layers, d_model=args.d_model)).parameters())
+        print(f"model: GPT ({args.model}) {args.layers} layers, d_model {args.d_model}, {tensors} parameter tensors, "
+              f"seq {args.seq_len}, micro-batch {args.micro_batch}; buckets "
+              f"{'default' if args.bucket_mb is None else f'{args.bucket_mb:g} MB'}; {backend}, AdamW, clip 1.0, "
+              f"{dist.get_world_size()} ranks, gloo, CPU")
         print(f"stats.optimizer_stats_every = {config.stats.optimizer_stats_every}; overrides {args.arc or 'none'}")
         if args.control != "none":
-            print(f"CONTROL RUN: the second variant is {args.control}, not arc_engine")
-        print(f"blocks per variant: {args.blocks} of {args.steps_per_block} steps, interleaved")
-        print(f"median step time without arc_engine: {statistics.median(t[0] for t in plain_times) * 1e3:.1f} ms")
-        print(f"median step time with arc_engine:    {statistics.median(t[0] for t in arc_times) * 1e3:.1f} ms")
-        print(f"overhead (median of per-block-pair ratios): {figures['pair_median'] * 100:+.2f}%")
-        print(f"overhead (ratio of median block step times): {figures['median_ratio'] * 100:+.2f}%")
-        print(f"overhead (ratio of mean step times, includes periodic work such as snapshots): "
-              f"{figures['mean_ratio'] * 100:+.2f}%")
-        print(f"CPU time per step (rank 0, all threads), median of per-block-pair ratios: "
-              f"{cpu['pair_median'] * 100:+.2f}%")
+            print(f"CONTROL RUN: the arc variant is {args.control}, not arc_engine")
+        print(f"blocks per variant: {args.blocks} of {steps_per_block} steps, rotating order "
+              f"(plain, arc, plain again)")
+        print(f"median step time: plain {statistics.median(plain) * 1e3:.1f} ms, with arc_engine "
+              f"{statistics.median(arc_times) * 1e3:.1f} ms")
+        # the own-work clock's step time spans the other variants' blocks too: use the arc variant's own
+        arc_step_ms = statistics.median(arc_times) * 1e3
+        for report in reports:
+            report["fraction"] = report["host_ms"] / arc_step_ms
+        slowest = slowest_rank(reports)
+        for line in slowest["lines"][1:]:
+            print(f"  {line}")
+        print(f"arc_engine work (slowest rank): {slowest['host_ms']:.3f} ms per step = "
+              f"{slowest['fraction'] * 100:.3f}% of the median step with arc_engine ({arc_step_ms:.1f} ms)")
+        per_rank = ", ".join(f"{report['fraction'] * 100:.3f}%" for report in reports)
+        print(f"own work per rank: {per_rank}; timed calls per "
+              f"step {slowest['timed_calls']:.1f} x about {timer_cost_ns() / 1e3:.2f} us of timer each")
+        for name, figs in (("A/B (arc_engine)", figures), ("A/A (plain again)", control_figures)):
+            print(f"{name}: median of block pairs {figs['pair_median'] * 100:+.2f}%, trimmed mean "
+                  f"{figs['trimmed_mean'] * 100:+.2f}%, ratio of means {figs['mean_ratio'] * 100:+.2f}%")
+        print(f"CPU time per step (rank 0, all threads), A/B median of block pairs: {cpu['pair_median'] * 100:+.2f}%")
         print(f"arc_engine collectives per monitored step: {(arc_ops - plain_ops) / 2:g}; "
               f"host copies per monitored step: {host_copies:g}")
+        print(f"arc_engine own work: {slowest['fraction'] * 100:.3f}% of step")
+        print(f"overhead (A/B, median of block pairs): {figures['pair_median'] * 100:+.2f}%")
         if args.result_file:
             with open(args.result_file, "w") as out:
-                json.dump({"pair_median": figures["pair_median"], "cpu_pair_median": cpu["pair_median"]}, out)
+                json.dump({"pair_median": figures["pair_median"], "cpu_pair_median": cpu["pair_median"],
+                           "own_work": slowest["fraction"], "aa_pair_median": control_figures["pair_median"]},
+                          out)
     return arc
 
 
@@ -253,7 +363,7 @@ def worker(args: argparse.Namespace) -> None:
     data = CharDataset(generate_corpus(), args.seq_len)
     # one directory for every rank (checkpoints need a shared one): torchrun gives all ranks the same run id
     run_dir = os.path.join(tempfile.gettempdir(), f"arc_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false"]
+    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false", "stats.own_work=true"]
     if args.optimizer_stats_every is not None:
         overrides.append(f"stats.optimizer_stats_every={args.optimizer_stats_every}")
     if args.method == "steps":
@@ -303,8 +413,12 @@ def main() -> None:
     cpus = [r["cpu_pair_median"] * 100 for r in results]
     print(f"overhead per launch (pair median): {', '.join(f'{w:+.2f}%' for w in walls)}")
     print(f"CPU time per launch (pair median): {', '.join(f'{c:+.2f}%' for c in cpus)}")
-    print(f"MEDIAN OVER {len(results)} LAUNCHES: overhead {statistics.median(walls):+.2f}%, "
-          f"CPU time {statistics.median(cpus):+.2f}%")
+    if all("own_work" in r for r in results):
+        controls = [r["aa_pair_median"] * 100 for r in results]
+        print(f"A/A per launch (pair median): {', '.join(f'{c:+.2f}%' for c in controls)}")
+        print(f"arc_engine own work: {statistics.median(r['own_work'] for r in results) * 100:.3f}% of step")
+    print(f"overhead (A/B, median of block pairs): {statistics.median(walls):+.2f}% "
+          f"(median over {len(results)} launches; CPU time {statistics.median(cpus):+.2f}%)")
 
 
 if __name__ == "__main__":

@@ -30,3 +30,34 @@ def test_neighbour_ratios_take_monitored_steps_between_unmonitored_ones(bench) -
 def test_neighbour_ratios_skip_runs_of_monitored_steps(bench) -> None:
     steps = [(False, 1.0), (True, 2.0), (True, 2.0), (False, 1.0), (True, 1.5), (False, 1.0)]
     assert bench.neighbour_ratios(steps) == pytest.approx([1.5])
+
+
+def test_trimmed_mean_cuts_both_tails(bench) -> None:
+    plain = [1.0] * 10
+    arc = [1.01] * 8 + [0.5, 3.0]  # one block pair each way far off
+    figures = bench.overhead_figures(plain, arc)
+    assert figures["trimmed_mean"] == pytest.approx(0.01)
+    assert figures["pair_median"] == pytest.approx(0.01) and figures["mean_ratio"] > 0.1
+
+
+def test_a_block_spans_every_periodic_schedule(bench) -> None:
+    from arc_engine.config import load_config
+
+    assert bench.periodic_block(load_config(None, [])) == 10  # optimizer statistics every 10th step
+    assert bench.periodic_block(load_config(None, ["stats.optimizer_stats_every=0"])) == 1
+    config = load_config(None, ["recovery.enabled=true", "recovery.checkpoint_freq=4",
+                                "recovery.checkpoint.every_steps=0", "stats.interval=3"])
+    assert bench.periodic_block(config) == 60  # lcm(3, 30, 4)
+    assert bench.periodic_block(load_config(None, []), mechanisms=True) == 50  # QK spectra every 50 steps
+
+
+def test_the_variants_rotate_so_each_follows_each_other_equally_often(bench) -> None:
+    orders = [bench.block_order(block) for block in range(6)]
+    assert len({tuple(order) for order in orders}) == 6 and bench.block_order(6) == orders[0]
+    followers = [(order[i], order[i + 1]) for order in orders for i in range(2)]
+    assert sorted(followers) == sorted([(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)] * 2)
+
+
+def test_own_work_is_reported_for_the_slowest_rank(bench) -> None:
+    reports = [{"host_ms": 1.0, "fraction": 0.001}, {"host_ms": 2.5, "fraction": 0.003}]
+    assert bench.slowest_rank(reports)["fraction"] == 0.003

@@ -44,6 +44,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                           "k-th monitored step (about one extra Adam step of memory traffic; 0: "
                                           "never). The SDC detector computes the update RMS every monitored step "
                                           "regardless.", ">= 0"),
+    "stats.own_work": KeyDoc("Time arc_engine's own work per step, piece by piece (thread CPU time of each hook, "
+                             "the decision, snapshots; CUDA event time of its kernels on CUDA), reported in the run "
+                             "summary's `own_work` ([performance.md](performance.md)). Off: no timer on the hot "
+                             "path; on: about a microsecond per timed call."),
     # detectors
     "detectors.<family>": KeyDoc("The section of a monitor family registered as a plugin "
                                  "([families.md](families.md)), parsed with that family's own "

@@ -201,10 +201,12 @@ class Recovery:
         restore loads through DCP)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._carry_out(pending)
+            with self.engine.own_work.section("recovery.restore"):
+                self._carry_out(pending)
         elif self.capture_due:
             self.capture_due = False
-            self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng)
+            with self.engine.own_work.section("recovery.snapshot"):
+                self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng)
             self._size_ring(self.candidate.nbytes)
 
     def _arc_extra(self) -> dict[str, Any]:
@@ -248,10 +250,11 @@ class Recovery:
             return
         if self.last_disk_step is not None and verified.step - self.last_disk_step < every:
             return
-        state_dict = self._disk_state(verified)
-        metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
-                    "run_id": self.engine.run_id}
-        self.checkpoints.save_async(verified.step, state_dict, metadata=metadata)
+        with self.engine.own_work.section("recovery.checkpoint_save"):
+            state_dict = self._disk_state(verified)
+            metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
+                        "run_id": self.engine.run_id}
+            self.checkpoints.save_async(verified.step, state_dict, metadata=metadata)
         self.last_disk_step = verified.step
         self.disk_saves += 1
 

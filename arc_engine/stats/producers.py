@@ -53,7 +53,8 @@ def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[t
     assert engine.buffer is not None, "optimizer statistics are recorded on monitored steps only"
     config = engine.config
     sample = config.detectors.sdc.update_sample
-    if flat_partitions and views is not None:
-        views = segmented(views, sample)
-    record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
-                                 windows, sample_phase(engine.step, config.stats.interval), grad_scale)
+    with engine.own_work.section("optimizer_stats"):
+        if flat_partitions and views is not None:
+            views = segmented(views, sample)
+        record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
+                                     windows, sample_phase(engine.step, config.stats.interval), grad_scale)
