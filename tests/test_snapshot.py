@@ -104,6 +104,38 @@ def test_ring_is_bounded_and_keeps_the_newest() -> None:
         SnapshotRing(-1)
 
 
+def test_captures_reuse_the_host_buffers_of_evicted_snapshots() -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    state = TorchTrainState(model, optimizer)
+    step_once(model, optimizer, data, 0)
+    ring = SnapshotRing(2)
+    buffers_seen = set()
+    for step in range(1, 8):
+        step_once(model, optimizer, data, step)
+        snapshot = capture(step, state, into=ring.spare_buffers())
+        assert all(torch.equal(a, b) for a, b in zip(snapshot.tensors, state.live_tensors(), strict=True))
+        buffers_seen.add(snapshot.tensors[0].data_ptr())
+        assert ring.push(snapshot)
+    assert len(buffers_seen) == 3  # two held by the ring, one evicted and reused, round and round
+    assert ring.steps == [6, 7]
+    # a spare set whose shapes no longer match is not used
+    foreign = [torch.zeros(1)]
+    assert capture(8, state, into=foreign).tensors[0] is not foreign[0]
+
+
+def test_a_snapshot_for_the_disk_tier_only_copies_no_tensor_and_cannot_be_restored() -> None:
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    state = TorchTrainState(model, optimizer)
+    step_once(model, optimizer, data, 0)
+    snapshot = capture(1, state, extra={"data_position": 1}, tensors=False)
+    assert snapshot.tensors == [] and snapshot.nbytes == 0 and snapshot.extra == {"data_position": 1}
+    assert SnapshotRing(0).push(snapshot) is False
+    with pytest.raises(RuntimeError, match="holds no tensors"):
+        restore(snapshot, state)
+
+
 # ------------------------------------------------------------------ the ARC state machine (pure)
 
 def rollback(step: int, *, from_policy: bool = False) -> Decision:
@@ -193,3 +225,28 @@ def test_an_unknown_checkpoint_format_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="format"):
         CheckpointConfig(format="torch_dist")
+
+
+def test_with_the_memory_tier_off_snapshots_copy_no_tensors_and_disk_saves_still_commit(tmp_path) -> None:
+    import arc_engine
+    from tests.training import make_config
+
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    config = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint_freq=2",
+                         "recovery.memory_ring_mb=0", "recovery.checkpoint.every_steps=2")
+    candidates = []
+    with arc_engine.attach(model, optimizer, config) as arc:
+        for _ in range(7):
+            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            arc.record_loss(loss)
+            if arc.engine.recovery.candidate is not None:
+                candidates.append(arc.engine.recovery.candidate)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert arc.engine.recovery.ring.capacity == 0
+        arc.engine.recovery.checkpoints.wait(60)
+        committed = [info.step for info in arc.engine.recovery.checkpoints.committed()]
+    assert len(candidates) >= 3 and all(not c.has_tensors and c.tensors == [] for c in candidates)
+    assert committed[-2:] == [4, 6]

@@ -46,6 +46,7 @@ from arc_engine.recovery.snapshot import (
     ring_capacity,
     rng_state,
     set_rng_state,
+    state_bytes,
 )
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import names
@@ -206,8 +207,11 @@ class Recovery:
         elif self.capture_due:
             self.capture_due = False
             with self.engine.own_work.section("recovery.snapshot"):
-                self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng)
-            self._size_ring(self.candidate.nbytes)
+                if not self._ring_sized:
+                    self._size_ring(state_bytes(self.state))
+                # with no memory tier (capacity 0) only the python state is kept, for the disk save
+                self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng,
+                                         into=self.ring.spare_buffers(), tensors=self.ring.capacity > 0)
 
     def _arc_extra(self) -> dict[str, Any]:
         return {"data_position": self.engine.data_position, "monitors": self.engine.monitor_state_dict(),
@@ -237,11 +241,14 @@ class Recovery:
         decision = self.controller.resolve(decision, has_target=self.has_target())
         candidate, self.candidate = self.candidate, None
         if candidate is None or candidate.step != self.engine.step:
+            self.ring.recycle(candidate)
             return decision
         if decision.applies_update:
             self.ring.push(candidate)
             self.controller.on_verified()
             self._maybe_save(candidate)
+        else:
+            self.ring.recycle(candidate)
         return decision
 
     def _maybe_save(self, verified: Snapshot) -> None:
@@ -284,6 +291,7 @@ class Recovery:
     def _plan_rollback(self, decision: Decision) -> None:
         failed_position = self.engine.data_position - 1  # the batch this step consumed (already counted)
         self.controller.on_rollback(decision)
+        self.ring.recycle(self.candidate)
         self.capture_due, self.candidate = False, None
         snapshot = self.ring.latest()
         if snapshot is not None:

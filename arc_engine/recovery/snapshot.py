@@ -72,19 +72,42 @@ class Snapshot:
     framework: dict[str, Any]
     rng: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    has_tensors: bool = True  # False: python state only (capture(..., tensors=False)); cannot be restored
 
     @property
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors)
 
 
+def host_buffers(live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host tensors shaped like ``live`` to capture into: pinned when the state is on a CUDA device (so the copies
+    run at full bandwidth), pageable otherwise."""
+    pin = any(t.is_cuda for t in live)
+    return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in live]
+
+
+def state_bytes(state: TrainState) -> int:
+    """Bytes a snapshot of ``state``'s tensors holds (nothing is copied)."""
+    return sum(t.numel() * t.element_size() for t in state.live_tensors())
+
+
+@torch.no_grad()
 def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
-            rng: dict[str, Any] | None = None) -> Snapshot:
+            rng: dict[str, Any] | None = None, *, into: list[torch.Tensor] | None = None,
+            tensors: bool = True) -> Snapshot:
     """Copy this rank's state to host memory. Local (no communication); returns once the copies are done (a
-    device-to-host copy synchronizes with the device). ``rng``: the RNG states to record (default: now's)."""
-    tensors = [t.detach().to("cpu", copy=True) for t in state.live_tensors()]
-    return Snapshot(step, tensors, to_host(state.extra_state()), rng if rng is not None else rng_state(),
-                    to_host(extra or {}))
+    device-to-host copy synchronizes with the device). ``rng``: the RNG states to record (default: now's).
+    ``into``: host buffers of an earlier snapshot to reuse (used when their shapes and dtypes still match; see
+    :class:`SnapshotRing` for the ones it hands back). ``tensors=False``: the python state only (for a verified
+    state that is only ever saved to disk from the live tensors, never restored from memory)."""
+    copies: list[torch.Tensor] = []
+    if tensors:
+        live = state.live_tensors()
+        copies = into if into is not None and _signature(into) == _signature(live) else host_buffers(live)
+        for target, source in zip(copies, live, strict=True):
+            target.copy_(source.detach())
+    return Snapshot(step, copies, to_host(state.extra_state()), rng if rng is not None else rng_state(),
+                    to_host(extra or {}), has_tensors=tensors)
 
 
 @torch.no_grad()
@@ -93,6 +116,9 @@ def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
     ``extra``; the snapshot itself stays intact. Local, but for ``state.load_extra_state`` (collective for some
     backends: call on every rank together). Raises RuntimeError when the live state no longer has the
     snapshot's structure (e.g. the optimizer re-created its state tensors with other shapes)."""
+    if not snapshot.has_tensors:
+        raise RuntimeError(f"arc_engine: the snapshot of step {snapshot.step} holds no tensors (taken for a disk "
+                           "save only) and cannot be restored")
     live = state.live_tensors()
     if _signature(live) != _signature(snapshot.tensors):
         raise RuntimeError(f"arc_engine: cannot restore the snapshot of step {snapshot.step}: the live training "
@@ -115,15 +141,28 @@ class SnapshotRing:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._ring: deque[Snapshot] = deque()
+        self._spare: list[torch.Tensor] | None = None
 
     def push(self, snapshot: Snapshot) -> bool:
-        """Keep ``snapshot``, evicting the oldest as needed. False when the capacity is 0."""
+        """Keep ``snapshot``, evicting the oldest as needed (their host buffers go to :meth:`spare_buffers`). False
+        when the capacity is 0."""
         if self.capacity == 0:
             return False
         while len(self._ring) >= self.capacity:
-            self._ring.popleft()
+            self.recycle(self._ring.popleft())
         self._ring.append(snapshot)
         return True
+
+    def recycle(self, snapshot: Snapshot | None) -> None:
+        """Keep the host buffers of a snapshot no longer needed (evicted, or a candidate that was not verified) for
+        the next capture. At most one set is kept: with the ring full, every capture reuses the evicted one's."""
+        if snapshot is not None and snapshot.has_tensors and snapshot.tensors:
+            self._spare = snapshot.tensors
+
+    def spare_buffers(self) -> list[torch.Tensor] | None:
+        """Host buffers to capture into (taken: the caller owns them), or None to allocate."""
+        spare, self._spare = self._spare, None
+        return spare
 
     def latest(self) -> Snapshot | None:
         return self._ring[-1] if self._ring else None
