@@ -122,12 +122,14 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         plan = state.plan(bucket)
         buffer = bucket.buffer()
         index = plan.index
-        norms_sq = accumulate_grad_stats(engine.buffer, plan.grads(buffer, bucket), index, names.GRAD_SQ_LOCAL,
-                                         names.GRAD_NONFINITE_LOCAL)
+        with engine.own_work.section("ddp.local_norms"):
+            norms_sq = accumulate_grad_stats(engine.buffer, plan.grads(buffer, bucket), index,
+                                             names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
         if names.GRAD_SKETCH_LOCAL in engine.layout:
             # the bucket's flat buffer (same layout on every rank) as one tensor: a few kernels per bucket
-            add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [buffer],
-                                [BUCKET_SKETCH_INDEX + bucket.index()], state._sketch_cache)
+            with engine.own_work.section("ddp.sketch"):
+                add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [buffer],
+                                    [BUCKET_SKETCH_INDEX + bucket.index()], state._sketch_cache)
         if state.gate is not None and norms_sq is not None:
             withheld = state.gate.check(bucket.index(), norms_sq.sum())
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
@@ -137,7 +139,8 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         if not monitored:
             return future
     else:
-        future = mean_allreduce(state.process_group, bucket)
+        with engine.own_work.section("ddp.mean_allreduce"):  # what any Python comm hook pays: 1/N and the call
+            future = mean_allreduce(state.process_group, bucket)
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         """One callback per bucket: unwrap the reduced bucket and, on monitored steps, take its statistics."""
