@@ -48,9 +48,14 @@ class ZeroTrainState:
         self.torch_optimizer = deepspeed_internals.wrapped_optimizer(self.zero)
         self.rank = rank
 
+    def _partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partitions, one per parameter group (ZeRO-3: per sub-group)."""
+        return deepspeed_internals.fp32_partitions(self.zero)
+
     def _partition_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Each fp32 partition, then its optimizer state tensors, under stable names."""
         named: list[tuple[str, torch.Tensor]] = []
-        for j, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
+        for j, partition in enumerate(self._partitions()):
             named.append((f"fp32_{j}", partition))
             state = self.torch_optimizer.state.get(partition, {})
             named += [(f"state_{j}_{k}", state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
@@ -99,13 +104,8 @@ class ZeroTrainState:
 class Zero3TrainState(ZeroTrainState):
     """Recovery's view of a DeepSpeed engine running ZeRO stage 3 with the partitions on the device."""
 
-    def _partition_state(self) -> list[tuple[str, torch.Tensor]]:
-        named: list[tuple[str, torch.Tensor]] = []
-        for i, partition in enumerate(deepspeed_internals.sub_group_partitions(self.zero)):
-            named.append((f"fp32_{i}", partition))
-            state = self.torch_optimizer.state.get(partition, {})
-            named += [(f"state_{i}_{k}", state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
-        return named
+    def _partitions(self) -> list[torch.Tensor]:
+        return deepspeed_internals.sub_group_partitions(self.zero)
 
     def live_tensors(self) -> list[torch.Tensor]:
         buffers = list(self.ds_engine.module.buffers())

@@ -49,13 +49,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
-              collective_timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return results ordered by rank.
-
-    Raises AssertionError naming the rank when any rank raised or the ranks did not finish in time.
-    ``fn`` and ``args`` must be picklable (module-level function).
-    """
+def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s: float) -> tuple[list[Any], Any]:
+    """Spawn ``world`` ranks running ``fn`` through :func:`_entry`; their processes and the result queue."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -63,6 +58,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
              for r in range(world)]
     for proc in procs:
         proc.start()
+    return procs, queue
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
+              collective_timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return results ordered by rank.
+
+    Raises AssertionError naming the rank when any rank raised or the ranks did not finish in time.
+    ``fn`` and ``args`` must be picklable (module-level function).
+    """
+    procs, queue = _start(fn, world, args, collective_timeout_s)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
@@ -91,13 +97,7 @@ def run_ranks_to_exit(fn: Callable[..., Any], world: int, *args: Any, timeout_s:
                       collective_timeout_s: float = 60.0) -> list[int | None]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that are expected to die (e.g. SIGKILL
     themselves); return their exit codes by rank (None: still running at ``timeout_s``, then killed)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
+    procs, _ = _start(fn, world, args, collective_timeout_s)
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = []
     for proc in procs:

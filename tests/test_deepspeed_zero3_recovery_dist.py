@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from arc_engine.config import ArcConfig
 from tests.dist_harness import run_ranks, run_ranks_to_exit
-from tests.test_recovery_dist import Job, _resume_run, _run, lr_spike, recovery_config, train
+from tests.test_recovery_dist import Job, _resume_run, _run, deepspeed_job, lr_spike, recovery_config, train
 from tests.training import BATCH, make_optimizer, tiny_model_and_data
 
 pytest.importorskip("deepspeed")
@@ -48,17 +48,7 @@ def zero3_job(config: ArcConfig | None, rank: int, world: int, bf16: bool = True
                                                               "warmup_num_steps": 40}},
                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    arc = None
-    if config is not None:
-        from arc_engine.integrations.deepspeed import attach_deepspeed
-
-        arc = attach_deepspeed(engine, config)
-
-    def backward_and_step(loss: torch.Tensor) -> None:
-        engine.backward(loss)
-        engine.step()
-
-    return Job(lambda x, y: engine(x, y).float(), backward_and_step, lambda: zero3_state(engine), arc), data
+    return deepspeed_job(engine, config, lambda: zero3_state(engine), lambda x, y: engine(x, y).float()), data
 
 
 def zero3_state(engine: Any) -> list[torch.Tensor]:

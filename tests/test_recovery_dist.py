@@ -71,10 +71,9 @@ def fsdp_job(config: ArcConfig | None) -> tuple[Job, Any]:
     return Job(model, backward_and_step, lambda: [p.detach().to_local() for p in model.parameters()], arc), data
 
 
-def zero2_job(config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
-    from tests.test_deepspeed_dist import ds_engine
-
-    engine, data = ds_engine(rank, world, 2, clip=1.0)
+def deepspeed_job(engine: Any, config: ArcConfig | None, params: Callable[[], list[torch.Tensor]],
+                  forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Job:
+    """A DeepSpeed engine's Job, arc_engine attached when ``config`` is given."""
     arc = None
     if config is not None:
         from arc_engine.integrations.deepspeed import attach_deepspeed
@@ -85,7 +84,14 @@ def zero2_job(config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any
         engine.backward(loss)
         engine.step()
 
-    return Job(engine, backward_and_step, lambda: [p.detach() for p in engine.module.parameters()], arc), data
+    return Job(forward or engine, backward_and_step, params, arc)
+
+
+def zero2_job(config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, 2, clip=1.0)
+    return deepspeed_job(engine, config, lambda: [p.detach() for p in engine.module.parameters()]), data
 
 
 def make_job(backend: str, config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
