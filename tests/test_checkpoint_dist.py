@@ -296,6 +296,27 @@ def test_round_trip_then_a_missing_file_falls_back_to_the_previous_checkpoint(tm
     manager.close()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_holding_entries_the_job_does_not_ask_for_is_not_a_silent_partial_load(tmp_path: Path) -> None:
+    """DCP loads only the requested keys: a job whose state dict lacks some of the saved entries (say, optimizer
+    moments not created yet) would keep its own values for them without a word. That checkpoint is refused and
+    named like a corrupted one; the older one that matches loads."""
+    manager = CheckpointManager(tmp_path, keep_last=5)
+    manager.save_async(1, {"weights": torch.full((8,), 1.0)})
+    assert manager.wait(30)
+    manager.save_async(2, {"weights": torch.full((8,), 2.0), "moments": {"exp_avg": torch.full((8,), 3.0)},
+                           "arc_rng/rank7": torch.zeros(2)})
+    assert manager.wait(30)
+    info, loaded = manager.load_latest(lambda info: {"weights": torch.zeros(8)})
+    assert info.step == 1 and loaded["weights"].unique().tolist() == [1.0]
+    problem = manager.last_load_errors[0]
+    assert "step_00000002" in problem and "holds 1 entries no rank of this job loads" in problem
+    assert "moments.exp_avg" in problem and "arc_rng" not in problem  # other ranks' RNG states are exempt
+    info, loaded = manager.load_latest(lambda info: {"weights": torch.zeros(8), "moments": {"exp_avg": torch.zeros(8)}})
+    assert info.step == 2 and loaded["moments"]["exp_avg"].unique().tolist() == [3.0]
+    manager.close()
+
+
 class _JsonSidecarFormat:
     """A backend format for the test: DCP for the tensors, plus a file the coordinator writes beside them."""
 

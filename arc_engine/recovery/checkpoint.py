@@ -433,12 +433,13 @@ class CheckpointManager:
         """dcp.load in place (or the backend's format); the problem on failure, else None. DCP raises on every rank;
         a format's load is agreed: a failure on any rank is every rank's."""
         if self.disk_format is None:
+            planner = SafeLoadPlanner()
             try:
                 dcp.load(state_dict, storage_reader=FileSystemReader(info.path), process_group=self._group,
-                         no_dist=self._group is None, planner=SafeLoadPlanner())
+                         no_dist=self._group is None, planner=planner)
             except (Exception, CheckpointException) as err:
                 return f"{info.path}: dcp.load failed: {_first_lines(str(err))}"
-            return None
+            return self._unloaded_entries(info, planner)
         problem = None
         try:
             self.disk_format.load(info.path, state_dict)
@@ -451,6 +452,24 @@ class CheckpointManager:
         dist.all_gather_object(gathered, problem, group=self._group)
         failed = [p for p in gathered if p is not None]
         return "; ".join(failed) if failed else None
+
+    def _unloaded_entries(self, info: CommitInfo, planner: Any) -> str | None:
+        """The problem when the checkpoint holds entries that no rank of this job asked for (DCP loads only the
+        requested keys and skips the others without a word: a state dict that lacks, say, optimizer moments
+        would leave them as they are); None when every entry was loaded by some rank. Other ranks' RNG states
+        are exempt (not restored after a world-size change, by design). Collective over the checkpoint group
+        (one ``all_gather_object`` of the requested keys, at load only)."""
+        requested = set(planner.state_dict)
+        if self._group is not None:
+            gathered: list[list[str] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, sorted(requested), group=self._group)
+            requested = {key for keys in gathered for key in keys or ()}
+        unloaded = sorted(key for key in planner.metadata.state_dict_metadata
+                          if key not in requested and not key.startswith("arc_rng/"))
+        if not unloaded:
+            return None
+        return (f"{info.path}: holds {len(unloaded)} entries no rank of this job loads (the training state "
+                f"differs from the one saved: another model, optimizer or layout?), e.g. {', '.join(unloaded[:3])}")
 
     def _record_fallback(self, info: CommitInfo, problems: list[str]) -> None:
         self.last_load_errors.extend(problems)
