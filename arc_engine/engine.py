@@ -464,6 +464,11 @@ class ArcEngine:
         if self.recovery is not None:
             self.recovery.close()
         summary = self.summary()
+        if self.own_work.enabled:  # stats.own_work: the per-piece table, one line per piece
+            lines = self.own_work.report().lines()
+            for line in lines:
+                log.info("arc_engine rank %d: %s", self.rank, line)
+            self.emit_lifecycle("own_work", f"rank {self.rank}: {lines[0]}", summary["own_work"])
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
         self.emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
                             f"detections: {detections}", summary)

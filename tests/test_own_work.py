@@ -14,6 +14,7 @@ import torch
 import arc_engine
 from arc_engine.engine import ArcEngine
 from arc_engine.own_work import OwnWork
+from arc_engine.sinks import read_jsonl
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data, train_ddp
 
@@ -100,6 +101,9 @@ def test_an_attached_run_reports_its_pieces_and_off_leaves_the_methods_unwrapped
     assert pieces["optimizer_stats"]["calls"] > 0  # periodic (every 10th step), amortized over the 6
     assert own["host_ms"] > 0 and own["fraction"] > 0
     assert own["host_ms"] >= pieces["optimizer.pre_step"]["host_ms"]
+    reported = [e for e in read_jsonl(tmp_path / "on" / "test" / "events.jsonl") if e["detector"] == "own_work"]
+    assert len(reported) == 1 and reported[0]["message"].startswith("rank 0: arc_engine work: ")
+    assert "% of the step" in reported[0]["message"] and "decide" in reported[0]["values"]["pieces"]
 
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
