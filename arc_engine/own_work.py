@@ -60,7 +60,7 @@ class OwnWorkReport:
         return self.host_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     def lines(self) -> list[str]:
-        """A human-readable table, outermost pieces first with their nested pieces indented below them."""
+        """A human-readable table: the total, then every piece by depth (nested ones indented), costliest first."""
         out = [f"arc_engine work: {self.host_ms:.3f} ms per step = {self.fraction * 100:.3f}% of the step "
                f"({self.step_ms:.1f} ms, mean of {self.steps} steps)"
                + (f"; device {self.device_ms:.3f} ms" if self.device_ms else "")]

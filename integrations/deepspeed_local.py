@@ -127,7 +127,8 @@ class LocalGradHooks:
 
     def _register_tensor_hooks(self) -> None:
         timed = self.engine.own_work.wrap
-        self.handles = [param.register_hook(timed("grad_hook", self._hook(i))) for i, param in enumerate(self.params)]
+        self.handles = [param.register_hook(timed("deepspeed.grad_hook", self._hook(i)))
+                        for i, param in enumerate(self.params)]
 
     def _watching(self) -> bool:
         engine = self.engine

@@ -61,10 +61,17 @@ class ZeroTrainState:
             named += [(f"state_{j}_{k}", state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
         return named
 
-    def live_tensors(self) -> list[torch.Tensor]:
+    def _model_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The module's tensors recovery keeps: its (replicated) bit16 parameters and its buffers."""
         module = self.ds_engine.module
-        tensors = [*module.parameters(), *module.buffers()] + [t for _, t in self._partition_state()]
-        return [t.detach() for t in tensors]
+        return [*module.named_parameters(), *module.named_buffers()]
+
+    def _materialize(self) -> None:
+        """Create the optimizer state a fresh engine (a resume) does not have yet, so a checkpoint loads into it."""
+        materialize_optimizer_state(self.torch_optimizer)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        return [t.detach() for _, t in self._model_tensors() + self._partition_state()]
 
     def extra_state(self) -> dict[str, Any]:
         scheduler = self.ds_engine.lr_scheduler
@@ -81,11 +88,9 @@ class ZeroTrainState:
         deepspeed_internals.restore_engine_counters(self.ds_engine, state["counters"])
 
     def dcp_state_dict(self) -> dict[str, Any]:
-        # A fresh engine (a resume) has no Adam moments yet: create them so the checkpoint loads into them.
-        materialize_optimizer_state(self.torch_optimizer)
-        module = self.ds_engine.module
-        model = {name: t.detach() for name, t in [*module.named_parameters(), *module.named_buffers()]}
-        return {"model": model, f"zero_rank{self.rank}": {name: t.detach() for name, t in self._partition_state()}}
+        self._materialize()
+        return {"model": {name: t.detach() for name, t in self._model_tensors()},
+                f"zero_rank{self.rank}": {name: t.detach() for name, t in self._partition_state()}}
 
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
         """Nothing left to do: DCP loaded every tensor in place (bit16 parameters and fp32 masters alike)."""
@@ -107,9 +112,12 @@ class Zero3TrainState(ZeroTrainState):
     def _partitions(self) -> list[torch.Tensor]:
         return deepspeed_internals.sub_group_partitions(self.zero)
 
-    def live_tensors(self) -> list[torch.Tensor]:
-        buffers = list(self.ds_engine.module.buffers())
-        return [t.detach() for t in buffers + [t for _, t in self._partition_state()]]
+    def _model_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Only the buffers: the parameters live in the partitions (whole only while gathered)."""
+        return list(self.ds_engine.module.named_buffers())
+
+    def _materialize(self) -> None:
+        deepspeed_internals.materialize_sub_group_states(self.zero)
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """The python state, then the bit16 partitions and the gathered parameters from the (restored) fp32
@@ -117,16 +125,10 @@ class Zero3TrainState(ZeroTrainState):
         super().load_extra_state(state)
         self._refresh_bit16()
 
-    def dcp_state_dict(self) -> dict[str, Any]:
-        # A fresh engine (a resume) has no Adam moments yet: create them so the checkpoint loads into them.
-        deepspeed_internals.materialize_sub_group_states(self.zero)
-        buffers = {name: t.detach() for name, t in self.ds_engine.module.named_buffers()}
-        return {"model": buffers, f"zero_rank{self.rank}": {name: t.detach() for name, t in self._partition_state()}}
-
     @torch.no_grad()
     def _refresh_bit16(self) -> None:
         bit16 = deepspeed_internals.sub_group_bit16_partitions(self.zero)
-        for target, master in zip(bit16, deepspeed_internals.sub_group_partitions(self.zero), strict=True):
+        for target, master in zip(bit16, self._partitions(), strict=True):
             if target is not master:  # the same tensor when the model trains in fp32
                 target.copy_(master)
         deepspeed_internals.refresh_gathered_parameters(self.zero)
@@ -138,8 +140,7 @@ class Zero3TrainState(ZeroTrainState):
         :meth:`load_extra_state`."""
         size = deepspeed_internals.param_partition_numel
         pieces = []
-        for partition, params, paddings in zip(deepspeed_internals.sub_group_partitions(self.zero),
-                                               deepspeed_internals.sub_group_params(self.zero),
+        for partition, params, paddings in zip(self._partitions(), deepspeed_internals.sub_group_params(self.zero),
                                                deepspeed_internals.sub_group_paddings(self.zero), strict=True):
             offset = 0
             for param, pad in zip(params, paddings, strict=True):
