@@ -113,6 +113,8 @@ class ArcEngine:
         self.recovery: Recovery | None = None
         self.sdc_recompute: SDCRecompute | None = None  # see use_recompute (detectors.sdc.recompute)
         self.restat: Callable[[], None] | None = None    # the adapter's re-recording of reduced statistics
+        #: adapters' queued per-bucket results, folded into the buffer once per step before the agreement
+        self.folds: list[Callable[[], None]] = []
         self.recomputing = False  # True while recompute_fn runs: reduction-side hooks stand aside
         self.recomputed_losses: list[torch.Tensor] | None = None  # record_loss calls while recompute_fn runs
         self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
@@ -299,6 +301,8 @@ class ArcEngine:
         """Collective: run the families' producers and let monitors write what only they know of this rank (before
         the reduction), then agree."""
         assert self.buffer is not None
+        for fold in self.folds:
+            fold()
         if self.producers:
             view = StepView(self.step, self.params)
             for producer in self.producers:

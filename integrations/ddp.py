@@ -32,7 +32,7 @@ from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations.torch_optim import optimizer_stats, register_optimizer_hooks
-from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_block_sums, block_sums, zero_where
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
@@ -77,6 +77,20 @@ class _BucketPlan:
 
 
 @dataclass
+class _StepQueue:
+    """One step's per-bucket results, in the order the buckets came: per-tensor norms (fp32) of the local and of
+    the reduced gradient with their group ids, and the block sums of the sketch with their plan indices."""
+
+    step: int = -1
+    local_norms: list[torch.Tensor] = field(default_factory=list)
+    local_index: list[torch.Tensor] = field(default_factory=list)
+    reduced_norms: list[torch.Tensor] = field(default_factory=list)
+    reduced_index: list[torch.Tensor] = field(default_factory=list)
+    sums: list[torch.Tensor] = field(default_factory=list)
+    sum_index: list[int] = field(default_factory=list)
+
+
+@dataclass
 class StatsHookState:
     """State handed to DDP with the hook: the engine, the reduction group and a per-bucket plan cache."""
 
@@ -89,14 +103,21 @@ class StatsHookState:
     position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
     owned: set[int] | None = None  # id() of the parameters whose reduced statistics this rank computes (None: all)
     _plans: dict[int, _BucketPlan] = field(default_factory=dict)
+    _checked: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket index -> buffer (address, length)
     _sketch_cache: dict = field(default_factory=dict)
+    _queue: _StepQueue = field(default_factory=lambda: _StepQueue())
 
     def bucket_positions(self, bucket_index: int) -> list[int]:
         """Indices (into the module's trainable parameters) of the parameters in bucket ``bucket_index``."""
         return self._plans[bucket_index].positions
 
-    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
-        """This bucket's plan, rebuilt when its parameters change (checked cheaply on every call)."""
+    def plan(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketPlan:
+        """This bucket's plan, rebuilt when its parameters change: checked when the bucket's buffer is not the one
+        the plan was last checked against (DDP allocates new buffers when it rebuilds its buckets)."""
+        index = bucket.index()
+        plan = self._plans.get(index)
+        if plan is not None and self._checked.get(index) == (buffer.data_ptr(), buffer.numel()):
+            return plan
         params = bucket.parameters()
         key = (len(params), id(params[0]), id(params[-1]))
         plan = self._plans.get(bucket.index())
@@ -111,7 +132,35 @@ class StatsHookState:
             self._plans[bucket.index()] = plan
             if self.gate is not None:
                 self.gate.reset_slot(bucket.index())
+        self._checked[index] = (buffer.data_ptr(), buffer.numel())
         return plan
+
+    def queue(self) -> _StepQueue:
+        """This step's queue (emptied first when it holds another step's results: a step that never agreed)."""
+        step = self.engine.step
+        if self._queue.step != step:
+            self._queue = _StepQueue(step)
+        return self._queue
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Fold this step's queued bucket results into the engine's buffer (before the agreement): a few batched
+        kernels per step instead of per bucket."""
+        queue, engine = self._queue, self.engine
+        if engine.buffer is None or queue.step != engine.step:
+            return
+        self._queue = _StepQueue()
+        buffer = engine.buffer
+        if queue.local_norms:
+            norms_sq = torch.cat(queue.local_norms).to(buffer.device).double().square()
+            index = torch.cat(queue.local_index)
+            buffer.index_add(names.GRAD_SQ_LOCAL, index, norms_sq)
+            buffer.index_add(names.GRAD_NONFINITE_LOCAL, index, (~torch.isfinite(norms_sq)).double())
+        if queue.reduced_norms:
+            buffer.index_add(names.GRAD_SQ, torch.cat(queue.reduced_index),
+                             torch.cat(queue.reduced_norms).to(buffer.device).double().square())
+        if queue.sums:
+            add_block_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -119,19 +168,22 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
     engine = state.engine
     monitored = engine.buffer is not None and engine.is_monitored()
     if monitored:
-        plan = state.plan(bucket)
         buffer = bucket.buffer()
-        index = plan.index
-        with engine.own_work.section("ddp.local_norms"):
-            norms_sq = accumulate_grad_stats(engine.buffer, plan.grads(buffer, bucket), index,
-                                             names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
+        plan = state.plan(bucket, buffer)
+        queue = state.queue()
+        with engine.own_work.section("ddp.local_norms"):  # one fused kernel; folded with the others at the step
+            norms = torch.stack(torch._foreach_norm(plan.grads(buffer, bucket), 2, dtype=torch.float32))
+            queue.local_norms.append(norms)
+            queue.local_index.append(plan.index)
         if names.GRAD_SKETCH_LOCAL in engine.layout:
-            # the bucket's flat buffer (same layout on every rank) as one tensor: a few kernels per bucket
+            # the bucket's flat buffer (same layout on every rank) as one tensor: one reduction kernel per bucket
             with engine.own_work.section("ddp.sketch"):
-                add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), [buffer],
-                                    [BUCKET_SKETCH_INDEX + bucket.index()], state._sketch_cache)
-        if state.gate is not None and norms_sq is not None:
-            withheld = state.gate.check(bucket.index(), norms_sq.sum())
+                sums = block_sums(buffer, engine.layout[names.GRAD_SKETCH_LOCAL].size)
+                if sums is not None:
+                    queue.sums.append(sums)
+                    queue.sum_index.append(BUCKET_SKETCH_INDEX + bucket.index())
+        if state.gate is not None:
+            withheld = state.gate.check(bucket.index(), norms.double().square().sum().to(engine.buffer.device))
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
             zero_where(withheld, buffer)
     if state.inner_hook is not None:
@@ -148,7 +200,9 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         reduced = reduced[0] if isinstance(reduced, list) else reduced
         if monitored:
             share, share_index = plan.reduced_share(reduced, bucket)
-            accumulate_grad_stats(engine.buffer, share, share_index, names.GRAD_SQ)
+            if share:
+                queue.reduced_norms.append(torch.stack(torch._foreach_norm(share, 2, dtype=torch.float32)))
+                queue.reduced_index.append(share_index)
         return reduced
 
     return future.then(engine.own_work.wrap("ddp.reduced_stats", finish))
@@ -183,6 +237,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     if sdc.enabled and sdc.recompute.enabled:
         state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
     model.register_comm_hook(state, engine.own_work.wrap("ddp.comm_hook", stats_allreduce_hook))
+    engine.folds.append(engine.own_work.wrap("ddp.fold", state.fold))
     return state
 
 

@@ -55,6 +55,7 @@ from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, leading, step_count, weight_sq_sums
 from arc_engine.stats.producers import record_optimizer_stats
+from arc_engine.stats.sampling import WindowCache
 
 log = logging.getLogger("arc_engine")
 
@@ -99,6 +100,8 @@ class ZeroPartitionStats:
         self.zero = zero_optimizer
         self.torch_optimizer = deepspeed_internals.wrapped_optimizer(zero_optimizer)
         self.groups = list(self.torch_optimizer.param_groups)  # the dicts DeepSpeed swaps in one at a time
+        self.windows = [WindowCache() for _ in self.groups]
+        self._splits: dict[tuple[int, str], tuple[Any, ...]] = {}
 
     def group_id(self, optimizer: torch.optim.Optimizer) -> int:
         current = optimizer.param_groups[0]
@@ -131,7 +134,8 @@ class ZeroPartitionStats:
         loss_scale = float(self.zero.loss_scale)
         for group_id, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
             pieces, final = self.group_gradient(group_id)
-            add_pre_clip_grad_sq(buffer, group_id, pieces, final, combined, loss_scale)
+            with self.engine.own_work.section("deepspeed.reduced_norms"):
+                add_pre_clip_grad_sq(buffer, group_id, pieces, final, combined, loss_scale)
             if with_optimizer_stats:
                 self._optimizer_stats(group_id, partition, pieces, 1.0 if final else 1.0 / combined)
 
@@ -142,7 +146,7 @@ class ZeroPartitionStats:
         real = partition.numel() - deepspeed_internals.partition_padding(self.zero, group_id)
         views = self._views(group_id, partition, pieces, real)
         record_optimizer_stats(self.engine, group_id, [partition.view(-1).narrow(0, 0, real)], views,
-                               grad_scale=grad_scale, flat_partitions=True)
+                               self.windows[group_id], grad_scale=grad_scale, flat_partitions=True)
 
     def _views(self, group_id: int, partition: torch.Tensor, pieces: list[torch.Tensor],
                real: int) -> AdamViews | None:
@@ -155,11 +159,21 @@ class ZeroPartitionStats:
         sizes = [p.numel() for p in pieces]
         step = step_count(state.get("step", 0))
 
-        def split(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
-            return leading([None] * len(sizes) if tensor is None else tensor.view(-1).split(sizes), sizes, real)
+        def split(name: str, tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
+            """The pieces of a flat tensor that lives across steps (the partition, the moments): the same list
+            objects while it is the same tensor over the same memory cut the same way, so the window cache can
+            reuse their windows."""
+            if tensor is None:
+                return [None] * len(sizes)
+            key, geometry = (group_id, name), (tensor.data_ptr(), tuple(sizes), real)
+            cached = self._splits.get(key)
+            if cached is None or cached[0] is not tensor or cached[1] != geometry:
+                cached = self._splits[key] = (tensor, geometry, leading(tensor.view(-1).split(sizes), sizes, real))
+            return cached[2]
 
-        return AdamViews(split(partition), leading(pieces, sizes, real), split(state.get("exp_avg")),
-                         split(state.get("exp_avg_sq")), step, AdamHyper.from_group(group, decoupled))
+        return AdamViews(split("params", partition), leading(pieces, sizes, real),
+                         split("exp_avg", state.get("exp_avg")), split("exp_avg_sq", state.get("exp_avg_sq")), step,
+                         AdamHyper.from_group(group, decoupled))
 
 
 def module_param_groups(zero: Any, stage: int) -> list[tuple[int, list[torch.Tensor]]]:
@@ -224,7 +238,8 @@ class ZeroStepHooks:
             self.catch_up()
             self.skip_this_step = False
             if self.engine.is_monitored():
-                self.local_grads.flush()
+                with self.engine.own_work.section("deepspeed.local_flush"):
+                    self.local_grads.flush()
                 self.stats.record(self.engine.wants_optimizer_stats())
                 self.skip_this_step = not self.engine.decide().applies_update
         elif self.recompute_target is not None and not self.skip_this_step:

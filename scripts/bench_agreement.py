@@ -93,8 +93,8 @@ class SimulatedPipeline(StatsPipeline):
 
 def make_engine() -> ArcEngine:
     """An engine with the layout and monitors of a run with SDC detection (not started: no process group)."""
-    config = load_config(None, ["detectors.sdc.enabled=true", "sinks.console.enabled=false",
-                                "sinks.jsonl.enabled=false"])
+    config = load_config(None, ["detectors.sdc.enabled=true", "detectors.sdc.sketch_size=256",
+                                "sinks.console.enabled=false", "sinks.jsonl.enabled=false"])
     return ArcEngine(config, group_names=["decay", "no_decay"])
 
 

@@ -183,3 +183,36 @@ def test_a_flat_partition_is_sampled_in_staggered_segments() -> None:
     small = AdamViews([flat[:6864]], [flat[:6864]], [None], [None], 0, AdamHyper(0.9, 0.999, 1e-8))
     assert segmented(small, fraction) is small  # too small to cut: its window stays one run
     assert segmented(views, 1.0) is views
+
+
+def test_segment_windows_cut_from_the_partition_equal_the_segments_windows_and_are_cached() -> None:
+    """``sampled_segments`` (the hot path of ZeRO-1/2) takes the very elements ``sampled(segmented(...))`` takes,
+    with ``segmented``'s positions, cut straight from the flat partitions; with a cache, a partition that persists
+    (the master weights, the moments) gets the same window objects at the same window position, a fresh gradient
+    never does."""
+    from arc_engine.stats.optim_stats import AdamHyper, AdamViews
+    from arc_engine.stats.sampling import WindowCache, sampled_segments, segmented
+
+    fraction = 1 / 32
+    partitions = [torch.randn(300_007), torch.randn(70_000), torch.randn(5_000)]  # 16, 8 and 1 segments
+    moments = [torch.rand(p.numel()) for p in partitions]
+    cache = WindowCache()
+    for phase in range(40):
+        grads = [torch.randn(p.numel()) for p in partitions]
+        views = AdamViews(partitions, grads, moments, [None, None, None], 3, AdamHyper(0.9, 0.999, 1e-8), [0, 1, 2])
+        reference = sampled(segmented(views, fraction), fraction, phase=phase)
+        fast = sampled_segments(views, fraction, cache, phase)
+        assert fast.positions == reference.positions
+        for name in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+            got, want = getattr(fast, name), getattr(reference, name)
+            assert len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                assert (a is None and b is None) or (a.data_ptr() == b.data_ptr() and torch.equal(a, b))
+        if phase >= 33:  # every window position was seen once: the persistent partitions' windows are reused
+            again = sampled_segments(views, fraction, cache, phase)
+            assert all(a is b for a, b in zip(again.params, fast.params, strict=True))
+            assert all(a is b for a, b in zip(again.exp_avgs, fast.exp_avgs, strict=True))
+    fresh = AdamViews(partitions, [torch.randn(p.numel()) for p in partitions], moments, [None] * 3, 3,
+                      AdamHyper(0.9, 0.999, 1e-8), [0, 1, 2])
+    first, second = (sampled_segments(fresh, fraction, cache, 7) for _ in range(2))
+    assert first.grads[0] is not second.grads[0]  # a gradient list seen once is never held

@@ -70,6 +70,26 @@ def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline(
     assert restored.state_dict() == monitor.state_dict()
 
 
+def test_a_non_finite_norm_is_left_to_the_non_finite_detector_when_it_is_on() -> None:
+    """With the non-finite detector on (the default set), a NaN/Inf gradient norm is its finding, reported once
+    with the rank it came from; the SDC rule flags it itself only when that detector is off. Either way the
+    baselines do not move."""
+    from arc_engine.config import load_config
+    from arc_engine.monitors.family import FamilyContext
+    from arc_engine.monitors.sdc import SDCFamily
+
+    for non_finite_on in (True, False):
+        config = load_config(None, [f"detectors.non_finite.enabled={str(non_finite_on).lower()}"])
+        ctx = FamilyContext(config, config.detectors.sdc, ["g"], Reduce.SUM)
+        (monitor,) = SDCFamily().monitors(ctx)
+        monitor.evaluate(0, gathered(1.0, 5.0))
+        monitor.commit(0, True)
+        findings = monitor.evaluate(1, gathered(1.0, math.inf))
+        assert [f.detector for f in findings] == ([] if non_finite_on else ["sdc"])
+        monitor.commit(1, False)
+        assert monitor.r_prev == 1.0 and monitor.g_prev == 5.0
+
+
 # ------------------------------------------------------------------ real runs with bit flips
 
 def sdc_config(run_dir: Path, *overrides: str) -> Any:

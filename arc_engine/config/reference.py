@@ -73,8 +73,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                       ">= 0 and < `explosion_threshold`"),
     "detectors.grad_norm.explosion_action": KeyDoc("What an explosion gets."),
     "detectors.grad_norm.vanishing_action": KeyDoc("What a vanishing gradient gets."),
-    "detectors.sdc.enabled": KeyDoc("The SDC paper's update-RMS rule; computes the update RMS on every monitored "
-                                    "step."),
+    "detectors.sdc.enabled": KeyDoc("The SDC paper's update-RMS rule (on by default); computes the sampled update "
+                                    "RMS on every monitored step."),
     "detectors.sdc.alpha": KeyDoc("α of the rule ΔR_t > μ/(α√ΔG_t); larger is more sensitive.", "(0, 1]"),
     "detectors.sdc.warmup_steps": KeyDoc("Applied steps over which μ (the mean update-RMS jump) is learned; also "
                                          "the recomputation gate's warm-up.", ">= 1"),
@@ -86,7 +86,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                           "element is covered every ceil(1/update_sample) steps; 1.0 gives the "
                                           "paper's exact R_t.", "(0, 1]"),
     "detectors.sdc.sketch_size": KeyDoc("Numbers per rank in the signed block-sum sketch of the local gradient "
-                                        "(0: off).", ">= 0"),
+                                        "(0: off, the default; e.g. 256: one more pass over each local gradient "
+                                        "bucket per step).", ">= 0"),
     "detectors.qk_spectra.enabled": KeyDoc("Attention ΔW and QK-product spectra per head and tensor-parallel shard "
                                            "(Megatron; off elsewhere)."),
     "detectors.qk_spectra.every": KeyDoc("δ: optimizer steps between measurements (W_q, W_k at t − δ are kept).",

@@ -160,16 +160,17 @@ class SDCConfig:
     contiguous window per tensor, at least 256 elements, moving every monitored step so that every element is
     covered every ceil(1/update_sample) steps; ZeRO-1/2 partitions in up to 16 segments); below 1 it is an
     estimate of R_t at that fraction of the cost (the pre-clip norm stays exact). ``sketch_size``: numbers per
-    rank in the signed block-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off); a
-    rank whose sketch points away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
+    rank in the signed block-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off,
+    the default: it costs one more pass over every local gradient bucket per step); a rank whose sketch points
+    away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
 
-    enabled: bool = False
+    enabled: bool = True
     alpha: float = 0.05
     warmup_steps: int = 100
     localize_factor: float = 4.0
     action: ActionName = "skip"
     update_sample: float = 0.03125
-    sketch_size: int = 256
+    sketch_size: int = 0
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:

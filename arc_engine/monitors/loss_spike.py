@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from arc_engine.config.schema import LossSpikeConfig
 from arc_engine.events import Action, Finding, Severity
@@ -30,10 +29,19 @@ from arc_engine.stats import AgreedStats, names
 MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
 
 
-def robust_baseline(history: np.ndarray) -> tuple[float, float]:
-    """``(median, robust_std)`` of ``history``; robust_std = 1.4826 x median absolute deviation."""
-    median = float(np.median(history))
-    return median, MAD_TO_STD * float(np.median(np.abs(history - median)))
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def robust_baseline(history: Iterable[float]) -> tuple[float, float]:
+    """``(median, robust_std)`` of ``history`` (finite values); robust_std = 1.4826 x median absolute deviation.
+    Plain Python: for the window's hundred values it is several times faster than numpy's median, and it runs
+    on every monitored step."""
+    values = list(history)
+    median = _median(values)
+    return median, MAD_TO_STD * _median([abs(value - median) for value in values])
 
 
 def spike_threshold(median: float, robust_std: float, factor: float, min_relative_increase: float) -> float:
@@ -69,7 +77,7 @@ class LossSpikeMonitor:
         self._flagged = False
         if not math.isfinite(loss) or len(self.history) < self.config.warmup_steps:
             return []
-        median, robust_std = robust_baseline(np.asarray(self.history))
+        median, robust_std = robust_baseline(self.history)
         threshold = spike_threshold(median, robust_std, self.config.factor, self.config.min_relative_increase)
         self.last_threshold = threshold
         if loss <= threshold:

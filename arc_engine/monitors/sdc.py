@@ -6,7 +6,8 @@ final gradient and the current moments, so a flagged update is never applied):
 * R_t = max over parameter groups of RMS(U);  ΔR_t = |R_t − R_{t−1}|;
 * μ = mean of ΔR over the warm-up (the first ``warmup_steps`` applied steps with a ΔR);
 * ΔG_t = max(0, ‖G_t‖_pre − ‖G_{t−1}‖_pre), the pre-clip global gradient norm;
-* flag when ΔR_t > μ / (α √ΔG_t) (ΔG_t = 0 never flags), or when ‖G_t‖_pre is not finite.
+* flag when ΔR_t > μ / (α √ΔG_t) (ΔG_t = 0 never flags), or when ‖G_t‖_pre is not finite (left to the non-finite
+  detector when it is on -- the default -- so a NaN step is reported once, with the rank it came from).
 
 R_t is computed on windows that move every monitored step when ``update_sample`` < 1
 (:mod:`arc_engine.stats.sampling`); μ is learned under the same motion, so the rule needs no change for it.
@@ -84,8 +85,11 @@ class SDCMonitor:
 
     name = "sdc"
 
-    def __init__(self, config: SDCConfig) -> None:
+    def __init__(self, config: SDCConfig, defer_nonfinite: bool = False) -> None:
         self.config = config
+        #: leave a non-finite gradient norm or update RMS to the non-finite detector (on by default), which names
+        #: the rank it came from, instead of reporting the same step twice
+        self.defer_nonfinite = defer_nonfinite
         self.r_prev = float("nan")
         self.g_prev = float("nan")
         self.mu_sum = 0.0
@@ -134,6 +138,9 @@ class SDCMonitor:
             if self.warmed_up and math.isfinite(g_t) else math.inf
         self.last = {"update_rms_max": r_t, "delta_r": delta_r, "threshold": threshold}
         nonfinite = not math.isfinite(g_t) or not math.isfinite(r_t)
+        if nonfinite and self.defer_nonfinite:
+            self._pending = None  # a step that is not applied: the baselines do not move
+            return []
         if not nonfinite and (not self.warmed_up or not math.isfinite(self.r_prev) or delta_r <= threshold):
             return []
         self._flagged = True
@@ -199,7 +206,7 @@ class SDCFamily(FamilyBase):
         return decls
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [SDCMonitor(ctx.section)]
+        return [SDCMonitor(ctx.section, defer_nonfinite=ctx.config.detectors.non_finite.enabled)]
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
         return True, False  # the update RMS on every monitored step; the rule needs no weight norms

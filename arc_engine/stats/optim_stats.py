@@ -171,15 +171,21 @@ def _batch_update_sq(batch: list, step: int | torch.Tensor, hyper: AdamHyper,
     means = _flat([item[2] for item in batch], grad_pieces)
     sqs = _flat([item[3] for item in batch], grad_pieces)
     new_means = grads * (1.0 - hyper.beta1) if means is None else torch.lerp(means, grads, 1.0 - hyper.beta1)
+    # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
+    # corrections become one scalar applied to the final sum, saving two passes. With v' = β2 w,
+    # w = v + g²(1-β2)/β2 (one addcmul, no pass for β2 v): sqrt(v') = sqrt(β2) sqrt(w), and sqrt(β2) joins the scalar.
+    bias1, sqrt_bias2 = _bias_corrections(step, hyper)
+    scale, eps = sqrt_bias2 / bias1, hyper.eps * sqrt_bias2
     if sqs is None:
         new_sqs = grads.square().mul_(1.0 - hyper.beta2)
+    elif hyper.beta2 > 0.0:
+        new_sqs = torch.addcmul(sqs, grads, grads, value=(1.0 - hyper.beta2) / hyper.beta2)
+        root_beta2 = math.sqrt(hyper.beta2)
+        scale, eps = scale / root_beta2, eps / root_beta2
     else:
-        new_sqs = torch.addcmul(sqs * hyper.beta2, grads, grads, value=1.0 - hyper.beta2)
-    # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
-    # corrections become one scalar applied to the final sum, saving two passes.
-    bias1, sqrt_bias2 = _bias_corrections(step, hyper)
-    new_means.div_(new_sqs.sqrt_().add_(hyper.eps * sqrt_bias2))
-    norm = torch.linalg.vector_norm(new_means, dtype=torch.float32).double() * (sqrt_bias2 / bias1)
+        new_sqs = grads.square()
+    new_means.div_(new_sqs.sqrt_().add_(eps))
+    norm = torch.linalg.vector_norm(new_means, dtype=torch.float32).double() * scale
     return norm.square()
 
 

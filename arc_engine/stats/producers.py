@@ -10,7 +10,7 @@ import torch
 from arc_engine.stats import names
 from arc_engine.stats.layout import StatBuffer
 from arc_engine.stats.optim_stats import AdamViews, update_sq_total, weight_sq_sums
-from arc_engine.stats.sampling import WindowCache, sample_phase, sampled, segmented
+from arc_engine.stats.sampling import WindowCache, sample_phase, sampled, sampled_segments
 
 if TYPE_CHECKING:
     from arc_engine.engine import ArcEngine
@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Sequence[torch.Tensor],
                                  views: AdamViews | None, update_sample: float = 1.0,
                                  with_weights: bool = True, windows: WindowCache | None = None, phase: int = 0,
-                                 grad_scale: float | torch.Tensor = 1.0) -> None:
+                                 grad_scale: float | torch.Tensor = 1.0, flat_partitions: bool = False) -> None:
     """Add this rank's part of group ``group_id``'s weight squared norm (when ``with_weights``) and, for Adam-family
     optimizers, the prospective update Σ U² and element count (over the :func:`sampled` windows of ``phase`` when
     ``update_sample`` < 1; ``windows`` keeps this group's windows between steps). ``grad_scale`` multiplies the
-    gradients first (see :func:`update_sq_total`). Local, device-side; no-op when the layout has no
-    optimizer-statistics slots."""
+    gradients first (see :func:`update_sq_total`). ``flat_partitions``: ``views`` hold whole flat partitions
+    (ZeRO-1/2), sampled per :func:`~arc_engine.stats.sampling.segmented` segment. Local, device-side; no-op when the
+    layout has no optimizer-statistics slots."""
     if names.WEIGHT_SQ not in buffer.layout or not weights:
         return
     slot = slice(group_id, group_id + 1)
@@ -34,7 +35,7 @@ def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Seq
         buffer.view(names.WEIGHT_SQ)[slot].add_(weight_sq_sums(weights).sum().to(device))
     if views is None or not views.grads:
         return
-    views = sampled(views, update_sample, windows, phase)
+    views = (sampled_segments if flat_partitions else sampled)(views, update_sample, windows, phase)
     update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper,
                                 grad_scale=grad_scale)
     buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(device))
@@ -54,7 +55,6 @@ def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[t
     config = engine.config
     sample = config.detectors.sdc.update_sample
     with engine.own_work.section("optimizer_stats"):
-        if flat_partitions and views is not None:
-            views = segmented(views, sample)
         record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
-                                     windows, sample_phase(engine.step, config.stats.interval), grad_scale)
+                                     windows, sample_phase(engine.step, config.stats.interval), grad_scale,
+                                     flat_partitions)

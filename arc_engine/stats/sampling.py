@@ -139,9 +139,46 @@ def segmented(views: AdamViews, fraction: float) -> AdamViews:
                      views.hyper, positions)
 
 
+def segment_windows(tensor: torch.Tensor | None, count: int, fraction: float, position: int,
+                    phase: int) -> list[torch.Tensor | None]:
+    """The windows at ``phase`` of the ``count`` :func:`segmented` segments of the flat ``tensor`` (at
+    ``position``), cut from ``tensor`` itself (the segments are never made): the same elements as
+    ``sample_window(segment_j, fraction, position x MAX_SEGMENTS + j, phase)``."""
+    if tensor is None:
+        return [None] * count
+    numel = tensor.numel()
+    base, extra = divmod(numel, count)  # tensor_split: the first ``extra`` segments hold one more element
+    windows = []
+    for j in range(count):
+        size = base + (j < extra)
+        start, length = window_bounds(size, fraction, position * MAX_SEGMENTS + j, phase)
+        windows.append(flat_piece(tensor, j * base + min(j, extra) + start, length, numel))
+    return windows
+
+
+def sampled_segments(views: AdamViews, fraction: float, cache: WindowCache | None = None,
+                     phase: int = 0) -> AdamViews:
+    """``sampled(segmented(views, fraction), fraction, cache, phase)`` -- the same windows of whole flat partitions
+    -- cut straight from the partitions: no segment views are made, and with a ``cache`` the windows of partitions
+    that persist between steps (the fp32 partition, the moments) are cut once per window position. The
+    ``positions`` of the result are :func:`segmented`'s."""
+    counts = [segment_count(grad.numel(), fraction) for grad in views.grads]
+    if fraction >= 1.0 or all(count == 1 for count in counts):
+        return sampled(views, fraction, cache, phase)
+    cache = cache if cache is not None else WindowCache()
+    at = list(views.positions if views.positions is not None else range(len(views.grads)))
+
+    def cut(name: str, tensors: list[Any]) -> list[Any]:
+        return cache.windows(name, tensors, fraction, at, phase, counts)
+
+    positions = [position * MAX_SEGMENTS + j for position, count in zip(at, counts, strict=True) for j in range(count)]
+    return AdamViews(cut("params", views.params), cut("grads", views.grads), cut("exp_avgs", views.exp_avgs),
+                     cut("exp_avg_sqs", views.exp_avg_sqs), views.step, views.hyper, positions)
+
+
 @dataclass
 class _CacheEntry:
-    fraction: float
+    fraction: Any  # the fraction, with the segment counts when the tensors are cut into segments
     refs: list[Any]  # weak references (None for a None tensor): a cached list never keeps a tensor alive
     pointers: list[int]
     by_slot: dict[int, list[Any]]
@@ -165,20 +202,30 @@ class WindowCache:
         self._entries: dict[str, _CacheEntry] = {}
 
     def windows(self, name: str, tensors: Sequence[torch.Tensor | None], fraction: float,
-                positions: Sequence[int] | None = None, phase: int = 0) -> list[Any]:
+                positions: Sequence[int] | None = None, phase: int = 0,
+                segments: Sequence[int] | None = None) -> list[Any]:
         """The windows of ``tensors`` at ``phase``, each placed by its entry of ``positions`` (default: its index in
-        ``tensors``)."""
+        ``tensors``). ``segments``: flat tensors cut into that many :func:`segmented` segments each, one window per
+        segment (:func:`segment_windows`)."""
         at = positions if positions is not None else range(len(tensors))
+
+        def cut() -> list[Any]:
+            if segments is None:
+                return [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
+            return [window for i, t, count in zip(at, tensors, segments, strict=True)
+                    for window in segment_windows(t, count, fraction, i, phase)]
+
         entry = self._entries.get(name)
-        if entry is None or entry.fraction != fraction or not _same_tensors(entry, tensors):
-            self._entries[name] = _CacheEntry(fraction, [None if t is None else weakref.ref(t) for t in tensors],
+        key = fraction if segments is None else (fraction, tuple(segments))
+        if entry is None or entry.fraction != key or not _same_tensors(entry, tensors):
+            self._entries[name] = _CacheEntry(key, [None if t is None else weakref.ref(t) for t in tensors],
                                               _pointers(tensors), {})
-            return [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
+            return cut()
         slot = phase % window_slots(fraction)
         windows = entry.by_slot.get(slot)
         if windows is None:
-            windows = [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
-            if (len(entry.by_slot) + 1) * max(1, len(tensors)) <= self.max_views:
+            windows = cut()
+            if (len(entry.by_slot) + 1) * max(1, len(windows)) <= self.max_views:
                 entry.by_slot[slot] = windows
         return windows
 
