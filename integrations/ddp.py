@@ -11,10 +11,15 @@ Per bucket, on monitored steps only:
   (:mod:`arc_engine.stats.partition`, set by ``attach``) each rank takes only the parameters it owns and the slot is
   ``Reduce.SUM``: 1/N of the pass per rank, the same total.
 
-With ``detectors.sdc`` on, each rank also adds its bucket's gradient sketch (``grad_sketch_local``, taken of the
-bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its :class:`~arc_engine.monitors.sdc_local.LocalGate`
-judges the bucket before the all-reduce: a withheld bucket contributes zeros (counted in ``sdc_withheld``) and
-:class:`DDPGradientTarget` lets :mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
+Each bucket adds one fused norm kernel (``torch._foreach_norm`` over its views) before the reduction and one after;
+the results are queued and folded into the statistics buffer once per step, right before the agreement
+(``ArcEngine.folds``), with a handful of batched kernels instead of a handful per bucket.
+
+With ``detectors.sdc.sketch_size`` > 0, each rank also adds its bucket's gradient sketch (``grad_sketch_local``,
+taken of the bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its
+:class:`~arc_engine.monitors.sdc_local.LocalGate` judges the bucket before the all-reduce: a withheld bucket
+contributes zeros (counted in ``sdc_withheld``) and :class:`DDPGradientTarget` lets
+:mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
 
 Otherwise the gradient values are never modified beyond DDP's own reduction: training is bitwise unchanged.
 """

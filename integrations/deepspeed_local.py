@@ -92,8 +92,9 @@ class LocalGradHooks:
         self.sketch_k = torch.zeros(engine.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
                                     dtype=torch.float64, device=device)
         self._sketch_cache: dict = {}
-        self._norms: list[torch.Tensor] = []  # queued: one gradient norm per hook call
-        self._norm_index: list[int] = []
+        self._norms: list[torch.Tensor] = []  # queued: gradient norms (one per hook call, or a bucket's)
+        self._norm_index: list[torch.Tensor] = []  # ... and the positions (in self.params) they belong to
+        self._positions = [torch.tensor([i], dtype=torch.long, device=device) for i in range(len(params))]
         self._sums: list[torch.Tensor] = []  # queued: block sums for the sketch
         self._sum_index: list[int] = []
         self._max_pending = self.MAX_PENDING_PER_PARAM * max(1, len(params))
@@ -185,7 +186,10 @@ class LocalGradHooks:
             return  # not a bucket of our parameters as we know them: flush() notices the elements not taken
         self._taken_elements += plan.total
         norms = torch._foreach_norm(list(tensor.view(-1).split(plan.sizes)), 2, dtype=torch.float32)
-        self.sq_p.index_add_(0, plan.positions, torch.stack(norms).to(self.sq_p.device).square())
+        self._norms.append(torch.stack(norms))  # folded with the step's other buckets (one index_add)
+        self._norm_index.append(plan.positions)
+        if len(self._norms) >= self._max_pending:  # backward passes without a step: keep the queue bounded
+            self._fold()
         if self.sketch_k.numel():
             sums = block_sums(tensor, self.sketch_k.numel())
             if sums is not None:  # bucket contents are the same on every rank: index it by its first parameter
@@ -207,8 +211,8 @@ class LocalGradHooks:
         self._seen_elements += numel
         self._taken_elements += numel
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        positions = torch.tensor(index, dtype=torch.long, device=self.sq_p.device)
-        self.sq_p.index_add_(0, positions, torch.stack(norms).to(self.sq_p.device).square())
+        self._norms.append(torch.stack(norms))
+        self._norm_index.append(torch.tensor(index, dtype=torch.long, device=self.sq_p.device))
         if self.sketch_k.numel():
             for grad, i in zip(grads, index, strict=True):
                 sums = block_sums(grad, self.sketch_k.numel())
@@ -223,8 +227,8 @@ class LocalGradHooks:
             if engine.buffer is None or not engine.is_monitored() or engine.recomputing:
                 return None
             norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-            self._norms.append(norm)
-            self._norm_index.append(index)
+            self._norms.append(norm.reshape(1))
+            self._norm_index.append(self._positions[index])
             if self.sketch_k.numel():
                 sums = block_sums(grad, self.sketch_k.numel())
                 if sums is not None:
@@ -244,8 +248,8 @@ class LocalGradHooks:
         """Fold the queue into ``sq_p`` and ``sketch_k`` (batched: a stack, a square and an index_add for the norms;
         a concatenation and an index_add for the sketch) and empty it."""
         if self._norms:
-            index = torch.tensor(self._norm_index, dtype=torch.long, device=self.sq_p.device)
-            self.sq_p.index_add_(0, index, torch.stack(self._norms).to(self.sq_p.device).square())
+            index = torch.cat(self._norm_index)
+            self.sq_p.index_add_(0, index, torch.cat(self._norms).to(self.sq_p.device).square())
             self._norms, self._norm_index = [], []
         if self._sums:
             add_block_sums(self.sketch_k, self._sums, self._sum_index, self._sketch_cache)

@@ -61,3 +61,11 @@ def test_the_variants_rotate_so_each_follows_each_other_equally_often(bench) -> 
 def test_own_work_is_reported_for_the_slowest_rank(bench) -> None:
     reports = [{"host_ms": 1.0, "fraction": 0.001}, {"host_ms": 2.5, "fraction": 0.003}]
     assert bench.slowest_rank(reports)["fraction"] == 0.003
+
+
+def test_the_timers_cost_comes_out_of_the_own_work_figure_and_picks_the_slowest_rank(bench) -> None:
+    slowest_rank, without_timers = bench.slowest_rank, bench.without_timers
+    assert without_timers(4.0, 60.0, 0.004) == pytest.approx(3.76)
+    assert without_timers(0.1, 60.0, 0.004) == 0.0  # never negative
+    reports = [{"host_ms": 5.0, "untimed_ms": 3.0}, {"host_ms": 4.0, "untimed_ms": 3.5}]
+    assert slowest_rank(reports) is reports[1]  # ranked by the figure the bar is compared with

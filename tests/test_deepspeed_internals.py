@@ -239,7 +239,8 @@ def _local_rank(rank: int, world: int, stage: int, overlap_comm: bool, run_dir: 
     warnings = WarningsKept()
     logging.getLogger("arc_engine").addHandler(warnings)
     with writes_from(INTEGRATIONS, classes) as writes:
-        arc = attach_deepspeed(engine, make_config(run_dir, "detectors.sdc.enabled=true"))
+        arc = attach_deepspeed(engine, make_config(run_dir, "detectors.sdc.enabled=true",
+                                                   "detectors.sdc.sketch_size=256"))
         for step in range(2):
             for micro in range(2):
                 inputs, targets = data.batch(2 * step + micro, rank, BATCH)

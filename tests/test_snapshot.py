@@ -250,3 +250,106 @@ def test_with_the_memory_tier_off_snapshots_copy_no_tensors_and_disk_saves_still
         committed = [info.step for info in arc.engine.recovery.checkpoints.committed()]
     assert len(candidates) >= 3 and all(not c.has_tensors and c.tensors == [] for c in candidates)
     assert committed[-2:] == [4, 6]
+
+
+def test_a_disk_save_of_the_verified_state_writes_the_snapshots_copies_and_the_ring_keeps_them_while_it_runs() -> None:
+    """``from_snapshot`` swaps every live tensor of the DCP state dict for the snapshot's host copy (a view that is not
+    a whole live tensor stays), ``HostStager`` passes such stable tensors through uncopied, and a busy snapshot's
+    buffers are never handed to the next capture."""
+    from arc_engine.recovery.snapshot import from_snapshot
+    from arc_engine.recovery.staging import HostStager
+
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    state = TorchTrainState(model, optimizer)
+    step_once(model, optimizer, data, 0)
+    snapshot = capture(1, state)
+    train = state.dcp_state_dict()
+    train["extra_view"] = next(iter(model.parameters())).detach()[:1]  # part of a live tensor: no copy of its own
+    swapped, used = from_snapshot(train, state.live_tensors(), snapshot.tensors)
+    assert len(used) == len(state.live_tensors())
+    copies = {id(t) for t in snapshot.tensors}
+    leaves = [v for v in swapped["model"].values()] + [
+        v for s in swapped["optim"]["state"].values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    assert leaves and all(id(t) in copies for t in leaves)
+    assert swapped["extra_view"] is train["extra_view"]
+    stager = HostStager()
+    staged = stager.stage(swapped, stable=frozenset(id(t) for t in used))
+    assert all(staged["model"][k] is swapped["model"][k] for k in swapped["model"])
+    assert stager.nbytes == train["extra_view"].numel() * 4 + sum(  # only what is not a snapshot copy is copied
+        v.numel() * v.element_size() for s in swapped["optim"]["state"].values() for v in s.values()
+        if isinstance(v, torch.Tensor) and id(v) not in copies)
+    busy = {id(snapshot)}
+    ring = SnapshotRing(1, busy=lambda s: id(s) in busy)
+    ring.push(snapshot)
+    ring.push(capture(2, state, into=ring.spare_buffers()))  # evicts the busy snapshot
+    assert ring.spare_buffers() is None  # its buffers were not kept for reuse
+    busy.clear()
+    ring.push(capture(3, state, into=ring.spare_buffers()))
+    assert ring.spare_buffers() is not None
+
+
+def test_disk_saves_from_the_memory_tier_stage_nothing_and_load_back_the_verified_state(tmp_path) -> None:
+    """With the memory ring on, each disk checkpoint writes the verified snapshot's host copies (no tensor staged
+    again on this single rank); resuming from it gives the snapshot's tensors bitwise."""
+    import arc_engine
+    from tests.training import make_config
+
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    config = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint_freq=2",
+                         "recovery.checkpoint.every_steps=4")
+    with arc_engine.attach(model, optimizer, config) as arc:
+        recovery = arc.engine.recovery
+        staged = []
+        for _ in range(9):
+            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            arc.record_loss(loss)
+            loss.backward()
+            saves = recovery.disk_saves
+            optimizer.step()
+            optimizer.zero_grad()
+            if recovery.disk_saves > saves:
+                staged.append(recovery.checkpoints.last_staged_bytes)
+                source = recovery._disk_source
+        recovery.checkpoints.wait(60)
+        last = recovery.checkpoints.committed()[-1]
+    assert len(staged) >= 2 and all(nbytes == 0 for nbytes in staged)
+    assert source is not None and last.step == source.step
+    model2, _ = tiny_model_and_data()
+    optimizer2 = make_optimizer(model2)
+    resume = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint.resume=true")
+    with arc_engine.attach(model2, optimizer2, resume) as arc2:
+        live = TorchTrainState(model2, optimizer2).live_tensors()
+        assert arc2.engine.step == source.step
+        assert len(live) == len(source.tensors)
+        assert all(torch.equal(a, b) for a, b in zip(live, source.tensors, strict=True))
+
+
+def test_only_the_module_buffers_are_copied_before_the_forward_on_cuda() -> None:
+    """The CUDA capture copies what the forward may write (module buffers: running statistics) on the current
+    stream and the rest on a side stream: ``forward_written`` names exactly the buffers of ``live_tensors``; a
+    state without it gets every tensor copied before the forward. On CPU a snapshot's fence and wait are no-ops."""
+    from arc_engine.recovery.snapshot import _forward_written
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = TorchTrainState(model, optimizer)
+    live = state.live_tensors()
+    written = _forward_written(state, len(live))
+    buffers = {id(b) for b in model.buffers()}
+    assert written == {i for i, t in enumerate(live) if any(t is b or t.data_ptr() == b.data_ptr()
+                                                            for b in model.buffers())}
+    assert len(written) == len(buffers) == 3  # running mean, running var, batches tracked
+
+    class Bare:
+        def live_tensors(self):
+            return live
+
+    assert _forward_written(Bare(), len(live)) == set(range(len(live)))
+    snapshot = capture(1, state)
+    assert snapshot.copied is None
+    snapshot.fence()
+    snapshot.wait()

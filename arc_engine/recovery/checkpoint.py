@@ -30,12 +30,13 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -170,7 +171,7 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------------- saving
 
     def save_async(self, step: int, state_dict: dict[str, Any], *, pinned: bool = False,
-                   metadata: dict | None = None) -> None:
+                   metadata: dict | None = None, stable: Collection[torch.Tensor] = ()) -> None:
         """Start saving ``state_dict`` as checkpoint ``step``. Collective over the checkpoint group: every rank calls
         it with the same step. Returns once every tensor this rank writes is copied to host memory (a replicated
         tensor is copied and written by one rank, see ``staging``); the write, the checksums and the commit
@@ -179,8 +180,10 @@ class CheckpointManager:
 
         ``state_dict``: nested dicts/lists of tensors (plain or DTensor) and picklable objects, as ``dcp.save``
         takes; per-rank entries need per-rank keys, equal keys across ranks are one replicated entry.
-        ``metadata``: JSON-able, stored in the commit marker. A committed checkpoint of the same step (a re-save
-        after a rollback) is replaced."""
+        ``metadata``: JSON-able, stored in the commit marker. ``stable``: host tensors of ``state_dict`` that the
+        caller keeps unchanged until this save is done (``in_flight`` is False): written as they are, not copied
+        (e.g. a verified snapshot's copies of the live state; only with DCP's own format). A committed checkpoint of
+        the same step (a re-save after a rollback) is replaced."""
         started = time.perf_counter()
         self._check_open()
         metadata = dict(metadata or {})
@@ -202,7 +205,7 @@ class CheckpointManager:
                                                             stage=self._stager.stage)
         else:
             skipped = self._owners.skipped(state_dict) if self._owners is not None else frozenset()
-            staged = self._stager.stage(state_dict, skipped)
+            staged = self._stager.stage(state_dict, skipped, frozenset(id(t) for t in stable))
         self.last_staged_bytes = self._stager.nbytes
         if self._worker is None:  # before DCP's thread exists: starting it then would wait for the GIL
             self._worker = threading.Thread(target=self._work, name="arc-checkpoint-commit", daemon=True)

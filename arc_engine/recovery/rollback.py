@@ -42,6 +42,7 @@ from arc_engine.recovery.snapshot import (
     Snapshot,
     SnapshotRing,
     capture,
+    from_snapshot,
     restore,
     ring_capacity,
     rng_state,
@@ -75,7 +76,8 @@ class Recovery:
         self.config = engine.config.recovery
         self.state = state
         self.controller = RecoveryController(self.config)
-        self.ring = SnapshotRing(1)  # sized at the first capture, agreed across ranks
+        self.ring = SnapshotRing(1, busy=self._saving_from)  # sized at the first capture, agreed across ranks
+        self._disk_source: Snapshot | None = None  # the snapshot whose host copies the save in flight writes
         self._ring_sized = False
         self.group: dist.ProcessGroup | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -223,7 +225,8 @@ class Recovery:
         largest = torch.tensor([float(local_bytes)], dtype=torch.float64)
         if self.group is not None:
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.ring = SnapshotRing(ring_capacity(self.config.memory_ring_mb * 2**20, int(largest.item())))
+        self.ring = SnapshotRing(ring_capacity(self.config.memory_ring_mb * 2**20, int(largest.item())),
+                                 busy=self._saving_from)
         self._ring_sized = True
         if self.ring.capacity == 0:
             log.warning("arc_engine: a snapshot (%.1f MB on the largest rank) exceeds recovery.memory_ring_mb = %s:"
@@ -240,6 +243,8 @@ class Recovery:
         before the optimizer applies anything. May start an async disk save (collective on the checkpoint group)."""
         decision = self.controller.resolve(decision, has_target=self.has_target())
         candidate, self.candidate = self.candidate, None
+        if candidate is not None:
+            candidate.fence()  # CUDA: the update is queued after the snapshot's copies (no host sync)
         if candidate is None or candidate.step != self.engine.step:
             self.ring.recycle(candidate)
             return decision
@@ -259,11 +264,22 @@ class Recovery:
             return
         with self.engine.own_work.section("recovery.checkpoint_save"):
             state_dict = self._disk_state(verified)
+            stable: list[torch.Tensor] = []
+            if verified.has_tensors and self.checkpoints.disk_format is None:
+                # the live state still equals the verified snapshot: write its host copies, staging nothing again
+                verified.wait()
+                state_dict["train"], stable = from_snapshot(state_dict["train"], self.state.live_tensors(),
+                                                            verified.tensors)
             metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
                         "run_id": self.engine.run_id}
-            self.checkpoints.save_async(verified.step, state_dict, metadata=metadata)
+            self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
+            self._disk_source = verified if stable else None
         self.last_disk_step = verified.step
         self.disk_saves += 1
+
+    def _saving_from(self, snapshot: Snapshot) -> bool:
+        """Whether a disk save still in flight writes ``snapshot``'s host copies (the ring must not reuse them)."""
+        return snapshot is self._disk_source and self.checkpoints is not None and self.checkpoints.in_flight
 
     def _disk_state(self, verified: Snapshot) -> dict[str, Any]:
         """The live tensors (equal to the verified snapshot's: nothing was applied since) plus the snapshot's

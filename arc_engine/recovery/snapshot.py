@@ -13,11 +13,17 @@ from __future__ import annotations
 import copy
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor
 
 from arc_engine.recovery.state import TrainState
 
@@ -73,10 +79,23 @@ class Snapshot:
     rng: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     has_tensors: bool = True  # False: python state only (capture(..., tensors=False)); cannot be restored
+    #: CUDA state: {device: event recorded once its device-to-host copies are done} (None: the copies are done)
+    copied: dict[torch.device, Any] | None = None
 
     @property
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors)
+
+    def fence(self) -> None:
+        """Make later work on the current CUDA streams wait for this snapshot's copies (device-side, no host sync).
+        Call before anything writes the live tensors (the optimizer's update). A no-op on CPU."""
+        for device, event in (self.copied or {}).items():
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def wait(self) -> None:
+        """Block the host until the copies are in the host buffers (before the host reads them). A no-op on CPU."""
+        for event in (self.copied or {}).values():
+            event.synchronize()
 
 
 def host_buffers(live: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -95,19 +114,67 @@ def state_bytes(state: TrainState) -> int:
 def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
             rng: dict[str, Any] | None = None, *, into: list[torch.Tensor] | None = None,
             tensors: bool = True) -> Snapshot:
-    """Copy this rank's state to host memory. Local (no communication); returns once the copies are done (a
-    device-to-host copy synchronizes with the device). ``rng``: the RNG states to record (default: now's).
-    ``into``: host buffers of an earlier snapshot to reuse (used when their shapes and dtypes still match; see
-    :class:`SnapshotRing` for the ones it hands back). ``tensors=False``: the python state only (for a verified
-    state that is only ever saved to disk from the live tensors, never restored from memory)."""
+    """Copy this rank's state to host memory. Local (no communication). On CPU it returns once the copies are
+    done; on CUDA the copies run without blocking the host -- the tensors the forward writes on the current stream,
+    the others on a side stream that overlaps the next forward -- so call :meth:`Snapshot.fence` before anything
+    writes the live tensors and :meth:`Snapshot.wait` before the host reads the copies (``restore`` does).
+    ``rng``: the RNG states to record (default: now's). ``into``: host buffers of an earlier snapshot to reuse (used
+    when their shapes and dtypes still match; see :class:`SnapshotRing` for the ones it hands back).
+    ``tensors=False``: the python state only (for a verified state that is only ever saved to disk from the live
+    tensors, never restored from memory)."""
     copies: list[torch.Tensor] = []
+    copied = None
     if tensors:
         live = state.live_tensors()
         copies = into if into is not None and _signature(into) == _signature(live) else host_buffers(live)
-        for target, source in zip(copies, live, strict=True):
-            target.copy_(source.detach())
+        if any(t.is_cuda for t in live):
+            copied = _copy_from_cuda(copies, live, _forward_written(state, len(live)))
+        else:
+            for target, source in zip(copies, live, strict=True):
+                target.copy_(source.detach())
     return Snapshot(step, copies, to_host(state.extra_state()), rng if rng is not None else rng_state(),
-                    to_host(extra or {}), has_tensors=tensors)
+                    to_host(extra or {}), has_tensors=tensors, copied=copied)
+
+
+def _forward_written(state: TrainState, count: int) -> set[int]:
+    """Indices of ``state``'s live tensors that the forward pass may write (module buffers: running statistics):
+    its ``forward_written()`` when it has one, else all of them (every copy then goes before the forward)."""
+    written = getattr(state, "forward_written", None)
+    return set(written()) if written is not None else set(range(count))
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _copy_from_cuda(copies: list[torch.Tensor], live: list[torch.Tensor], early: set[int]) -> dict[torch.device, Any]:
+    """Device-to-host copies into the (pinned) ``copies`` that do not block the host: the tensors in ``early`` (which
+    the forward writes) on the current stream, so they are copied before the forward runs; the others on a side
+    stream per device, which first waits for the current stream and then overlaps the next forward. Returns each
+    device's event recorded after its copies; the optimizer must not write the live tensors before it (see
+    :meth:`Snapshot.fence`)."""
+    late: dict[torch.device, list[int]] = {}
+    for index, (target, source) in enumerate(zip(copies, live, strict=True)):
+        if not source.is_cuda:
+            target.copy_(source.detach())
+        elif index in early:
+            target.copy_(source.detach(), non_blocking=True)
+        else:
+            late.setdefault(source.device, []).append(index)
+    events = {}
+    for device in {t.device for t in live if t.is_cuda}:
+        side = _side_streams.get(device)
+        if side is None:
+            side = _side_streams[device] = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the state as the previous step left it
+        with torch.cuda.stream(side):
+            for index in late.get(device, []):
+                source = live[index].detach()
+                copies[index].copy_(source, non_blocking=True)
+                source.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        events[device] = event
+    return events
 
 
 @torch.no_grad()
@@ -119,6 +186,7 @@ def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
     if not snapshot.has_tensors:
         raise RuntimeError(f"arc_engine: the snapshot of step {snapshot.step} holds no tensors (taken for a disk "
                            "save only) and cannot be restored")
+    snapshot.wait()
     live = state.live_tensors()
     if _signature(live) != _signature(snapshot.tensors):
         raise RuntimeError(f"arc_engine: cannot restore the snapshot of step {snapshot.step}: the live training "
@@ -130,18 +198,60 @@ def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
     return copy.deepcopy(snapshot.extra)
 
 
+def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def from_snapshot(state_dict: Any, live: list[torch.Tensor],
+                  copies: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """``state_dict`` (a :class:`TrainState`'s ``dcp_state_dict``: nested dicts and lists of its live tensors, plain or
+    DTensor) with each tensor that *is* one of ``live`` -- the same memory, shape, strides and dtype, contiguous --
+    replaced by its host copy in ``copies`` (a snapshot of ``live``, in the same order), and the copies it used.
+    Valid while the live state still equals the snapshot (a disk save of the verified state, before the step's
+    update): the save then writes the snapshot's host copies instead of staging the same bytes again. A tensor with
+    no match stays as it is (the checkpoint stages it)."""
+    by_identity = {_identity(t): c for t, c in zip(live, copies, strict=True)
+                   if t.numel() and t.is_contiguous() and c.shape == t.shape and c.dtype == t.dtype}
+    used: list[torch.Tensor] = []
+
+    def swap(obj: Any) -> Any:
+        if isinstance(obj, DTensor):
+            local = obj.to_local()
+            copy_ = by_identity.get(_identity(local)) if local.numel() else None
+            if copy_ is None:
+                return obj
+            used.append(copy_)
+            return DTensor.from_local(copy_, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            copy_ = by_identity.get(_identity(obj)) if obj.numel() else None
+            if copy_ is None:
+                return obj
+            used.append(copy_)
+            return copy_
+        if isinstance(obj, dict):
+            return {key: swap(value) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(value) for value in obj)
+        return obj
+
+    return swap(state_dict), used
+
+
 class SnapshotRing:
     """The newest ``capacity`` snapshots, oldest evicted first.
 
     Capacity is a count, not bytes, so that every rank holds snapshots of the same steps even when their shards
     differ in size: derive it from the byte budget and the largest rank's snapshot (:func:`ring_capacity`)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, busy: Callable[[Snapshot], bool] | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._ring: deque[Snapshot] = deque()
         self._spare: list[torch.Tensor] | None = None
+        #: a snapshot whose host buffers something still reads (a disk save written from them): never reused
+        self.busy = busy if busy is not None else (lambda snapshot: False)
 
     def push(self, snapshot: Snapshot) -> bool:
         """Keep ``snapshot``, evicting the oldest as needed (their host buffers go to :meth:`spare_buffers`). False
@@ -155,8 +265,9 @@ class SnapshotRing:
 
     def recycle(self, snapshot: Snapshot | None) -> None:
         """Keep the host buffers of a snapshot no longer needed (evicted, or a candidate that was not verified) for
-        the next capture. At most one set is kept: with the ring full, every capture reuses the evicted one's."""
-        if snapshot is not None and snapshot.has_tensors and snapshot.tensors:
+        the next capture. At most one set is kept: with the ring full, every capture reuses the evicted one's. The
+        buffers of a :attr:`busy` snapshot are not kept (the next capture allocates)."""
+        if snapshot is not None and snapshot.has_tensors and snapshot.tensors and not self.busy(snapshot):
             self._spare = snapshot.tensors
 
     def spare_buffers(self) -> list[torch.Tensor] | None:

@@ -102,19 +102,24 @@ class ReplicaOwners:
 class HostStager:
     """Copies a state dict's tensors into host buffers reused across saves; Python objects are deep-copied. Local.
 
-    ``stage(state_dict, skipped)`` leaves out the plain tensors at the ``skipped`` paths. The buffers of one call
-    stay in use until the next: the caller must not stage again while a save still reads the previous result."""
+    ``stage(state_dict, skipped, stable)`` leaves out the plain tensors at the ``skipped`` paths and passes the host
+    tensors whose ``id()`` is in ``stable`` through uncopied (the caller keeps them unchanged until the save is
+    done, e.g. a verified snapshot's copies). The buffers of one call stay in use until the next: the caller must
+    not stage again while a save still reads the previous result."""
 
     def __init__(self) -> None:
         self._buffers: dict[KeyPath, torch.Tensor] = {}
         self._device_copies = False
+        self._stable: frozenset[int] = frozenset()
 
     @property
     def nbytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
 
-    def stage(self, state_dict: dict[str, Any], skipped: frozenset[KeyPath] = frozenset()) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any], skipped: frozenset[KeyPath] = frozenset(),
+              stable: frozenset[int] = frozenset()) -> dict[str, Any]:
         previous, self._buffers, self._device_copies = self._buffers, {}, False
+        self._stable = stable
         staged = self._copy(state_dict, (), previous, skipped)
         if self._device_copies:
             torch.cuda.synchronize()  # the device-to-host copies into pinned buffers were non-blocking
@@ -136,6 +141,8 @@ class HostStager:
         return copy.deepcopy(obj)
 
     def _copy_tensor(self, source: torch.Tensor, path: KeyPath, previous: dict[KeyPath, torch.Tensor]) -> torch.Tensor:
+        if id(source) in self._stable and source.device.type == "cpu":
+            return source
         buffer = previous.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)

@@ -27,6 +27,10 @@ class TrainState(Protocol):
     #: whether torch.distributed.checkpoint can load this state into a job of another world size
     reshardable: bool
 
+    # Optional: ``forward_written() -> Iterable[int]``, the indices in ``live_tensors()`` a forward pass may write
+    # (module buffers). On CUDA a snapshot copies the others on a side stream overlapping the next forward; a state
+    # without it gets every copy queued before the forward (no overlap, still no host sync).
+
     def live_tensors(self) -> list[torch.Tensor]:
         """This rank's state tensors (parameters or local shards, buffers, optimizer state) in a fixed order;
         writing into them in place changes the training state."""
@@ -130,6 +134,11 @@ class TorchTrainState:
                 state = self.optimizer.state.get(param, {})
                 tensors += [local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
         return [t.detach() for t in tensors]
+
+    def forward_written(self) -> range:
+        """Indices in :meth:`live_tensors` of what a forward pass may write: the module buffers."""
+        params = sum(1 for _ in self.model.parameters())
+        return range(params, params + sum(1 for _ in self.model.buffers()))
 
     def extra_state(self) -> dict[str, Any]:
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
