@@ -72,20 +72,22 @@ def test_monitor_learns_mu_in_warmup_and_skipped_steps_do_not_move_the_baseline(
 
 def test_a_non_finite_norm_is_left_to_the_non_finite_detector_when_it_is_on() -> None:
     """With the non-finite detector on (the default set), a NaN/Inf gradient norm is its finding, reported once
-    with the rank it came from; the SDC rule flags it itself only when that detector is off. Either way the
-    baselines do not move."""
+    with the rank it came from; the SDC rule flags it itself when that detector is off, or when the recomputation is
+    on. Either way the baselines do not move."""
     from arc_engine.config import load_config
     from arc_engine.monitors.family import FamilyContext
     from arc_engine.monitors.sdc import SDCFamily
 
-    for non_finite_on in (True, False):
-        config = load_config(None, [f"detectors.non_finite.enabled={str(non_finite_on).lower()}"])
+    for non_finite_on, recompute_on in ((True, False), (False, False), (True, True)):
+        config = load_config(None, [f"detectors.non_finite.enabled={str(non_finite_on).lower()}",
+                                    f"detectors.sdc.recompute.enabled={str(recompute_on).lower()}"])
         ctx = FamilyContext(config, config.detectors.sdc, ["g"], Reduce.SUM)
         (monitor,) = SDCFamily().monitors(ctx)
         monitor.evaluate(0, gathered(1.0, 5.0))
         monitor.commit(0, True)
         findings = monitor.evaluate(1, gathered(1.0, math.inf))
-        assert [f.detector for f in findings] == ([] if non_finite_on else ["sdc"])
+        # with the recomputation on, the rule keeps it: its finding makes every rank recompute the step
+        assert [f.detector for f in findings] == ([] if non_finite_on and not recompute_on else ["sdc"])
         monitor.commit(1, False)
         assert monitor.r_prev == 1.0 and monitor.g_prev == 5.0
 
@@ -168,6 +170,32 @@ def test_no_false_flag_in_a_clean_1000_step_run(tmp_path: Path) -> None:
     result = _run(0, 1, tmp_path, 1000, [], 0)
     assert result["flagged"] == []
     assert result["summary"]["monitored_steps"] == 1000
+
+
+def _default_run(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, Any]:
+    model, data = tiny_model_and_data(seed=1)
+    optimizer = make_optimizer(model)
+    wrapped = DistributedDataParallel(model) if world > 1 else model
+    arc = arc_engine.attach(wrapped, optimizer, make_config(run_dir))  # the production defaults
+    arc.optimizer = optimizer
+    assert arc.engine.config.detectors.sdc.enabled
+    out = train_with_flips(wrapped, arc, data, rank, steps)
+    out["warmed_up"] = next(m for m in arc.engine.monitors if m.name == "sdc").warmed_up
+    arc.close()
+    return out
+
+
+def test_the_default_set_raises_nothing_on_a_clean_ddp_run_past_the_sdc_warm_up(tmp_path: Path) -> None:
+    """SDC detection on by default: 2 DDP ranks, 400 clean steps (the rule arms after 100), every default detector
+    on: no finding of any kind, every step applied."""
+    results = run_ranks(_default_run, 2, tmp_path, 400)
+    for result in results:
+        assert result["warmed_up"] and result["flagged"] == []
+        summary = result["summary"]
+        assert summary["monitored_steps"] == 400 and summary["skipped_steps"] == 0
+        assert summary["detections"] == {}
+    events = [e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e["kind"] == "detection"]
+    assert events == []
 
 
 @pytest.mark.parametrize(("world", "bad_rank"), [(2, 1), (4, 2)])

@@ -7,7 +7,8 @@ final gradient and the current moments, so a flagged update is never applied):
 * μ = mean of ΔR over the warm-up (the first ``warmup_steps`` applied steps with a ΔR);
 * ΔG_t = max(0, ‖G_t‖_pre − ‖G_{t−1}‖_pre), the pre-clip global gradient norm;
 * flag when ΔR_t > μ / (α √ΔG_t) (ΔG_t = 0 never flags), or when ‖G_t‖_pre is not finite (left to the non-finite
-  detector when it is on -- the default -- so a NaN step is reported once, with the rank it came from).
+  detector when it is on -- the default -- and the recomputation is off, so a NaN step, a bad batch's as much as a
+  corrupted device's, is reported once, with the rank it came from, and not as suspected SDC).
 
 R_t is computed on windows that move every monitored step when ``update_sample`` < 1
 (:mod:`arc_engine.stats.sampling`); μ is learned under the same motion, so the rule needs no change for it.
@@ -206,7 +207,10 @@ class SDCFamily(FamilyBase):
         return decls
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [SDCMonitor(ctx.section, defer_nonfinite=ctx.config.detectors.non_finite.enabled)]
+        # with the recomputation on, the non-finite case stays the rule's: its finding is what makes every rank
+        # recompute a step whose reduced gradient is not finite (nothing withheld), instead of skipping it
+        defer = ctx.config.detectors.non_finite.enabled and not ctx.section.recompute.enabled
+        return [SDCMonitor(ctx.section, defer_nonfinite=defer)]
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
         return True, False  # the update RMS on every monitored step; the rule needs no weight norms
