@@ -97,6 +97,13 @@ def save_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
             f"arc_rng/rank{rank}": portable.dumps(rng_state())}
 
 
+def load_request(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a rollback from disk asks for: every entry a save wrote (the loader refuses a checkpoint holding
+    entries nobody asks for), the training state in place, arc_engine's JSON as placeholders."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return {**state_dict_of(model, optimizer), "arc_state": b"", f"arc_rng/rank{rank}": b""}
+
+
 def training_step(model: torch.nn.Module, batch: torch.Tensor) -> float:
     """Seconds of one forward and backward of ``model`` (the stand-in for a training step; no update)."""
     started = time.perf_counter()
@@ -185,7 +192,7 @@ def measure_rollback(manager: CheckpointManager, model: torch.nn.Module, optimiz
                      repeats: int) -> dict[str, Any]:
     """Disk: load_latest into the live state dict. Memory: copy_ of a host clone into the live tensors."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    disk = [slowest(timed(lambda: manager.load_latest(lambda info: state_dict_of(model, optimizer))), group)
+    disk = [slowest(timed(lambda: manager.load_latest(lambda info: load_request(model, optimizer))), group)
             for _ in range(repeats)]
     live = [t for t in state_dict_of(model, optimizer)["model"].values()]
     live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

@@ -311,7 +311,7 @@ def test_disk_saves_from_the_memory_tier_stage_nothing_and_load_back_the_verifie
             optimizer.zero_grad()
             if recovery.disk_saves > saves:
                 staged.append(recovery.checkpoints.last_staged_bytes)
-                source = recovery._disk_source
+                source = recovery._disk_source()
         recovery.checkpoints.wait(60)
         last = recovery.checkpoints.committed()[-1]
     assert len(staged) >= 2 and all(nbytes == 0 for nbytes in staged)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -77,7 +78,8 @@ class Recovery:
         self.state = state
         self.controller = RecoveryController(self.config)
         self.ring = SnapshotRing(1, busy=self._saving_from)  # sized at the first capture, agreed across ranks
-        self._disk_source: Snapshot | None = None  # the snapshot whose host copies the save in flight writes
+        # the snapshot whose host copies the last disk save writes (weak: an evicted one is not kept alive)
+        self._disk_source: weakref.ref[Snapshot] | None = None
         self._ring_sized = False
         self.group: dist.ProcessGroup | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -273,16 +275,18 @@ class Recovery:
             metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
                         "run_id": self.engine.run_id}
             self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
-            self._disk_source = verified if stable else None
+            self._disk_source = weakref.ref(verified) if stable else None
         self.last_disk_step = verified.step
         self.disk_saves += 1
 
     def _saving_from(self, snapshot: Snapshot) -> bool:
         """Whether a disk save still in flight writes ``snapshot``'s host copies (the ring must not reuse them)."""
-        return snapshot is self._disk_source and self.checkpoints is not None and self.checkpoints.in_flight
+        source = self._disk_source() if self._disk_source is not None else None
+        return snapshot is source and self.checkpoints is not None and self.checkpoints.in_flight
 
     def _disk_state(self, verified: Snapshot) -> dict[str, Any]:
-        """The live tensors (equal to the verified snapshot's: nothing was applied since) plus the snapshot's
+        """The live tensors (equal to the verified snapshot's: nothing was applied since; :meth:`_maybe_save` swaps
+        them for the snapshot's host copies when it has them) plus the snapshot's
         python state as JSON (:mod:`arc_engine.recovery.portable`, never pickle): replicated under one key, this
         rank's RNG under a rank key."""
         shared = {"framework": verified.framework, "arc": verified.extra,
