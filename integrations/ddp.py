@@ -108,7 +108,9 @@ class StatsHookState:
     position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
     owned: set[int] | None = None  # id() of the parameters whose reduced statistics this rank computes (None: all)
     _plans: dict[int, _BucketPlan] = field(default_factory=dict)
-    _checked: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket index -> buffer (address, length)
+    # bucket index -> (buffer, address, length) the plan was last checked against; holding the buffer keeps its
+    # memory from being reused, so a rebuilt bucket never shows up at the old address
+    _checked: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)
     _sketch_cache: dict = field(default_factory=dict)
     _queue: _StepQueue = field(default_factory=lambda: _StepQueue())
 
@@ -121,7 +123,8 @@ class StatsHookState:
         the plan was last checked against (DDP allocates new buffers when it rebuilds its buckets)."""
         index = bucket.index()
         plan = self._plans.get(index)
-        if plan is not None and self._checked.get(index) == (buffer.data_ptr(), buffer.numel()):
+        checked = self._checked.get(index)
+        if plan is not None and checked is not None and checked[1:] == (buffer.data_ptr(), buffer.numel()):
             return plan
         params = bucket.parameters()
         key = (len(params), id(params[0]), id(params[-1]))
@@ -137,7 +140,7 @@ class StatsHookState:
             self._plans[bucket.index()] = plan
             if self.gate is not None:
                 self.gate.reset_slot(bucket.index())
-        self._checked[index] = (buffer.data_ptr(), buffer.numel())
+        self._checked[index] = (buffer, buffer.data_ptr(), buffer.numel())
         return plan
 
     def queue(self) -> _StepQueue:
