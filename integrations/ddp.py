@@ -41,7 +41,7 @@ from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_bl
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats, add_norm_stats
 from arc_engine.stats.partition import owned_ids
 
 
@@ -160,13 +160,10 @@ class StatsHookState:
         self._queue = _StepQueue()
         buffer = engine.buffer
         if queue.local_norms:
-            norms_sq = torch.cat(queue.local_norms).to(buffer.device).double().square()
-            index = torch.cat(queue.local_index)
-            buffer.index_add(names.GRAD_SQ_LOCAL, index, norms_sq)
-            buffer.index_add(names.GRAD_NONFINITE_LOCAL, index, (~torch.isfinite(norms_sq)).double())
+            add_norm_stats(buffer, torch.cat(queue.local_norms), torch.cat(queue.local_index), names.GRAD_SQ_LOCAL,
+                           names.GRAD_NONFINITE_LOCAL)
         if queue.reduced_norms:
-            buffer.index_add(names.GRAD_SQ, torch.cat(queue.reduced_index),
-                             torch.cat(queue.reduced_norms).to(buffer.device).double().square())
+            add_norm_stats(buffer, torch.cat(queue.reduced_norms), torch.cat(queue.reduced_index), names.GRAD_SQ)
         if queue.sums:
             add_block_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
 

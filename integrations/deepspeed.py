@@ -92,6 +92,25 @@ def device_divisor(zero: Any, device: torch.device,
     return divisor.to(device) if isinstance(divisor, torch.Tensor) else divisor
 
 
+class PersistentPieces:
+    """Pieces cut from flat tensors that live across steps (a master partition, the Adam moments): the same list
+    objects while it is the same tensor over the same memory cut the same way, so :class:`WindowCache` can reuse
+    their windows instead of cutting them every step."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, tuple[torch.Tensor, tuple, list[torch.Tensor | None]]] = {}
+
+    def get(self, key: Any, tensor: torch.Tensor, geometry: tuple,
+            cut: Callable[[torch.Tensor], list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+        """``cut(tensor)``, reused while ``tensor`` is the object cached under ``key`` at the same address and
+        ``geometry`` (how it is cut) is unchanged."""
+        cached = self._cache.get(key)
+        where = (tensor.data_ptr(), *geometry)
+        if cached is None or cached[0] is not tensor or cached[1] != where:
+            cached = self._cache[key] = (tensor, where, cut(tensor))
+        return cached[2]
+
+
 class ZeroPartitionStats:
     """Reads one rank's ZeRO-1/2 partitions at the group-0 pre-hook; writes every group's statistics."""
 
@@ -101,7 +120,7 @@ class ZeroPartitionStats:
         self.torch_optimizer = deepspeed_internals.wrapped_optimizer(zero_optimizer)
         self.groups = list(self.torch_optimizer.param_groups)  # the dicts DeepSpeed swaps in one at a time
         self.windows = [WindowCache() for _ in self.groups]
-        self._splits: dict[tuple[int, str], tuple[Any, ...]] = {}
+        self._pieces = PersistentPieces()
 
     def group_id(self, optimizer: torch.optim.Optimizer) -> int:
         current = optimizer.param_groups[0]
@@ -160,16 +179,10 @@ class ZeroPartitionStats:
         step = step_count(state.get("step", 0))
 
         def split(name: str, tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
-            """The pieces of a flat tensor that lives across steps (the partition, the moments): the same list
-            objects while it is the same tensor over the same memory cut the same way, so the window cache can
-            reuse their windows."""
             if tensor is None:
                 return [None] * len(sizes)
-            key, geometry = (group_id, name), (tensor.data_ptr(), tuple(sizes), real)
-            cached = self._splits.get(key)
-            if cached is None or cached[0] is not tensor or cached[1] != geometry:
-                cached = self._splits[key] = (tensor, geometry, leading(tensor.view(-1).split(sizes), sizes, real))
-            return cached[2]
+            return self._pieces.get((group_id, name), tensor, (tuple(sizes), real),
+                                    lambda t: leading(t.view(-1).split(sizes), sizes, real))
 
         return AdamViews(split("params", partition), leading(pieces, sizes, real),
                          split("exp_avg", state.get("exp_avg")), split("exp_avg_sq", state.get("exp_avg_sq")), step,

@@ -26,7 +26,7 @@ import torch
 
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations import deepspeed_internals
-from arc_engine.integrations.deepspeed import add_pre_clip_grad_sq, device_divisor
+from arc_engine.integrations.deepspeed import PersistentPieces, add_pre_clip_grad_sq, device_divisor
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, step_count
 from arc_engine.stats.producers import record_optimizer_stats
 from arc_engine.stats.sampling import WindowCache
@@ -68,7 +68,7 @@ class Zero3PartitionStats:
             self.positions.append(list(range(seen[group_id], seen[group_id] + len(params))))
             seen[group_id] += len(params)
         self.windows = [WindowCache() for _ in range(num_sub_groups)]
-        self._pieces: dict[tuple[int, str], tuple[torch.Tensor, int, list[torch.Tensor | None]]] = {}
+        self._pieces = PersistentPieces()
 
     @property
     def partitions(self) -> list[torch.Tensor]:
@@ -105,11 +105,8 @@ class Zero3PartitionStats:
         windows."""
         if tensor is None:
             return self.real_pieces(sub_group_id, None)
-        key = (sub_group_id, name)
-        cached = self._pieces.get(key)
-        if cached is None or cached[0] is not tensor or cached[1] != tensor.data_ptr():
-            cached = self._pieces[key] = (tensor, tensor.data_ptr(), self.real_pieces(sub_group_id, tensor))
-        return cached[2]
+        return self._pieces.get((sub_group_id, name), tensor, (),
+                                lambda t: self.real_pieces(sub_group_id, t))
 
     def sub_group_gradient(self, sub_group_id: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's real gradient pieces for the sub-group and whether they are final (unscaled, clipped)."""

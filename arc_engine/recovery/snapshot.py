@@ -20,11 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
-
+from arc_engine.recovery.staging import DTensor, with_local
 from arc_engine.recovery.state import TrainState
 
 
@@ -221,8 +217,7 @@ def from_snapshot(state_dict: Any, live: list[torch.Tensor],
             if copy_ is None:
                 return obj
             used.append(copy_)
-            return DTensor.from_local(copy_, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
+            return with_local(obj, copy_)
         if isinstance(obj, torch.Tensor):
             copy_ = by_identity.get(_identity(obj)) if obj.numel() else None
             if copy_ is None:

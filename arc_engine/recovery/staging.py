@@ -43,6 +43,13 @@ def plain_tensors(obj: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, torch
             yield from plain_tensors(value, (*path, index))
 
 
+def with_local(dtensor: DTensor, local: torch.Tensor) -> DTensor:
+    """``dtensor`` with its local shard replaced by ``local`` (a host copy of it): same mesh, placements and global
+    shape, no communication."""
+    return DTensor.from_local(local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=dtensor.shape,
+                              stride=dtensor.stride())
+
+
 def assign_owners(per_rank: list[list[tuple[KeyPath, tuple, str, int]]]) -> dict[KeyPath, int]:
     """The rank that stages each replicated tensor, from every rank's ``(path, shape, dtype, nbytes)`` list. Pure.
 
@@ -127,9 +134,7 @@ class HostStager:
 
     def _copy(self, obj: Any, path: KeyPath, previous: dict[KeyPath, torch.Tensor], skipped: frozenset[KeyPath]) -> Any:
         if isinstance(obj, DTensor):
-            local = self._copy_tensor(obj.to_local(), path, previous)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
+            return with_local(obj, self._copy_tensor(obj.to_local(), path, previous))
         if isinstance(obj, torch.Tensor):
             return self._copy_tensor(obj, path, previous)
         if isinstance(obj, dict):

@@ -22,7 +22,15 @@ def accumulate_grad_stats(buffer: StatBuffer, grads: list[torch.Tensor], group_i
     (a long tensor on the buffer's device). Returns the per-tensor squared norms (float64, buffer device)."""
     if not grads:
         return None
-    norms_sq = param_norms(grads).to(buffer.device).double().square()
+    return add_norm_stats(buffer, param_norms(grads), group_index, sq_slot, nonfinite_slot)
+
+
+@torch.no_grad()
+def add_norm_stats(buffer: StatBuffer, norms: torch.Tensor, group_index: torch.Tensor, sq_slot: str,
+                   nonfinite_slot: str | None = None) -> torch.Tensor:
+    """:func:`accumulate_grad_stats` from norms already taken (``norms[i]`` of a tensor of group
+    ``group_index[i]``, e.g. a step's queued per-bucket norms, concatenated). Returns the squared norms (float64)."""
+    norms_sq = norms.to(buffer.device).double().square()
     buffer.index_add(sq_slot, group_index, norms_sq)
     if nonfinite_slot is not None:
         buffer.index_add(nonfinite_slot, group_index, (~torch.isfinite(norms_sq)).double())
