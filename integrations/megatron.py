@@ -145,6 +145,7 @@ class MegatronAdapter:
         self._peers: dist.ProcessGroup | None = None
         self.parts = self._model_parts()
         self._windows: dict[int, WindowCache] = {}
+        self._views_memo: dict[int, dict] = {}
         self._bucket_index: dict[int, torch.Tensor] = {}
         self._sketch_cache: dict = {}
         self._saved_lrs: list[Any] | None = None
@@ -322,7 +323,8 @@ class MegatronAdapter:
     def _optimizer_stats(self) -> None:
         for group in self.groups:
             inner = mi.inner_optimizer(group.member)
-            views = adam_views(inner, group.group, owned=group.counted)
+            views = adam_views(inner, group.group, owned=group.counted,
+                               memo=self._views_memo.setdefault(group.index, {}))
             weights = views.params if views is not None else \
                 [p for p in group.group["params"] if id(p) in group.counted]
             record_optimizer_stats(self.engine, group.index, weights, views,

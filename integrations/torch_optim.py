@@ -51,13 +51,16 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
 
 
 def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, local_shards: bool,
-                    windows: dict[int, WindowCache] | None = None, owned: set[int] | None = None) -> None:
+                    windows: dict[int, WindowCache] | None = None, owned: set[int] | None = None,
+                    memos: dict[int, dict] | None = None) -> None:
     """Per-group weight norms (on the ``stats.optimizer_stats_every`` schedule) and prospective Adam update Σ U²
     (on this step's sampled windows), before the optimizer applies the step. ``windows``:
     per-group caches of the sampled windows, kept by the caller between steps. ``owned``: take only these
-    parameters (``id()``; the replicated parameters this rank owns, see :mod:`arc_engine.stats.partition`)."""
+    parameters (``id()``; the replicated parameters this rank owns, see :mod:`arc_engine.stats.partition`).
+    ``memos``: per-group :func:`adam_views` memos, kept by the caller between steps."""
     for group_id, group in enumerate(optimizer.param_groups):
-        views = adam_views(optimizer, group, local=local_shards, owned=owned)
+        memo = None if memos is None else memos.setdefault(group_id, {})
+        views = adam_views(optimizer, group, local=local_shards, owned=owned, memo=memo)
         if views is not None:
             weights = views.params
         else:
@@ -86,6 +89,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
     """
     index_cache: dict[str, object] = {}
     windows: dict[int, WindowCache] = {}
+    memos: dict[int, dict] = {}
     saved_lrs: list[list[object]] = []
 
     @torch.no_grad()
@@ -94,7 +98,8 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             if not grads_from_hook:
                 local_grad_stats(engine, opt, groups, index_cache)
             if engine.wants_optimizer_stats():
-                optimizer_stats(engine, opt, local_shards=local_shards, windows=windows, owned=owned)
+                optimizer_stats(engine, opt, local_shards=local_shards, windows=windows, owned=owned,
+                                memos=memos)
             if not engine.decide().applies_update:
                 drop_gradients(opt)
                 return

@@ -99,6 +99,63 @@ def test_a_tensors_window_does_not_depend_on_which_rank_owns_it() -> None:
         torch.testing.assert_close(sum_sq[1] + sum_sq[2], sum_sq[0], rtol=1e-6, atol=0.0)  # fp32 norms
 
 
+def _same_views(a: object, b: object) -> bool:
+    """Two AdamViews hold the very same tensors (identity), positions and step."""
+    return all(len(x) == len(y) and all(s is t for s, t in zip(x, y, strict=True))
+               for x, y in ((a.params, b.params), (a.grads, b.grads), (a.exp_avgs, b.exp_avgs),  # type: ignore[attr-defined]
+                            (a.exp_avg_sqs, b.exp_avg_sqs))) \
+        and list(a.positions) == list(b.positions) and a.step == b.step and a.hyper == b.hyper  # type: ignore[attr-defined]
+
+
+def test_adam_views_memo_gives_the_loop_result_in_every_state() -> None:
+    """The memo's C-level path gives what the per-parameter loop gives: before the first step (no state), with a
+    parameter whose gradient is None, for an ``owned`` set that changes, and in the steady state."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(20, 8)), torch.nn.Parameter(torch.randn(30)),
+              torch.nn.Parameter(torch.randn(5))]
+    optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.1)
+    group, memo = optimizer.param_groups[0], {}
+    owned = {id(params[0]), id(params[2])}
+    for param in params:
+        param.grad = torch.randn_like(param)
+    assert _same_views(adam_views(optimizer, group, owned=owned, memo=memo), adam_views(optimizer, group, owned=owned))
+    optimizer.step()
+    for step in range(4):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        if step == 1:
+            params[2].grad = None  # e.g. an unused parameter: the loop's filter
+        if step == 2:
+            owned.discard(id(params[2]))  # the same set object, now smaller
+        with_memo = adam_views(optimizer, group, owned=owned, memo=memo)
+        plain = adam_views(optimizer, group, owned=owned)
+        assert with_memo is not None and plain is not None and _same_views(with_memo, plain)
+        assert with_memo.positions == ([0, 2] if step in (0, 3) and id(params[2]) in owned else [0])
+        optimizer.step()
+    assert memo["params"] == [params[0]]  # the memo followed the set's change
+
+
+def test_fresh_gradients_are_cut_like_sample_window_and_persistent_ones_cached() -> None:
+    """A list of fresh tensors on every call (``zero_grad(set_to_none=True)``) is cut from kept bounds into the
+    :func:`sample_window` views; a list of the same tensors (DDP's ``gradient_as_bucket_view``) is cached from its
+    third call on, and a changed list is cut anew."""
+    cache = WindowCache()
+    shapes = [(64, 80), (300,), (7,), (40, 128)]
+    positions = [0, 2, 5, 6]
+    for phase in range(12):
+        grads = [torch.randn(shape) for shape in shapes]
+        windows = cache.windows("grads", grads, 1 / 8, positions, phase)
+        expected = [sample_window(g, 1 / 8, i, phase) for i, g in zip(positions, grads, strict=True)]
+        assert [(w.data_ptr(), w.numel()) for w in windows] == [(w.data_ptr(), w.numel()) for w in expected]
+        assert "grads" not in cache._entries or not cache._entries["grads"].by_slot  # never held
+    persistent = [torch.randn(shape) for shape in shapes]
+    first = [cache.windows("grads", persistent, 1 / 8, positions, phase=3) for _ in range(3)]
+    assert first[2] is not first[1]  # seen twice: now checked by weak references, cut once more
+    assert cache.windows("grads", persistent, 1 / 8, positions, phase=3) is first[2]  # then reused
+    persistent[1] = torch.randn(300)
+    assert cache.windows("grads", persistent, 1 / 8, positions, phase=3) is not first[2]
+
+
 def test_windows_keep_the_one_batch_path() -> None:
     optimizer, _ = make_adam()
     views = adam_views(optimizer, optimizer.param_groups[0])

@@ -10,8 +10,10 @@ sampled on (``detectors.sdc.update_sample``) is decided in :mod:`arc_engine.stat
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Container, Sequence
+import operator
+from collections.abc import Container, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,14 +98,12 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 def _one_batch(grads: Sequence[torch.Tensor], chunk_elements: int) -> bool:
     """Whether every gradient is a flat tensor smaller than :data:`OWN_BATCH_ELEMENTS` and all fit in one chunk: then
     :func:`update_sq_total` concatenates them at once (the moments and parameters that go with flat gradients are
-    flat too: :func:`arc_engine.stats.sampling.sample_window` cuts all four alike)."""
-    total = 0
-    for grad in grads:
-        numel = grad.numel()
-        if grad.dim() != 1 or numel >= OWN_BATCH_ELEMENTS:
-            return False
-        total += numel
-    return 0 < total <= chunk_elements
+    flat too: :func:`arc_engine.stats.sampling.sample_window` cuts all four alike). C-level loops: this runs on
+    every monitored step over every sampled window."""
+    if not grads or not all(map(operator.eq, map(torch.Tensor.dim, grads), itertools.repeat(1))):
+        return False
+    numels = list(map(torch.Tensor.numel, grads))
+    return max(numels) < OWN_BATCH_ELEMENTS and sum(numels) <= chunk_elements
 
 
 @torch.no_grad()
@@ -149,10 +149,13 @@ def leading(pieces: Sequence[torch.Tensor | None], sizes: Sequence[int], numel: 
 def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.Tensor | None:
     """One flat fp32 tensor of ``pieces`` (zeros where a piece is None; None when all are); the piece itself (no
     copy) when there is just one."""
+    if len(pieces) == 1:
+        return None if pieces[0] is None else pieces[0].float()
+    if all(map(operator.is_not, pieces, itertools.repeat(None))) \
+            and all(map(operator.eq, map(torch.Tensor.dim, pieces), itertools.repeat(1))):  # type: ignore[arg-type]
+        return torch.cat(pieces).float()  # type: ignore[arg-type]  # the common case (windows), no Python loop
     if all(piece is None for piece in pieces):
         return None
-    if len(pieces) == 1:
-        return pieces[0].float()  # type: ignore[union-attr]
     return torch.cat([torch.zeros_like(ref) if piece is None else piece if piece.dim() == 1 else piece.reshape(-1)
                       for piece, ref in zip(pieces, like, strict=True)]).float()
 
@@ -246,17 +249,25 @@ def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
 
 
 def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = False,
-               owned: Container[int] | None = None) -> AdamViews | None:
+               owned: Container[int] | None = None, memo: dict | None = None) -> AdamViews | None:
     """The Adam tensors of ``group`` for parameters that have a gradient; None for a non-Adam optimizer.
 
     ``local``: take ``.to_local()`` of DTensor parameters, gradients and moments (FSDP2 shards). ``owned``: only
     the parameters whose ``id()`` is in it; each keeps its position in the group (``positions``), so its sampled
     window is the same whichever rank owns it.
     The step count is read from the optimizer state (``state['step']``, or apex's ``group['step']``).
+    ``memo``: a dict the caller keeps per group between steps; it holds the ``owned`` selection of the group's
+    parameters, so a step where every selected parameter has a gradient and an Adam state reads them with C-level
+    maps instead of a Python loop per parameter (the same result either way).
     """
     decoupled = is_decoupled(optimizer, group)
     if decoupled is None:
         return None
+    hyper = AdamHyper.from_group(group, decoupled)
+    if memo is not None and not local:
+        views = _adam_views_selected(optimizer, group, owned, memo, hyper)
+        if views is not None:
+            return views
     params, grads, means, sqs, steps, positions = [], [], [], [], [], []
     for position, param in enumerate(group["params"]):
         if param.grad is None or (owned is not None and id(param) not in owned):
@@ -270,8 +281,39 @@ def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = Fals
         steps.append(state.get("step", group.get("step", 0)))
     if local:
         params, grads, means, sqs = ([_local(t) for t in ts] for ts in (params, grads, means, sqs))
-    return AdamViews(params, grads, means, sqs, step_count(steps[0] if steps else 0),
-                     AdamHyper.from_group(group, decoupled), positions)
+    return AdamViews(params, grads, means, sqs, step_count(steps[0] if steps else 0), hyper, positions)
+
+
+_grad_of = operator.attrgetter("grad")
+_exp_avg_of = operator.itemgetter("exp_avg")
+_exp_avg_sq_of = operator.itemgetter("exp_avg_sq")
+
+
+def _adam_views_selected(optimizer: torch.optim.Optimizer, group: dict, owned: Container[int] | None, memo: dict,
+                         hyper: AdamHyper) -> AdamViews | None:
+    """:func:`adam_views` when every selected parameter has a gradient and a full Adam state (the steady state of
+    a run), else None (the caller takes the general loop). The selection -- the group's parameters in ``owned``
+    and their positions -- is kept in ``memo`` while the group's parameter list is the same object of the same
+    length and ``owned`` the same object of the same size."""
+    group_params = group["params"]
+    key = (id(group_params), len(group_params), id(owned), len(owned) if isinstance(owned, Sized) else 0)
+    if memo.get("key") != key or memo.get("owned") is not owned:
+        selected = [(i, p) for i, p in enumerate(group_params) if owned is None or id(p) in owned]
+        memo.update(key=key, owned=owned, params=[p for _, p in selected], positions=[i for i, _ in selected])
+    params = memo["params"]
+    if not params:
+        return None
+    grads = list(map(_grad_of, params))
+    if not all(map(operator.is_not, grads, itertools.repeat(None))):
+        return None
+    states = list(map(optimizer.state.get, params))
+    try:
+        means = list(map(_exp_avg_of, states))
+        sqs = list(map(_exp_avg_sq_of, states))
+        step = states[0]["step"] if "step" in states[0] else group["step"]
+    except (KeyError, TypeError):  # a parameter without state yet (None), or a state without moments
+        return None
+    return AdamViews(list(params), grads, means, sqs, step_count(step), hyper, memo["positions"])
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:

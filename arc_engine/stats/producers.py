@@ -39,7 +39,7 @@ def record_group_optimizer_stats(buffer: StatBuffer, group_id: int, weights: Seq
     update_sq = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step, views.hyper,
                                 grad_scale=grad_scale)
     buffer.view(names.UPDATE_SQ)[slot].add_(update_sq.to(device))
-    buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(g.numel() for g in views.grads)))
+    buffer.view(names.UPDATE_COUNT)[slot].add_(float(sum(map(torch.Tensor.numel, views.grads))))
 
 
 def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[torch.Tensor],

@@ -37,6 +37,7 @@ reaches it, which the rule flags on a step whose gradient norm rose.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,6 +183,16 @@ class _CacheEntry:
     refs: list[Any]  # weak references (None for a None tensor): a cached list never keeps a tensor alive
     pointers: list[int]
     by_slot: dict[int, list[Any]]
+    has_none: bool = False
+
+
+@dataclass
+class _Bounds:
+    """The :func:`window_bounds` of one list's tensors at each window position, for lists cut anew on every step
+    (fresh gradients): valid while the tensors have the same sizes at the same positions."""
+
+    key: tuple
+    by_slot: dict[int, list[tuple[int, int, int]]]
 
 
 class WindowCache:
@@ -189,10 +200,11 @@ class WindowCache:
     K), reused while a list holds the same tensor objects over the same memory (identity and ``data_ptr`` checked on
     every call, so a replaced optimizer state, a swapped ``param.data`` or a fresh ``.grad`` gets new windows).
 
-    Windows are kept only for a list seen twice in a row (parameters, moments, DDP's bucket-view gradients): a
+    Windows are kept only for a list seen three times in a row (parameters, moments, DDP's bucket-view gradients): a
     list of fresh tensors on every step (``zero_grad(set_to_none=True)`` gradients) is cut anew each time and never
-    held, since a cached view would keep the previous step's gradient memory alive. At most ``max_views`` views are
-    kept per list name; positions beyond it are cut on each visit."""
+    held, since a cached view would keep the previous step's gradient memory alive; for such a list only the window
+    bounds are kept (per window position, while the sizes do not change), so cutting it costs one view per tensor.
+    At most ``max_views`` views are kept per list name; positions beyond it are cut on each visit."""
 
     #: Views kept per list name over all window positions (a view costs about 0.6 KB of host memory).
     MAX_VIEWS = 1 << 14
@@ -200,6 +212,8 @@ class WindowCache:
     def __init__(self, max_views: int = MAX_VIEWS) -> None:
         self.max_views = max_views
         self._entries: dict[str, _CacheEntry] = {}
+        self._bounds: dict[str, _Bounds] = {}
+        self._seen: dict[str, list[int]] = {}  # the ids of the list last cut anew, per list name
 
     def windows(self, name: str, tensors: Sequence[torch.Tensor | None], fraction: float,
                 positions: Sequence[int] | None = None, phase: int = 0,
@@ -211,15 +225,21 @@ class WindowCache:
 
         def cut() -> list[Any]:
             if segments is None:
-                return [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
+                return self._cut(name, tensors, fraction, at, phase)
             return [window for i, t, count in zip(at, tensors, segments, strict=True)
                     for window in segment_windows(t, count, fraction, i, phase)]
 
         entry = self._entries.get(name)
         key = fraction if segments is None else (fraction, tuple(segments))
         if entry is None or entry.fraction != key or not _same_tensors(entry, tensors):
-            self._entries[name] = _CacheEntry(key, [None if t is None else weakref.ref(t) for t in tensors],
-                                              _pointers(tensors), {})
+            # A list seen for the first time is remembered by its objects' ids alone (a hint, never trusted); only
+            # when the next call brings the same ids is it held by weak references and checked as above.
+            ids = list(map(id, tensors))
+            self._entries.pop(name, None)
+            if self._seen.get(name) == ids:
+                self._entries[name] = _CacheEntry(key, [None if t is None else weakref.ref(t) for t in tensors],
+                                                  _pointers(tensors), {}, any(t is None for t in tensors))
+            self._seen[name] = ids
             return cut()
         slot = phase % window_slots(fraction)
         windows = entry.by_slot.get(slot)
@@ -229,6 +249,29 @@ class WindowCache:
                 entry.by_slot[slot] = windows
         return windows
 
+    def _cut(self, name: str, tensors: Sequence[torch.Tensor | None], fraction: float, at: Sequence[int],
+             phase: int) -> list[Any]:
+        """:func:`sample_window` of each tensor, with the bounds of this window position kept between calls."""
+        if fraction >= 1.0 or any(t is None for t in tensors):
+            return [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
+        key = (fraction, tuple(at), tuple(map(torch.Tensor.numel, tensors)))  # type: ignore[arg-type]
+        bounds = self._bounds.get(name)
+        if bounds is None or bounds.key != key:
+            bounds = self._bounds[name] = _Bounds(key, {})
+        slot = phase % window_slots(fraction)
+        placed = bounds.by_slot.get(slot)
+        if placed is None:
+            placed = bounds.by_slot[slot] = [(*window_bounds(n, fraction, i, phase), n)
+                                             for i, n in zip(at, key[2], strict=True)]
+        return list(map(_piece, tensors, placed))
+
+
+def _piece(tensor: torch.Tensor, bounds: tuple[int, int, int]) -> torch.Tensor:
+    return flat_piece(tensor, *bounds)  # type: ignore[return-value]
+
+
+_call = weakref.ref.__call__  # operator.call, in Python 3.10
+
 
 def _pointers(tensors: Sequence[torch.Tensor | None]) -> list[int]:
     return [0 if t is None else t.data_ptr() for t in tensors]
@@ -237,6 +280,9 @@ def _pointers(tensors: Sequence[torch.Tensor | None]) -> list[int]:
 def _same_tensors(entry: _CacheEntry, tensors: Sequence[torch.Tensor | None]) -> bool:
     if len(entry.refs) != len(tensors):
         return False
+    if not entry.has_none:  # the common case, with C-level loops: identity, then the memory each tensor is on
+        return all(map(operator.is_, map(_call, entry.refs), tensors)) \
+            and list(map(torch.Tensor.data_ptr, tensors)) == entry.pointers  # type: ignore[arg-type]
     for ref, tensor in zip(entry.refs, tensors, strict=True):
         if (ref is None) != (tensor is None) or (ref is not None and ref() is not tensor):
             return False
