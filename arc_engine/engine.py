@@ -124,6 +124,7 @@ class ArcEngine:
         self.last_decision: Decision | None = None
         self.last_stats: AgreedStats | None = None
         self._loss_count = 0
+        self._sketch_due = (-1, False)  # (step, wants_sketch() on it)
         self.framework_skipped_steps = 0
         self._closed = False
         self.watchdog: HangWatchdog | None = None
@@ -228,6 +229,16 @@ class ArcEngine:
         return self.is_monitored() and any(family.optimizer_stats_due(context, self.step)[1]
                                            for family, context in self.families)
 
+    def wants_sketch(self) -> bool:
+        """Whether the adapters add the local gradient sketch (``grad_sketch_local``) on the current step: a
+        monitored step on which some family asks for it. Cached per step (the adapters ask once per bucket)."""
+        if self._sketch_due[0] != self.step:
+            due = names.GRAD_SKETCH_LOCAL in self.layout and self.is_monitored() and any(
+                getattr(family, "sketch_due", None) is not None and family.sketch_due(context, self.step)
+                for family, context in self.families)
+            self._sketch_due = (self.step, due)
+        return self._sketch_due[1]
+
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step (call once per micro-batch; the mean is used).
 
@@ -310,7 +321,8 @@ class ArcEngine:
         for monitor in self.monitors:
             prepare = getattr(monitor, "before_agreement", None)
             if prepare is not None:
-                prepare(self.buffer)
+                with self.own_work.section(f"{monitor.name}.before_agreement"):
+                    prepare(self.buffer)
         if self.watchdog is not None:  # a peer's hang report shows this rank as waiting for the others
             self.watchdog.reached(AGREEING)
         with self.own_work.section("agree"):

@@ -37,7 +37,7 @@ from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations.torch_optim import optimizer_stats, register_optimizer_hooks
-from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_block_sums, block_sums, zero_where
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
@@ -165,7 +165,7 @@ class StatsHookState:
         if queue.reduced_norms:
             add_norm_stats(buffer, torch.cat(queue.reduced_norms), torch.cat(queue.reduced_index), names.GRAD_SQ)
         if queue.sums:
-            add_block_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
+            add_chunk_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -180,10 +180,10 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             norms = torch.stack(torch._foreach_norm(plan.grads(buffer, bucket), 2, dtype=torch.float32))
             queue.local_norms.append(norms)
             queue.local_index.append(plan.index)
-        if names.GRAD_SKETCH_LOCAL in engine.layout:
+        if engine.wants_sketch():
             # the bucket's flat buffer (same layout on every rank) as one tensor: one reduction kernel per bucket
             with engine.own_work.section("ddp.sketch"):
-                sums = block_sums(buffer, engine.layout[names.GRAD_SKETCH_LOCAL].size)
+                sums = chunk_sums(buffer, engine.layout[names.GRAD_SKETCH_LOCAL].size)
                 if sums is not None:
                     queue.sums.append(sums)
                     queue.sum_index.append(BUCKET_SKETCH_INDEX + bucket.index())

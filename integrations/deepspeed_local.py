@@ -13,7 +13,7 @@ import torch
 
 from arc_engine.engine import ArcEngine
 from arc_engine.integrations import deepspeed_internals
-from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_block_sums, block_sums, zero_where
+from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.stats import names
 
 log = logging.getLogger("arc_engine")
@@ -53,7 +53,7 @@ class LocalGradHooks:
       parameter that no longer fits in it. A torch tensor hook on every parameter runs just before DeepSpeed's hook
       for it and, on monitored steps, asks :func:`deepspeed_internals.bucket_reduced_before` whether a bucket is
       about to be reduced; if so it takes per-parameter norms of the bucket's slices (one fused kernel) and the
-      bucket's :func:`block_sums` -- a few kernels per bucket, like the DDP comm hook. The last buckets, which the
+      bucket's :func:`chunk_sums` -- a few kernels per bucket, like the DDP comm hook. The last buckets, which the
       engine's backward epilogue reduces, are taken by DeepSpeed's ``register_grad_acc_post_hook`` callback (once
       every gradient hook of the backward has fired). Stage 2 reduces every micro-batch (the same per-micro-batch
       norms as the tensor hooks); stage 1 the accumulated gradient at the accumulation boundary.
@@ -190,8 +190,8 @@ class LocalGradHooks:
         self._norm_index.append(plan.positions)
         if len(self._norms) >= self._max_pending:  # backward passes without a step: keep the queue bounded
             self._fold()
-        if self.sketch_k.numel():
-            sums = block_sums(tensor, self.sketch_k.numel())
+        if self.sketch_k.numel() and self.engine.wants_sketch():
+            sums = chunk_sums(tensor, self.sketch_k.numel())
             if sums is not None:  # bucket contents are the same on every rank: index it by its first parameter
                 self._sums.append(sums)
                 self._sum_index.append(BUCKET_SKETCH_INDEX + plan.first)
@@ -213,9 +213,9 @@ class LocalGradHooks:
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         self._norms.append(torch.stack(norms))
         self._norm_index.append(torch.tensor(index, dtype=torch.long, device=self.sq_p.device))
-        if self.sketch_k.numel():
+        if self.sketch_k.numel() and self.engine.wants_sketch():
             for grad, i in zip(grads, index, strict=True):
-                sums = block_sums(grad, self.sketch_k.numel())
+                sums = chunk_sums(grad, self.sketch_k.numel())
                 if sums is not None:
                     self._sums.append(sums)
                     self._sum_index.append(i)
@@ -229,8 +229,8 @@ class LocalGradHooks:
             norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
             self._norms.append(norm.reshape(1))
             self._norm_index.append(self._positions[index])
-            if self.sketch_k.numel():
-                sums = block_sums(grad, self.sketch_k.numel())
+            if self.sketch_k.numel() and engine.wants_sketch():
+                sums = chunk_sums(grad, self.sketch_k.numel())
                 if sums is not None:
                     self._sums.append(sums)
                     self._sum_index.append(index)
@@ -252,7 +252,7 @@ class LocalGradHooks:
             self.sq_p.index_add_(0, index, torch.cat(self._norms).to(self.sq_p.device).square())
             self._norms, self._norm_index = [], []
         if self._sums:
-            add_block_sums(self.sketch_k, self._sums, self._sum_index, self._sketch_cache)
+            add_chunk_sums(self.sketch_k, self._sums, self._sum_index, self._sketch_cache)
             self._sums, self._sum_index = [], []
 
     def _check_coverage(self) -> None:

@@ -159,8 +159,14 @@ class MegatronAdapter:
         from megatron.core import parallel_state
 
         layers = mi.transformer_layers(self.chunks)
+        # ranks whose local gradients are different shards of one replica's: tensor, pipeline, context and expert
+        # parallel peers (the expert ranks hold different experts)
+        sharded = (parallel_state.get_tensor_model_parallel_world_size()
+                   * parallel_state.get_pipeline_model_parallel_world_size()
+                   * parallel_state.get_context_parallel_world_size()
+                   * parallel_state.get_expert_model_parallel_world_size())
         if not layers:
-            return ModelParts()
+            return ModelParts(model_parallel_size=sharded)
         config = layers[0].config
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -196,7 +202,8 @@ class MegatronAdapter:
         return ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads if attention else 0,
                           attention=attention, num_experts=experts or 0,
                           experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
-                          routers=routers, observe_routing=self._observe_routing if routers else None)
+                          routers=routers, observe_routing=self._observe_routing if routers else None,
+                          model_parallel_size=sharded)
 
     def _query_group_peers(self, span: int) -> dist.ProcessGroup:
         """The TP ranks sharing this rank's query group (``span`` consecutive TP ranks), as a process group. Built
@@ -281,7 +288,7 @@ class MegatronAdapter:
             self._bucket_index[ref.index] = index
         norms_sq = accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
                                          names.GRAD_NONFINITE_LOCAL)
-        if names.GRAD_SKETCH_LOCAL in engine.layout:
+        if engine.wants_sketch():
             buffers = ref.flat_buffers()
             add_gradient_sketch(engine.buffer.view(names.GRAD_SKETCH_LOCAL), buffers,
                                 [BUCKET_SKETCH_INDEX + 64 * ref.index + k for k in range(len(buffers))],

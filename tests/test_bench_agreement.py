@@ -46,5 +46,9 @@ def test_simulated_pipeline_agrees_like_n_equal_ranks(bench) -> None:
 def test_the_engines_layout_reduces_a_fixed_block(bench) -> None:
     engine = bench.make_engine()
     engine.layout.freeze()
-    assert bench.reduced_size(engine.layout) < engine.layout[names.GRAD_SKETCH_LOCAL].size
+    layout = engine.layout
+    travelling = sum(spec.size for spec in layout.specs() if spec.reduce is not Reduce.DETAIL)
+    assert bench.reduced_size(layout) == travelling  # the detail (the sketch itself) never travels
+    assert layout[names.GRAD_SKETCH_LOCAL].reduce is Reduce.DETAIL
+    assert bench.reduced_size(layout) < layout.size
     assert bench.simulate(16384, repeats=2)["collectives_per_step"] == 1

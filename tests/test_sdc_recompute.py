@@ -17,9 +17,10 @@ import arc_engine
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
 from arc_engine.monitors.sdc_local import (
     LocalGate,
-    add_block_sums,
+    add_chunk_sums,
     add_gradient_sketch,
-    block_sums,
+    chunk_length,
+    chunk_sums,
     cosine_to_peers,
     gate_flags,
 )
@@ -36,7 +37,7 @@ WARMUP = 20
 def recompute_config(run_dir: Path, *overrides: str) -> Any:
     return make_config(run_dir, "detectors.sdc.enabled=true", f"detectors.sdc.warmup_steps={WARMUP}",
                        "detectors.sdc.recompute.enabled=true", "detectors.loss_spike.enabled=false",
-                       "detectors.grad_norm.enabled=false", *overrides)
+                       "detectors.grad_norm.enabled=false", "detectors.consistency.enabled=false", *overrides)
 
 
 # ------------------------------------------------------------------ pure parts
@@ -75,11 +76,11 @@ def test_sketch_is_linear_and_the_corrupted_rank_points_away() -> None:
     parts = torch.zeros(64, dtype=torch.float64)
     add_gradient_sketch(parts, [grads[0]], [0])
     add_gradient_sketch(parts, [grads[1]], [0])
-    assert torch.allclose(both, parts)
+    torch.testing.assert_close(both, parts, rtol=1e-5, atol=1e-4)  # float32 sums: rounding only
 
 
-def test_batched_block_sums_give_the_per_tensor_sketch() -> None:
-    """The ZeRO hooks queue each gradient's block sums and fold them in one batch: the same sketch as one call
+def test_batched_chunk_sums_give_the_per_tensor_sketch() -> None:
+    """The ZeRO hooks queue each gradient's chunk sums and fold them in one batch: the same sketch as one call
     per tensor (sizes below, at and above the sketch size, with and without a remainder; a repeated tensor)."""
     torch.manual_seed(1)
     grads = [*(torch.randn(n) for n in (5, 64, 1000, 4097, 130)), torch.randn(7, 9)]
@@ -91,10 +92,26 @@ def test_batched_block_sums_give_the_per_tensor_sketch() -> None:
     cache: dict = {}
     for _ in range(2):  # the second pass reuses the cached batch plan
         batched = torch.zeros(64, dtype=torch.float64)
-        add_block_sums(batched, [block_sums(g, 64) for g in grads], indices, cache)
+        add_chunk_sums(batched, [chunk_sums(g, 64) for g in grads], indices, cache)
         torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-9)
-    assert block_sums(torch.zeros(0), 64) is None
-    assert torch.allclose(block_sums(torch.arange(10.0), 4), torch.tensor([1.0, 5.0, 9.0, 30.0]))
+    assert chunk_sums(torch.zeros(0), 64) is None
+
+
+def test_chunk_sums_are_signed_sums_of_prime_length_chunks() -> None:
+    """Each chunk's elements under one fixed ±1 pattern, the remainder under the pattern's start; linear."""
+    values = torch.arange(1.0, 24.0)  # 23 elements; a sketch of 2 slots: chunks of the prime >= 23 // 8 = 2
+    length = chunk_length(23, 2)
+    assert length == 2
+    sums = chunk_sums(values, 2)
+    assert sums is not None and sums.numel() == 12
+    pattern = chunk_sums(torch.tensor([1.0, 0.0]), 2), chunk_sums(torch.tensor([0.0, 1.0]), 2)
+    signs = torch.tensor([float(pattern[0][0]), float(pattern[1][0])])
+    assert set(signs.tolist()) <= {-1.0, 1.0}
+    expected = torch.cat([values[:22].view(11, 2) @ signs, (values[22:] * signs[:1]).sum().reshape(1)])
+    torch.testing.assert_close(sums, expected)
+    assert chunk_length(4096 * 1000, 256) == 4001  # a prime, about 4 chunks per slot
+    other = torch.randn(23)
+    torch.testing.assert_close(chunk_sums(values + other, 2), sums + chunk_sums(other, 2))
 
 
 def test_peer_check_calls_agreement_data_and_disagreement_a_faulty_device() -> None:

@@ -85,7 +85,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                           "window (at least 256 elements) that moves every monitored step, so every "
                                           "element is covered every ceil(1/update_sample) steps; 1.0 gives the "
                                           "paper's exact R_t.", "(0, 1]"),
-    "detectors.sdc.sketch_size": KeyDoc("Numbers per rank in the signed block-sum sketch of the local gradient "
+    "detectors.sdc.sketch_size": KeyDoc("Numbers per rank in the signed chunk-sum sketch of the local gradient "
                                         "(0: off, the default; e.g. 256: one more pass over each local gradient "
                                         "bucket per step).", ">= 0"),
     "detectors.qk_spectra.enabled": KeyDoc("Attention ΔW and QK-product spectra per head and tensor-parallel shard "
@@ -127,6 +127,34 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                        "peer's recomputation replaces the suspect's share and "
                                                        "training goes on."),
     # policy
+    "detectors.consistency.enabled": KeyDoc("Cross-worker consistency over the data-parallel ranks: loss and "
+                                            "local gradient-norm dispersion every monitored step, direction "
+                                            "consistency periodically ([detectors.md](detectors.md)). Off by itself "
+                                            "under tensor, pipeline, context or expert parallelism."),
+    "detectors.consistency.warmup_steps": KeyDoc("Accepted steps before the alarms can fire.", ">= 3"),
+    "detectors.consistency.window": KeyDoc("Accepted values (gradient-norm CV, C_dir) in the baseline.",
+                                           ">= warmup_steps"),
+    "detectors.consistency.factor": KeyDoc("Robust standard deviations (1.4826 x MAD) from the baseline's median "
+                                           "that alarm.", "> 0"),
+    "detectors.consistency.min_cv_ratio": KeyDoc("The gradient-norm CV must also exceed this many times its "
+                                                 "baseline median.", ">= 1"),
+    "detectors.consistency.min_direction_drop": KeyDoc("C_dir must also fall this far below its baseline median "
+                                                       "(cosine units).", "[0, 2]"),
+    "detectors.consistency.persist": KeyDoc("Consecutive measurements past the limit before an alarm (one alarm per "
+                                            "episode); one step's spread has a long tail with few ranks.", ">= 1"),
+    "detectors.consistency.direction": KeyDoc("Measure C_dir, the mean pairwise cosine of the ranks' local "
+                                              "gradients, from a gradient sketch (one more pass over the local "
+                                              "gradient on its steps)."),
+    "detectors.consistency.direction_every": KeyDoc("Monitored steps between C_dir measurements (the sketch is "
+                                                    "taken only then; on every monitored step when "
+                                                    "`detectors.sdc.sketch_size` is set).", ">= 1"),
+    "detectors.consistency.sketch_size": KeyDoc("Numbers in each rank's sketch (`detectors.sdc.sketch_size` wins "
+                                                "when set): the estimate's error falls as 1/sqrt(size) "
+                                                "([detectors.md](detectors.md)).", ">= 2"),
+    "detectors.consistency.detail_every": KeyDoc("Monitored steps between fetches of every rank's loss and local "
+                                                 "norm (ranges, the farthest rank); 0: on alarms only. One "
+                                                 "all-gather of the statistics buffer each time.", ">= 0"),
+    "detectors.consistency.action": KeyDoc("What an alarm gets."),
     "policy.max_consecutive_skips": KeyDoc("More skipped steps in a row than this escalate: the fault is "
                                            "persistent.", ">= 0"),
     "policy.on_persistent_failure": KeyDoc("What escalation does; `rollback` needs `recovery.enabled`, else it "

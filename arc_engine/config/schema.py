@@ -160,7 +160,7 @@ class SDCConfig:
     contiguous window per tensor, at least 256 elements, moving every monitored step so that every element is
     covered every ceil(1/update_sample) steps; ZeRO-1/2 partitions in up to 16 segments); below 1 it is an
     estimate of R_t at that fraction of the cost (the pre-clip norm stays exact). ``sketch_size``: numbers per
-    rank in the signed block-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off,
+    rank in the signed chunk-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off,
     the default: it costs one more pass over every local gradient bucket per step); a rank whose sketch points
     away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
 
@@ -258,6 +258,45 @@ class RouterConfig(TrajectoryMonitorConfig):
 
 
 @dataclass(kw_only=True)
+class ConsistencyConfig:
+    """Cross-worker consistency over the data-parallel ranks (silent-inconsistency paper), on every monitored step:
+    the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
+    coefficient of variation) and, every ``direction_every`` monitored steps, the gradient-direction consistency
+    C_dir (mean pairwise cosine of the local gradients, from a ``sketch_size``-number signed chunk-sum sketch per rank
+    summed through the step's one all-reduce). Ranges (max - min) and each rank's values are fetched every
+    ``detail_every`` monitored steps and on an alarm. Alarm: after ``warmup_steps`` accepted steps, the
+    gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard deviations
+    and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust standard
+    deviations and at least ``min_direction_drop``, on ``persist`` consecutive measurements (once per episode). Off
+    under tensor or pipeline parallelism (a rank's gradient is a shard)."""
+
+    enabled: bool = True
+    warmup_steps: int = 20
+    window: int = 100
+    factor: float = 6.0
+    min_cv_ratio: float = 2.0
+    min_direction_drop: float = 0.1
+    persist: int = 3
+    direction: bool = True
+    direction_every: int = 10
+    sketch_size: int = 256
+    detail_every: int = 100
+    action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_cv_ratio >= 1, "min_cv_ratio", self.min_cv_ratio, "must be >= 1")
+        require(0 <= self.min_direction_drop <= 2, "min_direction_drop", self.min_direction_drop, "must be in [0, 2]")
+        require(self.persist >= 1, "persist", self.persist, "must be an integer >= 1")
+        require(self.direction_every >= 1, "direction_every", self.direction_every, "must be an integer >= 1")
+        require(self.sketch_size >= 2, "sketch_size", self.sketch_size, "must be an integer >= 2")
+        require(self.detail_every >= 0, "detail_every", self.detail_every,
+                "must be an integer >= 0 (0 = on alarms only)")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -269,6 +308,7 @@ class DetectorsConfig:
     sdc: SDCConfig = field(default_factory=SDCConfig)
     qk_spectra: QKSpectraConfig = field(default_factory=QKSpectraConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})
 
 

@@ -98,6 +98,9 @@ class ModelParts:
     observe_routing: Callable[[RouterShard, Callable[[torch.Tensor, torch.Tensor], None]], Callable[[], None]] | \
         None = None  # observe_routing(shard, fn): call fn(logits, routing_map) at each routing; returns a remover
     current_step: Callable[[], int] | None = None  # the optimizer step being computed (set by the adapter)
+    #: model-parallel ranks per data-parallel replica (tensor x pipeline x context parallel): above 1, a rank's
+    #: local gradient is one shard of its replica's
+    model_parallel_size: int = 1
 
 
 @dataclass
@@ -158,6 +161,11 @@ class MonitorFamily(Protocol):
         ``step`` (the adapters compute them inside the optimizer step when any family asks)."""
         ...
 
+    def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
+        """Whether this family needs the local gradient sketch (``grad_sketch_local``, which it declares) on
+        monitored step ``step`` (the adapters add it in their reduction hooks when any family asks)."""
+        ...
+
 
 class FamilyBase:
     """Defaults for a family: no statistics, producers or optimizer statistics of its own; enabled by its section's
@@ -180,6 +188,9 @@ class FamilyBase:
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
         return False, False
+
+    def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
+        return False
 
 
 def section_of(config: ArcConfig, family: MonitorFamily) -> Any:

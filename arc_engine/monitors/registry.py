@@ -12,6 +12,7 @@ _plugins: list[MonitorFamily] = []
 
 def builtin_families() -> list[MonitorFamily]:
     """The families that ship with arc_engine, in the order their monitors run."""
+    from arc_engine.monitors.consistency import ConsistencyFamily
     from arc_engine.monitors.loss_spike import LossSpikeFamily
     from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
@@ -20,7 +21,7 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.sdc import SDCFamily
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
-            QKSpectraFamily(), RouterFamily()]
+            QKSpectraFamily(), RouterFamily(), ConsistencyFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:

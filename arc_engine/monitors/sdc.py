@@ -156,7 +156,7 @@ class SDCMonitor:
                   "local_grad_norm_per_rank": local_now_r.tolist(),
                   "previous_local_grad_norm_per_rank": local_prev_r.tolist(),
                   "suspects": {str(rank): self.locations.get(rank, "?") for rank in ranks}}
-        if stats.has(names.GRAD_SKETCH_LOCAL):
+        if self.config.sketch_size and stats.has(names.GRAD_SKETCH_LOCAL):
             values["sketch_cosine_to_peers"] = cosine_to_peers(stats.per_rank(names.GRAD_SKETCH_LOCAL)).tolist()
         reason = "pre-clip gradient norm is not finite" if nonfinite else (
             f"update RMS jump {delta_r:.3g} > μ/(α√ΔG) = {threshold:.3g} (R {self.r_prev:.4g} -> {r_t:.4g})")
@@ -200,7 +200,7 @@ class SDCFamily(FamilyBase):
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         sdc = ctx.section
         decls = [*optimizer_statistics(ctx), StatDecl(names.SDC_LOCAL_NORM_PREV, 1, Reduce.DETAIL)]
-        if sdc.sketch_size:
+        if sdc.sketch_size:  # the slot detectors.consistency shares (shared_sketch_size: this size wins)
             decls.append(StatDecl(names.GRAD_SKETCH_LOCAL, sdc.sketch_size, Reduce.DETAIL))
         if sdc.recompute.enabled:
             decls.append(StatDecl(names.SDC_WITHHELD, 1, Reduce.SUM))
@@ -214,3 +214,6 @@ class SDCFamily(FamilyBase):
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
         return True, False  # the update RMS on every monitored step; the rule needs no weight norms
+
+    def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
+        return bool(ctx.section.sketch_size)  # on every monitored step

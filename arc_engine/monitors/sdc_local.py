@@ -2,9 +2,10 @@
 
 Both run on device inside the reduction hooks (DDP comm hook buckets, ZeRO parameter hooks), with no host sync:
 
-* :func:`add_gradient_sketch`: a signed block-sum sketch of a rank's local gradient -- each tensor is cut into at
-  most ``k`` contiguous blocks, each block's sum goes with a fixed pseudo-random sign to a fixed pseudo-random slot
-  (seeded by the tensor's index, identical on every rank). O(gradient size) to compute, ``k`` numbers to gather. A
+* :func:`add_gradient_sketch`: a signed chunk-sum sketch of a rank's local gradient -- each tensor is cut into
+  about ``4k`` contiguous chunks, each chunk's elements are summed under a fixed ±1 pattern (:func:`chunk_sums`),
+  and each chunk's sum goes with a fixed pseudo-random sign to a fixed pseudo-random slot (seeded by the tensor's
+  index, identical on every rank). O(gradient size) to compute, ``k`` numbers to gather. A
   corrupted block dominates the sketch of the rank that holds it, so that rank's sketch points away from its
   peers' (:func:`cosine_to_peers`).
 * :class:`LocalGate`: a rank withholds a local gradient slot (a DDP bucket or a ZeRO parameter) from the reduction
@@ -14,6 +15,7 @@ Both run on device inside the reduction hooks (DDP comm hook buckets, ZeRO param
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -40,30 +42,77 @@ def _sketch_plan(index: int, blocks: int, size: int, device: torch.device, cache
     return cache[key]
 
 
+#: Chunks per tensor in :func:`chunk_sums`, per sketch slot: more chunks make the sketch's inner products closer
+#: to the gradients' (the cross terms inside one chunk average out over more chunks), and its plan larger.
+CHUNKS_PER_SLOT = 4
+
+
+def _is_prime(value: int) -> bool:
+    return value >= 2 and all(value % d for d in range(2, math.isqrt(value) + 1))
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_length(numel: int, size: int) -> int:
+    """The length of :func:`chunk_sums`'s chunks for a tensor of ``numel`` elements and a sketch of ``size``: the
+    smallest prime >= numel / (CHUNKS_PER_SLOT x size) (at least 2). A prime, so the chunks never line up with the
+    power-of-two rows of a weight matrix. Pure."""
+    length = max(2, numel // (CHUNKS_PER_SLOT * size))
+    while not _is_prime(length):
+        length += 1
+    return length
+
+
+_SIGNS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _chunk_signs(length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Fixed pseudo-random ±1 of ``length`` (seeded by the length alone: the same on every rank)."""
+    key = (length, device, dtype)
+    signs = _SIGNS.get(key)
+    if signs is None:
+        if len(_SIGNS) >= 256:
+            _SIGNS.clear()
+        generator = torch.Generator().manual_seed(0xC4A9 + length)
+        signs = _SIGNS[key] = (torch.randint(2, (length,), generator=generator) * 2 - 1).to(device, dtype)
+    return signs
+
+
 @torch.no_grad()
-def block_sums(grad: torch.Tensor, size: int) -> torch.Tensor | None:
-    """The sums of ``min(size, grad.numel())`` contiguous blocks of ``grad`` (the last block also takes the
-    remainder), in float32 whatever ``grad``'s dtype; None for an empty tensor. One reduction kernel (two with a
-    remainder)."""
+def chunk_sums(grad: torch.Tensor, size: int) -> torch.Tensor | None:
+    """``grad`` cut into chunks of :func:`chunk_length` elements, each chunk's elements multiplied by the same
+    fixed ±1 pattern and summed (the last, shorter chunk by the pattern's start), in float32; None for an empty
+    tensor. One matrix-vector product over the tensor (plus one small reduction for the remainder).
+
+    Why signed: the sketch estimates inner products of the ranks' gradients (the SDC localization's cosines, the
+    consistency family's C_dir). Plain block sums estimate the inner products of block-averaged gradients, which
+    differ from the gradients' by every within-block cross term, and gradients are smooth within a block. With the
+    signs, a cross term's expectation over the pattern is 0, and the sketch's inner products are the gradients'
+    plus a noise that averages out over the chunks and slots: at 256 numbers the error of C_dir has half the RMS
+    of plain block sums' (0.047 against 0.102 on the test GPT, ``scripts/bench_direction_sketch.py``)."""
     flat = grad.reshape(-1)
-    blocks = min(size, flat.numel())
-    if blocks == 0:
+    numel = flat.numel()
+    if numel == 0:
         return None
-    usable = (flat.numel() // blocks) * blocks
-    sums = flat[:usable].view(blocks, -1).sum(dim=1, dtype=torch.float32)
-    if usable < flat.numel():
-        sums[-1] += flat[usable:].sum(dtype=torch.float32)
-    return sums
+    length = chunk_length(numel, size)
+    signs = _chunk_signs(length, flat.device, flat.dtype)
+    whole = numel // length
+    parts = []
+    if whole:
+        parts.append(torch.mv(flat[:whole * length].view(whole, length), signs).float())
+    if whole * length < numel:
+        rest = flat[whole * length:]
+        parts.append((rest * signs[:rest.numel()]).sum(dtype=torch.float32).reshape(1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-#: Concatenated plans of :func:`add_block_sums` kept per cache (one per distinct sequence of tensors).
+#: Concatenated plans of :func:`add_chunk_sums` kept per cache (one per distinct sequence of tensors).
 MAX_BATCH_PLANS = 8
 
 
 @torch.no_grad()
-def add_block_sums(sketch_k: torch.Tensor, sums: list[torch.Tensor], indices: list[int],
+def add_chunk_sums(sketch_k: torch.Tensor, sums: list[torch.Tensor], indices: list[int],
                    cache: dict | None = None) -> None:
-    """Add the signed sketch of tensors already reduced to their :func:`block_sums` (``sums[i]`` of the tensor with
+    """Add the signed sketch of tensors already reduced to their :func:`chunk_sums` (``sums[i]`` of the tensor with
     the rank-independent index ``indices[i]``) into the float64 ``sketch_k``: one concatenation and one
     ``index_add_`` for the whole list. ``cache`` keeps the plans between calls."""
     if not sums:
@@ -87,12 +136,12 @@ def add_block_sums(sketch_k: torch.Tensor, sums: list[torch.Tensor], indices: li
 @torch.no_grad()
 def add_gradient_sketch(sketch_k: torch.Tensor, grads: list[torch.Tensor], indices: list[int],
                         cache: dict | None = None) -> None:
-    """Add the signed block-sum sketch of ``grads`` (tensor ``i`` has the rank-independent index ``indices[i]``)
+    """Add the signed chunk-sum sketch of ``grads`` (tensor ``i`` has the rank-independent index ``indices[i]``)
     into the float64 vector ``sketch_k``. Linear in the gradient: sketches of summed gradients add up. Non-finite
     values propagate (a NaN gradient gives a NaN sketch). ``cache`` keeps the per-tensor plans between calls."""
     parts = [(sums, index) for grad, index in zip(grads, indices, strict=True)
-             if (sums := block_sums(grad, sketch_k.numel())) is not None]
-    add_block_sums(sketch_k, [sums for sums, _ in parts], [index for _, index in parts], cache)
+             if (sums := chunk_sums(grad, sketch_k.numel())) is not None]
+    add_chunk_sums(sketch_k, [sums for sums, _ in parts], [index for _, index in parts], cache)
 
 
 def cosine_to_peers(sketch_rk: np.ndarray) -> np.ndarray:
