@@ -112,6 +112,9 @@ def test_chunk_sums_are_signed_sums_of_prime_length_chunks() -> None:
     assert chunk_length(4096 * 1000, 256) == 4001  # a prime, about 4 chunks per slot
     other = torch.randn(23)
     torch.testing.assert_close(chunk_sums(values + other, 2), sums + chunk_sums(other, 2))
+    scaled = torch.full((4096,), 60000.0, dtype=torch.float16)  # loss-scaled fp16: sums far above fp16's range
+    assert torch.isfinite(chunk_sums(scaled, 4)).all()
+    torch.testing.assert_close(chunk_sums(scaled, 4), chunk_sums(scaled.float(), 4))
 
 
 def test_peer_check_calls_agreement_data_and_disagreement_a_faulty_device() -> None:

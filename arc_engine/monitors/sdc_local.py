@@ -98,7 +98,11 @@ def chunk_sums(grad: torch.Tensor, size: int) -> torch.Tensor | None:
     whole = numel // length
     parts = []
     if whole:
-        parts.append(torch.mv(flat[:whole * length].view(whole, length), signs).float())
+        chunks = flat[:whole * length].view(whole, length)
+        if flat.dtype == torch.float16:  # a loss-scaled fp16 sum would overflow: accumulate in fp32
+            parts.append((chunks * signs).sum(dim=1, dtype=torch.float32))
+        else:  # one matrix-vector product (bf16's range is fp32's; its rounding is far below the sketch's noise)
+            parts.append(torch.mv(chunks, signs).float())
     if whole * length < numel:
         rest = flat[whole * length:]
         parts.append((rest * signs[:rest.numel()]).sum(dtype=torch.float32).reshape(1))
