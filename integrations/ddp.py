@@ -15,8 +15,9 @@ Each bucket adds one fused norm kernel (``torch._foreach_norm`` over its views) 
 the results are queued and folded into the statistics buffer once per step, right before the agreement
 (``ArcEngine.folds``), with a handful of batched kernels instead of a handful per bucket.
 
-With ``detectors.sdc.sketch_size`` > 0, each rank also adds its bucket's gradient sketch (``grad_sketch_local``,
-taken of the bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its
+On the steps a family asks for it (``detectors.sdc.sketch_size`` > 0: every monitored step; the consistency
+family's C_dir: every ``direction_every`` monitored steps), each rank also adds its bucket's gradient sketch
+(``grad_sketch_local``, taken of the bucket's flat buffer), and with ``detectors.sdc.recompute`` on, its
 :class:`~arc_engine.monitors.sdc_local.LocalGate` judges the bucket before the all-reduce: a withheld bucket
 contributes zeros (counted in ``sdc_withheld``) and :class:`DDPGradientTarget` lets
 :mod:`arc_engine.recovery.recompute` add the recomputed share afterwards.
@@ -181,7 +182,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             queue.local_norms.append(norms)
             queue.local_index.append(plan.index)
         if engine.wants_sketch():
-            # the bucket's flat buffer (same layout on every rank) as one tensor: one reduction kernel per bucket
+            # the bucket's flat buffer (same layout on every rank) as one tensor: one matrix-vector product
             with engine.own_work.section("ddp.sketch"):
                 sums = chunk_sums(buffer, engine.layout[names.GRAD_SKETCH_LOCAL].size)
                 if sums is not None:

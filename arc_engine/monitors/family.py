@@ -98,8 +98,8 @@ class ModelParts:
     observe_routing: Callable[[RouterShard, Callable[[torch.Tensor, torch.Tensor], None]], Callable[[], None]] | \
         None = None  # observe_routing(shard, fn): call fn(logits, routing_map) at each routing; returns a remover
     current_step: Callable[[], int] | None = None  # the optimizer step being computed (set by the adapter)
-    #: model-parallel ranks per data-parallel replica (tensor x pipeline x context parallel): above 1, a rank's
-    #: local gradient is one shard of its replica's
+    #: ranks holding different shards of one replica (tensor x pipeline x context x expert parallel): above 1, a
+    #: rank's local gradient is one shard of its replica's
     model_parallel_size: int = 1
 
 
