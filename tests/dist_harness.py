@@ -79,8 +79,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             else:
                 errors[rank] = payload
     except Exception as err:
+        reported = "".join(f"\nrank {r} failed:\n{errors[r]}" for r in sorted(errors))  # what a hung peer hides
         raise AssertionError(f"ranks did not all report within {timeout_s}s (got {sorted(results)}, "
-                             f"errors {sorted(errors)}): {err!r}") from None
+                             f"errors {sorted(errors)}): {err!r}{reported}") from None
     finally:
         for proc in procs:
             proc.join(timeout=30)
