@@ -20,6 +20,12 @@ from typing import Any
 import torch
 
 
+def none_free(items: Sequence[object]) -> bool:
+    """Whether no item is None, in a C-level loop (these lists hold one entry per tensor, on every monitored
+    step)."""
+    return all(map(operator.is_not, items, itertools.repeat(None)))
+
+
 @dataclass(frozen=True)
 class AdamHyper:
     """What the update RMS needs from an Adam-family parameter group.
@@ -151,7 +157,7 @@ def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.
     copy) when there is just one."""
     if len(pieces) == 1:
         return None if pieces[0] is None else pieces[0].float()
-    if all(map(operator.is_not, pieces, itertools.repeat(None))) \
+    if none_free(pieces) \
             and all(map(operator.eq, map(torch.Tensor.dim, pieces), itertools.repeat(1))):  # type: ignore[arg-type]
         return torch.cat(pieces).float()  # type: ignore[arg-type]  # the common case (windows), no Python loop
     if all(piece is None for piece in pieces):
@@ -304,7 +310,7 @@ def _adam_views_selected(optimizer: torch.optim.Optimizer, group: dict, owned: C
     if not params:
         return None
     grads = list(map(_grad_of, params))
-    if not all(map(operator.is_not, grads, itertools.repeat(None))):
+    if not none_free(grads):
         return None
     states = list(map(optimizer.state.get, params))
     try:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from arc_engine.stats.optim_stats import AdamViews, flat_piece
+from arc_engine.stats.optim_stats import AdamViews, flat_piece, none_free
 
 #: The shortest window: a tensor with fewer elements is taken whole.
 MIN_WINDOW_ELEMENTS = 256
@@ -238,7 +238,7 @@ class WindowCache:
             self._entries.pop(name, None)
             if self._seen.get(name) == ids:
                 self._entries[name] = _CacheEntry(key, [None if t is None else weakref.ref(t) for t in tensors],
-                                                  _pointers(tensors), {}, any(t is None for t in tensors))
+                                                  _pointers(tensors), {}, not none_free(tensors))
             self._seen[name] = ids
             return cut()
         slot = phase % window_slots(fraction)
@@ -252,7 +252,7 @@ class WindowCache:
     def _cut(self, name: str, tensors: Sequence[torch.Tensor | None], fraction: float, at: Sequence[int],
              phase: int) -> list[Any]:
         """:func:`sample_window` of each tensor, with the bounds of this window position kept between calls."""
-        if fraction >= 1.0 or any(t is None for t in tensors):
+        if fraction >= 1.0 or not none_free(tensors):
             return [sample_window(t, fraction, i, phase) for i, t in zip(at, tensors, strict=True)]
         key = (fraction, tuple(at), tuple(map(torch.Tensor.numel, tensors)))  # type: ignore[arg-type]
         bounds = self._bounds.get(name)
