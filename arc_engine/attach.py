@@ -56,6 +56,10 @@ class Arc:
             before()
         self.engine.record_loss(loss)
 
+    def record_validation_loss(self, loss: float | torch.Tensor) -> None:
+        """See :meth:`ArcEngine.record_validation_loss`."""
+        self.engine.record_validation_loss(loss)
+
     @property
     def step(self) -> int:
         """Optimizer steps completed (applied or skipped)."""

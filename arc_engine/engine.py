@@ -42,6 +42,7 @@ from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
 from arc_engine.sinks.wandb_sink import active_wandb_run
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+from arc_engine.stats.timing import SectionClock
 from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, ProgressBoard
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class ArcEngine:
         device = stats_device(group, config.stats.device)
         # stats.own_work: the engine's entry points and the families' producers timed as pieces (unchanged when off)
         self.own_work = OwnWork(config.stats.own_work, device)
+        self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)
+        self.local_events = 0  # this rank's system events so far (hang reports), for the families that count them
         self.families: list[tuple[MonitorFamily, FamilyContext]] = []
         self.monitors: list[Monitor] = []
         self.producers: list[Producer] = []
@@ -197,6 +200,7 @@ class ArcEngine:
         if self._step_open:
             return
         self._step_open = True
+        self.clock.start()
         if self.watchdog is not None:
             self.watchdog.reached(STEP_STARTED)
         if self.recovery is not None:  # a rollback's restore or a snapshot is not a hang
@@ -208,6 +212,7 @@ class ArcEngine:
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
         """From the watchdog thread: a hang (critical) or its end (info), through this rank's sinks."""
         severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
+        self.local_events += int(kind == "hang")
         self.reporter.emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message,
                                  (self.rank,), values, iteration=self.iteration))
 
@@ -257,8 +262,20 @@ class ArcEngine:
             self.watchdog.reached(LOSS_RECORDED)
         if self.buffer is None or not self.is_monitored():
             return
+        if not self._loss_count:
+            self.clock.loss()
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1
+
+    def record_validation_loss(self, loss: float | torch.Tensor) -> None:
+        """Record a validation loss (after an evaluation, on the ranks that computed one; a tensor is read to the
+        host here). Local: it travels with the next monitored step's agreement to the monitors that take it (the
+        R-Metric's ΔL, which then uses the mean over the ranks that recorded one instead of the training loss)."""
+        value = float(loss.detach().float().reshape(())) if isinstance(loss, torch.Tensor) else float(loss)
+        for monitor in self.monitors:
+            take = getattr(monitor, "record_validation_loss", None)
+            if take is not None:
+                take(value)
 
     @property
     def micro_batches_recorded(self) -> int:
@@ -315,7 +332,7 @@ class ArcEngine:
         for fold in self.folds:
             fold()
         if self.producers:
-            view = StepView(self.step, self.params)
+            view = StepView(self.step, self.params, self.clock.times(), self.local_events)
             for producer in self.producers:
                 producer.write(self.buffer, view)
         for monitor in self.monitors:
@@ -369,6 +386,7 @@ class ArcEngine:
         self._report(decision)
         self._abort_if_needed(decision, commit_monitors=False)
         self.policy.commit(decision)
+        self._observe(decision)
         self.framework_skipped_steps += 1
         self._close_step(decision)
 
@@ -423,7 +441,16 @@ class ArcEngine:
         for monitor in self.monitors:
             monitor.commit(decision.step, applied)
         self.policy.commit(decision)
+        self._observe(decision)
         self.monitored_steps += 1
+
+    def _observe(self, decision: Decision) -> None:
+        """Show the step's agreed decision (every finding, the framework's own skips included) to the monitors that
+        count events (``observe(decision)``, e.g. the R-Metric's λ). Local; identical on every rank."""
+        for monitor in self.monitors:
+            observe = getattr(monitor, "observe", None)
+            if observe is not None:
+                observe(decision)
 
     # ------------------------------------------------------------------ reporting
 

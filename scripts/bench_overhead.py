@@ -8,7 +8,7 @@ d_model 96, 316 tensors, 1 MB buckets; seq 256, micro-batch 8 per rank) under De
 AdamW, gradient clipping 1.0: without arc_engine, with it (default config plus any ``--arc`` overrides), and a
 second one without it (the A/A control) -- live in the same processes and take turns in blocks of steps, so machine
 noise hits them alike. A block spans every periodic schedule of the configuration (its length is their least
-common multiple: 10 steps by default, for the every-10th-step optimizer statistics), and is timed as a whole
+common multiple: 20 steps by default, for the straggler report every 20th step), and is timed as a whole
 between two barriers (steady-state throughput: the ranks of a data-parallel job wait for each other once per step
 anyway, so a wait that only moves where the slower rank is waited for is not counted as overhead, and one that
 adds time is).
@@ -107,12 +107,18 @@ MODELS = {"standard": {"layers": 4, "d_model": 256, "bucket_mb": None},
 
 def periodic_block(config, mechanisms: bool = False) -> int:
     """Steps per block so that every block holds the same periodic work: the least common multiple of the
-    configuration's periods (optimizer statistics every k-th monitored step, snapshots every ``checkpoint_freq``
+    configuration's periods (optimizer statistics every k-th monitored step, the consistency family's sketch, the
+    straggler report, snapshots every ``checkpoint_freq``
     healthy steps, disk checkpoints; with ``mechanisms``, for a model that has attention or router parts the
     mechanism monitors measure, their periods too). Pure."""
-    periods = [config.stats.interval]
+    interval, detectors = config.stats.interval, config.detectors
+    periods = [interval]
     if config.stats.optimizer_stats_every:
-        periods.append(config.stats.interval * config.stats.optimizer_stats_every)
+        periods.append(interval * config.stats.optimizer_stats_every)
+    if detectors.consistency.enabled and detectors.consistency.direction:
+        periods.append(interval * detectors.consistency.direction_every)  # the gradient sketch
+    if detectors.straggler.enabled:
+        periods.append(interval * detectors.straggler.every)  # the per-rank report
     if config.recovery.enabled:
         periods.append(config.recovery.checkpoint_freq)
         if config.recovery.checkpoint.every_steps:

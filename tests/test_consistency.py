@@ -20,17 +20,15 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.monitors.consistency import (
     DIRECTION_SUM,
-    GRAD_NORM_MOMENTS,
-    LOSS_MOMENTS,
     ConsistencyFamily,
     ConsistencyMonitor,
     direction_consistency,
-    dispersion,
     exact_direction_consistency,
     farthest_rank,
 )
 from arc_engine.monitors.family import FamilyContext, ModelParts
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
+from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, dispersion
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data

@@ -17,6 +17,7 @@ from arc_engine.config.schema import (
     RunConfig,
     SinksConfig,
     StatsConfig,
+    WeightHealthConfig,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "RunConfig",
     "SinksConfig",
     "StatsConfig",
+    "WeightHealthConfig",
     "add_arc_args",
     "config_from_args",
     "from_dict",

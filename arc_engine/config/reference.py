@@ -155,6 +155,84 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                  "norm (ranges, the farthest rank); 0: on alarms only. One "
                                                  "all-gather of the statistics buffer each time.", ">= 0"),
     "detectors.consistency.action": KeyDoc("What an alarm gets."),
+    "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "
+                                              "score) and per-layer gradient CV and histogram entropy (ARC paper; "
+                                              "[detectors.md](detectors.md#weight-health)). Off under Megatron."),
+    "detectors.weight_health.every": KeyDoc("Optimizer steps between measurements; off the schedule its slots stay "
+                                            "zero.", ">= 1, a multiple of `stats.interval`"),
+    "detectors.weight_health.max_tensors": KeyDoc("Weight matrices (parameters of 2+ dimensions) tracked: all when "
+                                                  "they fit, else this many spread evenly over the model. Sets the "
+                                                  "slots' size (8 numbers per matrix).", "[1, 4096]"),
+    "detectors.weight_health.max_norm": KeyDoc("Explosion: a matrix's Frobenius norm above this (or not finite).",
+                                               "> 0"),
+    "detectors.weight_health.collapse_ratio": KeyDoc("Collapse: ‖W‖_F / ‖W₀‖_F below this (W₀: the matrix at the "
+                                                     "family's first measurement); 0: off.", "[0, 1)"),
+    "detectors.weight_health.sparsity_eps": KeyDoc("Sparsity counts the elements with |w| below this.", "> 0"),
+    "detectors.weight_health.sparsity_increase": KeyDoc("Sparsity explosion: a matrix's sparsity above its first "
+                                                        "value plus this.", "(0, 1]"),
+    "detectors.weight_health.rank_samples": KeyDoc("Matrices whose effective rank (one SVD each) is computed per "
+                                                   "measurement, rotating; 0: none. Replicated matrices only.",
+                                                   "[0, max_tensors]"),
+    "detectors.weight_health.rank_drop": KeyDoc("Alarm when a matrix's effective rank falls by more than this "
+                                                "fraction of its first value.", "(0, 1]"),
+    "detectors.weight_health.cv_max": KeyDoc("Alarm when a layer's gradient σ/|μ| exceeds this; 0: off (the paper's "
+                                             "10 fires on every layer of a healthy model).", ">= 0"),
+    "detectors.weight_health.hist_bins": KeyDoc("Equal log2-magnitude bins of the gradient histogram (its normalized "
+                                                "entropy is the metric `grad_entropy`).", "[2, 1024]"),
+    "detectors.weight_health.hist_min_log2": KeyDoc("Lower edge of the histogram's bins, log2|g|; smaller values "
+                                                    "(zeros too) count in the first bin.", "< hist_max_log2"),
+    "detectors.weight_health.hist_max_log2": KeyDoc("Upper edge of the histogram's bins, log2|g|; larger values "
+                                                    "count in the last bin.", "> hist_min_log2"),
+    "detectors.weight_health.norm_weight": KeyDoc("Weight of NormScore (the fraction of matrices with a healthy "
+                                                  "norm) in the score.", ">= 0 (the three weights sum > 0)"),
+    "detectors.weight_health.rank_weight": KeyDoc("Weight of RankScore (mean of min(1, rank / first rank)) in the "
+                                                  "score.", ">= 0"),
+    "detectors.weight_health.sparsity_weight": KeyDoc("Weight of SparsityScore (mean of 1 − sparsity rise / "
+                                                      "`sparsity_increase`, clipped to [0, 1]) in the score.", ">= 0"),
+    "detectors.weight_health.score_min": KeyDoc("Alarm when the weight-health score (in [0, 1]) falls below this; "
+                                                "0: off.", "[0, 1]"),
+    "detectors.weight_health.action": KeyDoc("What a weight alarm (explosion, collapse, sparsity, rank drop, "
+                                             "score) gets; the paper rolls back on a low score."),
+    "detectors.weight_health.grad_action": KeyDoc("What a gradient-CV alarm gets."),
+    "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
+                                          "(first forward pre-hook to first recorded loss), as "
+                                          "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),
+    "detectors.straggler.every": KeyDoc("Monitored steps per report: each rank's window median is fetched (one "
+                                        "all-gather of the statistics buffer) and every rank scored.", ">= 3"),
+    "detectors.straggler.relative_threshold": KeyDoc("A rank whose fastest-rank-median / own-median falls below "
+                                                     "this is a straggler.", "in (0, 1)"),
+    "detectors.straggler.individual_threshold": KeyDoc("A rank whose best-median-so-far / current median falls "
+                                                       "below this is a straggler (it slowed down); 0: off.",
+                                                       "in [0, 1)"),
+    "detectors.straggler.min_delay_s": KeyDoc("A straggler is also at least this many seconds slower than its "
+                                              "reference (timer noise of fast steps never flags).", ">= 0"),
+    "detectors.straggler.warmup_reports": KeyDoc("Reports before ranks can be flagged (the first steps compile "
+                                                 "and warm caches).", ">= 0"),
+    "detectors.straggler.action": KeyDoc("What a new straggler gets (the event names the ranks)."),
+    "detectors.r_metric.enabled": KeyDoc("The R-Metric early warning: system events λ, worker gradient-norm "
+                                         "variance σ², loss drift ΔL, each percentile-normalized "
+                                         "([detectors.md](detectors.md))."),
+    "detectors.r_metric.lambda_weight": KeyDoc("Weight of norm(λ).", ">= 0"),
+    "detectors.r_metric.variance_weight": KeyDoc("Weight of norm(σ²).", ">= 0"),
+    "detectors.r_metric.drift_weight": KeyDoc("Weight of norm(ΔL).", ">= 0 (not all three 0)"),
+    "detectors.r_metric.threshold": KeyDoc("Alert level of the score.", "> 0"),
+    "detectors.r_metric.score": KeyDoc("`normalized`: the weighted sum divided by the weights' sum (0.5 when "
+                                       "nothing moves); `paper`: the weighted sum itself, as written (alerts on "
+                                       "most steps of a stationary run with the default weights)."),
+    "detectors.r_metric.window": KeyDoc("Previous values each percentile rank is taken among.", ">= 2"),
+    "detectors.r_metric.ema": KeyDoc("Smoothing of the percentile: s = ema * p + (1 - ema) * s.", "in (0, 1]"),
+    "detectors.r_metric.gain": KeyDoc("Slope of the sigmoid: norm = 1 / (1 + exp(-gain * (s - 0.5))).", "> 0"),
+    "detectors.r_metric.drift_window": KeyDoc("Previous losses whose mean ΔL is measured from.", ">= 1"),
+    "detectors.r_metric.event_window": KeyDoc("Monitored steps λ counts system events over.", ">= 1"),
+    "detectors.r_metric.warmup_steps": KeyDoc("Applied monitored steps before an alert can fire.", ">= 1"),
+    "detectors.r_metric.persist": KeyDoc("Monitored steps the alert looks back over (one alert per episode).",
+                                         ">= 1"),
+    "detectors.r_metric.persist_fraction": KeyDoc("Share of those steps whose score must be above the threshold "
+                                                  "(this step's too); 1: every one of them.", "in (0, 1]"),
+    "detectors.r_metric.nvml": KeyDoc("Count NVML ECC, XID and clock-slowdown events of the rank's GPU when "
+                                      "`nvidia-ml-py` is installed and the statistics live on CUDA (polled every "
+                                      "10 monitored steps)."),
+    "detectors.r_metric.action": KeyDoc("What an alert gets."),
     "policy.max_consecutive_skips": KeyDoc("More skipped steps in a row than this escalate: the fault is "
                                            "persistent.", ">= 0"),
     "policy.on_persistent_failure": KeyDoc("What escalation does; `rollback` needs `recovery.enabled`, else it "

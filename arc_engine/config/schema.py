@@ -258,6 +258,83 @@ class RouterConfig(TrajectoryMonitorConfig):
 
 
 @dataclass(kw_only=True)
+class StragglerConfig:
+    """Straggler scores (as nvidia-resiliency-ext reports them): each rank times its own forward section (the step's
+    first forward pass, from the first forward pre-hook to the first ``record_loss``: local compute, before any
+    wait on a peer under DDP and ZeRO-1/2) on every monitored step -- host clock on CPU, CUDA events on CUDA (read a
+    step late, no sync). Every ``every`` monitored steps the ranks' window medians are fetched (the one periodic
+    per-rank fetch) and every rank scores every rank: relative = fastest rank's median / the rank's median, individual
+    = the rank's best median so far / its median (1 = as fast as it gets). A rank is a straggler when its relative
+    score is below ``relative_threshold`` (or its individual score below ``individual_threshold``, 0 = off) and it is
+    at least ``min_delay_s`` slower than the reference; after ``warmup_reports`` reports. The event names the ranks;
+    stragglers also count as system events of the R-Metric. Off on pipeline-parallel layouts (only the last stage
+    records a loss)."""
+
+    enabled: bool = True
+    every: int = 20
+    relative_threshold: float = 0.7
+    individual_threshold: float = 0.7
+    min_delay_s: float = 0.005
+    warmup_reports: int = 2
+    action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.every >= 3, "every", self.every, "must be an integer >= 3 (monitored steps per report)")
+        require(0 < self.relative_threshold < 1, "relative_threshold", self.relative_threshold, "must be in (0, 1)")
+        require(0 <= self.individual_threshold < 1, "individual_threshold", self.individual_threshold,
+                "must be in [0, 1) (0 = off)")
+        require(self.min_delay_s >= 0, "min_delay_s", self.min_delay_s, "must be >= 0 seconds")
+        require(self.warmup_reports >= 0, "warmup_reports", self.warmup_reports, "must be an integer >= 0")
+
+
+@dataclass(kw_only=True)
+class RMetricConfig:
+    """The R-Metric early warning (r-metric paper): R = w_λ·norm(λ) + w_σ·norm(σ²) + w_ΔL·norm(ΔL) on every monitored
+    step. λ: system events (stragglers, framework overflow skips, SDC findings, hang reports, and NVML ECC / XID /
+    slowdown events with ``nvml`` on a GPU) per ``event_window`` monitored steps; σ²: the variance of the
+    data-parallel ranks' local gradient norms; ΔL: |L − mean of the previous ``drift_window`` values| of the
+    validation loss (``Arc.record_validation_loss``) or, until one is recorded, of the agreed training loss (the
+    proxy). norm: the mid-rank percentile p of the value among the previous ``window`` values,
+    s ← ``ema``·p + (1 − ``ema``)·s, norm = 1 / (1 + exp(−``gain``·(s − 0.5))). ``score``: ``normalized`` compares
+    R / (sum of the weights) with ``threshold`` (as written, the weights sum to 1.25 and a stationary run sits at
+    R ≈ 0.62 > 0.57: see docs/detectors.md); ``paper`` compares R itself. Alert after ``warmup_steps`` values, when
+    the score is above ``threshold`` on this step and on ``persist_fraction`` of the last ``persist`` monitored steps
+    (once per episode: again only after fewer than that were above)."""
+
+    enabled: bool = True
+    lambda_weight: float = 0.10
+    variance_weight: float = 0.45
+    drift_weight: float = 0.70
+    threshold: float = 0.57
+    score: Literal["normalized", "paper"] = "normalized"
+    window: int = 100
+    ema: float = 0.3
+    gain: float = 4.0
+    drift_window: int = 10
+    event_window: int = 100
+    warmup_steps: int = 30
+    persist: int = 40
+    persist_fraction: float = 0.8
+    nvml: bool = True
+    action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        for key in ("lambda_weight", "variance_weight", "drift_weight"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+        require(self.lambda_weight + self.variance_weight + self.drift_weight > 0, "drift_weight",
+                self.drift_weight, "the three weights must not all be 0")
+        require(self.threshold > 0, "threshold", self.threshold, "must be > 0")
+        require(self.window >= 2, "window", self.window, "must be an integer >= 2")
+        require(0 < self.ema <= 1, "ema", self.ema, "must be in (0, 1]")
+        require(self.gain > 0, "gain", self.gain, "must be > 0")
+        require(self.drift_window >= 1, "drift_window", self.drift_window, "must be an integer >= 1")
+        require(self.event_window >= 1, "event_window", self.event_window, "must be an integer >= 1")
+        require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+        require(self.persist >= 1, "persist", self.persist, "must be an integer >= 1")
+        require(0 < self.persist_fraction <= 1, "persist_fraction", self.persist_fraction, "must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
 class ConsistencyConfig:
     """Cross-worker consistency over the data-parallel ranks (silent-inconsistency paper), on every monitored step:
     the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
@@ -297,6 +374,63 @@ class ConsistencyConfig:
 
 
 @dataclass(kw_only=True)
+class WeightHealthConfig:
+    """Weight-matrix health and per-layer gradient statistics (ARC paper §3.2.3, §3.2.1), every ``every`` optimizer
+    steps (a multiple of ``stats.interval``) on up to ``max_tensors`` weight matrices (parameters of 2 or more
+    dimensions, spread evenly over the model when it has more).
+
+    Alarms, on each measurement while they hold: ‖W‖_F above ``max_norm`` or non-finite (explosion); ‖W‖_F / ‖W₀‖_F
+    below ``collapse_ratio`` (W₀: the matrix at the first measurement); the fraction of |w| < ``sparsity_eps`` above
+    its first value + ``sparsity_increase``; the effective rank exp(H(σ/Σσ)) of ``rank_samples`` matrices per
+    measurement (rotating; 0: none) below (1 - ``rank_drop``) x its first value; the weight-health score
+    (``norm_weight`` x NormScore + ``rank_weight`` x RankScore + ``sparsity_weight`` x SparsityScore, normalized over
+    the components available) below ``score_min``: all with ``action``. A layer's gradient coefficient of variation
+    σ/|μ| above ``cv_max`` (0: off; the paper's 10 fires on every layer of a healthy model) gets ``grad_action``.
+    The gradient histogram counts elements in ``hist_bins`` equal log2-magnitude bins over
+    [2^``hist_min_log2``, 2^``hist_max_log2``) (its normalized entropy is a metric)."""
+
+    enabled: bool = False
+    every: int = 50
+    max_tensors: int = 64
+    max_norm: float = 1.0e4
+    collapse_ratio: float = 1.0e-3
+    sparsity_eps: float = 1.0e-8
+    sparsity_increase: float = 0.1
+    rank_samples: int = 2
+    rank_drop: float = 0.5
+    cv_max: float = 0.0
+    hist_bins: int = 48
+    hist_min_log2: int = -40
+    hist_max_log2: int = 8
+    norm_weight: float = 0.4
+    rank_weight: float = 0.3
+    sparsity_weight: float = 0.3
+    score_min: float = 0.5
+    action: ActionName = "warn"
+    grad_action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(1 <= self.max_tensors <= 4096, "max_tensors", self.max_tensors, "must be an integer in [1, 4096]")
+        require(self.max_norm > 0, "max_norm", self.max_norm, "must be > 0")
+        require(0 <= self.collapse_ratio < 1, "collapse_ratio", self.collapse_ratio, "must be in [0, 1)")
+        require(self.sparsity_eps > 0, "sparsity_eps", self.sparsity_eps, "must be > 0")
+        require(0 < self.sparsity_increase <= 1, "sparsity_increase", self.sparsity_increase, "must be in (0, 1]")
+        require(0 <= self.rank_samples <= self.max_tensors, "rank_samples", self.rank_samples,
+                "must be an integer in [0, max_tensors]")
+        require(0 < self.rank_drop <= 1, "rank_drop", self.rank_drop, "must be in (0, 1]")
+        require(self.cv_max >= 0, "cv_max", self.cv_max, "must be >= 0 (0 = off)")
+        require(2 <= self.hist_bins <= 1024, "hist_bins", self.hist_bins, "must be an integer in [2, 1024]")
+        require(self.hist_min_log2 < self.hist_max_log2, "hist_max_log2", self.hist_max_log2,
+                "must be > hist_min_log2")
+        for key in ("norm_weight", "rank_weight", "sparsity_weight"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+        require(self.norm_weight + self.rank_weight + self.sparsity_weight > 0, "norm_weight", self.norm_weight,
+                "norm_weight + rank_weight + sparsity_weight must be > 0")
+        require(0 <= self.score_min <= 1, "score_min", self.score_min, "must be in [0, 1] (0 = off)")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -309,6 +443,9 @@ class DetectorsConfig:
     qk_spectra: QKSpectraConfig = field(default_factory=QKSpectraConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    weight_health: WeightHealthConfig = field(default_factory=WeightHealthConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    r_metric: RMetricConfig = field(default_factory=RMetricConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})
 
 

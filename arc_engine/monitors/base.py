@@ -24,7 +24,9 @@ class Monitor(Protocol):
     ``state_dict`` / ``load_state_dict`` make a monitor survive a rollback or restart.
 
     Optionally, ``before_agreement(buffer)`` writes values only the monitor holds for this rank (e.g. its own
-    history) into the step's buffer right before the agreement.
+    history) into the step's buffer right before the agreement; ``observe(decision)`` sees every agreed decision
+    after the commit (the framework's own skips included); ``record_validation_loss(value)`` takes what the loop
+    records after an evaluation.
     """
 
     name: str

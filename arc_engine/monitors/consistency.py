@@ -11,8 +11,8 @@ in the averaged loss. Three signals, on every monitored step, from the ranks' ow
   signed block-sum sketch of its local gradient (:mod:`arc_engine.monitors.sdc_local`).
 
 All three come through the step's one all-reduce with a size independent of the number of ranks: each rank adds
-(ℓ_i − c), (ℓ_i − c)², (‖g_i‖ − c'), (‖g_i‖ − c')² (c, c': the previous agreed means, identical on every rank, which
-keeps the variance free of cancellation) and its unit sketch ŝ_i = s_i / ‖s_i‖ into SUM slots; then
+its shifted loss and local-norm moments (:mod:`arc_engine.monitors.worker_spread`, shared with the R-Metric) and
+its unit sketch ŝ_i = s_i / ‖s_i‖ into SUM slots; then
 Σ_{i,j} cos(s_i, s_j) = ‖Σ_i ŝ_i‖², so C_dir = (‖Σ ŝ_i‖² − n) / (n (n − 1)) (:func:`direction_consistency`).
 The ranges (max − min) need every rank's value: they are read, with the rank farthest from its peers, by one
 per-rank fetch every ``detail_every`` steps and on an alarm -- never on a healthy step in between.
@@ -40,23 +40,11 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl
 from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 
-#: [2] SUM: Σ (ℓ_i − c), Σ (ℓ_i − c)² over the ranks that recorded a loss (c: the previous agreed mean loss).
-LOSS_MOMENTS = "consistency_loss"
-#: [3] SUM: Σ (‖g_i‖ − c'), Σ (‖g_i‖ − c')², and the number of ranks (c': the previous agreed mean local norm).
-GRAD_NORM_MOMENTS = "consistency_grad_norm"
 #: [k + 1] SUM: Σ_i ŝ_i (the ranks' unit gradient sketches) and the number of ranks with a non-zero sketch.
 DIRECTION_SUM = "consistency_direction"
-
-
-def dispersion(shifted_sum: float, shifted_sq_sum: float, count: float, shift: float) -> tuple[float, float]:
-    """(mean, population std) of ``count`` values from Σ (x − shift) and Σ (x − shift)² (NaN when count is 0). Pure."""
-    if count <= 0:
-        return math.nan, math.nan
-    centred = shifted_sum / count
-    variance = shifted_sq_sum / count - centred * centred
-    return shift + centred, math.sqrt(max(variance, 0.0))
 
 
 def direction_consistency(unit_sum: np.ndarray, count: float) -> float:
@@ -102,34 +90,29 @@ class ConsistencyMonitor:
         self.config = config
         self.sketch_size = sketch_size
         self.interval = interval  # stats.interval: the detail schedule counts monitored steps
-        self.loss_shift = 0.0
-        self.norm_shift = 0.0
+        self.moments = WorkerMoments()
         self.cv_history: deque[float] = deque(maxlen=config.window)
         self.direction_history: deque[float] = deque(maxlen=config.window)
         self.alarms = 0
         self._values: dict[str, float] = {}
+        self._spread: Spread | None = None  # this step's, until commit
         self._flagged = False
         self._exceeded = (False, False)  # this step's CV above / C_dir below its limit
         self._direction = math.nan  # this step's C_dir (NaN: not measured on this step)
         self._runs = (0, 0)  # consecutive applied steps with the CV above / C_dir below its limit
 
+    @property
+    def loss_shift(self) -> float:
+        return self.moments.loss_shift
+
     def required_stats(self) -> tuple[str, ...]:
-        wanted = (names.LOSS, names.LOSS_COUNT, names.LOSS_RANKS, names.GRAD_SQ_LOCAL, LOSS_MOMENTS, GRAD_NORM_MOMENTS)
+        wanted = WorkerMoments.required_stats()
         return (*wanted, names.GRAD_SKETCH_LOCAL, DIRECTION_SUM) if self.sketch_size else wanted
 
     @torch.no_grad()
     def before_agreement(self, buffer: StatBuffer) -> None:
         """This rank's shifted loss and local-norm moments and its unit sketch, into the SUM slots (device-side)."""
-        recorded = (buffer.view(names.LOSS_COUNT) > 0).double()
-        loss = (buffer.view(names.LOSS) - self.loss_shift) * recorded
-        moments = buffer.view(LOSS_MOMENTS)
-        moments[0:1].copy_(loss)
-        moments[1:2].copy_(loss * loss)
-        norm = buffer.view(names.GRAD_SQ_LOCAL).sum().sqrt() - self.norm_shift
-        grad = buffer.view(GRAD_NORM_MOMENTS)
-        grad[0].copy_(norm)
-        grad[1].copy_(norm * norm)
-        grad[2].fill_(1.0)
+        self.moments.write(buffer)
         if self.sketch_size:
             sketch = buffer.view(names.GRAD_SKETCH_LOCAL)
             length = torch.linalg.vector_norm(sketch)
@@ -141,12 +124,10 @@ class ConsistencyMonitor:
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         self._flagged = False
         self._exceeded = (False, False)
-        loss = stats.total(LOSS_MOMENTS)
-        mean_loss, loss_std = dispersion(float(loss[0]), float(loss[1]), float(stats.total(names.LOSS_RANKS)[0]),
-                                         self.loss_shift)
-        grad = stats.total(GRAD_NORM_MOMENTS)
-        mean_norm, norm_std = dispersion(float(grad[0]), float(grad[1]), float(grad[2]), self.norm_shift)
-        cv = norm_std / mean_norm if mean_norm > 0 else math.nan
+        spread = self.moments.read(stats)
+        self._spread = spread
+        mean_loss, loss_std, mean_norm, norm_std = spread.loss_mean, spread.loss_std, spread.norm_mean, spread.norm_std
+        cv = spread.norm_cv
         direction = math.nan
         if self.sketch_size:
             total = stats.total(DIRECTION_SUM)
@@ -207,10 +188,8 @@ class ConsistencyMonitor:
 
     def commit(self, step: int, applied: bool) -> None:
         values = self._values
-        if math.isfinite(values.get("loss_mean", math.nan)):
-            self.loss_shift = values["loss_mean"]
-        if math.isfinite(values.get("grad_norm_mean", math.nan)):
-            self.norm_shift = values["grad_norm_mean"]
+        if self._spread is not None:
+            self.moments.advance(self._spread)
         if self._flagged:
             self.alarms += 1
         if not applied:
@@ -230,14 +209,13 @@ class ConsistencyMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"cv_history": list(self.cv_history), "direction_history": list(self.direction_history),
-                "alarms": self.alarms, "loss_shift": self.loss_shift, "norm_shift": self.norm_shift,
-                "runs": list(self._runs)}
+                "alarms": self.alarms, **self.moments.state_dict(), "runs": list(self._runs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cv_history = deque((float(v) for v in state["cv_history"]), maxlen=self.config.window)
         self.direction_history = deque((float(v) for v in state["direction_history"]), maxlen=self.config.window)
         self.alarms = int(state["alarms"])
-        self.loss_shift, self.norm_shift = float(state["loss_shift"]), float(state["norm_shift"])
+        self.moments.load_state_dict(state)
         runs = state.get("runs", (0, 0))
         self._runs = (int(runs[0]), int(runs[1]))
 
@@ -272,7 +250,7 @@ class ConsistencyFamily(FamilyBase):
         return bool(ctx.section.direction) and monitored % ctx.section.direction_every == 0
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        decls = [StatDecl(LOSS_MOMENTS, 2, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 3, Reduce.SUM)]
+        decls = WorkerMoments.statistics()
         size = sketch_size(ctx)
         if size:
             decls += [StatDecl(names.GRAD_SKETCH_LOCAL, size, Reduce.DETAIL), StatDecl(DIRECTION_SUM, size + 1,

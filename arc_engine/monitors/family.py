@@ -20,6 +20,7 @@ attaching, on every rank, in the same order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -119,11 +120,16 @@ class FamilyContext:
 
 @dataclass
 class StepView:
-    """What a producer may read on a monitored step: the optimizer step counter and this rank's trainable
-    parameters as the adapter holds them (full tensors under DDP, local shards under FSDP2/ZeRO-3)."""
+    """What a producer may read on a monitored step: the optimizer step counter, this rank's trainable
+    parameters as the adapter holds them (full tensors under DDP, local shards under FSDP2/ZeRO-3), its section
+    times and its count of local system events."""
 
     step: int
     params: Sequence[torch.Tensor] = field(default_factory=list)
+    #: this rank's (forward, iteration) seconds (:class:`arc_engine.stats.timing.SectionClock`; NaN when unknown)
+    times: tuple[float, float] = (math.nan, math.nan)
+    #: this rank's system events so far (hang reports of the watchdog), a running count
+    local_events: int = 0
 
 
 @dataclass(frozen=True)

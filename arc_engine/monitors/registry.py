@@ -17,11 +17,15 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
     from arc_engine.monitors.qk_spectra import QKSpectraFamily
+    from arc_engine.monitors.r_metric import RMetricFamily
     from arc_engine.monitors.router_health import RouterFamily
     from arc_engine.monitors.sdc import SDCFamily
+    from arc_engine.monitors.straggler import StragglerFamily
+    from arc_engine.monitors.weight_health import WeightHealthFamily
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
-            QKSpectraFamily(), RouterFamily(), ConsistencyFamily()]
+            QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), StragglerFamily(), RMetricFamily(),
+            WeightHealthFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:

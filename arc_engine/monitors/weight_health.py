@@ -1,0 +1,384 @@
+"""``detectors.weight_health``: weight-matrix health and per-layer gradient statistics (ARC paper §3.2.3, §3.2.1).
+
+Every ``every`` optimizer steps (a multiple of ``stats.interval``) the producer measures up to ``max_tensors``
+weight matrices (the parameters of 2 or more dimensions, spread evenly over the model when it has more:
+:func:`~arc_engine.monitors.weight_stats.tracked_indices`) inside the optimizer step, before the update, and writes
+four SUM slots of the step's one agreement, sized by the config alone (T = ``max_tensors``, B = ``hist_bins``):
+
+* ``weight_health_weight`` ``[T x 3]``: per matrix Σw², its elements, its elements with |w| < ``sparsity_eps``;
+* ``weight_health_rank`` ``[T x 2]``: per matrix its effective rank exp(H(σ/Σσ)) and 1 where it was measured
+  (``rank_samples`` matrices per measurement, rotating through the tracked ones);
+* ``weight_health_grad`` ``[T x 3]``: per matrix Σg, Σg² and the elements of its gradient;
+* ``weight_health_grad_hist`` ``[B]``: the tracked gradients' elements counted in fixed log2-magnitude bins.
+
+Each element is counted once across the decision group. A parameter a rank holds whole (DDP, DeepSpeed ZeRO-1/2, a
+plain module) is the same on every rank and written by its owner only (:func:`~arc_engine.stats.partition.owned_ids`
+over the decision group's ranks); a local shard (FSDP2: the adapter holds ``param.to_local()``, whose autograd input
+is the DTensor parameter, where the gradient's shard is read) is written by every rank for its own shard. The
+effective rank needs a whole matrix: the owner of a replicated matrix computes it; sharded matrices are not
+rank-measured. Off the schedule the slots stay zero; the monitor reads only agreed sums.
+
+Alarms (each measurement, while the condition holds): ‖W‖_F above ``max_norm`` or non-finite (explosion);
+‖W‖_F / ‖W₀‖_F below ``collapse_ratio`` (collapse; W₀: the matrix at the family's first measurement); sparsity above
+its first value + ``sparsity_increase``; effective rank below (1 − ``rank_drop``) x its first value; a gradient CV
+above ``cv_max`` (0: off); the weight-health score below ``score_min`` (:meth:`WeightHealthMonitor.scores`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from arc_engine import runtime
+from arc_engine.config.schema import WeightHealthConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_family_enabled
+from arc_engine.monitors.weight_stats import (
+    effective_rank,
+    grad_sums,
+    gradient_cv,
+    health_score,
+    log_magnitude_histogram,
+    normalized_entropy,
+    rank_sample,
+    tracked_indices,
+    weight_sums,
+)
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer
+from arc_engine.stats.partition import owned_ids
+
+WEIGHT = "weight_health_weight"
+RANK = "weight_health_rank"
+GRAD = "weight_health_grad"
+GRAD_HIST = "weight_health_grad_hist"
+
+
+def dtensor_parameter(tensor: torch.Tensor) -> DTensor | None:
+    """The DTensor parameter that ``tensor`` is a local view of (FSDP2's ``param.to_local()``: the view's autograd
+    input is the parameter's AccumulateGrad node), ``tensor`` itself when it is a DTensor, else None."""
+    if isinstance(tensor, DTensor):
+        return tensor
+    node = tensor.grad_fn
+    for next_node, _ in (node.next_functions if node is not None else ()):
+        variable = getattr(next_node, "variable", None)
+        if isinstance(variable, DTensor):
+            return variable
+    return None
+
+
+class TrackedMatrix:
+    """One tracked weight matrix as this rank holds it: the whole tensor, or this rank's shard (``sharded``).
+    ``label`` is the same on every rank (parameter index and full shape)."""
+
+    def __init__(self, slot: int, index: int, tensor: torch.Tensor) -> None:
+        self.slot, self.tensor = slot, tensor
+        self.parameter = dtensor_parameter(tensor)
+        self.sharded = self.parameter is not None
+        self.label = f"param {index} {list(self.parameter.shape if self.sharded else tensor.shape)}"
+
+    def weight(self) -> torch.Tensor:
+        """The live values this rank holds (read each time: a restore may rebind a parameter's storage)."""
+        return self.tensor.to_local() if isinstance(self.tensor, DTensor) else self.tensor.detach()
+
+    def grad(self) -> torch.Tensor | None:
+        """This rank's final gradient of the matrix (its local shard under FSDP2), None when it has none."""
+        grad = self.parameter.grad if self.parameter is not None else self.tensor.grad
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+class WeightHealthProducer:
+    """Writes this rank's partial sums on the measured steps (see the module docstring). Local and device-side:
+    no collective, no host sync, except the effective rank's SVD (``rank_samples`` matrices per measurement),
+    which synchronizes a CUDA device with the host. Writes overwrite (a re-agreement of the step writes the same)."""
+
+    def __init__(self, config: WeightHealthConfig) -> None:
+        self.config = config
+        self.member, self.members = runtime.global_rank(), 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.members = torch.distributed.get_world_size()
+        self.matrices: list[TrackedMatrix] = []
+        self.owned: set[int] = set()  # slots this rank writes
+        self._params_key: tuple[int, ...] | None = None
+        self._slots: torch.Tensor | None = None  # the owned slots on the buffer's device, built once (a
+        # host-to-device copy on every measurement would synchronize)
+
+    @property
+    def labels(self) -> list[str]:
+        return [m.label for m in self.matrices]
+
+    def set_group(self, ranks: list[int], rank: int) -> None:
+        """The decision group's global ranks and this rank's: the owners of replicated matrices are dealt over
+        them (called at start by the monitor, on every rank)."""
+        self.member, self.members = sorted(ranks).index(rank), len(ranks)
+        self._params_key = None
+
+    def track(self, params: list[torch.Tensor]) -> list[TrackedMatrix]:
+        """The tracked matrices of ``params`` (the same list in the same order on every rank), cached."""
+        key = tuple(id(p) for p in params)
+        if key != self._params_key:
+            candidates = [(i, p) for i, p in enumerate(params) if p.dim() >= 2]
+            chosen = tracked_indices(len(candidates), self.config.max_tensors)
+            self.matrices = [TrackedMatrix(slot, *candidates[c]) for slot, c in enumerate(chosen)]
+            replicated = [m.tensor for m in self.matrices if not m.sharded]
+            mine = owned_ids(replicated, self.member, self.members)
+            self.owned = {m.slot for m in self.matrices if m.sharded or id(m.tensor) in mine}
+            self._params_key, self._slots = key, None
+        return self.matrices
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        config = self.config
+        every = config.every
+        if view.step % every != 0:
+            return
+        matrices = [m for m in self.track(list(view.params)) if m.slot in self.owned]
+        if not matrices:
+            return
+        device = buffer.device
+        if self._slots is None or self._slots.device != device:
+            self._slots = torch.tensor([m.slot for m in matrices], device=device)
+        slots = self._slots
+        weight_rows, grad_rows = [], []
+        histogram = torch.zeros(config.hist_bins, dtype=torch.long, device=device)
+        for matrix in matrices:
+            weight = matrix.weight()
+            sq, small = weight_sums(weight, config.sparsity_eps)
+            weight_rows.append(torch.stack([sq, torch.full_like(sq, weight.numel()), small]).to(device))
+            grad = matrix.grad()
+            if grad is None:
+                grad_rows.append(torch.zeros(3, dtype=torch.float64, device=device))
+                continue
+            grad_sum, grad_sq = grad_sums(grad)
+            grad_rows.append(torch.stack([grad_sum, grad_sq, torch.full_like(grad_sq, grad.numel())]).to(device))
+            histogram += log_magnitude_histogram(grad, config.hist_bins, config.hist_min_log2,
+                                                 config.hist_max_log2).to(device)
+        buffer.view(WEIGHT).view(config.max_tensors, 3).index_copy_(0, slots, torch.stack(weight_rows))
+        buffer.view(GRAD).view(config.max_tensors, 3).index_copy_(0, slots, torch.stack(grad_rows))
+        buffer.view(GRAD_HIST).copy_(histogram)
+        sample = set(rank_sample(len(self.matrices), view.step // every, config.rank_samples))
+        ranked = [m for m in matrices if m.slot in sample and not m.sharded]
+        rank_rows = buffer.view(RANK).view(config.max_tensors, 2)
+        for matrix in ranked:
+            rank_rows[matrix.slot, 0].copy_(effective_rank(matrix.weight()))
+            rank_rows[matrix.slot, 1].fill_(1.0)
+
+
+class WeightHealthMonitor:
+    """Judges the agreed weight-health sums on the measured steps (see the module docstring); keeps each matrix's
+    first norm, sparsity and effective rank as its baseline, and the latest effective rank between samples."""
+
+    name = "weight_health"
+
+    def __init__(self, config: WeightHealthConfig, producer: WeightHealthProducer | None = None) -> None:
+        self.config, self.producer = config, producer
+        self.norm0: dict[int, float] = {}
+        self.sparsity0: dict[int, float] = {}
+        self.rank0: dict[int, float] = {}
+        self.rank_latest: dict[int, float] = {}
+        self.alarms = self.measurements = 0
+        self._current: dict[str, np.ndarray] | None = None
+        self._values: dict[str, float] = {}
+        self._flagged = False
+
+    def on_start(self, locations: dict[int, str]) -> None:
+        if self.producer is not None:
+            self.producer.set_group(list(locations), runtime.global_rank())
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (WEIGHT, RANK, GRAD, GRAD_HIST)
+
+    def _label(self, slot: int) -> str:
+        labels = self.producer.labels if self.producer is not None else []
+        return labels[slot] if slot < len(labels) else f"matrix {slot}"
+
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        size = self.config.max_tensors
+        weight = stats.total(WEIGHT).reshape(size, 3)
+        self._flagged, self._current = False, None
+        measured = weight[:, 1] > 0
+        if not measured.any():
+            return []
+        rank, grad = stats.total(RANK).reshape(size, 2), stats.total(GRAD).reshape(size, 3)
+        with np.errstate(all="ignore"):
+            current = {"measured": measured, "norm": np.sqrt(weight[:, 0]), "sparsity": weight[:, 2] / weight[:, 1],
+                       "ranked": rank[:, 1] > 0, "rank": rank[:, 0],
+                       "cv": gradient_cv(grad[:, 0], grad[:, 1], grad[:, 2])}
+        self._current = current
+        scores = self.scores(current)
+        entropy = normalized_entropy(stats.total(GRAD_HIST))
+        self._values = {**scores, "grad_entropy": entropy, "tensors": float(measured.sum()),
+                        **self._extremes(current)}
+        findings = self._weight_findings(current) + self._grad_findings(current)
+        if math.isfinite(scores["score"]) and scores["score"] < self.config.score_min:
+            findings.append(Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
+                                    f"weight-health score {scores['score']:.3f} below {self.config.score_min:g}",
+                                    values={k: _json(v) for k, v in self._values.items()}))
+        self._flagged = bool(findings)
+        return findings
+
+    def _ratios(self, current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Per slot: ‖W‖/‖W₀‖, sparsity − sparsity₀, and the latest effective rank / its first (NaN: no baseline)."""
+        nan = np.full(len(current["norm"]), np.nan)
+        norm_ratio, sparsity_rise, rank_ratio = nan.copy(), nan.copy(), nan.copy()
+        latest = dict(self.rank_latest)
+        latest.update({s: float(current["rank"][s]) for s in np.flatnonzero(current["ranked"])})
+        for slot in np.flatnonzero(current["measured"]):
+            with np.errstate(all="ignore"):
+                if self.norm0.get(slot, 0.0) > 0:
+                    norm_ratio[slot] = current["norm"][slot] / self.norm0[slot]
+                if slot in self.sparsity0:
+                    sparsity_rise[slot] = current["sparsity"][slot] - self.sparsity0[slot]
+                if self.rank0.get(slot, 0.0) > 0 and slot in latest:
+                    rank_ratio[slot] = latest[slot] / self.rank0[slot]
+        return {"norm_ratio": norm_ratio, "sparsity_rise": sparsity_rise, "rank_ratio": rank_ratio}
+
+    def scores(self, current: dict[str, np.ndarray]) -> dict[str, float]:
+        """The ARC score w_n NormScore + w_r RankScore + w_s SparsityScore (weights normalized over the components
+        available). NormScore: the fraction of measured matrices with a healthy norm (finite, at most ``max_norm``,
+        not collapsed); RankScore: the mean over rank-measured matrices of min(1, latest rank / first rank);
+        SparsityScore: the mean of clip(1 − (sparsity − first sparsity) / ``sparsity_increase``, 0, 1)."""
+        config, ratios = self.config, self._ratios(current)
+        measured = current["measured"]
+        healthy = np.isfinite(current["norm"]) & (current["norm"] <= config.max_norm) & \
+            ~(ratios["norm_ratio"] < config.collapse_ratio)
+        with np.errstate(all="ignore"):
+            rank = np.nanmean(np.minimum(ratios["rank_ratio"], 1.0)) if np.isfinite(ratios["rank_ratio"]).any() \
+                else math.nan
+            rise = ratios["sparsity_rise"][np.isfinite(ratios["sparsity_rise"])]
+            sparsity = float(np.mean(np.clip(1.0 - np.maximum(rise, 0.0) / config.sparsity_increase, 0, 1))) \
+                if rise.size else math.nan
+        components = {"norm_score": float(healthy[measured].mean()), "rank_score": float(rank),
+                      "sparsity_score": sparsity}
+        weights = {"norm_score": config.norm_weight, "rank_score": config.rank_weight,
+                   "sparsity_score": config.sparsity_weight}
+        return {"score": health_score(components, weights), **components}
+
+    def _extremes(self, current: dict[str, np.ndarray]) -> dict[str, float]:
+        ratios = self._ratios(current)
+        out = {"weight_norm_max": float(np.nanmax(current["norm"][current["measured"]]))}
+        for key, values, pick in (("norm_ratio_min", ratios["norm_ratio"], np.nanmin),
+                                  ("sparsity_rise_max", ratios["sparsity_rise"], np.nanmax),
+                                  ("rank_ratio_min", ratios["rank_ratio"], np.nanmin),
+                                  ("grad_cv_max", current["cv"], np.nanmax)):
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                out[key] = float(pick(finite))
+        return out
+
+    def _weight_findings(self, current: dict[str, np.ndarray]) -> list[Finding]:
+        config, ratios = self.config, self._ratios(current)
+        measured, norm = current["measured"], current["norm"]
+        with np.errstate(invalid="ignore"):
+            checks = [
+                ("explosion", measured & ~(norm <= config.max_norm), norm,
+                 f"Frobenius norm above {config.max_norm:g} (or not finite)", Severity.ERROR),
+                ("collapse", ratios["norm_ratio"] < config.collapse_ratio, ratios["norm_ratio"],
+                 f"‖W‖/‖W₀‖ below {config.collapse_ratio:g}", Severity.ERROR),
+                ("sparsity", ratios["sparsity_rise"] > config.sparsity_increase, current["sparsity"],
+                 f"fraction of |w| < {config.sparsity_eps:g} up by more than {config.sparsity_increase:g}",
+                 Severity.ERROR),
+                ("rank_drop", current["ranked"] & (ratios["rank_ratio"] < 1.0 - config.rank_drop), current["rank"],
+                 f"effective rank down by more than {config.rank_drop:.0%} from its first value", Severity.WARNING),
+            ]
+        return [self._finding(kind, hits, values, what, severity, config.action)
+                for kind, hits, values, what, severity in checks if hits.any()]
+
+    def _grad_findings(self, current: dict[str, np.ndarray]) -> list[Finding]:
+        if self.config.cv_max <= 0:
+            return []
+        with np.errstate(invalid="ignore"):
+            hits = current["cv"] > self.config.cv_max
+        if not hits.any():
+            return []
+        return [self._finding("grad_cv", hits, current["cv"], f"gradient CV σ/|μ| above {self.config.cv_max:g}",
+                              Severity.WARNING, self.config.grad_action)]
+
+    def _finding(self, kind: str, hits: np.ndarray, values: np.ndarray, what: str, severity: Severity,
+                 action: str) -> Finding:
+        slots = [int(s) for s in np.flatnonzero(hits)]
+        named = ", ".join(f"{self._label(s)} ({values[s]:.4g})" for s in slots[:4])
+        more = f" and {len(slots) - 4} more" if len(slots) > 4 else ""
+        return Finding(self.name, Action.parse(action), severity, f"weight health {kind}: {what}: {named}{more}",
+                       values={"kind": kind, "matrices": [{"slot": s, "label": self._label(s),
+                                                           "value": _json(values[s])} for s in slots]})
+
+    def commit(self, step: int, applied: bool) -> None:
+        current, self._current = self._current, None
+        if current is None:
+            return
+        self.measurements += 1
+        self.alarms += int(self._flagged)
+        for slot in np.flatnonzero(current["measured"]).tolist():
+            norm, sparsity = float(current["norm"][slot]), float(current["sparsity"][slot])
+            if slot not in self.norm0 and math.isfinite(norm):
+                self.norm0[slot], self.sparsity0[slot] = norm, sparsity
+        for slot in np.flatnonzero(current["ranked"]).tolist():
+            value = float(current["rank"][slot])
+            if math.isfinite(value):
+                self.rank_latest[slot] = value
+                self.rank0.setdefault(slot, value)
+
+    def metrics(self) -> dict[str, float]:
+        return {**{k: v for k, v in self._values.items() if math.isfinite(v)}, "alarms": float(self.alarms),
+                "measurements": float(self.measurements)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norm0": _keyed(self.norm0), "sparsity0": _keyed(self.sparsity0), "rank0": _keyed(self.rank0),
+                "rank_latest": _keyed(self.rank_latest), "alarms": self.alarms, "measurements": self.measurements}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norm0, self.sparsity0 = _unkeyed(state["norm0"]), _unkeyed(state["sparsity0"])
+        self.rank0, self.rank_latest = _unkeyed(state["rank0"]), _unkeyed(state["rank_latest"])
+        self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
+
+
+def _json(value: float) -> float | str:
+    return float(value) if math.isfinite(value) else str(float(value))
+
+
+def _keyed(values: dict[int, float]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in values.items()}
+
+
+def _unkeyed(values: dict[str, float]) -> dict[int, float]:
+    return {int(k): float(v) for k, v in values.items()}
+
+
+class WeightHealthFamily(FamilyBase):
+    """``detectors.weight_health`` (off by default). Off under Megatron (the adapter describes the model): its
+    tensor-parallel shards are replicated over data-parallel copies and its gradients live in ``main_grad``,
+    which this family does not read yet."""
+
+    name = "weight_health"
+
+    def __init__(self) -> None:
+        self._shared: tuple[FamilyContext, WeightHealthProducer] | None = None
+
+    def _producer(self, ctx: FamilyContext) -> WeightHealthProducer:
+        """The one producer of ``ctx``, shared with its monitor (which hands it the decision group at start)."""
+        if self._shared is None or self._shared[0] is not ctx:
+            self._shared = (ctx, WeightHealthProducer(ctx.section))
+        return self._shared[1]
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        return periodic_family_enabled(ctx, self.name, ctx.parts is None)
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        size = ctx.section.max_tensors
+        return [StatDecl(WEIGHT, 3 * size, Reduce.SUM), StatDecl(RANK, 2 * size, Reduce.SUM),
+                StatDecl(GRAD, 3 * size, Reduce.SUM), StatDecl(GRAD_HIST, ctx.section.hist_bins, Reduce.SUM)]
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        return [Producer("before_agreement", self._producer(ctx).write)]
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [WeightHealthMonitor(ctx.section, self._producer(ctx))]
+
+
+__all__ = ["GRAD", "GRAD_HIST", "RANK", "WEIGHT", "TrackedMatrix", "WeightHealthFamily", "WeightHealthMonitor",
+           "WeightHealthProducer", "dtensor_parameter"]

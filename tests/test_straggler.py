@@ -1,0 +1,155 @@
+"""Straggler scores: the pure scores, the monitor on simulated ranks' reports, and 4 real gloo ranks under DDP where
+one rank sleeps in its forward pass (it is named, once, by every rank, and counts as a system event of the R-Metric)
+while a clean run flags nobody."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import arc_engine
+from arc_engine.config import load_config
+from arc_engine.monitors.family import FamilyContext, StepView
+from arc_engine.monitors.straggler import (
+    SECTION_TIMES,
+    StragglerFamily,
+    StragglerMonitor,
+    StragglerProducer,
+    performance_scores,
+    report_due,
+)
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout
+from arc_engine.stats.timing import SectionClock
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_scores_are_the_fastest_over_each_and_the_best_over_the_current() -> None:
+    times = np.array([0.10, 0.20, math.nan, 0.125])
+    best = np.array([0.08, math.inf, 0.1, 0.125])
+    relative, individual = performance_scores(times, best)
+    assert relative[[0, 1, 3]] == pytest.approx([1.0, 0.5, 0.8])
+    assert math.isnan(relative[2]) and math.isnan(individual[2])
+    assert individual[0] == pytest.approx(0.8) and math.isnan(individual[1]) and individual[3] == pytest.approx(1.0)
+    assert [s for s in range(0, 70, 2) if report_due(s, 2, 10)] == [20, 40, 60]  # every 10th monitored step
+
+
+def test_the_clock_times_the_forward_section_and_the_iteration() -> None:
+    clock = SectionClock(torch.device("cpu"))
+    assert all(math.isnan(t) for t in clock.times())
+    clock.start()
+    clock.loss()
+    first = clock.times()
+    assert first[0] >= 0.0 and math.isnan(first[1])  # no previous start yet
+    clock.loss()  # a second micro-batch's loss leaves the forward section as it was
+    assert clock.times()[0] == first[0]
+    clock.start()
+    forward, iteration = clock.times()
+    assert math.isnan(forward) and iteration >= first[0]  # this step recorded no loss yet
+
+
+def _layout() -> tuple[StatLayout, StragglerMonitor, StragglerProducer]:
+    config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
+                                "detectors.straggler.min_delay_s=0.01"])
+    ctx = FamilyContext(config, config.detectors.straggler, ["g"], Reduce.SUM)
+    layout = StatLayout()
+    for decl in StragglerFamily().statistics(ctx):
+        layout.add(decl.name, decl.size, decl.reduce)
+    layout.freeze()
+    (monitor,) = StragglerFamily().monitors(ctx)
+    return layout, monitor, StragglerProducer(5, 1)
+
+
+def test_a_slow_rank_is_named_once_after_the_warmup_report_and_survives_a_restore() -> None:
+    """Ranks' forward medians 0.10 s, rank 2 at 0.30 s from step 10: reports at steps 5, 10, 15, 20; the first is the
+    warm-up; the finding comes at 10 (relative score 1/3 < 0.7) and not again at 15 while rank 2 stays slow; rank 2
+    recovers by 20 and is dropped."""
+    layout, monitor, _ = _layout()
+    findings = {}
+    for step in range(1, 21):
+        rows = np.zeros((4, layout.size))
+        if report_due(step, 1, 5):
+            slow = 0.30 if 10 <= step < 20 else 0.10
+            rows[:, layout[SECTION_TIMES].span] = [[0.10, 0.5, 5], [0.101, 0.5, 5], [slow, 0.5, 5], [0.099, 0.5, 5]]
+        found = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1, 2, 3)))
+        if found:
+            findings[step] = found
+        monitor.commit(step, True)
+    assert list(findings) == [10]
+    (finding,) = findings[10]
+    assert finding.detector == "straggler" and finding.ranks == (2,) and "rank 2 forward 0.3 s" in finding.message
+    assert monitor.metrics()["stragglers"] == 0.0 and monitor.events == 1 and monitor.reports == 4
+    assert monitor.best is not None and monitor.best[2] == pytest.approx(0.10)
+    restored = StragglerMonitor(monitor.config, 1)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.best.tolist() == monitor.best.tolist() and restored.reports == 4 and restored.events == 1
+
+
+def test_the_producer_writes_window_medians_on_report_steps_only() -> None:
+    layout, _, producer = _layout()
+    buffer = StatBuffer(layout, torch.device("cpu"))
+    for step in range(1, 6):
+        buffer.reset()
+        producer.write(buffer, StepView(step, [], (0.01 * step, 0.5), 0))
+        producer.write(buffer, StepView(step, [], (9.0, 9.0), 0))  # a recomputed step agrees twice: counted once
+        values = buffer.view(SECTION_TIMES).tolist()
+        assert values == ([0.03, 0.5, 5.0] if step == 5 else [0.0, 0.0, 0.0])
+    assert not producer.forward  # the next window starts empty
+
+
+# ------------------------------------------------------------------ 4 real ranks under DDP
+
+
+def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, Any]:
+    model, data = tiny_model_and_data(seed=1)
+    optimizer = make_optimizer(model)
+    ddp = DistributedDataParallel(model)
+    faults = f"faults.injections=[{{kind: stall, rank: {stall_rank}, step: 20, steps: 40, seconds: 0.08}}]" \
+        if stall_rank >= 0 else "faults.injections=[]"
+    config = make_config(run_dir, "detectors.straggler.every=10", "detectors.straggler.min_delay_s=0.04",
+                         "detectors.straggler.individual_threshold=0", faults)
+    arc = arc_engine.attach(ddp, optimizer, config)
+    findings: dict[int, list[int]] = {}
+    lambdas = []
+    r_metric = next(m for m in arc.engine.monitors if m.name == "r_metric")
+    for step in range(60):
+        loss = ddp(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        decision = arc.engine.last_decision
+        for finding in decision.findings if decision.step == step else ():
+            if finding.detector in ("straggler", "r_metric"):
+                findings.setdefault(step, []).extend([finding.detector, *finding.ranks])
+        lambdas.append(r_metric.metrics()["lambda"])
+    summary = arc.summary()
+    arc.close()
+    return {"findings": findings, "lambdas": lambdas, "detail_fetches": arc.engine.pipeline.detail_fetches,
+            "detections": summary["detections"]}
+
+
+def test_a_rank_sleeping_in_its_forward_is_named_and_counts_towards_lambda(tmp_path: Path) -> None:
+    """Rank 2 sleeps 80 ms in each forward from step 20: the report at step 30 names it on every rank, once (the
+    reports at 40 and 50 see the same straggler); the R-Metric's λ counts the event from the next step on. A clean
+    run (below) names nobody. The per-rank fetch happens on report steps only."""
+    results = run_ranks(_train, 4, tmp_path, 2)
+    for result in results:
+        assert result["findings"] == {30: ["straggler", 2]}, result["findings"]
+        assert result["lambdas"][:31] == [0.0] * 31 and result["lambdas"][31:] == [1.0] * 29
+        assert result["detail_fetches"] == 5  # steps 10, 20, 30, 40, 50
+
+
+def test_a_clean_run_flags_no_straggler_and_raises_no_r_metric_alert(tmp_path: Path) -> None:
+    results = run_ranks(_train, 4, tmp_path, -1)
+    for result in results:
+        assert result["findings"] == {} and result["detections"] == {}
+        assert result["lambdas"] == [0.0] * 60
