@@ -260,10 +260,9 @@ class ArcEngine:
             return
         if self.watchdog is not None:
             self.watchdog.reached(LOSS_RECORDED)
+        self.clock.loss()  # on every step: on CUDA a monitored step reads the previous step's marks
         if self.buffer is None or not self.is_monitored():
             return
-        if not self._loss_count:
-            self.clock.loss()
         self.buffer.add(names.LOSS, loss.detach().float())
         self._loss_count += 1
 

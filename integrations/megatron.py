@@ -165,8 +165,9 @@ class MegatronAdapter:
                    * parallel_state.get_pipeline_model_parallel_world_size()
                    * parallel_state.get_context_parallel_world_size()
                    * parallel_state.get_expert_model_parallel_world_size())
+        positions = self._shard_positions()
         if not layers:
-            return ModelParts(model_parallel_size=sharded)
+            return ModelParts(model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1])
         config = layers[0].config
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -203,7 +204,21 @@ class MegatronAdapter:
                           attention=attention, num_experts=experts or 0,
                           experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
                           routers=routers, observe_routing=self._observe_routing if routers else None,
-                          model_parallel_size=sharded)
+                          model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1])
+
+    @staticmethod
+    def _shard_positions() -> tuple[int, int]:
+        """(tensor x pipeline positions, this rank's): the ranks of one position hold the same parameter shards
+        (their data-parallel and context-parallel peers), so their local gradients compare. (0, 0) under expert
+        parallelism: expert shards follow other groups than the dense ones."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            return 0, 0
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        positions = tp_size * parallel_state.get_pipeline_model_parallel_world_size()
+        return positions, parallel_state.get_pipeline_model_parallel_rank() * tp_size + \
+            parallel_state.get_tensor_model_parallel_rank()
 
     def _query_group_peers(self, span: int) -> dist.ProcessGroup:
         """The TP ranks sharing this rank's query group (``span`` consecutive TP ranks), as a process group. Built

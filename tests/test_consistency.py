@@ -20,15 +20,18 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.monitors.consistency import (
     DIRECTION_SUM,
+    POSITION,
     ConsistencyFamily,
     ConsistencyMonitor,
     direction_consistency,
     exact_direction_consistency,
     farthest_rank,
+    farthest_rank_within,
+    position_sketch_size,
 )
 from arc_engine.monitors.family import FamilyContext, ModelParts
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
-from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, dispersion
+from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, WorkerMoments, dispersion
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
@@ -65,6 +68,37 @@ def test_direction_consistency_from_the_sum_of_unit_vectors_is_the_mean_pairwise
 def test_the_farthest_rank_is_the_one_away_from_the_peers_median() -> None:
     assert farthest_rank(np.array([1.0, 1.1, 3.0, 0.9])) == (2, pytest.approx(2.0))
     assert farthest_rank(np.array([1.0, math.nan, 1.0, 0.2]))[0] == 3
+    # model-parallel positions: compared within a position only (shards of different sizes never compete)
+    norms, groups = np.array([1.0, 10.0, 1.1, 10.5, 0.9, 30.0]), np.array([0, 1, 0, 1, 0, 1])
+    assert farthest_rank(norms)[0] == 5 and farthest_rank_within(norms, groups) == (5, pytest.approx(30 / 10.25 - 1))
+    assert farthest_rank_within(np.array([1.0, 5.0, 1.0, 1.0]), np.array([0, 0, 1, 1]))[0] in (0, 1)
+    assert position_sketch_size(256, 1) == 256 and position_sketch_size(256, 4) == 64
+    assert position_sketch_size(256, 32) == 16
+
+
+def test_worker_moments_keep_one_row_per_position() -> None:
+    """Two positions (e.g. two tensor-parallel shards) of two replicas each: each position's spread is over its
+    own replicas; the CV the alarm reads is the larger one, sigma is the root mean of the variances."""
+    layout = StatLayout()
+    for name, size, reduce in names.adapter_statistics(1, Reduce.SUM):
+        layout.add(name, size, reduce)
+    for decl in WorkerMoments(2, 0).statistics():
+        layout.add(decl.name, decl.size, decl.reduce)
+    layout.freeze()
+    norms = {0: [1.0, 1.2], 1: [10.0, 14.0]}  # position -> its replicas' local norms
+    rows = []
+    for position, values in norms.items():
+        for norm in values:
+            buffer = StatBuffer(layout, torch.device("cpu"))
+            buffer.put(names.GRAD_SQ_LOCAL, norm * norm)
+            moments = WorkerMoments(2, position)
+            moments.norm_shift = np.array([1.0, 11.0])  # shifts as a previous step left them
+            moments.write(buffer)
+            rows.append(buffer.values.numpy().copy())
+    spread = WorkerMoments.read(AgreedStats.from_rows(layout, np.stack(rows)))
+    assert spread.norm_means.tolist() == pytest.approx([1.1, 12.0])
+    assert spread.norm_stds.tolist() == pytest.approx([0.1, 2.0])
+    assert spread.norm_cv == pytest.approx(2.0 / 12.0) and spread.norm_std == pytest.approx(math.sqrt((0.01 + 4) / 2))
 
 
 # ------------------------------------------------------------------ the monitor on simulated ranks
@@ -157,7 +191,14 @@ def test_the_family_stays_off_under_model_parallelism_and_checks_its_schedule() 
     plain = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM)
     assert family.enabled(plain)
     sharded = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM, ModelParts(model_parallel_size=2))
-    assert not family.enabled(sharded)
+    assert not family.enabled(sharded)  # shards the adapter cannot place (e.g. expert parallelism)
+    placed = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM,
+                           ModelParts(model_parallel_size=4, shard_positions=2, shard_position=1))
+    assert family.enabled(placed)  # tensor x pipeline positions: compared within each
+    sizes = {d.name: d.size for d in family.statistics(placed)}
+    assert sizes[DIRECTION_SUM] == 2 * (128 + 1) and sizes[GRAD_NORM_MOMENTS] == 8 and sizes[POSITION] == 1
+    (monitor,) = family.monitors(placed)
+    assert (monitor.positions, monitor.position, monitor.folded) == (2, 1, 128)
     assert family.sketch_due(plain, 20) and not family.sketch_due(plain, 21)
     odd = load_config(None, ["stats.interval=3"])  # every 10th monitored step: optimizer steps 0, 30, 60
     sparse = FamilyContext(odd, odd.detectors.consistency, ["g"], Reduce.SUM)

@@ -7,6 +7,7 @@ about 20-40 s on 2 cores (mostly imports), so each spawn checks several things.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -254,3 +255,60 @@ def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp
         assert torch.allclose(result["agreed"], result["expected"], rtol=1e-6, atol=1e-9), \
             (result["agreed"], result["expected"])
         assert (result["agreed"] > 0).all()
+
+
+# ------------------------------------------------------------------ TP=2 x DP=2: consistency per shard
+
+SCALED_RANK, SCALE_FROM = 3, 10
+
+
+def _tp2_consistency(rank: int, world: int, config: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from arc_engine.monitors.consistency import POSITION
+
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--arc-config", config]
+    script, args, state = _build(flags)
+    if rank == SCALED_RANK:  # "an NCCL bug": this rank's gradient enters the reduction 5x too large
+        for chunk in state.model:
+            for param in chunk.module.parameters():
+                param.register_hook(lambda grad: grad * 5.0 if state.arc.step >= SCALE_FROM else grad)
+    monitor = next(m for m in state.arc.engine.monitors if m.name == "consistency")
+    rows, findings = [], {}
+    while state.arc.step < 14:
+        step = state.arc.step
+        script.train_step(state, args, state.arc.data_position)
+        stats = state.arc.engine.last_stats
+        norms = [float(v) for v in torch.tensor(stats.per_rank("grad_sq_local")).sum(dim=1).sqrt()]
+        rows.append({"metrics": dict(monitor.metrics()), "norms": norms,
+                     "positions": [int(p) for p in stats.per_rank(POSITION)[:, 0]]})
+        decision = state.arc.engine.last_decision
+        found = [f for f in decision.findings if f.detector == "consistency"]
+        if found:
+            findings[step] = list(found[0].ranks)
+    state.arc.close()
+    return {"rows": rows, "findings": findings, "position": monitor.position, "positions": monitor.positions,
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+
+
+@pytest.mark.timeout(400)
+def test_tp2_dp2_consistency_compares_the_replicas_of_each_shard(tmp_path: Path) -> None:
+    """Under TP=2 x DP=2 the consistency family compares each tensor-parallel shard over its data-parallel
+    replicas: the agreed per-shard CV (the alarm watches the largest) equals the one computed from every rank's
+    fetched local norm, grouped by shard, and C_dir is measured per shard. Rank 3's gradient scaled 5x from step 10:
+    one finding at step 12 (3 steps past the limit) naming rank 3, on every rank."""
+    config = _arc_yaml(tmp_path / "cons.yaml", "cons", consistency={
+        "warmup_steps": 5, "window": 10, "direction_every": 1, "detail_every": 1, "sketch_size": 256})
+    results = run_ranks(_tp2_consistency, 4, config, timeout_s=380)
+    assert [(r["positions"], r["position"]) for r in results] == [(2, r["tp_rank"]) for r in results]
+    for result in results:
+        assert result["findings"] == {12: [SCALED_RANK]}, result["findings"]
+        assert json.dumps(result["rows"]) == json.dumps(results[0]["rows"])  # every rank agrees on every value
+    for step, row in enumerate(results[0]["rows"][1:], start=1):
+        norms, positions = torch.tensor(row["norms"], dtype=torch.float64), torch.tensor(row["positions"])
+        cvs = [float(norms[positions == p].std(unbiased=False) / norms[positions == p].mean()) for p in (0, 1)]
+        assert row["metrics"]["grad_norm_cv"] == pytest.approx(max(cvs), rel=1e-6, abs=1e-9), step
+        assert row["metrics"]["grad_norm_cv_mean"] == pytest.approx(sum(cvs) / 2, rel=1e-6, abs=1e-9), step
+        assert -1.0 <= row["metrics"]["direction"] <= row["metrics"]["direction_mean"] <= 1.0, step
+    before, after = results[0]["rows"][SCALE_FROM - 1]["metrics"], results[0]["rows"][SCALE_FROM]["metrics"]
+    assert after["grad_norm_cv"] > 2 * before["grad_norm_cv"]

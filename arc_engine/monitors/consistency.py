@@ -38,13 +38,22 @@ import torch
 from arc_engine.config.schema import ConsistencyConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, worker_positions
 from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 
-#: [k + 1] SUM: Σ_i ŝ_i (the ranks' unit gradient sketches) and the number of ranks with a non-zero sketch.
+#: [positions x (k' + 1)] SUM, per model-parallel position: Σ_i ŝ_i (its ranks' unit gradient sketches, folded to
+#: k' = :func:`position_sketch_size` numbers) and the number of ranks with a non-zero sketch.
 DIRECTION_SUM = "consistency_direction"
+#: [1] DETAIL: this rank's model-parallel position (under model parallelism only; per-rank fetches group by it).
+POSITION = "consistency_position"
+
+
+def position_sketch_size(sketch_size: int, positions: int) -> int:
+    """The numbers per position in the direction sum: the whole sketch with one position, else an equal share of
+    it (at least 16), so the slot stays about ``sketch_size`` long whatever the model-parallel layout. Pure."""
+    return sketch_size if positions <= 1 else max(16, sketch_size // positions)
 
 
 def direction_consistency(unit_sum: np.ndarray, count: float) -> float:
@@ -62,6 +71,18 @@ def exact_direction_consistency(vectors: np.ndarray) -> float:
     cosines = unit @ unit.T
     upper = np.triu_indices(len(vectors), k=1)
     return float(cosines[upper].mean())
+
+
+def farthest_rank_within(values: np.ndarray, groups: np.ndarray) -> tuple[int, float]:
+    """:func:`farthest_rank` among the ranks of each group (ranks holding the same shards), the farthest of all:
+    (its index in ``values``, its distance). Pure."""
+    best, best_distance = -1, -math.inf
+    for group in np.unique(groups):
+        members = np.flatnonzero(groups == group)
+        row, distance = farthest_rank(values[members])
+        if row >= 0 and distance > best_distance:
+            best, best_distance = int(members[row]), distance
+    return best, best_distance
 
 
 def farthest_rank(values: np.ndarray) -> tuple[int, float]:
@@ -86,11 +107,15 @@ class ConsistencyMonitor:
 
     name = "consistency"
 
-    def __init__(self, config: ConsistencyConfig, sketch_size: int, interval: int = 1) -> None:
+    def __init__(self, config: ConsistencyConfig, sketch_size: int, interval: int = 1, positions: int = 1,
+                 position: int = 0) -> None:
         self.config = config
         self.sketch_size = sketch_size
         self.interval = interval  # stats.interval: the detail schedule counts monitored steps
-        self.moments = WorkerMoments()
+        self.positions, self.position = positions, position
+        self.folded = position_sketch_size(sketch_size, positions) if sketch_size else 0
+        self._fold: torch.Tensor | None = None  # sketch entry -> folded entry (built on first use)
+        self.moments = WorkerMoments(positions, position)
         self.cv_history: deque[float] = deque(maxlen=config.window)
         self.direction_history: deque[float] = deque(maxlen=config.window)
         self.alarms = 0
@@ -106,20 +131,26 @@ class ConsistencyMonitor:
         return self.moments.loss_shift
 
     def required_stats(self) -> tuple[str, ...]:
-        wanted = WorkerMoments.required_stats()
+        wanted = (*WorkerMoments.required_stats(), *((POSITION,) if self.positions > 1 else ()))
         return (*wanted, names.GRAD_SKETCH_LOCAL, DIRECTION_SUM) if self.sketch_size else wanted
 
     @torch.no_grad()
     def before_agreement(self, buffer: StatBuffer) -> None:
         """This rank's shifted loss and local-norm moments and its unit sketch, into the SUM slots (device-side)."""
         self.moments.write(buffer)
+        if self.positions > 1:
+            buffer.view(POSITION).fill_(float(self.position))
         if self.sketch_size:
             sketch = buffer.view(names.GRAD_SKETCH_LOCAL)
+            if self.folded < sketch.numel():  # a fixed fold (entry j -> j mod k'): still a linear sketch
+                if self._fold is None or self._fold.device != sketch.device:
+                    self._fold = torch.arange(sketch.numel(), device=sketch.device) % self.folded
+                sketch = sketch.new_zeros(self.folded).index_add_(0, self._fold, sketch)
             length = torch.linalg.vector_norm(sketch)
-            present = (length > 0).double()
-            direction = buffer.view(DIRECTION_SUM)
+            row = self.position * (self.folded + 1)
+            direction = buffer.view(DIRECTION_SUM)[row:row + self.folded + 1]
             direction[:-1].copy_(sketch / torch.where(length > 0, length, 1.0))
-            direction[-1].copy_(present)
+            direction[-1].copy_((length > 0).double())
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         self._flagged = False
@@ -128,16 +159,23 @@ class ConsistencyMonitor:
         self._spread = spread
         mean_loss, loss_std, mean_norm, norm_std = spread.loss_mean, spread.loss_std, spread.norm_mean, spread.norm_std
         cv = spread.norm_cv
-        direction = math.nan
-        if self.sketch_size:
-            total = stats.total(DIRECTION_SUM)
-            direction = direction_consistency(np.asarray(total[:-1], dtype=np.float64), float(total[-1]))
+        direction = direction_mean = math.nan
+        if self.sketch_size:  # per position; the alarm watches the lowest
+            rows = np.asarray(stats.total(DIRECTION_SUM), dtype=np.float64).reshape(self.positions, -1)
+            values = np.array([direction_consistency(row[:-1], float(row[-1])) for row in rows])
+            if np.isfinite(values).any():
+                direction, direction_mean = float(np.nanmin(values)), float(np.nanmean(values))
         previous = self._values.get("direction", math.nan)
         self._direction = direction  # this step's own value (NaN off the sketch steps) is what the alarm judges
         self._values = {"loss_std": loss_std, "loss_mean": mean_loss, "grad_norm_std": norm_std,
                         "grad_norm_mean": mean_norm, "grad_norm_cv": cv}
         if self.sketch_size:  # the metric keeps the last measurement between sketch steps
             self._values["direction"] = direction if math.isfinite(direction) else previous
+        if self.positions > 1:  # the alarm's inputs are the worst position's; the means beside them
+            self._values["grad_norm_cv_mean"] = float(np.nanmean(spread.norm_cvs)) \
+                if np.isfinite(spread.norm_cvs).any() else math.nan
+            if self.sketch_size and math.isfinite(direction_mean):
+                self._values["direction_mean"] = direction_mean
         if not all(math.isfinite(v) for v in (mean_loss, loss_std, mean_norm, norm_std)):
             return []  # a non-finite loss or gradient: the non-finite detector's case
         reasons = self._alarms(cv, direction)
@@ -151,7 +189,8 @@ class ConsistencyMonitor:
         losses = per_rank_loss[recorded]
         self._values["loss_range"] = float(losses.max() - losses.min()) if losses.size else math.nan
         self._values["grad_norm_range"] = float(per_rank_norm.max() - per_rank_norm.min())
-        row, distance = farthest_rank(per_rank_norm)
+        groups = stats.per_rank(POSITION)[:, 0] if self.positions > 1 else np.zeros(len(per_rank_norm))
+        row, distance = farthest_rank_within(per_rank_norm, groups)
         rank = stats.ranks[row] if row >= 0 else -1  # the global rank of that row of the decision group
         self._values["farthest_rank"] = float(rank)
         if not reasons:
@@ -241,21 +280,26 @@ class ConsistencyFamily(FamilyBase):
     name = "consistency"
 
     def enabled(self, ctx: FamilyContext) -> bool:
-        # Under tensor or pipeline parallelism a rank's local gradient is its shard's: comparing shards is
-        # meaningless, and the per-shard comparison over replicas is not built yet.
-        return bool(ctx.section.enabled) and (ctx.parts is None or ctx.parts.model_parallel_size <= 1)
+        # Under model parallelism a rank's local gradient is its shard's: ranks are compared within a model-parallel
+        # position; without positions (e.g. expert parallelism) there is nothing to compare.
+        return bool(ctx.section.enabled) and worker_positions(ctx.parts) is not None
 
     def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
         monitored = step // ctx.config.stats.interval  # the count of monitored steps before this one
         return bool(ctx.section.direction) and monitored % ctx.section.direction_every == 0
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        decls = WorkerMoments.statistics()
+        positions, position = worker_positions(ctx.parts) or (1, 0)
+        decls = WorkerMoments(positions, position).statistics()
+        if positions > 1:
+            decls.append(StatDecl(POSITION, 1, Reduce.DETAIL))
         size = sketch_size(ctx)
         if size:
-            decls += [StatDecl(names.GRAD_SKETCH_LOCAL, size, Reduce.DETAIL), StatDecl(DIRECTION_SUM, size + 1,
-                                                                                      Reduce.SUM)]
+            folded = position_sketch_size(size, positions)
+            decls += [StatDecl(names.GRAD_SKETCH_LOCAL, size, Reduce.DETAIL),
+                      StatDecl(DIRECTION_SUM, positions * (folded + 1), Reduce.SUM)]
         return decls
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [ConsistencyMonitor(ctx.section, sketch_size(ctx), ctx.config.stats.interval)]
+        positions, position = worker_positions(ctx.parts) or (1, 0)
+        return [ConsistencyMonitor(ctx.section, sketch_size(ctx), ctx.config.stats.interval, positions, position)]

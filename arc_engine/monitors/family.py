@@ -102,6 +102,21 @@ class ModelParts:
     #: ranks holding different shards of one replica (tensor x pipeline x context x expert parallel): above 1, a
     #: rank's local gradient is one shard of its replica's
     model_parallel_size: int = 1
+    #: model-parallel positions whose ranks hold the same parameter shards (tensor x pipeline; 0: the adapter cannot
+    #: tell, e.g. under expert parallelism), and this rank's: local gradients are compared within a position
+    shard_positions: int = 0
+    shard_position: int = 0
+
+
+def worker_positions(parts: ModelParts | None) -> tuple[int, int] | None:
+    """(positions, this rank's position) for comparing the ranks' local gradients: (1, 0) when every rank holds
+    whole gradients; the model-parallel positions when the adapter names them; None when local gradients cannot
+    be compared (shards without positions). Identical on every rank but the position."""
+    if parts is None or parts.model_parallel_size <= 1:
+        return 1, 0
+    if parts.shard_positions >= 1:
+        return parts.shard_positions, parts.shard_position
+    return None
 
 
 @dataclass
@@ -231,4 +246,5 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
 
 
 __all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "MonitorFamily", "Producer",
-           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_family_enabled", "section_of"]
+           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_family_enabled", "section_of",
+           "worker_positions"]

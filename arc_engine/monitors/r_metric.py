@@ -35,7 +35,7 @@ import torch
 from arc_engine.config.schema import RMetricConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
 from arc_engine.monitors.hardware_events import HardwareEvents
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.policy import Decision
@@ -93,10 +93,11 @@ class RMetricMonitor:
 
     name = "r_metric"
 
-    def __init__(self, config: RMetricConfig, variance: bool, hardware: HardwareEvents | None = None) -> None:
+    def __init__(self, config: RMetricConfig, variance: bool, hardware: HardwareEvents | None = None,
+                 positions: int = 1, position: int = 0) -> None:
         self.config = config
-        self.variance = variance  # σ² measurable (data-parallel ranks hold whole gradients)
-        self.moments = WorkerMoments()
+        self.variance = variance  # σ² measurable (ranks comparable: whole gradients, or shards by position)
+        self.moments = WorkerMoments(positions, position)
         self.hardware = hardware
         self.normalizers = {term: Normalizer(config.window, config.ema, config.gain) for term in TERMS}
         self.events: deque[float] = deque(maxlen=config.event_window)
@@ -283,15 +284,17 @@ class RMetricFamily(FamilyBase):
     def _monitor_for(self, ctx: FamilyContext) -> RMetricMonitor:
         """The context's one monitor (its producer is the monitor's :meth:`RMetricMonitor.write`)."""
         if self._monitor is None or self._monitor[0] != id(ctx):
-            variance = ctx.parts is None or ctx.parts.model_parallel_size <= 1
+            where = worker_positions(ctx.parts)
+            variance = where is not None
             device = stats_device(None, ctx.config.stats.device) if ctx.section.nvml else torch.device("cpu")
             hardware = HardwareEvents(device, True) if device.type == "cuda" else None
-            self._monitor = (id(ctx), RMetricMonitor(ctx.section, variance, hardware))
+            self._monitor = (id(ctx), RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0))))
         return self._monitor[1]
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         decls = [StatDecl(EVENTS, 1, Reduce.SUM), StatDecl(VALIDATION, 2, Reduce.SUM)]
-        return decls + WorkerMoments.statistics() if self._monitor_for(ctx).variance else decls
+        monitor = self._monitor_for(ctx)
+        return decls + monitor.moments.statistics() if monitor.variance else decls
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", self._monitor_for(ctx).write)]

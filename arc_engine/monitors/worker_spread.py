@@ -5,6 +5,12 @@ rank adds (x_i − c), (x_i − c)² and c itself into SUM slots, c being the pr
 rank): the variance then comes without the cancellation of raw moments, and a reader takes c from the slot, so
 every family that writes the slots (they write the same values; the last one wins) and every family that reads them
 agree whatever state each keeps.
+
+Under model parallelism (Megatron tensor x pipeline) a rank's local gradient is one shard of its replica's, so the
+gradient-norm moments are kept per model-parallel *position* (the ranks holding the same shards,
+:func:`arc_engine.monitors.family.worker_positions`): one row of 4 per position, each rank writing its own; the
+spread is over the data-parallel replicas of each shard. The loss is every rank's that recorded one (tensor-parallel
+peers record the same loss, which repeats every replica's value equally often and leaves mean and std unchanged).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from arc_engine.monitors.family import StatDecl
@@ -20,8 +27,8 @@ from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 
 #: [3] SUM over the ranks that recorded a loss: Σ (ℓ_i − c), Σ (ℓ_i − c)², Σ c (c: the previous agreed mean loss).
 LOSS_MOMENTS = "worker_loss_moments"
-#: [4] SUM over the ranks: Σ (‖g_i‖ − c), Σ (‖g_i‖ − c)², the number of ranks, Σ c (‖g_i‖: the rank's local
-#: pre-reduction gradient norm; c: the previous agreed mean).
+#: [positions x 4] SUM over each position's ranks: Σ (‖g_i‖ − c), Σ (‖g_i‖ − c)², the number of ranks, Σ c (‖g_i‖:
+#: the rank's local pre-reduction gradient norm; c: the position's previous agreed mean).
 GRAD_NORM_MOMENTS = "worker_grad_norm_moments"
 
 
@@ -36,30 +43,47 @@ def dispersion(shifted_sum: float, shifted_sq_sum: float, count: float, shift: f
 
 @dataclass(frozen=True)
 class Spread:
-    """One step's agreed spread over the ranks (NaN where no rank contributed)."""
+    """One step's agreed spread over the ranks (NaN where no rank contributed); the norms per position."""
 
     loss_mean: float
     loss_std: float
-    norm_mean: float
-    norm_std: float
+    norm_means: np.ndarray
+    norm_stds: np.ndarray
+
+    @property
+    def norm_mean(self) -> float:
+        """The local gradient norm's mean (over positions: the mean of their means)."""
+        return float(np.mean(self.norm_means))
+
+    @property
+    def norm_std(self) -> float:
+        """The local gradient norms' std over the ranks (over positions: the root mean of their variances)."""
+        return float(np.sqrt(np.mean(np.square(self.norm_stds))))
+
+    @property
+    def norm_cvs(self) -> np.ndarray:
+        """Each position's coefficient of variation (NaN at a zero mean)."""
+        with np.errstate(all="ignore"):
+            return np.where(self.norm_means > 0, self.norm_stds / self.norm_means, np.nan)
 
     @property
     def norm_cv(self) -> float:
-        """The local gradient norms' coefficient of variation (NaN at a zero mean)."""
-        return self.norm_std / self.norm_mean if self.norm_mean > 0 else math.nan
+        """The coefficient of variation of the local gradient norms: the largest over positions (NaN if none)."""
+        cvs = self.norm_cvs
+        return float(np.nanmax(cvs)) if np.isfinite(cvs).any() else math.nan
 
 
 class WorkerMoments:
     """Writes this rank's shifted moments before the agreement and reads the agreed spread after it; the shifts
-    follow the agreed means (:meth:`advance`)."""
+    follow the agreed means (:meth:`advance`). ``positions`` / ``position``: see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, positions: int = 1, position: int = 0) -> None:
+        self.positions, self.position = positions, position
         self.loss_shift = 0.0
-        self.norm_shift = 0.0
+        self.norm_shift = np.zeros(positions)
 
-    @staticmethod
-    def statistics() -> list[StatDecl]:
-        return [StatDecl(LOSS_MOMENTS, 3, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 4, Reduce.SUM)]
+    def statistics(self) -> list[StatDecl]:
+        return [StatDecl(LOSS_MOMENTS, 3, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 4 * self.positions, Reduce.SUM)]
 
     @staticmethod
     def required_stats() -> tuple[str, ...]:
@@ -74,12 +98,13 @@ class WorkerMoments:
         moments[0:1].copy_(loss)
         moments[1:2].copy_(loss * loss)
         moments[2:3].copy_(recorded * self.loss_shift)
-        norm = buffer.view(names.GRAD_SQ_LOCAL).sum().sqrt() - self.norm_shift
-        grad = buffer.view(GRAD_NORM_MOMENTS)
+        shift = float(self.norm_shift[self.position])
+        norm = buffer.view(names.GRAD_SQ_LOCAL).sum().sqrt() - shift
+        grad = buffer.view(GRAD_NORM_MOMENTS)[4 * self.position:4 * self.position + 4]
         grad[0].copy_(norm)
         grad[1].copy_(norm * norm)
         grad[2].fill_(1.0)
-        grad[3].fill_(self.norm_shift)
+        grad[3].fill_(shift)
 
     @staticmethod
     def read(stats: AgreedStats) -> Spread:
@@ -87,21 +112,22 @@ class WorkerMoments:
         loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
         loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
         loss_mean, loss_std = dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
-        grad = stats.total(GRAD_NORM_MOMENTS)
-        count = float(grad[2])
-        norm_shift = float(grad[3]) / count if count > 0 else 0.0
-        norm_mean, norm_std = dispersion(float(grad[0]), float(grad[1]), count, norm_shift)
-        return Spread(loss_mean, loss_std, norm_mean, norm_std)
+        rows = stats.total(GRAD_NORM_MOMENTS).reshape(-1, 4)
+        spreads = [dispersion(float(row[0]), float(row[1]), float(row[2]),
+                              float(row[3]) / float(row[2]) if row[2] > 0 else 0.0) for row in rows]
+        return Spread(loss_mean, loss_std, np.array([m for m, _ in spreads]), np.array([s for _, s in spreads]))
 
     def advance(self, spread: Spread) -> None:
         """The next step's shifts: this step's agreed means, where finite."""
         if math.isfinite(spread.loss_mean):
             self.loss_shift = spread.loss_mean
-        if math.isfinite(spread.norm_mean):
-            self.norm_shift = spread.norm_mean
+        finite = np.isfinite(spread.norm_means)
+        self.norm_shift = np.where(finite, spread.norm_means, self.norm_shift)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_shift": self.loss_shift, "norm_shift": self.norm_shift}
+        return {"loss_shift": self.loss_shift, "norm_shift": [float(v) for v in self.norm_shift]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss_shift, self.norm_shift = float(state["loss_shift"]), float(state["norm_shift"])
+        self.loss_shift = float(state["loss_shift"])
+        shift = np.atleast_1d(np.asarray(state["norm_shift"], dtype=np.float64))
+        self.norm_shift = shift if shift.size == self.positions else np.zeros(self.positions)
