@@ -64,7 +64,8 @@ class ArcEngine:
     REPLICATED when every rank computes the whole value (the group's first rank's is used).
     ``params``: this rank's trainable parameters as the adapter holds them (what family producers may read).
     ``parts``: the model's structure as the adapter describes it (attention and router shards), for the families
-    that monitor a mechanism.
+    that monitor a mechanism. ``exact_sketch_size``: the local gradient's element count when the adapter can write
+    it whole as the gradient sketch (DDP), else 0.
 
     The engine knows no monitor family: it registers the adapters' standard slots, then asks every enabled family
     (:mod:`arc_engine.monitors.registry`) for its statistics, producers and monitors.
@@ -73,7 +74,7 @@ class ArcEngine:
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
                  sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = (),
-                 parts: ModelParts | None = None) -> None:
+                 parts: ModelParts | None = None, exact_sketch_size: int = 0) -> None:
         self.config = config
         self.group = group
         self.rank = runtime.global_rank()
@@ -91,7 +92,8 @@ class ArcEngine:
         self.monitors: list[Monitor] = []
         self.producers: list[Producer] = []
         for family in families():
-            context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce, parts)
+            context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce, parts,
+                                    exact_sketch_size)
             if not family.enabled(context):
                 continue
             self.families.append((family, context))

@@ -26,6 +26,7 @@ Otherwise the gradient values are never modified beyond DDP's own reduction: tra
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime.
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,18 @@ class _BucketPlan:
     owned_index: torch.Tensor | None = None  # their group ids
     buffer_ptr: int = -1
     views: list[torch.Tensor] = field(default_factory=list)
+    exact_index: torch.Tensor | None = None  # each buffer element's place in an exact sketch (built on first use)
+
+    def exact_places(self, offsets: list[int], device: torch.device) -> torch.Tensor | None:
+        """Where each element of the bucket's buffer goes in an exact sketch (the flat trainable parameters, in the
+        module's order): None when a parameter of the bucket is not one of the module's trainable ones."""
+        if self.exact_index is None:
+            if min(self.positions, default=-1) < 0:
+                return None
+            self.exact_index = torch.cat([torch.arange(offsets[position], offsets[position] + size)
+                                          for position, size in zip(self.positions, self.sizes, strict=True)]
+                                         ).to(device)
+        return self.exact_index
 
     def grads(self, buffer: torch.Tensor, bucket: dist.GradBucket) -> list[torch.Tensor]:
         """The bucket's per-parameter gradients as flat views of ``buffer`` (the bucket's flat buffer, or the reduced
@@ -94,6 +107,8 @@ class _StepQueue:
     reduced_index: list[torch.Tensor] = field(default_factory=list)
     sums: list[torch.Tensor] = field(default_factory=list)
     sum_index: list[int] = field(default_factory=list)
+    exact_values: list[torch.Tensor] = field(default_factory=list)  # copies of the buckets' local gradients
+    exact_index: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +122,8 @@ class StatsHookState:
     inner_state: object | None = None
     gate: LocalGate | None = None
     position: dict[int, int] = field(default_factory=dict)  # id(param) -> index in the module's trainable params
+    offsets: list[int] = field(default_factory=list)  # index -> its first element in the flat trainable parameters
+    exact_size: int = 0  # the trainable parameters' element count: a sketch of this size is the gradient itself
     owned: set[int] | None = None  # id() of the parameters whose reduced statistics this rank computes (None: all)
     _plans: dict[int, _BucketPlan] = field(default_factory=dict)
     # bucket index -> (buffer, address, length) the plan was last checked against; holding the buffer keeps its
@@ -167,6 +184,9 @@ class StatsHookState:
             add_norm_stats(buffer, torch.cat(queue.reduced_norms), torch.cat(queue.reduced_index), names.GRAD_SQ)
         if queue.sums:
             add_chunk_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
+        if queue.exact_values:
+            buffer.view(names.GRAD_SKETCH_LOCAL).index_add_(
+                0, torch.cat(queue.exact_index), torch.cat(queue.exact_values).to(buffer.device, torch.float64))
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -182,12 +202,18 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             queue.local_norms.append(norms)
             queue.local_index.append(plan.index)
         if engine.wants_sketch():
-            # the bucket's flat buffer (same layout on every rank) as one tensor: one matrix-vector product
             with engine.own_work.section("ddp.sketch"):
-                sums = chunk_sums(buffer, engine.layout[names.GRAD_SKETCH_LOCAL].size)
-                if sums is not None:
-                    queue.sums.append(sums)
-                    queue.sum_index.append(BUCKET_SKETCH_INDEX + bucket.index())
+                size = engine.layout[names.GRAD_SKETCH_LOCAL].size
+                places = plan.exact_places(state.offsets, engine.buffer.device) if size == state.exact_size \
+                    else None
+                if places is not None:  # the exact sketch: the local gradient itself (copied: reduced in place next)
+                    queue.exact_values.append(buffer.detach().reshape(-1).clone())
+                    queue.exact_index.append(places)
+                else:  # the bucket's flat buffer (same layout on every rank): one matrix-vector product
+                    sums = chunk_sums(buffer, size)
+                    if sums is not None:
+                        queue.sums.append(sums)
+                        queue.sum_index.append(BUCKET_SKETCH_INDEX + bucket.index())
         if state.gate is not None:
             withheld = state.gate.check(bucket.index(), norms.double().square().sum().to(engine.buffer.device))
             engine.buffer.view(names.SDC_WITHHELD).add_(withheld.double().to(engine.buffer.device))
@@ -239,6 +265,9 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state, owned=owned)
     trainable = [p for p in model.module.parameters() if p.requires_grad]
     state.position = {id(p): i for i, p in enumerate(trainable)}
+    sizes = [p.numel() for p in trainable]
+    state.offsets = [0, *itertools.accumulate(sizes)][:-1]
+    state.exact_size = sum(sizes)
     sdc = engine.config.detectors.sdc
     if sdc.enabled and sdc.recompute.enabled:
         state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
@@ -308,6 +337,8 @@ class TorchAdapter:
         self.owned = ddp_owned_params(model) if self.is_ddp else None
         self.shard_reduce = Reduce.REPLICATED if self.owned is None else Reduce.SUM
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # the comm hook can write the whole local gradient as the sketch (detectors.consistency.exact_max_params)
+        self.exact_sketch_size = sum(p.numel() for p in self.params) if self.is_ddp else 0
         self.data_parallel_group = model.process_group if self.is_ddp else None
         self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.is_ddp

@@ -226,12 +226,13 @@ def _local_reference(model: torch.nn.Module, batch: tuple) -> tuple[float, torch
 
 
 def _run(rank: int, world: int, run_dir: Path, setting: str, steps: int, scale_from: int = -1,
-         scaled_rank: int = -1, reference: bool = False) -> dict[str, Any]:
+         scaled_rank: int = -1, reference: bool = False, exact: bool = False) -> dict[str, Any]:
     model, data = tiny_model_and_data(seed=1)
     optimizer = make_optimizer(model)
     ddp = DistributedDataParallel(model)
     config = make_config(run_dir, "detectors.consistency.direction_every=1", "detectors.consistency.detail_every=0",
-                         "detectors.consistency.sketch_size=1024")
+                         "detectors.consistency.sketch_size=1024",
+                         f"detectors.consistency.exact_max_params={10**6 if exact else 0}")
     arc = arc_engine.attach(ddp, optimizer, config)
     if rank == scaled_rank:  # "an NCCL bug": this rank's contribution to the reduction scaled by 5
         for param in model.parameters():
@@ -296,6 +297,18 @@ def test_dispersion_and_direction_equal_a_single_process_computation(tmp_path: P
         errors.append(abs(row["direction"] - truth["direction"]))
     assert max(errors) <= DIRECTION_ERROR_BOUND, errors
     assert 0.0 < np.mean([t["direction"] for t in exact]) < 0.95  # ranks on their own data: not aligned
+
+
+def test_exact_mode_gives_the_mean_pairwise_cosine_itself(tmp_path: Path) -> None:
+    """With ``exact_max_params`` above the model's size, the DDP hook writes each rank's whole local gradient (every
+    element at its parameter's offset) in place of the sketch: C_dir equals the single-process definition to
+    rounding, not within the sketch's bound."""
+    results = run_ranks(_run, 4, tmp_path, "S1-3", 6, -1, -1, True, True)
+    rows, exact = results[0]["metrics"], results[0]["exact"]
+    for row, truth in zip(rows, exact, strict=True):
+        assert row["direction"] == pytest.approx(truth["direction"], abs=1e-6)
+        assert row["grad_norm_std"] == pytest.approx(truth["grad_norm_std"], rel=1e-3, abs=1e-6)
+    assert len({round(r["direction"], 4) for r in rows}) > 1  # measured every step, not a constant
 
 
 def test_one_ranks_scaled_contribution_is_flagged_and_the_rank_named(tmp_path: Path) -> None:

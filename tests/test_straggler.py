@@ -112,9 +112,9 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
     model, data = tiny_model_and_data(seed=1)
     optimizer = make_optimizer(model)
     ddp = DistributedDataParallel(model)
-    faults = f"faults.injections=[{{kind: stall, rank: {stall_rank}, step: 20, steps: 40, seconds: 0.08}}]" \
+    faults = f"faults.injections=[{{kind: stall, rank: {stall_rank}, step: 20, steps: 40, seconds: 0.15}}]" \
         if stall_rank >= 0 else "faults.injections=[]"
-    config = make_config(run_dir, "detectors.straggler.every=10", "detectors.straggler.min_delay_s=0.04",
+    config = make_config(run_dir, "detectors.straggler.every=10", "detectors.straggler.min_delay_s=0.06",
                          "detectors.straggler.individual_threshold=0", faults)
     arc = arc_engine.attach(ddp, optimizer, config)
     findings: dict[int, list[int]] = {}
@@ -138,7 +138,7 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
 
 
 def test_a_rank_sleeping_in_its_forward_is_named_and_counts_towards_lambda(tmp_path: Path) -> None:
-    """Rank 2 sleeps 80 ms in each forward from step 20: the report at step 30 names it on every rank, once (the
+    """Rank 2 sleeps 150 ms in each forward from step 20: the report at step 30 names it on every rank, once (the
     reports at 40 and 50 see the same straggler); the R-Metric's λ counts the event from the next step on. A clean
     run (below) names nobody. The per-rank fetch happens on report steps only."""
     results = run_ranks(_train, 4, tmp_path, 2)

@@ -151,6 +151,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.consistency.sketch_size": KeyDoc("Numbers in each rank's sketch (`detectors.sdc.sketch_size` wins "
                                                 "when set): the estimate's error falls as 1/sqrt(size) "
                                                 "([detectors.md](detectors.md)).", ">= 2"),
+    "detectors.consistency.exact_max_params": KeyDoc("Under DDP, a model with at most this many trainable elements "
+                                                     "sends each rank's whole unit gradient instead of the sketch: "
+                                                     "C_dir is then exact, and the all-reduce carries that many more "
+                                                     "numbers on every monitored step (small models and tests); 0: "
+                                                     "always the sketch. `detectors.sdc.sketch_size` wins when set.",
+                                                     ">= 0"),
     "detectors.consistency.detail_every": KeyDoc("Monitored steps between fetches of every rank's loss and local "
                                                  "norm (ranges, the farthest rank); 0: on alarms only. One "
                                                  "all-gather of the statistics buffer each time.", ">= 0"),

@@ -340,12 +340,14 @@ class ConsistencyConfig:
     the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
     coefficient of variation) and, every ``direction_every`` monitored steps, the gradient-direction consistency
     C_dir (mean pairwise cosine of the local gradients, from a ``sketch_size``-number signed chunk-sum sketch per rank
-    summed through the step's one all-reduce). Ranges (max - min) and each rank's values are fetched every
-    ``detail_every`` monitored steps and on an alarm. Alarm: after ``warmup_steps`` accepted steps, the
-    gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard deviations
-    and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust standard
-    deviations and at least ``min_direction_drop``, on ``persist`` consecutive measurements (once per episode). Off
-    under tensor or pipeline parallelism (a rank's gradient is a shard)."""
+    summed through the step's one all-reduce; exact, from the whole local gradient, under DDP when the model has at
+    most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and each rank's
+    values are fetched every ``detail_every`` monitored steps and on an alarm. Alarm: after ``warmup_steps`` accepted
+    steps, the gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard
+    deviations and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust
+    standard deviations and at least ``min_direction_drop``, on ``persist`` consecutive measurements (once per
+    episode). Under megatron-core tensor/pipeline parallelism the ranks are compared within each model-parallel
+    position (the replicas of one shard); off under expert parallelism."""
 
     enabled: bool = True
     warmup_steps: int = 20
@@ -357,11 +359,14 @@ class ConsistencyConfig:
     direction: bool = True
     direction_every: int = 10
     sketch_size: int = 256
+    exact_max_params: int = 0
     detail_every: int = 100
     action: ActionName = "warn"
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.exact_max_params >= 0, "exact_max_params", self.exact_max_params,
+                "must be an integer >= 0 (0 = always the sketch)")
         require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
         require(self.factor > 0, "factor", self.factor, "must be > 0")
         require(self.min_cv_ratio >= 1, "min_cv_ratio", self.min_cv_ratio, "must be >= 1")

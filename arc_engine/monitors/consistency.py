@@ -261,16 +261,22 @@ class ConsistencyMonitor:
 
 def sketch_size(ctx: FamilyContext) -> int:
     """The gradient sketch's size when the direction consistency needs it (0: off)."""
-    return shared_sketch_size(ctx.config) if ctx.section.direction else 0
+    return shared_sketch_size(ctx.config, ctx.exact_sketch_size) if ctx.section.direction else 0
 
 
-def shared_sketch_size(config: Any) -> int:
+def shared_sketch_size(config: Any, exact_size: int = 0) -> int:
     """The one ``grad_sketch_local`` slot's size, shared by the families that read it: the SDC detector's
-    ``sketch_size`` when set, else the consistency family's (0: no family wants it)."""
+    ``sketch_size`` when set; else the whole local gradient (``exact_size`` elements, when the adapter can write it
+    so) if it has at most ``exact_max_params``; else the consistency family's ``sketch_size`` (0: no family wants
+    it)."""
     sdc, consistency = config.detectors.sdc, config.detectors.consistency
     if sdc.enabled and sdc.sketch_size:
         return sdc.sketch_size
-    return consistency.sketch_size if consistency.enabled and consistency.direction else 0
+    if not (consistency.enabled and consistency.direction):
+        return 0
+    if 0 < exact_size <= consistency.exact_max_params:
+        return exact_size  # the adapter writes every element at its place: C_dir is exact
+    return consistency.sketch_size
 
 
 class ConsistencyFamily(FamilyBase):

@@ -123,14 +123,17 @@ def worker_positions(parts: ModelParts | None) -> tuple[int, int] | None:
 class FamilyContext:
     """What a family is built from (identical on every rank): the whole config, its own section, the optimizer's
     parameter-group names (G slots per gradient statistic), how the adapter's parameter-wise statistics combine
-    (``shard_reduce``: SUM of shards / owned parts, or REPLICATED), and the model's structure when the adapter
-    describes it (``parts``)."""
+    (``shard_reduce``: SUM of shards / owned parts, or REPLICATED), the model's structure when the adapter
+    describes it (``parts``), and whether it can take an exact gradient sketch (``exact_sketch_size``)."""
 
     config: ArcConfig
     section: Any
     group_names: list[str]
     shard_reduce: Reduce
     parts: ModelParts | None = None
+    #: the local gradient's element count when the adapter can write it whole, each element at its own place, as
+    #: the gradient sketch (DDP: the same on every rank); 0 when it cannot
+    exact_sketch_size: int = 0
 
 
 @dataclass
