@@ -6,6 +6,7 @@ system events, and the state across a restore. The 4-rank runs are in tests/test
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from arc_engine.config import load_config
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.family import FamilyContext, ModelParts, StepView
+from arc_engine.monitors.hardware_events import HardwareEvents, pci_bus_id
 from arc_engine.monitors.r_metric import (
     EVENTS,
     VALIDATION,
@@ -178,3 +180,13 @@ def test_the_state_survives_a_restore_and_the_variance_is_off_under_model_parall
     assert GRAD_NORM_MOMENTS not in {d.name for d in family.statistics(sharded)}
     (monitor,) = family.monitors(sharded)
     assert not monitor.variance and EVENTS in monitor.required_stats()
+
+
+def test_hardware_events_stay_off_without_a_gpu_and_address_nvml_by_pci() -> None:
+    """On CPU nothing is polled (0 events, no NVML import); a CUDA device is found in NVML by its PCI address, which
+    CUDA_VISIBLE_DEVICES does not renumber."""
+    events = HardwareEvents(torch.device("cpu"), True)
+    assert not events.active and events.poll() == 0
+    properties = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    assert pci_bus_id(properties) == "00000000:3B:00.0"
+    assert pci_bus_id(SimpleNamespace(pci_bus_id=59)) is None  # torch without the full address: by index instead

@@ -21,6 +21,16 @@ SLOWDOWN_REASONS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW thermal, HW therm
 MAX_XID_PER_POLL = 64
 
 
+def pci_bus_id(properties: object) -> str | None:
+    """NVML's ``domain:bus:device.function`` address of a CUDA device from its torch properties (their integer
+    ``pci_domain_id``, ``pci_bus_id``, ``pci_device_id``); None when torch does not give them. Pure."""
+    parts = [getattr(properties, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if not all(isinstance(part, int) for part in parts):
+        return None
+    domain, bus, device = parts
+    return f"{domain:08X}:{bus:02X}:{device:02X}.0"
+
+
 class HardwareEvents:
     """Polls one GPU (``device``). :meth:`poll` returns the events since the previous poll (0 when off)."""
 
@@ -40,7 +50,8 @@ class HardwareEvents:
         try:
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            bus_id = getattr(torch.cuda.get_device_properties(index), "pci_bus_id", None)
+            bus_id = pci_bus_id(torch.cuda.get_device_properties(index))
+            # by PCI address: CUDA_VISIBLE_DEVICES renumbers CUDA devices but not NVML's
             self.handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus_id) if bus_id else
                            pynvml.nvmlDeviceGetHandleByIndex(index))
             self.nvml = pynvml
