@@ -56,7 +56,8 @@ def test_the_normalization_matches_hand_computed_values() -> None:
 # ------------------------------------------------------------------ the monitor on simulated ranks
 
 def _setup(*overrides: str) -> tuple[StatLayout, RMetricMonitor]:
-    config = load_config(None, ["detectors.r_metric.nvml=false", *overrides])
+    # alone here: no consistency family writes the shared worker moments, so the R-Metric writes them itself
+    config = load_config(None, ["detectors.r_metric.nvml=false", "detectors.consistency.enabled=false", *overrides])
     ctx = FamilyContext(config, config.detectors.r_metric, ["g"], Reduce.SUM)
     family = RMetricFamily()
     layout = StatLayout()

@@ -98,6 +98,9 @@ class RMetricMonitor:
         self.config = config
         self.variance = variance  # σ² measurable (ranks comparable: whole gradients, or shards by position)
         self.moments = WorkerMoments(positions, position)
+        #: whether this family writes the shared worker moments (not when the consistency family does: the same
+        #: values, written once per step)
+        self.write_moments = True
         self.hardware = hardware
         self.normalizers = {term: Normalizer(config.window, config.ema, config.gain) for term in TERMS}
         self.events: deque[float] = deque(maxlen=config.event_window)
@@ -135,7 +138,7 @@ class RMetricMonitor:
         validation = buffer.view(VALIDATION)
         validation[0].fill_(math.fsum(self._validation))
         validation[1].fill_(float(len(self._validation)))
-        if self.variance:
+        if self.variance and self.write_moments:
             self.moments.write(buffer)
 
     # ------------------------------------------------------------ the agreed score
@@ -288,7 +291,9 @@ class RMetricFamily(FamilyBase):
             variance = where is not None
             device = stats_device(None, ctx.config.stats.device) if ctx.section.nvml else torch.device("cpu")
             hardware = HardwareEvents(device, True) if device.type == "cuda" else None
-            self._monitor = (id(ctx), RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0))))
+            monitor = RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0)))
+            monitor.write_moments = not ctx.config.detectors.consistency.enabled  # it writes them then
+            self._monitor = (id(ctx), monitor)
         return self._monitor[1]
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
