@@ -38,6 +38,7 @@ from arc_engine.faults import FaultInjector
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce
+from arc_engine.stats.timing import ComputeProbe, local_compute_modules
 
 
 @dataclass
@@ -126,6 +127,8 @@ class Adapter(Protocol):
     supports_recompute: bool
     # optional: ``parts`` (a :class:`~arc_engine.monitors.family.ModelParts`), the model's structure for the
     # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
+    # optional: ``compute_modules(limit)``, the modules whose forward makes no collective, for the straggler
+    # family's compute probe (default: the leaf modules with parameters of ``module``).
 
     def check_config(self, config: ArcConfig) -> None:
         """ValueError for a setting this framework cannot honour (before anything is registered)."""
@@ -177,6 +180,13 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     removers = adapter.install(engine, recompute_fn if wants_recompute else None)
     engine.add_lr_multiplier(injector.lr_multiplier)
     removers.append(register_step_start(engine, adapter.module))
+    straggler = config.detectors.straggler
+    if straggler.enabled and straggler.compute_every:  # after the fault hooks: a slowed module's delay is timed
+        limit = straggler.compute_modules
+        compute = getattr(adapter, "compute_modules", None)
+        modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)
+        engine.probe = ComputeProbe(modules, engine.pipeline.device,
+                                    config.stats.interval * straggler.compute_every)
     _mark_attached(adapter.module, True)
     return Arc(engine, injector, removers, adapter)
 

@@ -42,7 +42,7 @@ from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
 from arc_engine.sinks.wandb_sink import active_wandb_run
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
-from arc_engine.stats.timing import SectionClock
+from arc_engine.stats.timing import ComputeProbe, SectionClock
 from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, ProgressBoard
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class ArcEngine:
         # stats.own_work: the engine's entry points and the families' producers timed as pieces (unchanged when off)
         self.own_work = OwnWork(config.stats.own_work, device)
         self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)
+        #: this rank's sampled local compute time (set by the wiring when detectors.straggler wants it)
+        self.probe: ComputeProbe | None = None
         self.local_events = 0  # this rank's system events so far (hang reports), for the families that count them
         self.families: list[tuple[MonitorFamily, FamilyContext]] = []
         self.monitors: list[Monitor] = []
@@ -203,6 +205,8 @@ class ArcEngine:
             return
         self._step_open = True
         self.clock.start()
+        if self.probe is not None:
+            self.probe.start(self.step)
         if self.watchdog is not None:
             self.watchdog.reached(STEP_STARTED)
         if self.recovery is not None:  # a rollback's restore or a snapshot is not a hang
@@ -333,7 +337,8 @@ class ArcEngine:
         for fold in self.folds:
             fold()
         if self.producers:
-            view = StepView(self.step, self.params, self.clock.times(), self.local_events)
+            view = StepView(self.step, self.params, self.clock.times(), self.local_events,
+                            tuple(self.probe.take()) if self.probe is not None else ())
             for producer in self.producers:
                 producer.write(self.buffer, view)
         for monitor in self.monitors:
@@ -503,6 +508,8 @@ class ArcEngine:
         if self._closed:
             return
         self._closed = True
+        if self.probe is not None:
+            self.probe.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.recovery is not None:

@@ -57,6 +57,7 @@ from arc_engine.stats.optim_stats import adam_views
 from arc_engine.stats.partition import owned_ids
 from arc_engine.stats.producers import record_optimizer_stats
 from arc_engine.stats.sampling import WindowCache
+from arc_engine.stats.timing import local_compute_modules
 
 
 class _Group:
@@ -166,8 +167,15 @@ class MegatronAdapter:
                    * parallel_state.get_context_parallel_world_size()
                    * parallel_state.get_expert_model_parallel_world_size())
         positions = self._shard_positions()
+        # who this rank is, for naming a slow one: its replica (data-parallel index; not known under expert
+        # parallelism, where the all-to-alls tie ranks of several replicas together), its TP rank and its stage
+        where = {"replica": -1 if parallel_state.get_expert_model_parallel_world_size() > 1
+                 else parallel_state.get_data_parallel_rank(),
+                 "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+                 "pipeline_stage": parallel_state.get_pipeline_model_parallel_rank()}
         if not layers:
-            return ModelParts(model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1])
+            return ModelParts(model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1],
+                              **where)
         config = layers[0].config
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -204,7 +212,15 @@ class MegatronAdapter:
                           attention=attention, num_experts=experts or 0,
                           experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
                           routers=routers, observe_routing=self._observe_routing if routers else None,
-                          model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1])
+                          model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1],
+                          **where)
+
+    def compute_modules(self, limit: int) -> list[torch.nn.Module]:
+        """What the straggler family's compute probe times: leaf modules of every chunk whose forward makes no
+        tensor-parallel collective (:func:`megatron_internals.communicates_in_forward`), so a rank's compute time
+        holds no wait on its peers."""
+        return local_compute_modules([mi.unwrap_chunk(chunk) for chunk in self.chunks], limit,
+                                     mi.communicates_in_forward)
 
     @staticmethod
     def _shard_positions() -> tuple[int, int]:

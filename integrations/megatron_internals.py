@@ -609,3 +609,16 @@ def set_rng_tracker_states(values: list[torch.Tensor]) -> None:
     tracker = get_cuda_rng_tracker()
     names = sorted(tracker.get_states())
     tracker.set_states(dict(zip(names, values, strict=True)))
+
+
+def communicates_in_forward(module: torch.nn.Module) -> bool:
+    """Whether a megatron-core (or Transformer Engine) layer may make a tensor-parallel collective in its forward
+    pass: row-parallel layers reduce their output and vocab-parallel embeddings theirs; column-parallel layers
+    gather their input under sequence parallelism or their output with ``gather_output``. By class name, so the
+    Transformer Engine variants are covered without importing it; conservative (True at TP=1 too)."""
+    name = type(module).__name__
+    if "RowParallel" in name or "ParallelEmbedding" in name:
+        return True
+    if "ColumnParallel" in name:
+        return bool(getattr(module, "sequence_parallel", False) or getattr(module, "gather_output", False))
+    return False

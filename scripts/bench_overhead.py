@@ -108,7 +108,7 @@ MODELS = {"standard": {"layers": 4, "d_model": 256, "bucket_mb": None},
 def periodic_block(config, mechanisms: bool = False) -> int:
     """Steps per block so that every block holds the same periodic work: the least common multiple of the
     configuration's periods (optimizer statistics every k-th monitored step, the consistency family's sketch, the
-    straggler report, snapshots every ``checkpoint_freq``
+    straggler report and compute samples, snapshots every ``checkpoint_freq``
     healthy steps, disk checkpoints; with ``mechanisms``, for a model that has attention or router parts the
     mechanism monitors measure, their periods too). Pure."""
     interval, detectors = config.stats.interval, config.detectors
@@ -119,6 +119,8 @@ def periodic_block(config, mechanisms: bool = False) -> int:
         periods.append(interval * detectors.consistency.direction_every)  # the gradient sketch
     if detectors.straggler.enabled:
         periods.append(interval * detectors.straggler.every)  # the per-rank report
+        if detectors.straggler.compute_every:
+            periods.append(interval * detectors.straggler.compute_every)  # the compute probe's sampled steps
     if config.recovery.enabled:
         periods.append(config.recovery.checkpoint_freq)
         if config.recovery.checkpoint.every_steps:

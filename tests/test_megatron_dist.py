@@ -312,3 +312,75 @@ def test_tp2_dp2_consistency_compares_the_replicas_of_each_shard(tmp_path: Path)
         assert -1.0 <= row["metrics"]["direction"] <= row["metrics"]["direction_mean"] <= 1.0, step
     before, after = results[0]["rows"][SCALE_FROM - 1]["metrics"], results[0]["rows"][SCALE_FROM]["metrics"]
     assert after["grad_norm_cv"] > 2 * before["grad_norm_cv"]
+
+
+# ------------------------------------------------------------------ TP=2 x DP=2, straggler attribution
+
+def _straggler(rank: int, world: int, config: str, layout: list[str], steps: int) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    script, args, state = _build([*SMALL, *layout, "--arc-config", config])
+    findings: dict[int, dict[str, Any]] = {}
+    while state.arc.step < steps:
+        step = state.arc.step
+        script.train_step(state, args, state.arc.data_position)
+        decision = state.arc.engine.last_decision
+        for finding in decision.findings:
+            if finding.detector == "straggler" and decision.step == step:
+                findings[step] = {"ranks": list(finding.ranks), "message": finding.message,
+                                  "kinds": {str(k): v for k, v in finding.values["kinds"].items()}}
+    probe = state.arc.engine.probe
+    timed = [type(m).__name__ for m in probe.modules] if probe is not None else []
+    state.arc.close()
+    return {"findings": findings, "timed": timed, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "stage": parallel_state.get_pipeline_model_parallel_rank(),
+            "replica": parallel_state.get_data_parallel_rank()}
+
+
+SLOW_MODULE = "decoder.layers.0.self_attention.linear_qkv"  # the first attention layer of the rank's stage
+
+
+def _straggler_config(tmp_path: Path, injections: list[dict]) -> str:
+    return _arc_yaml(tmp_path / "straggler.yaml", "straggler", straggler={
+        "every": 5, "warmup_reports": 1, "min_delay_s": 0.05, "compute_every": 1, "individual_threshold": 0.0},
+        injections=[{"kind": "stall", "seconds": 0.15, "pattern": SLOW_MODULE, **i} for i in injections])
+
+
+@pytest.mark.timeout(500)
+def test_tp2_dp2_straggler_tells_a_slow_tensor_parallel_peer_from_a_slow_replica(tmp_path: Path) -> None:
+    """TP=2 x DP=2 (replica 0: ranks 0, 1; replica 1: ranks 2, 3). From step 10 rank 2's first QKV projection takes
+    0.15 s longer; rank 3, its tensor-parallel peer, waits for it in the next all-reduce, so both forward sections
+    are long, but only rank 2's compute is: at the report of step 15 rank 2 alone is named, a slow model-parallel
+    peer. From step 20 rank 3's projection is slow too: at step 25 the whole replica 1 is slow and rank 3 is named.
+    Every rank says the same; replica 0 is never named."""
+    config = _straggler_config(tmp_path, [{"rank": 2, "step": 10, "steps": 20}, {"rank": 3, "step": 20, "steps": 10}])
+    results = run_ranks(_straggler, 4, config, ["--tensor-model-parallel-size", "2"], 31, timeout_s=480)
+    assert [(r["replica"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for result in results:
+        assert "RowParallelLinear" not in result["timed"] and "VocabParallelEmbedding" not in result["timed"]
+        assert "ColumnParallelLinear" in result["timed"]
+        assert {step: f["ranks"] for step, f in result["findings"].items()} == {15: [2], 25: [3]}, result["findings"]
+        peer, replica = result["findings"][15], result["findings"][25]
+        assert peer["kinds"] == {"2": "model-parallel peer"}, peer
+        assert "slow model-parallel peer in replica 1: rank 2 (tensor-parallel rank 0" in peer["message"]
+        assert "its peers 3 only wait for it" in peer["message"]
+        assert replica["kinds"] == {"2": "replica", "3": "replica"}, replica
+        assert "slow replica 1 (every rank computes slowly)" in replica["message"]
+        assert result["findings"] == results[0]["findings"]
+
+
+@pytest.mark.timeout(400)
+def test_pp2_dp2_straggler_names_a_slow_pipeline_stage_and_not_the_stage_that_waits(tmp_path: Path) -> None:
+    """PP=2 x DP=2 (stage 0: ranks 0, 1; stage 1: ranks 2, 3; replica 1: ranks 1, 3). Rank 1's first attention
+    layer takes 0.15 s longer from step 10. Stage 0 records no loss (no forward section); its compute is scored
+    against the other stage-0 rank: at the report of step 15 rank 1 is named as a slow model-parallel peer of replica
+    1, and rank 3, the stage after it, is not."""
+    config = _straggler_config(tmp_path, [{"rank": 1, "step": 10, "steps": 10}])
+    results = run_ranks(_straggler, 4, config, ["--pipeline-model-parallel-size", "2"], 16, timeout_s=380)
+    assert [(r["replica"], r["stage"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for result in results:
+        assert {step: f["ranks"] for step, f in result["findings"].items()} == {15: [1]}, result["findings"]
+        (finding,) = result["findings"].values()
+        assert finding["kinds"] == {"1": "model-parallel peer"}, finding
+        assert "replica 1: rank 1 (tensor-parallel rank 0, pipeline stage 0" in finding["message"]
+        assert "its peers 3 only wait for it" in finding["message"]

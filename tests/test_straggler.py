@@ -17,15 +17,19 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.monitors.family import FamilyContext, StepView
 from arc_engine.monitors.straggler import (
+    PEER,
+    RANK,
+    REPLICA_SLOW,
     SECTION_TIMES,
     StragglerFamily,
     StragglerMonitor,
     StragglerProducer,
+    attribute,
     performance_scores,
     report_due,
 )
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout
-from arc_engine.stats.timing import SectionClock
+from arc_engine.stats.timing import ComputeProbe, SectionClock, local_compute_modules
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
 
@@ -56,6 +60,11 @@ def test_the_clock_times_the_forward_section_and_the_iteration() -> None:
     assert math.isnan(forward) and iteration >= first[0]  # this step recorded no loss yet
 
 
+def _row(forward: float, compute: float = math.nan, replica: int = -1, tp: int = 0, stage: int = 0) -> list[float]:
+    """One rank's report slot: forward median, iteration median, 5 forward times, compute median, its samples, who."""
+    return [forward, 0.5, 5, compute, 0 if math.isnan(compute) else 5, replica, tp, stage]
+
+
 def _layout() -> tuple[StatLayout, StragglerMonitor, StragglerProducer]:
     config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
                                 "detectors.straggler.min_delay_s=0.01"])
@@ -78,7 +87,7 @@ def test_a_slow_rank_is_named_once_after_the_warmup_report_and_survives_a_restor
         rows = np.zeros((4, layout.size))
         if report_due(step, 1, 5):
             slow = 0.30 if 10 <= step < 20 else 0.10
-            rows[:, layout[SECTION_TIMES].span] = [[0.10, 0.5, 5], [0.101, 0.5, 5], [slow, 0.5, 5], [0.099, 0.5, 5]]
+            rows[:, layout[SECTION_TIMES].span] = [_row(0.10), _row(0.101), _row(slow), _row(0.099)]
         found = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1, 2, 3)))
         if found:
             findings[step] = found
@@ -101,8 +110,138 @@ def test_the_producer_writes_window_medians_on_report_steps_only() -> None:
         producer.write(buffer, StepView(step, [], (0.01 * step, 0.5), 0))
         producer.write(buffer, StepView(step, [], (9.0, 9.0), 0))  # a recomputed step agrees twice: counted once
         values = buffer.view(SECTION_TIMES).tolist()
-        assert values == ([0.03, 0.5, 5.0] if step == 5 else [0.0, 0.0, 0.0])
+        expected = [0.03, 0.5, 5.0, math.nan, 0.0, -1.0, 0.0, 0.0] if step == 5 else [0.0] * 8
+        assert np.array_equal(values, expected, equal_nan=True), values
     assert not producer.forward  # the next window starts empty
+
+
+def test_scores_compare_the_ranks_of_one_pipeline_stage() -> None:
+    """Stage 0 runs 0.10 s and 0.20 s, stage 1 0.40 s and 0.41 s: each is scored against its own stage."""
+    relative, _ = performance_scores(np.array([0.10, 0.20, 0.40, 0.41]), np.full(4, math.inf), np.array([0, 0, 1, 1]))
+    assert relative == pytest.approx([1.0, 0.5, 1.0, 0.40 / 0.41])
+
+
+def test_attribution_tells_a_slow_peer_from_a_slow_replica() -> None:
+    """Replicas {0, 1} and {2, 3}, plus rank 4 alone (no replica known)."""
+    replicas = np.array([0, 0, 1, 1, -1])
+    known = np.ones(5, dtype=bool)
+    no = np.zeros(5, dtype=bool)
+
+    def flags(*rows: int) -> np.ndarray:
+        out = no.copy()
+        out[list(rows)] = True
+        return out
+
+    # rank 2 computes slowly; rank 3's forward is as long (it waits in the tensor-parallel all-reduce)
+    assert attribute(flags(2, 3), flags(2), known, replicas) == [(PEER, [2], [3])]
+    # both ranks of replica 1 compute slowly: the replica
+    assert attribute(flags(2, 3), flags(2, 3), known, replicas) == [(REPLICA_SLOW, [2, 3], [])]
+    # replica 1's forward is slow, nobody's compute: the replica (the delay is outside compute)
+    assert attribute(flags(2, 3), no, known, replicas) == [(REPLICA_SLOW, [2, 3], [])]
+    # a rank without a replica stands alone, next to a slow peer elsewhere
+    assert attribute(flags(0, 4), flags(1, 4), known, replicas) == [(PEER, [1], [0]), (RANK, [4], [])]
+
+
+def test_under_tp2_dp2_a_slow_tensor_parallel_rank_is_named_and_its_waiting_peer_is_not() -> None:
+    """Simulated reports of 4 ranks, TP=2 x DP=2 (replica 0: ranks 0, 1; replica 1: ranks 2, 3). From step 10 rank 2
+    computes 0.2 s longer and rank 3's forward waits as long; from step 15 rank 3 computes slowly too."""
+    layout, monitor, _ = _layout()
+    findings = {}
+    for step in range(1, 21):
+        rows = np.zeros((4, layout.size))
+        if report_due(step, 1, 5):
+            extra2 = 0.2 if step >= 10 else 0.0
+            extra3 = 0.2 if step >= 15 else 0.0
+            wait = max(extra2, extra3)
+            rows[:, layout[SECTION_TIMES].span] = [_row(0.10, 0.05, 0, 0), _row(0.10, 0.05, 0, 1),
+                                                   _row(0.10 + wait, 0.05 + extra2, 1, 0),
+                                                   _row(0.10 + wait, 0.05 + extra3, 1, 1)]
+        found = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1, 2, 3)))
+        if found:
+            findings[step] = found
+        monitor.commit(step, True)
+    assert list(findings) == [10, 15]
+    (peer,), (replica,) = findings[10], findings[15]
+    assert peer.ranks == (2,) and peer.values["kinds"] == {2: PEER}
+    assert "slow model-parallel peer in replica 1: rank 2 (tensor-parallel rank 0" in peer.message
+    assert "its peers 3 only wait for it" in peer.message
+    assert replica.ranks == (3,) and replica.values["kinds"] == {2: REPLICA_SLOW, 3: REPLICA_SLOW}
+    assert "slow replica 1 (every rank computes slowly)" in replica.message
+    assert monitor.stragglers == {2, 3}
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of the timing and fault code: only sleeps move it, so the times the probe
+    reads are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    from arc_engine.faults import injector
+    from arc_engine.stats import timing
+
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "time", clock)
+    monkeypatch.setattr(injector, "time", clock)
+    return clock
+
+
+def test_the_compute_probe_times_sampled_steps_only_and_not_the_waits_before_a_module(fake_clock: FakeClock) -> None:
+    """A model of three Linear layers; a pre-hook registered first on the first layer sleeps 0.2 s (a framework's
+    parameter gather waiting on a peer: not compute), a forward hook on the second sleeps 0.05 s (a slow device:
+    compute). The probe times every 2nd step, and leaves no hook behind on the others."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].register_forward_pre_hook(lambda module, args: fake_clock.sleep(0.2))
+    model[2].register_forward_hook(lambda module, args, output: fake_clock.sleep(0.05))
+    modules = local_compute_modules([model], 64)
+    assert modules == [model[0], model[2], model[3]]  # leaves with parameters (not the ReLU)
+    assert local_compute_modules([model], 2) == [model[0], model[2]]
+    assert local_compute_modules([model], 64, lambda module: module is model[3]) == [model[0], model[2]]
+    probe = ComputeProbe(modules, torch.device("cpu"), every=2)
+    samples = {}
+    for step in range(4):
+        probe.start(step)
+        hooked = len(model[3]._forward_hooks)
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))  # a second micro-batch: each module is timed at its first call only
+        samples[step] = (probe.take(), hooked)
+    probe.close()
+    assert [samples[step][1] for step in range(4)] == [1, 0, 1, 0] and not model[3]._forward_hooks
+    for step in (0, 2):  # the slow module in, the gather's wait out
+        assert samples[step][0] == [pytest.approx(0.05)]
+    assert samples[1][0] == samples[3][0] == []
+
+
+def test_a_stall_with_a_pattern_sleeps_after_the_matching_module_once_per_step(fake_clock: FakeClock) -> None:
+    from arc_engine.config.schema import FaultSpec
+    from arc_engine.faults import FaultInjector
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    step = [0]
+    spec = FaultSpec(kind="stall", rank=0, step=1, steps=1, seconds=0.01, pattern="1")
+    injector = FaultInjector([spec], 0, lambda: step[0])
+    injector.install(model)
+    probe = ComputeProbe([model[1]], torch.device("cpu"), every=1)
+    seconds = []
+    for step[0] in range(3):
+        probe.start(step[0])
+        model(torch.ones(1, 4))
+        model(torch.ones(1, 4))
+        seconds.extend(probe.take())
+    assert injector.fired == [(1, "stall")]
+    assert seconds == [0.0, pytest.approx(0.01), 0.0]
+    with pytest.raises(ValueError, match="matches no module"):
+        FaultInjector([FaultSpec(kind="stall", rank=0, step=1, seconds=0.1, pattern="nope*")], 0,
+                      lambda: 0).install(model)
 
 
 # ------------------------------------------------------------------ 4 real ranks under DDP

@@ -205,7 +205,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),
     "detectors.straggler.every": KeyDoc("Monitored steps per report: each rank's window median is fetched (one "
                                         "all-gather of the statistics buffer) and every rank scored.", ">= 3"),
-    "detectors.straggler.relative_threshold": KeyDoc("A rank whose fastest-rank-median / own-median falls below "
+    "detectors.straggler.relative_threshold": KeyDoc("A rank whose fastest-rank-median / own-median (forward or "
+                                                     "compute, among the ranks of its pipeline stage) falls below "
                                                      "this is a straggler.", "in (0, 1)"),
     "detectors.straggler.individual_threshold": KeyDoc("A rank whose best-median-so-far / current median falls "
                                                        "below this is a straggler (it slowed down); 0: off.",
@@ -214,6 +215,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                               "reference (timer noise of fast steps never flags).", ">= 0"),
     "detectors.straggler.warmup_reports": KeyDoc("Reports before ranks can be flagged (the first steps compile "
                                                  "and warm caches).", ">= 0"),
+    "detectors.straggler.compute_every": KeyDoc("Monitored steps between samples of each rank's local compute "
+                                                "time (modules without a collective; tells a slow "
+                                                "tensor/pipeline-parallel peer from the peers that wait for it); "
+                                                "0: off.", ">= 0"),
+    "detectors.straggler.compute_modules": KeyDoc("At most this many leaf modules are timed on a sampled step "
+                                                  "(spread evenly over the model).", ">= 1"),
     "detectors.straggler.action": KeyDoc("What a new straggler gets (the event names the ranks)."),
     "detectors.r_metric.enabled": KeyDoc("The R-Metric early warning: system events λ, worker gradient-norm "
                                          "variance σ², loss drift ΔL, each percentile-normalized "

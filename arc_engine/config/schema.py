@@ -260,15 +260,17 @@ class RouterConfig(TrajectoryMonitorConfig):
 @dataclass(kw_only=True)
 class StragglerConfig:
     """Straggler scores (as nvidia-resiliency-ext reports them): each rank times its own forward section (the step's
-    first forward pass, from the first forward pre-hook to the first ``record_loss``: local compute, before any
-    wait on a peer under DDP and ZeRO-1/2) on every monitored step -- host clock on CPU, CUDA events on CUDA (read a
-    step late, no sync). Every ``every`` monitored steps the ranks' window medians are fetched (the one periodic
-    per-rank fetch) and every rank scores every rank: relative = fastest rank's median / the rank's median, individual
-    = the rank's best median so far / its median (1 = as fast as it gets). A rank is a straggler when its relative
-    score is below ``relative_threshold`` (or its individual score below ``individual_threshold``, 0 = off) and it is
-    at least ``min_delay_s`` slower than the reference; after ``warmup_reports`` reports. The event names the ranks;
-    stragglers also count as system events of the R-Metric. Off on pipeline-parallel layouts (only the last stage
-    records a loss)."""
+    first forward pass, from the first forward pre-hook to the first ``record_loss``) on every monitored step, and
+    every ``compute_every`` monitored steps its local compute (the summed forward time of up to ``compute_modules``
+    modules that make no collective, so no wait on a peer is in it) -- host clock on CPU, CUDA events on CUDA (read
+    when complete, no sync). Every ``every`` monitored steps the ranks' window medians are fetched (the one periodic
+    per-rank fetch) and every rank scores every rank against the ranks of its pipeline stage: relative = fastest
+    rank's median / the rank's median, individual = the rank's best forward median so far / its median (1 = as fast
+    as it gets). A rank is slow when its relative score (forward or compute) is below ``relative_threshold`` (or its
+    individual score below ``individual_threshold``, 0 = off) and it is at least ``min_delay_s`` slower than the
+    reference; after ``warmup_reports`` reports. Under model parallelism the slow ranks of a replica are told apart:
+    a model-parallel peer that computes slowly (its peers only wait for it) or a whole slow replica. The event names
+    the ranks; stragglers also count as system events of the R-Metric."""
 
     enabled: bool = True
     every: int = 20
@@ -276,6 +278,8 @@ class StragglerConfig:
     individual_threshold: float = 0.7
     min_delay_s: float = 0.005
     warmup_reports: int = 2
+    compute_every: int = 5
+    compute_modules: int = 64
     action: ActionName = "warn"
 
     def __post_init__(self) -> None:
@@ -285,6 +289,9 @@ class StragglerConfig:
                 "must be in [0, 1) (0 = off)")
         require(self.min_delay_s >= 0, "min_delay_s", self.min_delay_s, "must be >= 0 seconds")
         require(self.warmup_reports >= 0, "warmup_reports", self.warmup_reports, "must be an integer >= 0")
+        require(self.compute_every >= 0, "compute_every", self.compute_every,
+                "must be an integer >= 0 (monitored steps between compute samples; 0 = off)")
+        require(self.compute_modules >= 1, "compute_modules", self.compute_modules, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)
@@ -567,7 +574,9 @@ class FaultSpec:
     each step in ``[step, step + steps)``, so a recomputation does not see it) or ``persistent`` (every call from
     ``step`` on, recomputations included: a faulty device).
     ``stall``: ``rank`` sleeps ``seconds`` at the start of the step (a hung data loader or a stuck device), so it
-    stops stepping and its peers wait in the next collective (what the hang watchdog is for).
+    stops stepping and its peers wait in the next collective (what the hang watchdog is for); with ``pattern``
+    (fnmatch on module names) it sleeps right after the first matching module's forward in the step instead, as if
+    that module's work took longer (a slow device; the straggler family times it as compute).
     Mechanism faults (:mod:`arc_engine.faults.mechanism`, for the mechanism-driven monitors), on every step in
     ``[step, step + steps)`` or, with ``persistent``, every step from ``step`` on:
     ``attention_lowbit``: biased low-bit rounding in attention (the paper's Appendix B): the output O and its

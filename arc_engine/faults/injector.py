@@ -6,7 +6,8 @@ Loss faults are applied by the training loop through :meth:`FaultInjector.on_los
 step's training pass, so an SDC recomputation of the step (``recomputing``) does not see them again, while gradient
 and bit-flip faults stay active for their whole step, recomputation included, as a faulty device's would.
 Learning-rate faults (``lr_scale``) scale the learning rate of the step through the engine
-(:meth:`FaultInjector.lr_multiplier`). ``stall`` sleeps in a forward pre-hook at the step's first forward.
+(:meth:`FaultInjector.lr_multiplier`). ``stall`` sleeps in a forward pre-hook at the step's first forward, or, with a
+``pattern``, in the forward hook of the first matching module to run in the step (the module's work seems longer).
 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
 a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`,
@@ -23,7 +24,7 @@ import torch
 
 from arc_engine.config.schema import FaultSpec
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
-from arc_engine.faults.mechanism import MECHANISM_KINDS, MechanismFault
+from arc_engine.faults.mechanism import MECHANISM_KINDS, MechanismFault, select_modules
 
 
 def bitflip_spec(spec: FaultSpec) -> BitFlipSpec:
@@ -60,9 +61,14 @@ class FaultInjector:
             injector.install(model)
         for mechanism in self.mechanisms:
             mechanism.install(model)
-        stalls = [spec for spec in self.specs if spec.kind == "stall"]
+        stalls = [spec for spec in self.specs if spec.kind == "stall" and not spec.pattern]
         if stalls:
             self._handles.append(model.register_forward_pre_hook(lambda module, args: self._stall(stalls)))
+        for spec in self.specs:  # a slow device: the matching modules' work takes longer
+            if spec.kind == "stall" and spec.pattern:
+                for module in select_modules(model, spec.pattern, spec.kind).values():
+                    self._handles.append(module.register_forward_hook(
+                        lambda module, args, output, spec=spec: self._stall([spec])))
         for spec in self.specs:
             if spec.kind not in ("nan_grad", "inf_grad"):
                 continue
@@ -85,7 +91,7 @@ class FaultInjector:
         return hook
 
     def _stall(self, specs: list[FaultSpec]) -> None:
-        """``stall``: sleep at the step's first forward (once per step)."""
+        """``stall``: sleep at the step's first forward, or the first matching module's (once per step)."""
         for spec in specs:
             if self._active(spec) and (self.current_step(), spec.kind) not in self.fired:
                 self.fired.append((self.current_step(), spec.kind))

@@ -106,6 +106,11 @@ class ModelParts:
     #: tell, e.g. under expert parallelism), and this rank's: local gradients are compared within a position
     shard_positions: int = 0
     shard_position: int = 0
+    #: this rank's replica (its data-parallel index: the ranks of one replica wait on each other inside the forward
+    #: pass; -1: not known), its tensor-parallel rank and its pipeline stage (for naming a slow rank)
+    replica: int = -1
+    tensor_rank: int = 0
+    pipeline_stage: int = 0
 
 
 def worker_positions(parts: ModelParts | None) -> tuple[int, int] | None:
@@ -148,6 +153,9 @@ class StepView:
     times: tuple[float, float] = (math.nan, math.nan)
     #: this rank's system events so far (hang reports of the watchdog), a running count
     local_events: int = 0
+    #: this rank's local compute seconds of the sampled steps read since the last monitored step
+    #: (:class:`arc_engine.stats.timing.ComputeProbe`; empty on most steps)
+    compute: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
