@@ -89,6 +89,9 @@ class ArcEngine:
         self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)
         #: this rank's sampled local compute time (set by the wiring when detectors.straggler wants it)
         self.probe: ComputeProbe | None = None
+        #: the adapter's per-parameter partition views where the optimizer partitions parameters (DeepSpeed ZeRO):
+        #: ``partition_parts(param)`` = (this rank's master values, its final gradient), see StepView
+        self.partition_parts: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         self.local_events = 0  # this rank's system events so far (hang reports), for the families that count them
         self.families: list[tuple[MonitorFamily, FamilyContext]] = []
         self.monitors: list[Monitor] = []
@@ -338,7 +341,7 @@ class ArcEngine:
             fold()
         if self.producers:
             view = StepView(self.step, self.params, self.clock.times(), self.local_events,
-                            tuple(self.probe.take()) if self.probe is not None else ())
+                            tuple(self.probe.take()) if self.probe is not None else (), self.partition_parts)
             for producer in self.producers:
                 producer.write(self.buffer, view)
         for monitor in self.monitors:

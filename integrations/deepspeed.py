@@ -121,6 +121,49 @@ class ZeroPartitionStats:
         self.groups = list(self.torch_optimizer.param_groups)  # the dicts DeepSpeed swaps in one at a time
         self.windows = [WindowCache() for _ in self.groups]
         self._pieces = PersistentPieces()
+        self._divisor: torch.Tensor | float = 1.0  # the step's gradient divisor (set by record)
+        self._place_key: tuple[int, ...] | None = None
+        self._place_cache: dict[int, tuple[int, int, int]] = {}
+
+    def parameter_parts(self, param: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's part of module parameter ``param``: (its fp32 master values, its reduced gradient as
+        DeepSpeed applies it, unscaled and clipped), the elements of the parameter inside this rank's partition;
+        empty lists when none is. Over the ranks the parts are the whole parameter, each element once. Read inside
+        the step (after :meth:`record`, before the inner optimizer consumes the gradient)."""
+        place = self._places().get(id(param))
+        if place is None:
+            return [], []
+        group_id, start, numel = place
+        size = deepspeed_internals.partition_size(self.zero, group_id)
+        first = deepspeed_internals.partition_rank(self.zero, group_id) * size
+        begin, end = max(start, first) - first, min(start + numel, first + size) - first
+        if begin >= end:
+            return [], []
+        partition = deepspeed_internals.fp32_partitions(self.zero)[group_id].view(-1)
+        pieces, final = self.group_gradient(group_id)
+        grads, offset = [], 0
+        for piece in pieces:
+            low, high = max(begin, offset), min(end, offset + piece.numel())
+            if low < high:
+                part = piece.narrow(0, low - offset, high - low)
+                grads.append(part if final else part.double() / self._divisor)
+            offset += piece.numel()
+        return [partition.narrow(0, begin, end - begin)], grads
+
+    def _places(self) -> dict[int, tuple[int, int, int]]:
+        """id(module parameter) -> (group, offset in the group's flat bit16 buffer, elements); the parameters are
+        views of that buffer. Rebuilt when a buffer moved."""
+        flats = [deepspeed_internals.bit16_flat(self.zero, i) for i in range(len(self.groups))]
+        key = tuple(flat.data_ptr() for flat in flats)
+        if self._place_key != key:
+            self._place_cache = {}
+            for group_id, params in enumerate(deepspeed_internals.bit16_groups(self.zero)):
+                base = flats[group_id].data_ptr()
+                for param in params:
+                    offset = (param.data_ptr() - base) // param.element_size()
+                    self._place_cache[id(param)] = (group_id, offset, param.numel())
+            self._place_key = key
+        return self._place_cache
 
     def group_id(self, optimizer: torch.optim.Optimizer) -> int:
         current = optimizer.param_groups[0]
@@ -149,7 +192,7 @@ class ZeroPartitionStats:
         """``pre_clip_norm``: the global norm to unscale and clip with (default: DeepSpeed's; a recomputation
         passes the corrected one)."""
         buffer = self.engine.buffer
-        combined = device_divisor(self.zero, buffer.device, pre_clip_norm)
+        combined = self._divisor = device_divisor(self.zero, buffer.device, pre_clip_norm)
         loss_scale = float(self.zero.loss_scale)
         for group_id, partition in enumerate(deepspeed_internals.fp32_partitions(self.zero)):
             pieces, final = self.group_gradient(group_id)
@@ -338,6 +381,7 @@ class ZeroAdapter:
         # after the fault hooks: sees their output; ZeRO-1/2 take the statistics from what DeepSpeed is about to reduce
         local_grads = LocalGradHooks(engine, param_groups, gate, self.zero if self.stage in (1, 2) else None)
         self.hooks = hooks = ZeroStepHooks(engine, self.ds_engine, local_grads)
+        engine.partition_parts = hooks.stats.parameter_parts  # per-parameter partition views (weight health)
         if recompute_fn is not None:
             from arc_engine.integrations.deepspeed_recompute import ZeroGradientTarget
 

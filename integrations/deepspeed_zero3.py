@@ -69,6 +69,24 @@ class Zero3PartitionStats:
             seen[group_id] += len(params)
         self.windows = [WindowCache() for _ in range(num_sub_groups)]
         self._pieces = PersistentPieces()
+        # id(module parameter) -> (sub-group, index in it): where its partition's pieces are
+        self.places = {id(param): (sub_group_id, index) for sub_group_id, params in enumerate(sub_group_params)
+                       for index, param in enumerate(params)}
+        self._divisor: torch.Tensor | float = 1.0  # the step's gradient divisor (set by record)
+
+    def parameter_parts(self, param: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's partition of module parameter ``param``: (its fp32 master values, its reduced gradient as
+        DeepSpeed applies it, unscaled and clipped), padding cut off; over the ranks the whole parameter, each
+        element once. Read inside the step (after :meth:`record`)."""
+        place = self.places.get(id(param))
+        if place is None:
+            return [], []
+        sub_group_id, index = place
+        weight = self.persistent_pieces(sub_group_id, "params", self.partitions[sub_group_id])[index]
+        grads, final = self.sub_group_gradient(sub_group_id)
+        grad = grads[index]
+        parts = [] if grad is None else [grad if final else grad.double() / self._divisor]
+        return ([] if weight is None else [weight]), parts
 
     @property
     def partitions(self) -> list[torch.Tensor]:
@@ -121,7 +139,7 @@ class Zero3PartitionStats:
         """Add this rank's per-group partial sums to the engine buffer. Local, no communication; call at the
         pre-hook of the step's first inner-optimizer call, on every rank."""
         buffer = self.engine.buffer
-        combined = device_divisor(self.zero, buffer.device)
+        combined = self._divisor = device_divisor(self.zero, buffer.device)
         loss_scale = float(self.zero.loss_scale)
         for sub_group_id, group_id in enumerate(self.group_of):
             grads, final = self.sub_group_gradient(sub_group_id)

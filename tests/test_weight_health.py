@@ -311,3 +311,84 @@ def test_fsdp2_agreed_sums_over_shards_equal_the_full_model(tmp_path: Path) -> N
         assert result["max_error"] < 1e-9
         assert result["histograms_equal"] == [True, True, True]  # fixed edges: the shards' counts add up exactly
         assert result["ranked"] == 0.0  # sharded matrices are not rank-measured
+
+
+# ------------------------------------------------------------------ DeepSpeed ZeRO-1/2/3: partitioned parameters
+
+DS_CLIP = 0.05  # clipping active on every step: the gradient measured is the one DeepSpeed applies
+
+
+def _deepspeed(rank: int, world: int, stage: int, run_dir: Path) -> list[list[float]]:
+    """The tiny GPT under DeepSpeed ZeRO-``stage`` on 2 ranks, weight health every step; per step the agreed sums
+    (every rank's parts of every tracked matrix, from the optimizer's partitions) and the rank measurements."""
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, stage, clip=DS_CLIP)
+    arc = attach_deepspeed(engine, make_config(run_dir, *ON, "detectors.weight_health.every=1"))
+    rows = []
+    for step in range(3):
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = engine(inputs, targets)
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        stats = arc.engine.last_stats
+        rows.append([*stats.total(WEIGHT), *stats.total(GRAD), *stats.total(GRAD_HIST), *stats.total(RANK)])
+    arc.close()
+    return rows
+
+
+def _reference(world: int, steps: int) -> list[dict[str, np.ndarray]]:
+    """One process, full tensors: per step, per matrix, the weights before the update and the gradient DeepSpeed
+    applies (the ranks' mean, clipped to DS_CLIP)."""
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    matrices = _matrices(model)
+    out = []
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            model(*data.batch(step, rank, BATCH)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, param in enumerate(model.parameters()):
+            param.grad = sum(g[i] for g in grads) / world
+        weights = [p.detach().double().clone() for p in matrices]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), DS_CLIP)
+        applied = [p.grad.double().clone() for p in matrices]
+        out.append({"weight": np.array([[float(w.square().sum()), w.numel()] for w in weights]),
+                    "grad": np.array([[float(g.sum()), float(g.square().sum()), g.numel()] for g in applied]),
+                    "grad_abs": np.array([float(g.abs().sum()) for g in applied]),
+                    "hist": sum(log_magnitude_histogram(g, 48, -40, 8) for g in applied).double().numpy()})
+        optimizer.step()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_agreed_sums_over_partitions_equal_the_full_model(tmp_path: Path, stage: int) -> None:
+    """Under ZeRO-1/2 the module holds whole weights but the gradient lives in the ranks' partitions; under ZeRO-3
+    both do. The agreed Σw², element counts, Σg and Σg² of every matrix equal the full model's (applied, clipped
+    gradient), the gradient histogram counts every element once, every rank agrees, and ZeRO-1/2 measure effective
+    ranks from their whole module weights."""
+    pytest.importorskip("deepspeed")
+    results = run_ranks(_deepspeed, 2, stage, tmp_path)
+    assert results[0] == results[1]  # one agreed value on every rank
+    expected = _reference(2, 3)
+    matrices = len(expected[0]["weight"])
+    for step, (row, want) in enumerate(zip(results[0], expected, strict=True)):
+        row = np.asarray(row)
+        weight = row[:64 * 3].reshape(64, 3)[:matrices]
+        grad = row[64 * 3:64 * 6].reshape(64, 3)[:matrices]
+        hist, ranked = row[64 * 6:64 * 6 + 48], row[64 * 6 + 48:].reshape(64, 2)
+        np.testing.assert_allclose(weight[:, 0], want["weight"][:, 0], rtol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_array_equal(weight[:, 1], want["weight"][:, 1])  # every element once
+        np.testing.assert_allclose(grad[:, 1], want["grad"][:, 1], rtol=1e-4, err_msg=f"step {step}")
+        # Σg is a small difference of large sums (float32 gradients reduced in another order): against Σ|g|
+        assert (np.abs(grad[:, 0] - want["grad"][:, 0]) <= 1e-5 * want["grad_abs"]).all(), step
+        np.testing.assert_array_equal(grad[:, 2], want["grad"][:, 2])
+        assert hist.sum() == want["hist"].sum()  # every gradient element once
+        assert np.abs(hist - want["hist"]).sum() <= 1e-3 * hist.sum()  # a bin edge may split float rounding
+        # ZeRO-1/2: rank_samples matrices measured by their owners from the whole module weights; ZeRO-3 holds
+        # no whole matrix
+        assert ranked[:, 1].sum() == (0 if stage == 3 else 2), step

@@ -156,6 +156,10 @@ class StepView:
     #: this rank's local compute seconds of the sampled steps read since the last monitored step
     #: (:class:`arc_engine.stats.timing.ComputeProbe`; empty on most steps)
     compute: tuple[float, ...] = ()
+    #: where the optimizer partitions the parameters (DeepSpeed ZeRO): ``partition_parts(param)`` = (this rank's
+    #: parts of the parameter's master values, of its gradient as the optimizer applies it); over the ranks the
+    #: parts are the whole parameter, each element once. None elsewhere (read the parameters and their ``.grad``)
+    partition_parts: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,15 @@ four SUM slots of the step's one agreement, sized by the config alone (T = ``max
 * ``weight_health_grad`` ``[T x 3]``: per matrix Σg, Σg² and the elements of its gradient;
 * ``weight_health_grad_hist`` ``[B]``: the tracked gradients' elements counted in fixed log2-magnitude bins.
 
-Each element is counted once across the decision group. A parameter a rank holds whole (DDP, DeepSpeed ZeRO-1/2, a
-plain module) is the same on every rank and written by its owner only (:func:`~arc_engine.stats.partition.owned_ids`
-over the decision group's ranks); a local shard (FSDP2: the adapter holds ``param.to_local()``, whose autograd input
-is the DTensor parameter, where the gradient's shard is read) is written by every rank for its own shard. The
-effective rank needs a whole matrix: the owner of a replicated matrix computes it; sharded matrices are not
-rank-measured. Off the schedule the slots stay zero; the monitor reads only agreed sums.
+Each element is counted once across the decision group. A parameter a rank holds whole (DDP, a plain module) is the
+same on every rank and written by its owner only (:func:`~arc_engine.stats.partition.owned_ids` over the decision
+group's ranks); a local shard (FSDP2: the adapter holds ``param.to_local()``, whose autograd input is the DTensor
+parameter, where the gradient's shard is read) is written by every rank for its own shard. Where the optimizer
+partitions the parameters (DeepSpeed ZeRO-1/2/3: :attr:`StepView.partition_parts`), every rank writes its
+partition's part of every matrix: the fp32 master values and the gradient as DeepSpeed applies it (unscaled,
+clipped). The effective rank needs a whole matrix: the owner of a replicated one computes it (ZeRO-1/2: from the
+module's whole weights); sharded matrices (FSDP2, ZeRO-3) are not rank-measured. Off the schedule the slots stay
+zero; the monitor reads only agreed sums.
 
 Alarms (each measurement, while the condition holds): ‖W‖_F above ``max_norm`` or non-finite (explosion);
 ‖W‖_F / ‖W₀‖_F below ``collapse_ratio`` (collapse; W₀: the matrix at the family's first measurement); sparsity above
@@ -71,6 +74,12 @@ def dtensor_parameter(tensor: torch.Tensor) -> DTensor | None:
     return None
 
 
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's whole shape: DeepSpeed ZeRO-3 keeps it in ``ds_shape`` (the tensor itself is empty between
+    gathers)."""
+    return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
+
+
 class TrackedMatrix:
     """One tracked weight matrix as this rank holds it: the whole tensor, or this rank's shard (``sharded``).
     ``label`` is the same on every rank (parameter index and full shape)."""
@@ -79,7 +88,9 @@ class TrackedMatrix:
         self.slot, self.tensor = slot, tensor
         self.parameter = dtensor_parameter(tensor)
         self.sharded = self.parameter is not None
-        self.label = f"param {index} {list(self.parameter.shape if self.sharded else tensor.shape)}"
+        #: whether this rank holds the whole matrix at the step (not a DTensor shard, not a ZeRO-3 parameter)
+        self.whole = not self.sharded and not hasattr(tensor, "ds_shape")
+        self.label = f"param {index} {list(self.parameter.shape if self.sharded else full_shape(tensor))}"
 
     def weight(self) -> torch.Tensor:
         """The live values this rank holds (read each time: a restore may rebind a parameter's storage)."""
@@ -121,7 +132,7 @@ class WeightHealthProducer:
         """The tracked matrices of ``params`` (the same list in the same order on every rank), cached."""
         key = tuple(id(p) for p in params)
         if key != self._params_key:
-            candidates = [(i, p) for i, p in enumerate(params) if p.dim() >= 2]
+            candidates = [(i, p) for i, p in enumerate(params) if len(full_shape(p)) >= 2]
             chosen = tracked_indices(len(candidates), self.config.max_tensors)
             self.matrices = [TrackedMatrix(slot, *candidates[c]) for slot, c in enumerate(chosen)]
             replicated = [m.tensor for m in self.matrices if not m.sharded]
@@ -136,32 +147,44 @@ class WeightHealthProducer:
         every = config.every
         if view.step % every != 0:
             return
-        matrices = [m for m in self.track(list(view.params)) if m.slot in self.owned]
+        tracked = self.track(list(view.params))
+        partitioned = view.partition_parts
+        # where the optimizer partitions the parameters every rank writes its part of every tracked matrix; else
+        # the owner of a replicated matrix writes it whole, and every rank its own shards
+        matrices = tracked if partitioned is not None else [m for m in tracked if m.slot in self.owned]
         if not matrices:
             return
         device = buffer.device
-        if self._slots is None or self._slots.device != device:
+        if self._slots is None or self._slots.device != device or len(self._slots) != len(matrices):
             self._slots = torch.tensor([m.slot for m in matrices], device=device)
         slots = self._slots
         weight_rows, grad_rows = [], []
         histogram = torch.zeros(config.hist_bins, dtype=torch.long, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
         for matrix in matrices:
-            weight = matrix.weight()
-            sq, small = weight_sums(weight, config.sparsity_eps)
-            weight_rows.append(torch.stack([sq, torch.full_like(sq, weight.numel()), small]).to(device))
-            grad = matrix.grad()
-            if grad is None:
-                grad_rows.append(torch.zeros(3, dtype=torch.float64, device=device))
-                continue
-            grad_sum, grad_sq = grad_sums(grad)
-            grad_rows.append(torch.stack([grad_sum, grad_sq, torch.full_like(grad_sq, grad.numel())]).to(device))
-            histogram += log_magnitude_histogram(grad, config.hist_bins, config.hist_min_log2,
-                                                 config.hist_max_log2).to(device)
+            if partitioned is not None:
+                weights, grads = partitioned(matrix.tensor)
+            else:
+                grad = matrix.grad()
+                weights, grads = [matrix.weight()], ([] if grad is None else [grad])
+            sq, small, count = zero, zero, 0
+            for weight in weights:
+                part_sq, part_small = weight_sums(weight, config.sparsity_eps).to(device)
+                sq, small, count = sq + part_sq, small + part_small, count + weight.numel()
+            weight_rows.append(torch.stack([sq, torch.full_like(sq, count), small]))
+            total, total_sq, count = zero, zero, 0
+            for grad in grads:
+                part_sum, part_sq = grad_sums(grad).to(device)
+                total, total_sq, count = total + part_sum, total_sq + part_sq, count + grad.numel()
+                histogram += log_magnitude_histogram(grad, config.hist_bins, config.hist_min_log2,
+                                                     config.hist_max_log2).to(device)
+            grad_rows.append(torch.stack([total, total_sq, torch.full_like(total_sq, count)]))
         buffer.view(WEIGHT).view(config.max_tensors, 3).index_copy_(0, slots, torch.stack(weight_rows))
         buffer.view(GRAD).view(config.max_tensors, 3).index_copy_(0, slots, torch.stack(grad_rows))
         buffer.view(GRAD_HIST).copy_(histogram)
+        # the effective rank needs a whole matrix: its owner measures it where a rank holds it whole
         sample = set(rank_sample(len(self.matrices), view.step // every, config.rank_samples))
-        ranked = [m for m in matrices if m.slot in sample and not m.sharded]
+        ranked = [m for m in tracked if m.slot in sample and m.slot in self.owned and m.whole]
         rank_rows = buffer.view(RANK).view(config.max_tensors, 2)
         for matrix in ranked:
             rank_rows[matrix.slot, 0].copy_(effective_rank(matrix.weight()))
