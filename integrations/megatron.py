@@ -118,6 +118,10 @@ class MegatronAdapter:
         self.groups: list[_Group] = []
         labels: list[str] = []
         self._model_group: dict[int, int] = {}  # id(model param) -> job-wide group index
+        #: id(model param) -> the inner (master) parameter this rank counts for it: its DistributedOptimizer shard,
+        #: or the whole master on the owner replica; absent where another rank counts it (weight health's parts)
+        self._inner_of: dict[int, torch.Tensor] = {}
+        self._counted_somewhere: set[int] = set()  # id(model param) whose master counts on its replicas' owners
         for member in self.members:
             inner = mi.inner_optimizer(member)
             if inner is None:
@@ -134,6 +138,11 @@ class MegatronAdapter:
                 labels.append(mi.group_label(group))
                 for param in model_params:
                     self._model_group[id(param)] = index
+                for param, inner_param in zip(model_params, group["params"], strict=True):
+                    if id(inner_param) in ids:
+                        self._inner_of[id(param)] = inner_param
+                    if mi.counts_once(member, inner_param):
+                        self._counted_somewhere.add(id(param))
         self.group_names = _group_names(labels)
         from megatron.core import parallel_state
 
@@ -215,6 +224,43 @@ class MegatronAdapter:
                           model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1],
                           **where)
 
+    def _weight_matrices(self) -> list[tuple[str, torch.Tensor | None, bool]]:
+        """The whole model's weight matrices for ``detectors.weight_health``, the same list on every rank: every
+        rank's names gathered once (collective, at attach). A layer's parameters are named by its global layer
+        index, so the pipeline stages' names do not collide; tensor-parallel shards of one matrix share its name
+        (their parts add up). Expert matrices under expert parallelism are left out (each EP rank holds other
+        experts under the same local names). This rank's effective-rank measurements: the matrices it holds whole
+        (not split over tensor-parallel ranks) and counts, on the first data-parallel replica."""
+        from megatron.core import parallel_state
+
+        named: dict[int, str] = {}
+        for layer in mi.transformer_layers(self.chunks):
+            for name, param in layer.named_parameters():
+                named[id(param)] = f"layers.{mi.layer_index(layer)}.{name}"
+        expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        mine: dict[str, tuple[torch.Tensor, bool]] = {}
+        for chunk in self.chunks:
+            for name, param in mi.unwrap_chunk(chunk).named_parameters():
+                if param.dim() < 2 or id(param) not in self._counted_somewhere or \
+                        (expert_parallel and not getattr(param, "allreduce", True)):
+                    continue
+                whole = tp_size == 1 or not getattr(param, "tensor_model_parallel", False)
+                mine[named.get(id(param), name)] = (param, whole and first_replica)
+        names = sorted({name for ranks in runtime.gather_by_rank(sorted(mine), None).values() for name in ranks},
+                       key=_matrix_order)
+        return [(name, *mine.get(name, (None, False))) for name in names]
+
+    def partition_parts(self, param: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's part of model parameter ``param`` for statistics that add up over the ranks (weight
+        health): its master values and gradient (unscaled, before Megatron's clipping), where this rank counts
+        it (its DistributedOptimizer shard, or the owner replica's whole master); empty lists elsewhere."""
+        inner = self._inner_of.get(id(param))
+        if inner is None:
+            return [], []
+        return [inner.detach().view(-1)], ([] if inner.grad is None else [inner.grad.view(-1)])
+
     def compute_modules(self, limit: int) -> list[torch.nn.Module]:
         """What the straggler family's compute probe times: leaf modules of every chunk whose forward makes no
         tensor-parallel collective (:func:`megatron_internals.communicates_in_forward`), so a rank's compute time
@@ -267,6 +313,8 @@ class MegatronAdapter:
 
     # ----------------------------------------------------------------------------------------- contract
     def check_config(self, config: ArcConfig) -> None:
+        if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
+            self.parts.matrices = self._weight_matrices()
         sdc = config.detectors.sdc
         refusal = mi.recompute_refusal(self.chunks, self.optimizer) if sdc.enabled and sdc.recompute.enabled \
             else None
@@ -286,6 +334,7 @@ class MegatronAdapter:
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         self.engine = engine
         self.parts.current_step = lambda: engine.step
+        engine.partition_parts = self.partition_parts
         removers = [*self._routing_removers]
         if recompute_fn is not None:
             from arc_engine.integrations.megatron_recompute import MegatronGradientTarget
@@ -373,6 +422,14 @@ class MegatronAdapter:
             restore_learning_rates(self.optimizer.param_groups, self._saved_lrs)
             self._saved_lrs = None
         self.engine.finish_step(framework_skipped=self._found_inf and not self._vetoed)
+
+
+def _matrix_order(name: str) -> tuple[int, int, str]:
+    """Model order for matrix names: the embeddings, the layers by global index, then the rest (output layer)."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return (1, int(parts[1]), ".".join(parts[2:]))
+    return (0 if "embedding" in name else 2, 0, name)
 
 
 def attach_megatron(model: Any, optimizer: Any, config: ArcConfig | str | Path | None = None, *,

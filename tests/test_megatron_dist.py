@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -384,3 +385,95 @@ def test_pp2_dp2_straggler_names_a_slow_pipeline_stage_and_not_the_stage_that_wa
         assert finding["kinds"] == {"1": "model-parallel peer"}, finding
         assert "replica 1: rank 1 (tensor-parallel rank 0, pipeline stage 0" in finding["message"]
         assert "its peers 3 only wait for it" in finding["message"]
+
+
+# ------------------------------------------------------------------ weight health over TP shards and PP stages
+
+def _weight_health(rank: int, world: int, config: str, layout: list[str]) -> dict[str, Any]:
+    """Three steps with weight health every step: the agreed sums per tracked matrix (by name), and this rank's
+    reference for the matrices it holds: Σw² before the update and Σg, Σg² of the reduced gradient (main_grad),
+    summed over the tensor-parallel shards of a split matrix."""
+    from megatron.core import parallel_state
+
+    from arc_engine.monitors.weight_health import GRAD, RANK, WEIGHT
+
+    script, args, state = _build([*SMALL, *layout, "--clip-grad", "0", "--arc-config", config])
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    monitor = next(m for m in state.arc.engine.monitors if m.name == "weight_health")
+    held = [(name, param) for name, param, _ in state.arc.adapter.parts.matrices if param is not None]
+    steps = []
+    for _ in range(3):
+        weights = {name: param.detach().double().square().sum() for name, param in held}
+        script.train_step(state, args, state.arc.data_position)
+        reference = {}
+        for name, param in held:
+            grad = param.main_grad.double()
+            values = torch.stack([weights[name], torch.tensor(float(param.numel()), dtype=torch.float64),
+                                  grad.sum(), grad.square().sum()])
+            if getattr(param, "tensor_model_parallel", False):
+                torch.distributed.all_reduce(values, group=tp_group)
+            reference[name] = values.tolist()
+        stats = state.arc.engine.last_stats
+        steps.append({"weight": stats.total(WEIGHT).reshape(-1, 3).tolist(),
+                      "grad": stats.total(GRAD).reshape(-1, 3).tolist(),
+                      "ranked": float(stats.total(RANK).reshape(-1, 2)[:, 1].sum()), "reference": reference})
+    labels = monitor.producer.labels
+    state.arc.close()
+    return {"labels": labels, "steps": steps}
+
+
+def _check_weight_health(results: list[dict[str, Any]]) -> None:
+    labels = results[0]["labels"]
+    assert all(r["labels"] == labels for r in results)  # one list of matrices, by name, on every rank
+    for step in range(3):
+        rows = results[0]["steps"][step]
+        assert all(r["steps"][step]["weight"] == rows["weight"] for r in results)  # agreed
+        merged: dict[str, list[float]] = {}
+        for result in results:
+            for name, values in result["steps"][step]["reference"].items():
+                assert merged.setdefault(name, values) == pytest.approx(values, rel=1e-9), name  # replicas agree
+        assert sorted(merged) == sorted(labels)  # every matrix is held somewhere
+        for slot, name in enumerate(labels):
+            sq, count, gsum, gsq = merged[name]
+            weight, grad = rows["weight"][slot], rows["grad"][slot]
+            assert weight[0] == pytest.approx(sq, rel=1e-6) and weight[1] == count, (step, name)
+            assert grad[1] == pytest.approx(gsq, rel=1e-5) and grad[2] == count, (step, name)
+            assert abs(grad[0] - gsum) <= 1e-5 * math.sqrt(gsq * count), (step, name)  # against Σ|g| scale
+
+
+@pytest.mark.timeout(500)
+def test_weight_health_sums_over_tensor_parallel_shards_and_optimizer_shards(tmp_path: Path) -> None:
+    """TP=2 x DP=2, fp32, no clipping: every rank agrees on one list of the model's matrices; the agreed Σw², Σg,
+    Σg² and element counts of each equal the sums over its tensor-parallel shards, each element once over the
+    data-parallel replicas (the owner's master), the gradient the reduced one; with the DistributedOptimizer (each
+    replica holds a shard of every master) the same sums come from the shards. No matrix is whole on a rank, so
+    none is rank-measured."""
+    config = _arc_yaml(tmp_path / "weights.yaml", "weights", weight_health={"enabled": True, "every": 1})
+    plain = run_ranks(_weight_health, 4, config, ["--tensor-model-parallel-size", "2"], timeout_s=240)
+    _check_weight_health(plain)
+    assert len(plain[0]["labels"]) == 1 + 2 * 4  # the (tied) embedding, 4 matrices per layer
+    assert all(step["ranked"] == 0 for step in plain[0]["steps"])  # every matrix split over the TP ranks
+    sharded = run_ranks(_weight_health, 4, config, ["--tensor-model-parallel-size", "2",
+                                                    "--use-distributed-optimizer"], timeout_s=240)
+    assert sharded[0]["labels"] == plain[0]["labels"]
+    for result in sharded:  # (main_grad is reduced on each replica's own shard only: compared with the plain run)
+        for ours, theirs in zip(result["steps"], plain[0]["steps"], strict=True):
+            np.testing.assert_allclose(ours["weight"], theirs["weight"], rtol=1e-6)
+            grads, expected = np.array(ours["grad"]), np.array(theirs["grad"])
+            np.testing.assert_allclose(grads[:, 1:], expected[:, 1:], rtol=1e-5)
+            assert (np.abs(grads[:, 0] - expected[:, 0]) <= 1e-5 * np.sqrt(expected[:, 1] * expected[:, 2])).all()
+
+
+@pytest.mark.timeout(300)
+def test_weight_health_names_the_matrices_of_every_pipeline_stage(tmp_path: Path) -> None:
+    """PP=2 x DP=2: stage 0 holds layer 0 and the embeddings, stage 1 layer 1 and the output layer; the list of
+    matrices is the union, named by global layer index, and each slot's sums are its stage's. Without tensor
+    parallelism every matrix is whole: the first replica of its stage measures the effective ranks (2 per
+    measurement)."""
+    config = _arc_yaml(tmp_path / "weights.yaml", "weights", weight_health={"enabled": True, "every": 1})
+    results = run_ranks(_weight_health, 4, config, ["--pipeline-model-parallel-size", "2"], timeout_s=280)
+    _check_weight_health(results)
+    labels = results[0]["labels"]
+    assert any(name.startswith("layers.0.") for name in labels) and any(name.startswith("layers.1.")
+                                                                         for name in labels)
+    assert all(step["ranked"] == 2 for step in results[0]["steps"])

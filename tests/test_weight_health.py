@@ -174,13 +174,16 @@ def test_the_gradient_cv_alarm_is_off_by_default_and_fires_above_cv_max() -> Non
     assert finding.values["kind"] == "grad_cv" and finding.action == Action.SKIP
 
 
-def test_the_family_is_off_by_default_off_under_megatron_and_validates_its_section() -> None:
+def test_the_family_is_off_by_default_off_without_the_adapters_matrix_list_and_validates_its_section() -> None:
     family = WeightHealthFamily()
     default = load_config(None, [])
     assert not family.enabled(FamilyContext(default, default.detectors.weight_health, ["g"], Reduce.SUM))
     on = load_config(None, list(ON))
     assert family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM))
+    # an adapter that describes the model (Megatron) must list its matrices, or the family stays off
     assert not family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM, ModelParts()))
+    listed = ModelParts(matrices=[("layers.0.w", torch.zeros(2, 2), True)])
+    assert family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM, listed))
     sizes = {d.name: d.size for d in family.statistics(FamilyContext(on, on.detectors.weight_health, ["g"],
                                                                      Reduce.SUM))}
     assert sizes == {WEIGHT: 3 * 64, RANK: 2 * 64, GRAD: 3 * 64, GRAD_HIST: 48}  # independent of the ranks

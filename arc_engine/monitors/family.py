@@ -111,6 +111,10 @@ class ModelParts:
     replica: int = -1
     tensor_rank: int = 0
     pipeline_stage: int = 0
+    #: the whole model's weight matrices where ranks hold different ones (pipeline stages): ``(name, this rank's
+    #: parameter or None, whether this rank measures its effective rank)``, the same names in the same order on
+    #: every rank; each rank's parts come from :attr:`StepView.partition_parts` (for ``detectors.weight_health``)
+    matrices: list[tuple[str, torch.Tensor | None, bool]] = field(default_factory=list)
 
 
 def worker_positions(parts: ModelParts | None) -> tuple[int, int] | None:

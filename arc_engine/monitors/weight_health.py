@@ -40,7 +40,15 @@ from arc_engine import runtime
 from arc_engine.config.schema import WeightHealthConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_family_enabled
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    ModelParts,
+    Producer,
+    StatDecl,
+    StepView,
+    periodic_family_enabled,
+)
 from arc_engine.monitors.weight_stats import (
     effective_rank,
     grad_sums,
@@ -84,13 +92,16 @@ class TrackedMatrix:
     """One tracked weight matrix as this rank holds it: the whole tensor, or this rank's shard (``sharded``).
     ``label`` is the same on every rank (parameter index and full shape)."""
 
-    def __init__(self, slot: int, index: int, tensor: torch.Tensor) -> None:
+    def __init__(self, slot: int, index: int, tensor: torch.Tensor | None, label: str | None = None) -> None:
         self.slot, self.tensor = slot, tensor
-        self.parameter = dtensor_parameter(tensor)
+        self.parameter = dtensor_parameter(tensor) if tensor is not None else None
         self.sharded = self.parameter is not None
         #: whether this rank holds the whole matrix at the step (not a DTensor shard, not a ZeRO-3 parameter)
-        self.whole = not self.sharded and not hasattr(tensor, "ds_shape")
-        self.label = f"param {index} {list(self.parameter.shape if self.sharded else full_shape(tensor))}"
+        self.whole = tensor is not None and not self.sharded and not hasattr(tensor, "ds_shape")
+        if label is None:
+            assert tensor is not None
+            label = f"param {index} {list(self.parameter.shape if self.parameter is not None else full_shape(tensor))}"
+        self.label = label
 
     def weight(self) -> torch.Tensor:
         """The live values this rank holds (read each time: a restore may rebind a parameter's storage)."""
@@ -107,8 +118,9 @@ class WeightHealthProducer:
     no collective, no host sync, except the effective rank's SVD (``rank_samples`` matrices per measurement),
     which synchronizes a CUDA device with the host. Writes overwrite (a re-agreement of the step writes the same)."""
 
-    def __init__(self, config: WeightHealthConfig) -> None:
+    def __init__(self, config: WeightHealthConfig, parts: ModelParts | None = None) -> None:
         self.config = config
+        self.parts = parts  # with ``matrices``: the whole model's list (Megatron), else this rank's parameters
         self.member, self.members = runtime.global_rank(), 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.members = torch.distributed.get_world_size()
@@ -130,6 +142,14 @@ class WeightHealthProducer:
 
     def track(self, params: list[torch.Tensor]) -> list[TrackedMatrix]:
         """The tracked matrices of ``params`` (the same list in the same order on every rank), cached."""
+        if self.parts is not None and self.parts.matrices:
+            if self._params_key != ():
+                entries = self.parts.matrices
+                chosen = tracked_indices(len(entries), self.config.max_tensors)
+                self.matrices = [TrackedMatrix(slot, c, entries[c][1], entries[c][0]) for slot, c in enumerate(chosen)]
+                self.owned = {m.slot for m, c in zip(self.matrices, chosen, strict=True) if entries[c][2]}
+                self._params_key, self._slots = (), None
+            return self.matrices
         key = tuple(id(p) for p in params)
         if key != self._params_key:
             candidates = [(i, p) for i, p in enumerate(params) if len(full_shape(p)) >= 2]
@@ -151,7 +171,8 @@ class WeightHealthProducer:
         partitioned = view.partition_parts
         # where the optimizer partitions the parameters every rank writes its part of every tracked matrix; else
         # the owner of a replicated matrix writes it whole, and every rank its own shards
-        matrices = tracked if partitioned is not None else [m for m in tracked if m.slot in self.owned]
+        matrices = [m for m in tracked if m.tensor is not None] if partitioned is not None else \
+            [m for m in tracked if m.slot in self.owned]
         if not matrices:
             return
         device = buffer.device
@@ -373,9 +394,8 @@ def _unkeyed(values: dict[str, float]) -> dict[int, float]:
 
 
 class WeightHealthFamily(FamilyBase):
-    """``detectors.weight_health`` (off by default). Off under Megatron (the adapter describes the model): its
-    tensor-parallel shards are replicated over data-parallel copies and its gradients live in ``main_grad``,
-    which this family does not read yet."""
+    """``detectors.weight_health`` (off by default). Where the adapter describes the model (Megatron) it runs over
+    the adapter's list of the whole model's matrices (:attr:`ModelParts.matrices`; off when it gives none)."""
 
     name = "weight_health"
 
@@ -385,11 +405,11 @@ class WeightHealthFamily(FamilyBase):
     def _producer(self, ctx: FamilyContext) -> WeightHealthProducer:
         """The one producer of ``ctx``, shared with its monitor (which hands it the decision group at start)."""
         if self._shared is None or self._shared[0] is not ctx:
-            self._shared = (ctx, WeightHealthProducer(ctx.section))
+            self._shared = (ctx, WeightHealthProducer(ctx.section, ctx.parts))
         return self._shared[1]
 
     def enabled(self, ctx: FamilyContext) -> bool:
-        return periodic_family_enabled(ctx, self.name, ctx.parts is None)
+        return periodic_family_enabled(ctx, self.name, ctx.parts is None or bool(ctx.parts.matrices))
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         size = ctx.section.max_tensors
