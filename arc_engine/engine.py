@@ -197,6 +197,13 @@ class ArcEngine:
         adapter at install). ``restat`` re-records the reduced-gradient statistics after a correction."""
         self.sdc_recompute, self.restat = recompute, restat
 
+    def use_partition_parts(self, parts: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]
+                            ) -> None:
+        """Where the optimizer partitions the parameters, the adapter's per-parameter view of this rank's part:
+        ``parts(param)`` = (master values, final gradient) pieces (families read it through
+        :attr:`StepView.partition_parts`)."""
+        self.partition_parts = parts
+
     def add_lr_multiplier(self, multiplier: Callable[[], float]) -> None:
         """Multiply each step's learning rate by ``multiplier()`` (e.g. an injected learning-rate fault)."""
         self.lr_multipliers.append(multiplier)

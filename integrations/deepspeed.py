@@ -381,7 +381,7 @@ class ZeroAdapter:
         # after the fault hooks: sees their output; ZeRO-1/2 take the statistics from what DeepSpeed is about to reduce
         local_grads = LocalGradHooks(engine, param_groups, gate, self.zero if self.stage in (1, 2) else None)
         self.hooks = hooks = ZeroStepHooks(engine, self.ds_engine, local_grads)
-        engine.partition_parts = hooks.stats.parameter_parts  # per-parameter partition views (weight health)
+        engine.use_partition_parts(hooks.stats.parameter_parts)  # per-parameter partition views (weight health)
         if recompute_fn is not None:
             from arc_engine.integrations.deepspeed_recompute import ZeroGradientTarget
 

@@ -334,7 +334,7 @@ class MegatronAdapter:
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         self.engine = engine
         self.parts.current_step = lambda: engine.step
-        engine.partition_parts = self.partition_parts
+        engine.use_partition_parts(self.partition_parts)
         removers = [*self._routing_removers]
         if recompute_fn is not None:
             from arc_engine.integrations.megatron_recompute import MegatronGradientTarget

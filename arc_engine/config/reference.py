@@ -163,7 +163,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.consistency.action": KeyDoc("What an alarm gets."),
     "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "
                                               "score) and per-layer gradient CV and histogram entropy (ARC paper; "
-                                              "[detectors.md](detectors.md#weight-health)). Off under Megatron."),
+                                              "[detectors.md](detectors.md#weight-health))."),
     "detectors.weight_health.every": KeyDoc("Optimizer steps between measurements; off the schedule its slots stay "
                                             "zero.", ">= 1, a multiple of `stats.interval`"),
     "detectors.weight_health.max_tensors": KeyDoc("Weight matrices (parameters of 2+ dimensions) tracked: all when "
