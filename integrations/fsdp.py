@@ -39,6 +39,7 @@ from arc_engine import runtime
 from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
+from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
@@ -63,6 +64,18 @@ class FSDPGradStats:
         self.local_cur_norm_p = torch.zeros_like(self.reduced_norm_p)
         self._cur_grad: dict[int, weakref.ref] = {}
         self._hooked: dict[int, tuple[weakref.ref, torch.utils.hooks.RemovableHandle]] = {}
+        # the gradient sketch (grad_sketch_local) of the unsharded local gradients, per parameter: the current
+        # gradient's part (replaced while autograd accumulates into it) and the parts of those already reduced
+        self.sketch_size = engine.layout[names.GRAD_SKETCH_LOCAL].size if names.GRAD_SKETCH_LOCAL in engine.layout \
+            else 0
+        self.offsets = [0]  # the exact sketch: parameter i's elements at [offsets[i], offsets[i + 1])
+        for param in params:
+            self.offsets.append(self.offsets[-1] + param.numel())
+        self.exact = self.sketch_size == self.offsets[-1]
+        self._sketch_cur: dict[int, torch.Tensor] = {}
+        self._sketch_done: list[tuple[int, torch.Tensor]] = []
+        self._sketch_cache: dict = {}
+        self._places: dict[int, torch.Tensor] = {}
 
     def monitored(self) -> bool:
         """Whether this step's statistics are collected (monitored step, engine started, not detached)."""
@@ -85,10 +98,19 @@ class FSDPGradStats:
             return
         norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.local_cur_norm_p.device)
         current = self._cur_grad.get(i)
-        if current is None or current() is not param.grad:  # a new gradient: the previous one was reduced
+        new = current is None or current() is not param.grad
+        if new:  # a new gradient: the previous one was reduced
             self.local_done_norm_p[i] = torch.hypot(self.local_done_norm_p[i], self.local_cur_norm_p[i])
             self._cur_grad[i] = weakref.ref(param.grad)
         self.local_cur_norm_p[i] = norm  # else: autograd added into the same tensor (no reduction in between)
+        if self.sketch_size and self.engine.wants_sketch():
+            if new and i in self._sketch_cur:
+                self._sketch_done.append((i, self._sketch_cur.pop(i)))
+            # exact: the gradient itself (copied: FSDP frees it after the reduce-scatter); else its chunk sums
+            part = param.grad.detach().reshape(-1).double().clone() if self.exact else \
+                chunk_sums(param.grad, self.sketch_size)
+            if part is not None:
+                self._sketch_cur[i] = part
 
     @torch.no_grad()
     def on_reduced_grad(self, param: DTensor) -> None:
@@ -116,8 +138,25 @@ class FSDPGradStats:
                               names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
         accumulate_grad_stats(self.engine.buffer, list(self.reduced_norm_p.unsqueeze(1)), self.group_index_p,
                               names.GRAD_SQ)
+        self._flush_sketch()
         torch._foreach_zero_([self.reduced_norm_p, self.local_done_norm_p, self.local_cur_norm_p])
         self._cur_grad.clear()
+
+    def _flush_sketch(self) -> None:
+        """Add this step's local-gradient sketch (or, exact, the local gradient at its elements' places)."""
+        parts = [*self._sketch_done, *self._sketch_cur.items()]
+        self._sketch_done, self._sketch_cur = [], {}
+        if not parts:
+            return
+        slot = self.engine.buffer.view(names.GRAD_SKETCH_LOCAL)
+        if not self.exact:
+            add_chunk_sums(slot, [part for _, part in parts], [i for i, _ in parts], self._sketch_cache)
+            return
+        for i, values in parts:
+            places = self._places.get(i)
+            if places is None or places.device != slot.device:
+                places = self._places[i] = torch.arange(self.offsets[i], self.offsets[i + 1], device=slot.device)
+            slot.index_add_(0, places, values.to(slot.device))
 
     def remove_hooks(self) -> None:
         """Stop collecting and remove the hooks on unsharded parameters (local, idempotent)."""
@@ -160,6 +199,8 @@ class FSDPAdapter:
         self.group_names = self.groups.names
         self.shard_reduce = Reduce.SUM
         self.params = [p.to_local() for p in self.sharded]
+        #: the whole local gradient's elements (every rank's unsharded gradient has them all): the exact sketch
+        self.exact_sketch_size = sum(p.numel() for p in self.sharded) if pre_reduce_stats else 0
 
     @staticmethod
     def check_config(config: ArcConfig) -> None:

@@ -319,3 +319,53 @@ def test_one_ranks_scaled_contribution_is_flagged_and_the_rank_named(tmp_path: P
     for result in results:
         assert result["findings"] == {32: [2]}
     assert all(r["findings"] == results[0]["findings"] for r in results)
+
+
+# ------------------------------------------------------------------ FSDP2: C_dir from the unsharded local gradients
+
+def _run_fsdp(rank: int, world: int, run_dir: Path, exact: bool) -> dict[str, Any]:
+    """The tiny GPT under FSDP2 on S1-3 streams; each step, every rank's local gradient recomputed on a plain copy
+    holding the full weights (gathered for the test) and gathered, for the exact C_dir."""
+    from torch.distributed.fsdp import fully_shard
+
+    from arc_engine.integrations.fsdp import attach_fsdp
+
+    model, data = tiny_model_and_data(seed=1)
+    plain = deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = make_optimizer(model)
+    config = make_config(run_dir, "detectors.consistency.direction_every=1", "detectors.consistency.detail_every=0",
+                         "detectors.consistency.sketch_size=1024",
+                         f"detectors.consistency.exact_max_params={10**6 if exact else 0}")
+    arc = attach_fsdp(model, optimizer, config)
+    monitor = next(m for m in arc.engine.monitors if m.name == "consistency")
+    directions, truth = [], []
+    for step in range(6):
+        batch = data.batch(step, STREAMS["S1-3"][rank], BATCH)
+        plain.load_state_dict({name: p.full_tensor() for name, p in model.state_dict().items()})
+        _, grad = _local_reference(plain, batch)
+        everyone = [torch.zeros_like(grad) for _ in range(world)]
+        dist.all_gather(everyone, grad)
+        truth.append(exact_direction_consistency(torch.stack(everyone).double().numpy()))
+        loss = model(*batch)
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        directions.append(monitor.metrics()["direction"])
+    arc.close()
+    return {"directions": directions, "truth": truth}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sketch", "exact"])
+def test_fsdp2_direction_consistency_from_the_unsharded_local_gradients(tmp_path: Path, exact: bool) -> None:
+    """Under FSDP2 each rank sketches its unsharded gradient before the reduce-scatter: C_dir is within the sketch's
+    bound of the single-process value, and with ``exact_max_params`` above the model's size equal to it."""
+    results = run_ranks(_run_fsdp, 4, tmp_path, exact)
+    directions, truth = results[0]["directions"], results[0]["truth"]
+    assert all(r["directions"] == directions for r in results)
+    assert 0.0 < np.mean(truth) < 0.95  # ranks on their own data
+    for got, want in zip(directions, truth, strict=True):
+        assert got == pytest.approx(want, abs=1e-6 if exact else DIRECTION_ERROR_BOUND)

@@ -151,8 +151,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.consistency.sketch_size": KeyDoc("Numbers in each rank's sketch (`detectors.sdc.sketch_size` wins "
                                                 "when set): the estimate's error falls as 1/sqrt(size) "
                                                 "([detectors.md](detectors.md)).", ">= 2"),
-    "detectors.consistency.exact_max_params": KeyDoc("Under DDP, a model with at most this many trainable elements "
-                                                     "sends each rank's whole unit gradient instead of the sketch: "
+    "detectors.consistency.exact_max_params": KeyDoc("Under DDP and FSDP2, a model with at most this many "
+                                                     "trainable elements sends each rank's whole unit gradient "
+                                                     "instead of the sketch: "
                                                      "C_dir is then exact, and the all-reduce carries that many more "
                                                      "numbers on every monitored step (small models and tests); 0: "
                                                      "always the sketch. `detectors.sdc.sketch_size` wins when set.",

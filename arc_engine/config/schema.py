@@ -347,8 +347,8 @@ class ConsistencyConfig:
     the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
     coefficient of variation) and, every ``direction_every`` monitored steps, the gradient-direction consistency
     C_dir (mean pairwise cosine of the local gradients, from a ``sketch_size``-number signed chunk-sum sketch per rank
-    summed through the step's one all-reduce; exact, from the whole local gradient, under DDP when the model has at
-    most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and each rank's
+    summed through the step's one all-reduce; exact, from the whole local gradient, under DDP and FSDP2 when the model
+    has at most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and each rank's
     values are fetched every ``detail_every`` monitored steps and on an alarm. Alarm: after ``warmup_steps`` accepted
     steps, the gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard
     deviations and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust
