@@ -111,6 +111,8 @@ class ArcEngine:
                                      f"of {list(HOOKS)}")
                 self.producers.append(dataclasses.replace(
                     producer, write=self.own_work.wrap(f"{family.name}.producer", producer.write)))
+        #: the monitors that may scale a step's gradients (their ``gradient_coefficient(stats)``)
+        self._stabilisers = [m.gradient_coefficient for m in self.monitors if hasattr(m, "gradient_coefficient")]
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, device)
         self.reporter = Reporter(config, self.rank, sinks)
@@ -428,6 +430,18 @@ class ArcEngine:
         if self.watchdog is not None:
             self.watchdog.heartbeat()
         self.own_work.end_step()
+
+    def gradient_coefficient(self) -> float:
+        """What the integrations multiply this step's gradients by before the update (1.0 in normal training):
+        recovery's healing clip times the monitors' stabilisation (``gradient_coefficient(stats)`` of a monitor,
+        e.g. ``detectors.dynamics.stabilize``), all from this step's agreed statistics, so every rank scales alike."""
+        coefficient = self.recovery.clip_coefficient() if self.recovery is not None else 1.0
+        stats, decision = self.last_stats, self.last_decision
+        if not self._stabilisers or stats is None or decision is None or decision.step != self.step:
+            return coefficient
+        for stabilise in self._stabilisers:
+            coefficient *= stabilise(stats)
+        return coefficient
 
     def step_lr_factor(self) -> float:
         """What the integrations multiply this step's learning rate by (and undo after the step): recovery's

@@ -108,7 +108,7 @@ MODELS = {"standard": {"layers": 4, "d_model": 256, "bucket_mb": None},
 def periodic_block(config, mechanisms: bool = False) -> int:
     """Steps per block so that every block holds the same periodic work: the least common multiple of the
     configuration's periods (optimizer statistics every k-th monitored step, the consistency family's sketch, the
-    straggler report and compute samples, snapshots every ``checkpoint_freq``
+    straggler report and compute samples, weight health and dynamics when on, snapshots every ``checkpoint_freq``
     healthy steps, disk checkpoints; with ``mechanisms``, for a model that has attention or router parts the
     mechanism monitors measure, their periods too). Pure."""
     interval, detectors = config.stats.interval, config.detectors
@@ -121,6 +121,9 @@ def periodic_block(config, mechanisms: bool = False) -> int:
         periods.append(interval * detectors.straggler.every)  # the per-rank report
         if detectors.straggler.compute_every:
             periods.append(interval * detectors.straggler.compute_every)  # the compute probe's sampled steps
+    for section in (detectors.weight_health, detectors.dynamics):  # off by default; periodic when on
+        if section.enabled:
+            periods.append(section.every)
     if config.recovery.enabled:
         periods.append(config.recovery.checkpoint_freq)
         if config.recovery.checkpoint.every_steps:

@@ -201,6 +201,34 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.weight_health.action": KeyDoc("What a weight alarm (explosion, collapse, sparsity, rank drop, "
                                              "score) gets; the paper rolls back on a low score."),
     "detectors.weight_health.grad_action": KeyDoc("What a gradient-CV alarm gets."),
+    "detectors.dynamics.enabled": KeyDoc("Training dynamics (ARC paper §3.4): the parameter velocity, the online "
+                                         "Lyapunov estimate, the phase and an FFT oscillation check "
+                                         "([detectors.md](detectors.md#training-dynamics)). Each rank keeps a copy "
+                                         "of its part of the parameters (1/N of the model under DDP)."),
+    "detectors.dynamics.every": KeyDoc("Optimizer steps between velocity measurements (v = ‖θ_t − θ_{t−every}‖).",
+                                       ">= 1, a multiple of `stats.interval`"),
+    "detectors.dynamics.lyapunov_window": KeyDoc("Velocities whose mean log-ratio is the Lyapunov estimate "
+                                                 "(Algorithm 4's window).", ">= 3"),
+    "detectors.dynamics.window": KeyDoc("Velocities kept; the oscillation check's FFT window.",
+                                        ">= 4 and >= `lyapunov_window`"),
+    "detectors.dynamics.ema": KeyDoc("Smoothing of the Lyapunov estimate: λ̄ ← ema λ̂ + (1 − ema) λ̄.", "in (0, 1]"),
+    "detectors.dynamics.divergent": KeyDoc("λ̄ (per optimizer step) above this: divergent, a failure that gets "
+                                           "`action` (the paper rolls back).", "> `warning`"),
+    "detectors.dynamics.warning": KeyDoc("λ̄ above this: unstable, a warning; below minus this: convergent.",
+                                         "> 0"),
+    "detectors.dynamics.marginal": KeyDoc("|λ̄| below this: marginal, and the velocity window is checked for an "
+                                          "oscillation.", "in (0, `warning`]"),
+    "detectors.dynamics.oscillation_factor": KeyDoc("An oscillation: the largest FFT power of the velocity window "
+                                                    "(its mean removed) above this many times the mean power (the "
+                                                    "paper's 2 fires on white noise).", "> 1"),
+    "detectors.dynamics.warmup_measurements": KeyDoc("Velocities before a phase is reported.", ">= 3"),
+    "detectors.dynamics.stabilize": KeyDoc("Opt-in (§3.4.6): while λ̄ > `marginal`, scale each monitored step's "
+                                           "gradient to g S + (1 − S) clip(g, c), S = exp(−λ̄), on every rank "
+                                           "alike."),
+    "detectors.dynamics.stabilize_strength": KeyDoc("The stabilisation's intervention strength: the clip norm c = "
+                                                    "(1 − strength) + strength e^{−λ̄}.", "in [0, 1]"),
+    "detectors.dynamics.action": KeyDoc("What a divergent trajectory gets."),
+    "detectors.dynamics.oscillation_action": KeyDoc("What an oscillation gets."),
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),

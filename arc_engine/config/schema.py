@@ -443,6 +443,52 @@ class WeightHealthConfig:
 
 
 @dataclass(kw_only=True)
+class DynamicsConfig:
+    """Training dynamics (ARC paper §3.4): every ``every`` optimizer steps (a multiple of ``stats.interval``) the
+    parameter velocity v = ‖θ_t − θ_{t−every}‖ (exact: each rank adds its own part of the parameters, each element
+    once over the decision group; each rank keeps a copy of its part), the online Lyapunov estimate λ̂ = mean over
+    the last ``lyapunov_window`` velocities of ln(v_k / v_{k−1}) / ``every`` (per optimizer step, Algorithm 4),
+    smoothed λ̄ ← ``ema`` λ̂ + (1 − ``ema``) λ̄, and the phase (§3.4.8): λ̄ above ``divergent`` is a failure
+    (``action``; the paper rolls back), above ``warning`` a warning; |λ̄| below ``marginal`` checks the last
+    ``window`` velocities for an oscillation (§3.4.7): the largest FFT power (the window's mean removed) above
+    ``oscillation_factor`` times the
+    mean power (the paper's 2 fires on white noise; see detectors.md) gets ``oscillation_action``. Each phase is
+    reported when it begins; after ``warmup_measurements`` velocities. With ``stabilize`` (opt-in, §3.4.6), while
+    λ̄ > ``marginal`` every monitored step's gradient g becomes g S + (1 − S) clip(g, c), S = exp(−λ̄),
+    c = (1 − ``stabilize_strength``) + ``stabilize_strength`` e^{−λ̄} (a norm), from the agreed global norm."""
+
+    enabled: bool = False
+    every: int = 10
+    lyapunov_window: int = 8
+    window: int = 32
+    ema: float = 0.3
+    divergent: float = 0.2
+    warning: float = 0.1
+    marginal: float = 0.05
+    oscillation_factor: float = 8.0
+    warmup_measurements: int = 4
+    stabilize: bool = False
+    stabilize_strength: float = 0.5
+    action: ActionName = "warn"
+    oscillation_action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
+        require(self.lyapunov_window >= 3, "lyapunov_window", self.lyapunov_window,
+                "must be an integer >= 3 (velocities)")
+        require(self.window >= max(4, self.lyapunov_window), "window", self.window,
+                "must be an integer >= 4 and >= lyapunov_window (velocities)")
+        require(0 < self.ema <= 1, "ema", self.ema, "must be in (0, 1]")
+        require(self.divergent > self.warning > 0, "divergent", self.divergent, "must be > warning > 0")
+        require(0 < self.marginal <= self.warning, "marginal", self.marginal, "must be in (0, warning]")
+        require(self.oscillation_factor > 1, "oscillation_factor", self.oscillation_factor, "must be > 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3 (two velocity ratios)")
+        require(0 <= self.stabilize_strength <= 1, "stabilize_strength", self.stabilize_strength,
+                "must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -456,6 +502,7 @@ class DetectorsConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     weight_health: WeightHealthConfig = field(default_factory=WeightHealthConfig)
+    dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     r_metric: RMetricConfig = field(default_factory=RMetricConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})

@@ -13,6 +13,7 @@ _plugins: list[MonitorFamily] = []
 def builtin_families() -> list[MonitorFamily]:
     """The families that ship with arc_engine, in the order their monitors run."""
     from arc_engine.monitors.consistency import ConsistencyFamily
+    from arc_engine.monitors.dynamics import DynamicsFamily
     from arc_engine.monitors.loss_spike import LossSpikeFamily
     from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
@@ -25,7 +26,7 @@ def builtin_families() -> list[MonitorFamily]:
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
             QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), StragglerFamily(), RMetricFamily(),
-            WeightHealthFamily()]
+            WeightHealthFamily(), DynamicsFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:

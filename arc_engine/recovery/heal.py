@@ -39,11 +39,11 @@ def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
 
 def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]]) -> list[Any] | None:
     """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call): scale the gradients of
-    ``param_groups`` by recovery's clip coefficient and their learning rates by the step's factor. Returns the saved
+    ``param_groups`` by the step's gradient coefficient (recovery's healing clip, a monitor's stabilisation:
+    :meth:`ArcEngine.gradient_coefficient`) and their learning rates by the step's factor. Returns the saved
     learning rates to hand to :func:`restore_learning_rates` after the step, or None when nothing was scaled. Local;
     in normal training it touches no tensor and walks no parameter list."""
-    recovery = engine.recovery
-    coefficient = recovery.clip_coefficient() if recovery is not None else 1.0
+    coefficient = engine.gradient_coefficient()
     if coefficient != 1.0:
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
                         coefficient)

@@ -1,0 +1,282 @@
+"""``detectors.dynamics``: the training trajectory as a dynamical system (ARC paper §3.4).
+
+Every ``every`` optimizer steps (a multiple of ``stats.interval``), inside the optimizer step before the update, each
+rank measures how far its part of the parameters moved since the last measurement and writes Σ(θ − θ_prev)² into a
+SUM slot of the step's one agreement, so the agreed velocity v = ‖θ_t − θ_{t−every}‖ is exact:
+
+* where the optimizer partitions the parameters (DeepSpeed ZeRO, Megatron: :attr:`StepView.partition_parts`) each
+  rank takes its partition's master values;
+* FSDP2's local shards are each rank's own;
+* replicated parameters (DDP, a plain module) are dealt over the decision group's ranks
+  (:func:`~arc_engine.stats.partition.owned_ids`), each element once.
+
+Each rank keeps a copy of its part between measurements (memory: its share of the parameters, 1/N of the model under
+DDP). A step whose counter went back (a rollback restored the state) takes a fresh copy instead of a velocity.
+
+The monitor (:func:`lyapunov`, Algorithm 4): λ̂ = mean over the last ``lyapunov_window`` velocities of
+ln(v_k / v_{k−1}),
+divided by ``every`` so that λ is per optimizer step whatever the schedule (a trajectory growing as e^{λt} has
+consecutive ``every``-step displacements in the ratio e^{λ·every}); λ̄ ← ``ema`` λ̂ + (1 − ``ema``) λ̄. The phase
+(§3.4.8, :func:`phase`): λ̄ > ``divergent`` failure (``action``), > ``warning`` warning, |λ̄| < ``marginal``
+marginal, where the last ``window`` velocities are checked for an oscillation (§3.4.7, :func:`oscillation_ratio`);
+λ̄ < −``warning`` convergent (a metric). A phase is reported when it begins.
+
+With ``stabilize`` (opt-in, §3.4.6) the monitor also scales each monitored step's gradient while λ̄ > ``marginal``
+(:meth:`DynamicsMonitor.gradient_coefficient`, applied by the integrations through
+:meth:`~arc_engine.engine.ArcEngine.gradient_coefficient`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from arc_engine import runtime
+from arc_engine.config.schema import DynamicsConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_family_enabled
+from arc_engine.monitors.weight_health import dtensor_parameter
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
+from arc_engine.stats.partition import owned_ids
+
+#: [2] SUM: Σ over this rank's part of the parameters of (θ − θ at the last measurement)², and 1 where this rank
+#: measured (a copy existed and the step counter moved forward)
+VELOCITY = "dynamics_velocity"
+
+DIVERGENT, WARNING, MARGINAL, HEALTHY, CONVERGENT = "divergent", "warning", "marginal", "healthy", "convergent"
+PHASE_CODES = {CONVERGENT: -1.0, HEALTHY: 0.0, MARGINAL: 0.5, WARNING: 1.0, DIVERGENT: 2.0}
+
+
+def lyapunov(velocities: list[float], every: int = 1, eps: float = 1e-12) -> float | None:
+    """λ̂: the mean of ln(v_k / v_{k−1}) over consecutive velocities (a ratio is skipped where either is <= ``eps``),
+    divided by ``every`` (steps between velocities); None without a usable ratio. Pure."""
+    ratios = [math.log(b / a) for a, b in itertools.pairwise(velocities) if a > eps and b > eps]
+    return sum(ratios) / len(ratios) / every if ratios else None
+
+
+def phase(value: float, config: DynamicsConfig) -> str:
+    """The paper's stability thresholds (§3.4.8), plus convergent below −``warning`` (§3.4.4). Pure."""
+    if value > config.divergent:
+        return DIVERGENT
+    if value > config.warning:
+        return WARNING
+    if abs(value) < config.marginal:
+        return MARGINAL
+    return CONVERGENT if value < -config.warning else HEALTHY
+
+
+def oscillation_ratio(series: list[float]) -> tuple[float, int]:
+    """(largest power / mean power, its period in samples) of the series' FFT power spectrum, the series' mean
+    removed (a positive series' zero-frequency term would otherwise always dominate) and the zero frequency left
+    out. (nan, 0) for fewer than 4 values or a constant series. Pure."""
+    if len(series) < 4:
+        return math.nan, 0
+    values = np.asarray(series, dtype=np.float64)
+    power = np.abs(np.fft.rfft(values - values.mean()))[1:] ** 2
+    mean = float(power.mean())
+    if not mean > 0:
+        return math.nan, 0
+    peak = int(np.argmax(power))
+    return float(power[peak] / mean), round(len(values) / (peak + 1))
+
+
+def stabilisation(value: float, norm: float, strength: float) -> float:
+    """The gradient factor of Lyapunov-based stabilisation (§3.4.6) at λ̄ = ``value`` > 0 and global norm ``norm``:
+    S + (1 − S) min(1, c / norm), S = e^{−λ̄}, c = (1 − strength) + strength e^{−λ̄}; 1 for a non-finite or zero
+    norm (other detectors judge those). Pure."""
+    if not math.isfinite(norm) or norm <= 0 or value <= 0:
+        return 1.0
+    stability = math.exp(-value)
+    limit = (1 - strength) + strength * math.exp(-value)
+    return stability + (1 - stability) * min(1.0, limit / norm)
+
+
+class VelocityProducer:
+    """Writes this rank's Σ(θ − θ_prev)² on the measured steps and keeps its copy of its part (see the module
+    docstring). Device-side: no collective, no host sync."""
+
+    def __init__(self, config: DynamicsConfig) -> None:
+        self.config = config
+        self.member, self.members = 0, 1
+        self._owned: tuple[tuple[int, ...], set[int]] | None = None
+        self._copy: list[torch.Tensor] | None = None
+        self._copy_step = -1
+        self._written_step = -1
+        self._last: torch.Tensor | None = None  # this step's written values (a re-agreement writes them again)
+
+    def set_group(self, ranks: list[int], rank: int) -> None:
+        self.member, self.members = sorted(ranks).index(rank), len(ranks)
+        self._owned = None
+
+    def parts(self, view: StepView) -> list[torch.Tensor]:
+        """This rank's part of the parameters, each element once over the decision group."""
+        if view.partition_parts is not None:
+            return [part for param in view.params for part in view.partition_parts(param)[0]]
+        params = list(view.params)
+        key = tuple(id(p) for p in params)
+        if self._owned is None or self._owned[0] != key:
+            replicated = [p for p in params if dtensor_parameter(p) is None]
+            self._owned = (key, owned_ids(replicated, self.member, self.members))
+        owned = self._owned[1]
+        return [p for p in params if id(p) in owned or dtensor_parameter(p) is not None]
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        if view.step % self.config.every:
+            return
+        slot = buffer.view(VELOCITY)
+        if view.step == self._written_step:  # a re-agreement of the step (recomputation): write the same again
+            if self._last is not None:
+                slot.copy_(self._last)
+            return
+        self._written_step, self._last = view.step, None
+        parts = [p.detach() for p in self.parts(view)]
+        copy = self._copy
+        if copy is not None and self._copy_step < view.step and len(copy) == len(parts) and \
+                all(a.shape == b.shape for a, b in zip(copy, parts, strict=True)):
+            if parts:  # fused: one subtraction, one norm and one copy kernel per dtype, no float64 temporaries
+                differences = torch._foreach_sub(parts, copy)
+                norms = torch._foreach_norm(differences, 2, dtype=torch.float32)
+                total = torch.stack(norms).double().square().sum().to(slot.device)
+                torch._foreach_copy_(copy, parts)
+            else:
+                total = torch.zeros((), dtype=torch.float64, device=slot.device)
+            self._last = torch.stack([total, torch.ones_like(total)])
+            slot.copy_(self._last)
+        else:  # the first measurement, or after a rollback or a change of the parameters: a fresh copy
+            self._copy = [p.clone() for p in parts]
+        self._copy_step = view.step
+
+
+class DynamicsMonitor:
+    """The Lyapunov estimate, the phase and the oscillation check over the agreed velocities (module docstring)."""
+
+    name = "dynamics"
+
+    def __init__(self, config: DynamicsConfig, producer: VelocityProducer | None = None) -> None:
+        self.config, self.producer = config, producer
+        self.velocities: deque[float] = deque(maxlen=config.window)
+        self.smoothed: float | None = None
+        self.phase = HEALTHY
+        self.measurements = 0
+        self._pending: tuple[float, float | None, str] | None = None
+        self._values: dict[str, float] = {}
+
+    def on_start(self, locations: dict[int, str]) -> None:
+        if self.producer is not None:
+            self.producer.set_group(list(locations), runtime.global_rank())
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (VELOCITY,)
+
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        self._pending = None
+        config = self.config
+        if step % config.every:
+            return []
+        total, measured = stats.total(VELOCITY)
+        if measured < len(stats.ranks) or not math.isfinite(total):
+            return []  # no velocity on this step (a fresh copy), or a non-finite one (other families judge it)
+        velocity = math.sqrt(max(total, 0.0))
+        window = [*self.velocities, velocity]
+        estimate = lyapunov(window[-config.lyapunov_window:], config.every)
+        smoothed = self.smoothed
+        if estimate is not None:
+            smoothed = estimate if smoothed is None else config.ema * estimate + (1 - config.ema) * smoothed
+        current = phase(smoothed, config) if smoothed is not None and \
+            self.measurements + 1 >= config.warmup_measurements else HEALTHY
+        ratio, period = oscillation_ratio(window) if current == MARGINAL else (math.nan, 0)
+        oscillating = current == MARGINAL and math.isfinite(ratio) and ratio > config.oscillation_factor and \
+            len(window) >= config.window
+        self._values = {"velocity": velocity, "lyapunov": smoothed if smoothed is not None else math.nan,
+                        "lyapunov_raw": estimate if estimate is not None else math.nan,
+                        "phase": PHASE_CODES[current], "oscillation_ratio": ratio}
+        label = "oscillating" if oscillating else current
+        self._pending = (velocity, smoothed, label)
+        if label == self.phase:
+            return []
+        values = {**self._values, "every": config.every, "window": len(window)}
+        text = f"λ = {smoothed:.4g} per step" if smoothed is not None else "λ unknown"
+        if label == DIVERGENT:
+            return [Finding(self.name, Action.parse(config.action), Severity.ERROR,
+                            f"training dynamics divergent: {text} > {config.divergent} (parameter velocity "
+                            f"{velocity:.4g} over {config.every} steps, growing)", values=values)]
+        if label == WARNING:
+            return [Finding(self.name, Action.WARN, Severity.WARNING,
+                            f"training dynamics unstable: {text} > {config.warning}", values=values)]
+        if label == "oscillating":
+            return [Finding(self.name, Action.parse(config.oscillation_action), Severity.WARNING,
+                            f"training dynamics oscillating: {text}, the parameter velocity has a period of "
+                            f"{period} measurements ({period * config.every} steps), power {ratio:.3g}x the mean",
+                            values={**values, "period_measurements": period})]
+        return []
+
+    def gradient_coefficient(self, stats: AgreedStats) -> float:
+        """§3.4.6, with ``stabilize``: while λ̄ > ``marginal`` the step's gradient g becomes g S + (1 − S) clip(g, c),
+        S = exp(−λ̄), c = (1 − strength) + strength e^{−λ̄}: the factor S + (1 − S) min(1, c / ‖g‖) on the whole
+        gradient, ‖g‖ the agreed pre-clip global norm. 1 otherwise (and for a non-finite norm). Pure in the monitor's
+        state and ``stats``: every rank computes the same."""
+        config = self.config
+        if not config.stabilize or self.smoothed is None or self.smoothed <= config.marginal or \
+                self.measurements < config.warmup_measurements:
+            return 1.0  # (above the marginal band only: a clean run's λ̄ wanders around 0)
+        return stabilisation(self.smoothed, math.sqrt(max(float(stats.total(names.GRAD_SQ).sum()), 0.0)),
+                             config.stabilize_strength)
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._pending is None:
+            return
+        velocity, smoothed, label = self._pending
+        self.velocities.append(velocity)
+        self.smoothed, self.phase = smoothed, label
+        self.measurements += 1
+        self._pending = None
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocities": list(self.velocities), "smoothed": self.smoothed, "phase": self.phase,
+                "measurements": self.measurements}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocities = deque((float(v) for v in state["velocities"]), maxlen=self.config.window)
+        self.smoothed = None if state["smoothed"] is None else float(state["smoothed"])
+        self.phase = str(state["phase"])
+        self.measurements = int(state["measurements"])
+
+
+class DynamicsFamily(FamilyBase):
+    """``detectors.dynamics`` (off by default): the parameter velocity every ``every`` optimizer steps."""
+
+    name = "dynamics"
+
+    def __init__(self) -> None:
+        self._shared: tuple[FamilyContext, VelocityProducer] | None = None
+
+    def _producer(self, ctx: FamilyContext) -> VelocityProducer:
+        if self._shared is None or self._shared[0] is not ctx:
+            self._shared = (ctx, VelocityProducer(ctx.section))
+        return self._shared[1]
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        return periodic_family_enabled(ctx, self.name, True)
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        return [StatDecl(VELOCITY, 2, Reduce.SUM)]
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        return [Producer("before_agreement", self._producer(ctx).write)]
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [DynamicsMonitor(ctx.section, self._producer(ctx))]
+
+
+__all__ = ["VELOCITY", "DynamicsFamily", "DynamicsMonitor", "VelocityProducer", "lyapunov", "oscillation_ratio",
+           "phase", "stabilisation"]
