@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from arc_engine import runtime
 from arc_engine.config import ArcConfig, load_config
@@ -81,6 +82,31 @@ class Arc:
         """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
         on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
         return self.engine.data_position
+
+    def measure_curvature(self, loss_fn: Callable[[], torch.Tensor]) -> dict[str, float]:
+        """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
+        rank of the decision group, with ``loss_fn`` computing this rank's loss on a held micro-batch through the
+        model as you train it (a DDP-wrapped model works: Hessian-vector products never reach ``.grad``, so DDP
+        reduces nothing). Returns the ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``,
+        also reported as a ``curvature`` event and ``arc/curvature/...`` metrics. The parameters, gradients and RNG
+        state are left as they were. ValueError where the parameters are sharded (FSDP2, DeepSpeed ZeRO-3,
+        megatron-core model parallelism): a Hessian-vector product needs each rank's whole model."""
+        module = self.adapter.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        parts = getattr(self.adapter, "parts", None)
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or \
+                (parts is not None and parts.model_parallel_size > 1):
+            raise ValueError(f"arc.measure_curvature: {self.adapter.name} holds sharded parameters; curvature "
+                             "diagnostics need each rank's whole model (DDP, DeepSpeed ZeRO-1/2, a plain module, "
+                             "megatron-core without model parallelism)")
+        return self.engine.measure_curvature(loss_fn, params)
+
+    def curvature_due(self) -> bool:
+        """Whether the step about to run is one of the periodic curvature measurements (every
+        ``diagnostics.curvature.every`` optimizer steps; never when 0): ``if arc.curvature_due():
+        arc.measure_curvature(held_loss)`` between steps."""
+        every = self.engine.config.diagnostics.curvature.every
+        return every > 0 and self.engine.step % every == 0
 
     def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
         """A known long phase between steps (evaluation, a checkpoint of your own): the hang watchdog does not count

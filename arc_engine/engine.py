@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
+from arc_engine.diagnostics import curvature
 from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.monitors import Monitor, missing_stats
 from arc_engine.monitors.family import (
@@ -132,6 +133,7 @@ class ArcEngine:
         self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
         self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
         self._step_open = False
+        self._diagnosing = False  # a diagnostic (curvature) runs the model between steps
         self.monitored_steps = 0
         self.last_decision: Decision | None = None
         self.last_stats: AgreedStats | None = None
@@ -213,7 +215,7 @@ class ArcEngine:
     def on_step_start(self) -> None:
         """Call at the first forward pass of each step, on every rank (the integrations do, from a forward
         pre-hook). Carries out a pending rollback or takes a due snapshot; a no-op without recovery."""
-        if self._step_open:
+        if self._step_open or self._diagnosing:  # (a diagnostic's forward pass is not a step)
             return
         self._step_open = True
         self.clock.start()
@@ -430,6 +432,43 @@ class ArcEngine:
         if self.watchdog is not None:
             self.watchdog.heartbeat()
         self.own_work.end_step()
+
+    def measure_curvature(self, loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
+                          ) -> dict[str, float]:
+        """``diagnostics.curvature``, collective over the decision group: each rank measures the loss's Hessian
+        trace, largest eigenvalue and SAM sharpness with ``loss_fn`` (its held micro-batch) at ``params``
+        (:func:`arc_engine.diagnostics.curvature.measure`); the ranks agree on whether every one succeeded (an error
+        on any rank raises on every rank) and average the values. Reported as a ``curvature`` event and metrics
+        (``arc/curvature/...``). Between steps, outside the hang watchdog's count."""
+        config = self.config.diagnostics.curvature
+        keys = ("loss", "hessian_trace", "lambda_max", "sam_sharpness")
+        local: dict[str, float] | None = None
+        error: Exception | None = None
+        self._diagnosing = True
+        try:
+            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+                local = curvature.measure(loss_fn, params, probes=config.probes, iterations=config.power_iterations,
+                                          rho=config.sam_rho, seed=config.seed * 1_000_003 + self.step)
+        except Exception as err:  # agreed below: every rank raises, none waits alone in the reduction
+            error = err
+        finally:
+            self._diagnosing = False
+        runtime.raise_on_every_rank(error, self.group, "measuring curvature")
+        assert local is not None
+        values = torch.tensor([local[key] for key in keys], dtype=torch.float64, device=self.pipeline.device)
+        ranks = 1
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_world_size(self.group)
+            if ranks > 1:
+                dist.all_reduce(values, group=self.group)
+                values /= ranks
+        result = dict(zip(keys, values.tolist(), strict=True))
+        self.emit_lifecycle("curvature", f"Hessian trace {result['hessian_trace']:.4g}, largest eigenvalue "
+                            f"{result['lambda_max']:.4g}, SAM sharpness {result['sam_sharpness']:.4g} at loss "
+                            f"{result['loss']:.4g} (mean over {ranks} rank(s))", {**result, "ranks": ranks})
+        if self.reporter.emits:
+            self.reporter.sinks.log_metrics(self.step, {f"arc/curvature/{k}": v for k, v in result.items()})
+        return result
 
     def gradient_coefficient(self) -> float:
         """What the integrations multiply this step's gradients by before the update (1.0 in normal training):

@@ -98,7 +98,7 @@ def test_empty_file_gives_defaults(tmp_path):
 
 
 BAD_CONFIGS = {
-    "unknown_top_level": ("bogus: 1\n", "bogus", "1", "unknown key; allowed keys here: detectors, faults"),
+    "unknown_top_level": ("bogus: 1\n", "bogus", "1", "unknown key; allowed keys here: detectors, diagnostics, faults"),
     "unknown_nested": ("detectors:\n  loss_spike:\n    fctor: 8\n", "detectors.loss_spike.fctor", "8",
                        "unknown key (did you mean `factor`?); allowed keys here: action, enabled, factor"),
     "unknown_section": ("detectors:\n  los_spike:\n    factor: 8\n", "detectors.los_spike", "{'factor': 8}",

@@ -229,6 +229,17 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                     "(1 − strength) + strength e^{−λ̄}.", "in [0, 1]"),
     "detectors.dynamics.action": KeyDoc("What a divergent trajectory gets."),
     "detectors.dynamics.oscillation_action": KeyDoc("What an oscillation gets."),
+    "diagnostics.curvature.every": KeyDoc("Optimizer steps between curvature measurements when the training loop "
+                                          "asks `arc.curvature_due()`; 0: on demand only "
+                                          "([diagnostics.md](diagnostics.md)).", ">= 0"),
+    "diagnostics.curvature.probes": KeyDoc("Rademacher vectors of the Hutchinson trace estimate (one "
+                                           "Hessian-vector product each).", ">= 1"),
+    "diagnostics.curvature.power_iterations": KeyDoc("Power-iteration steps for the largest Hessian eigenvalue (one "
+                                                     "Hessian-vector product each).", ">= 1"),
+    "diagnostics.curvature.sam_rho": KeyDoc("SAM radius: sharpness = L(θ + ρ g/‖g‖) − L(θ); 0: not measured.",
+                                            ">= 0"),
+    "diagnostics.curvature.seed": KeyDoc("Seed of the probe vectors (with the step: the same on every rank).",
+                                         "any integer"),
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),

@@ -793,6 +793,37 @@ class WatchdogConfig:
 
 
 @dataclass(kw_only=True)
+class CurvatureConfig:
+    """Curvature diagnostics (ARC paper §3.2): on demand (:meth:`arc_engine.attach.Arc.measure_curvature`, with the
+    user's loss on a held micro-batch), and every ``every`` optimizer steps where the loop asks
+    (:meth:`arc_engine.attach.Arc.curvature_due`; 0: on demand only). Each rank measures on its own micro-batch with
+    Hessian-vector products (double backward, ``torch.autograd.grad``, never ``.grad``): the Hutchinson trace over
+    ``probes`` Rademacher vectors, the largest eigenvalue by ``power_iterations`` steps of power iteration, and the
+    SAM sharpness L(θ + ``sam_rho`` g/‖g‖) − L(θ); the ranks' values are averaged (one all-reduce of 4 numbers). The
+    parameters, their gradients and the RNG state are left as they were. Probe vectors are drawn from ``seed`` and
+    the step, the same on every rank."""
+
+    every: int = 0
+    probes: int = 8
+    power_iterations: int = 10
+    sam_rho: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "every", self.every, "must be an integer >= 0 (0 = on demand only)")
+        require(self.probes >= 1, "probes", self.probes, "must be an integer >= 1")
+        require(self.power_iterations >= 1, "power_iterations", self.power_iterations, "must be an integer >= 1")
+        require(self.sam_rho >= 0, "sam_rho", self.sam_rho, "must be >= 0 (0 = no SAM sharpness)")
+
+
+@dataclass(kw_only=True)
+class DiagnosticsConfig:
+    """Expensive diagnostics that run on demand or every N steps, never on the step's hot path."""
+
+    curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
+
+
+@dataclass(kw_only=True)
 class ArcConfig:
     """The root of the arc_engine configuration (what ``--arc-config arc.yaml`` holds)."""
 
@@ -804,6 +835,7 @@ class ArcConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
 __all__ = [
