@@ -240,6 +240,26 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                             ">= 0"),
     "diagnostics.curvature.seed": KeyDoc("Seed of the probe vectors (with the step: the same on every rank).",
                                          "any integer"),
+    "detectors.conformal.enabled": KeyDoc("Conformal loss-forecast intervals with calibrated coverage (ARC paper "
+                                          "§3.5; [detectors.md](detectors.md#conformal-loss-intervals))."),
+    "detectors.conformal.alpha": KeyDoc("Miscoverage of the warning interval (1 − alpha of the losses inside).",
+                                        "in (0, 1)"),
+    "detectors.conformal.failure_alpha": KeyDoc("Miscoverage of the failure interval: a loss above it is a "
+                                                "failure.", "in (0, `alpha`)"),
+    "detectors.conformal.window": KeyDoc("Scores of accepted steps kept as the calibration set.",
+                                         ">= `min_calibration`"),
+    "detectors.conformal.min_calibration": KeyDoc("Scores before any verdict.",
+                                                  ">= ⌈(1 − failure_alpha) / failure_alpha⌉"),
+    "detectors.conformal.level_rate": KeyDoc("The forecast's level smoothing (Holt).", "in (0, 1]"),
+    "detectors.conformal.trend_rate": KeyDoc("The forecast's trend smoothing (Holt; 0: no trend).", "in [0, 1]"),
+    "detectors.conformal.coverage_window": KeyDoc("Steps over which the warning interval's coverage is measured.",
+                                                  ">= 10"),
+    "detectors.conformal.coverage_tolerance": KeyDoc("Coverage below 1 − alpha − this recalibrates on the newest "
+                                                     "half of the scores.", "in [0, 1)"),
+    "detectors.conformal.explosion_loss": KeyDoc("A forecast upper bound above this loss warns ahead (a "
+                                                 "preventive checkpoint is advised); 0: off.", ">= 0"),
+    "detectors.conformal.action": KeyDoc("What a loss above its failure interval gets."),
+    "detectors.conformal.forecast_action": KeyDoc("What the forecast's bound crossing `explosion_loss` gets."),
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),

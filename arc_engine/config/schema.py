@@ -15,6 +15,7 @@ Actions a detector may request (``action`` keys):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -489,6 +490,44 @@ class DynamicsConfig:
 
 
 @dataclass(kw_only=True)
+class ConformalConfig:
+    """Conformal loss-forecast intervals (ARC paper §3.5, Algorithms 5-6): each monitored step the agreed loss is
+    compared with its one-step forecast (Holt's linear smoothing of the accepted losses: ``level_rate``,
+    ``trend_rate``); the scores |loss − forecast| of the last ``window`` accepted steps calibrate split-conformal
+    thresholds (the ⌈(n + 1)(1 − α)⌉-th smallest score) for miscoverage ``alpha`` and ``failure_alpha``, after
+    ``min_calibration`` scores. A loss above its 1 − ``failure_alpha`` interval is a FAILURE (``action``); outside
+    the 1 − ``alpha`` one a WARNING (a metric). With ``explosion_loss`` > 0, a forecast upper bound above it warns
+    ahead (``forecast_action``). Coverage of the 1 − ``alpha`` interval over the last ``coverage_window`` steps below
+    1 − ``alpha`` − ``coverage_tolerance`` recalibrates on the newest half of the scores."""
+
+    enabled: bool = False
+    alpha: float = 0.1
+    failure_alpha: float = 0.005
+    window: int = 500
+    min_calibration: int = 200
+    level_rate: float = 0.3
+    trend_rate: float = 0.05
+    coverage_window: int = 500
+    coverage_tolerance: float = 0.05
+    explosion_loss: float = 0.0
+    action: ActionName = "warn"
+    forecast_action: ActionName = "warn"
+
+    def __post_init__(self) -> None:
+        require(0 < self.alpha < 1, "alpha", self.alpha, "must be in (0, 1)")
+        require(0 < self.failure_alpha < self.alpha, "failure_alpha", self.failure_alpha, "must be in (0, alpha)")
+        needed = math.ceil((1 - self.failure_alpha) / self.failure_alpha)
+        require(self.min_calibration >= needed, "min_calibration", self.min_calibration,
+                f"must be >= {needed}: fewer scores cannot calibrate failure_alpha = {self.failure_alpha}")
+        require(self.window >= self.min_calibration, "window", self.window, "must be >= min_calibration")
+        require(0 < self.level_rate <= 1, "level_rate", self.level_rate, "must be in (0, 1]")
+        require(0 <= self.trend_rate <= 1, "trend_rate", self.trend_rate, "must be in [0, 1]")
+        require(self.coverage_window >= 10, "coverage_window", self.coverage_window, "must be an integer >= 10")
+        require(0 <= self.coverage_tolerance < 1, "coverage_tolerance", self.coverage_tolerance, "must be in [0, 1)")
+        require(self.explosion_loss >= 0, "explosion_loss", self.explosion_loss, "must be >= 0 (0 = off)")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -503,6 +542,7 @@ class DetectorsConfig:
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     weight_health: WeightHealthConfig = field(default_factory=WeightHealthConfig)
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
+    conformal: ConformalConfig = field(default_factory=ConformalConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     r_metric: RMetricConfig = field(default_factory=RMetricConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})

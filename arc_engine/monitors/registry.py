@@ -12,6 +12,7 @@ _plugins: list[MonitorFamily] = []
 
 def builtin_families() -> list[MonitorFamily]:
     """The families that ship with arc_engine, in the order their monitors run."""
+    from arc_engine.monitors.conformal import ConformalFamily
     from arc_engine.monitors.consistency import ConsistencyFamily
     from arc_engine.monitors.dynamics import DynamicsFamily
     from arc_engine.monitors.loss_spike import LossSpikeFamily
@@ -26,7 +27,7 @@ def builtin_families() -> list[MonitorFamily]:
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
             QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), StragglerFamily(), RMetricFamily(),
-            WeightHealthFamily(), DynamicsFamily()]
+            WeightHealthFamily(), DynamicsFamily(), ConformalFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:
