@@ -25,14 +25,17 @@ class Severity(enum.IntEnum):
 class Action(enum.IntEnum):
     """What every rank does with the current step; a larger value wins when monitors disagree.
 
+    ``CHECKPOINT`` applies the step like ``WARN`` and asks recovery for a preventive checkpoint: a snapshot at the
+    next step (verified by that step's decision) saved to disk whatever the schedule (a warning without recovery).
     ``ROLLBACK`` is the seam for the recovery subsystem: without one attached it escalates to ``ABORT``.
     """
 
     NONE = 0
     WARN = 1
-    SKIP = 2
-    ROLLBACK = 3
-    ABORT = 4
+    CHECKPOINT = 2
+    SKIP = 3
+    ROLLBACK = 4
+    ABORT = 5
 
     @classmethod
     def parse(cls, name: str) -> Action:

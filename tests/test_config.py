@@ -106,7 +106,7 @@ BAD_CONFIGS = {
     "string_for_int": ("stats:\n  interval: ten\n", "stats.interval", "'ten'", "expected an integer"),
     "bool_for_int": ("stats:\n  interval: true\n", "stats.interval", "True", "expected an integer"),
     "int_for_literal": ("detectors:\n  loss_spike:\n    action: 3\n", "detectors.loss_spike.action", "3",
-                        "expected one of 'warn', 'skip', 'rollback', 'abort'"),
+                        "expected one of 'warn', 'checkpoint', 'skip', 'rollback', 'abort'"),
     "interval_zero": ("stats:\n  interval: 0\n", "stats.interval", "0", "must be an integer >= 1"),
     "negative_factor": ("detectors:\n  loss_spike:\n    factor: -1\n", "detectors.loss_spike.factor", "-1",
                         "must be > 0"),

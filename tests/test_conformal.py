@@ -106,7 +106,7 @@ def test_a_rising_loss_warns_ahead_of_the_explosion_level() -> None:
     rng = np.random.default_rng(3)
     losses = list(3 + 0.05 * rng.normal(size=300)) + [3 + 0.05 * k for k in range(1, 60)]
     _, found, _ = _drive(losses, "detectors.conformal.explosion_loss=4.5")
-    ahead = [s for s, messages in found.items() if any("preventive checkpoint" in m for m in messages)]
+    ahead = [s for s, messages in found.items() if any("(preventive checkpoint)" in m for m in messages)]
     assert ahead and ahead[0] > 300 and losses[ahead[0]] < 4.5  # before the loss itself got there
     assert len(ahead) == 1  # once per episode
 

@@ -33,7 +33,7 @@ from arc_engine.monitors.weight_stats import (
 )
 from arc_engine.stats import AgreedStats, Reduce, StatLayout
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+from tests.training import BATCH, make_config, make_optimizer, mean_rank_gradients, tiny_model_and_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -350,13 +350,7 @@ def _reference(world: int, steps: int) -> list[dict[str, np.ndarray]]:
     matrices = _matrices(model)
     out = []
     for step in range(steps):
-        grads = []
-        for rank in range(world):
-            model.zero_grad()
-            model(*data.batch(step, rank, BATCH)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, param in enumerate(model.parameters()):
-            param.grad = sum(g[i] for g in grads) / world
+        mean_rank_gradients(model, data, step, world)
         weights = [p.detach().double().clone() for p in matrices]
         torch.nn.utils.clip_grad_norm_(model.parameters(), DS_CLIP)
         applied = [p.grad.double().clone() for p in matrices]

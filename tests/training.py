@@ -77,6 +77,18 @@ def train_ddp(rank: int, steps: int, config: ArcConfig | None, seed: int = 0) ->
             "decisions": decisions, "summary": summary, "grad_norms": grad_norms}
 
 
+def mean_rank_gradients(model: torch.nn.Module, data: CharDataset, step: int, world: int) -> None:
+    """Set every parameter's ``.grad`` to the mean of the ``world`` ranks' gradients on their batches of ``step``
+    (what a data-parallel reduction hands the optimizer)."""
+    grads = []
+    for rank in range(world):
+        model.zero_grad()
+        model(*data.batch(step, rank, BATCH)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for i, param in enumerate(model.parameters()):
+        param.grad = sum(g[i] for g in grads) / world
+
+
 def reference_clipped_adamw(world: int, steps: int, clip: float) -> tuple[list[dict], torch.Tensor]:
     """The unsharded reference for sharded runs: one process, full tensors, the mean of the ranks' gradients,
     torch clipping (DeepSpeed's formula), AdamW. Per step: pre-clip grad / weight squared norms and the applied
@@ -85,13 +97,7 @@ def reference_clipped_adamw(world: int, steps: int, clip: float) -> tuple[list[d
     optimizer = make_optimizer(model)
     out = []
     for step in range(steps):
-        grads = []
-        for rank in range(world):
-            model.zero_grad()
-            model(*data.batch(step, rank, BATCH)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, param in enumerate(model.parameters()):
-            param.grad = sum(g[i] for g in grads) / world
+        mean_rank_gradients(model, data, step, world)
         groups = optimizer.param_groups
         grad_sq = [sum(float(p.grad.double().square().sum()) for p in g["params"]) for g in groups]
         weight_sq = [sum(float(p.detach().double().square().sum()) for p in g["params"]) for g in groups]

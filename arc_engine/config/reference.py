@@ -259,7 +259,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.conformal.explosion_loss": KeyDoc("A forecast upper bound above this loss warns ahead (a "
                                                  "preventive checkpoint is advised); 0: off.", ">= 0"),
     "detectors.conformal.action": KeyDoc("What a loss above its failure interval gets."),
-    "detectors.conformal.forecast_action": KeyDoc("What the forecast's bound crossing `explosion_loss` gets."),
+    "detectors.conformal.forecast_action": KeyDoc("What the forecast's bound crossing `explosion_loss` gets "
+                                                  "(`checkpoint`: a preventive checkpoint)."),
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),
@@ -467,7 +468,9 @@ commented examples: [`configs/default.yaml`](../configs/default.yaml) (every key
 (report only, never intervene), [`configs/aggressive_recovery.yaml`](../configs/aggressive_recovery.yaml) (tight
 thresholds, short fuse).
 
-Actions (`action` keys): `warn` reports and applies the step; `skip` applies nothing on any rank; `rollback`
+Actions (`action` keys): `warn` reports and applies the step; `checkpoint` applies it and takes a preventive
+checkpoint (a snapshot at the next step, saved to disk when verified; a warning without `recovery.enabled`); `skip`
+applies nothing on any rank; `rollback`
 returns every rank to the newest verified-stable state and heals (needs `recovery.enabled`, else it aborts);
 `abort` stops every rank with exit code 3 ([events.md](events.md)).
 """

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from arc_engine.config.errors import ConfigError, require
 
-ActionName = Literal["warn", "skip", "rollback", "abort"]
+ActionName = Literal["warn", "checkpoint", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
 FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip", "stall",
                     "attention_lowbit", "router_collapse", "dead_expert"]
@@ -497,8 +497,9 @@ class ConformalConfig:
     thresholds (the ⌈(n + 1)(1 − α)⌉-th smallest score) for miscoverage ``alpha`` and ``failure_alpha``, after
     ``min_calibration`` scores. A loss above its 1 − ``failure_alpha`` interval is a FAILURE (``action``); outside
     the 1 − ``alpha`` one a WARNING (a metric). With ``explosion_loss`` > 0, a forecast upper bound above it warns
-    ahead (``forecast_action``). Coverage of the 1 − ``alpha`` interval over the last ``coverage_window`` steps below
-    1 − ``alpha`` − ``coverage_tolerance`` recalibrates on the newest half of the scores."""
+    ahead (``forecast_action``: by default a preventive checkpoint). Coverage of the 1 − ``alpha`` interval over
+    the last ``coverage_window`` steps below 1 − ``alpha`` − ``coverage_tolerance`` recalibrates on the newest half
+    of the scores."""
 
     enabled: bool = False
     alpha: float = 0.1
@@ -511,7 +512,7 @@ class ConformalConfig:
     coverage_tolerance: float = 0.05
     explosion_loss: float = 0.0
     action: ActionName = "warn"
-    forecast_action: ActionName = "warn"
+    forecast_action: ActionName = "checkpoint"
 
     def __post_init__(self) -> None:
         require(0 < self.alpha < 1, "alpha", self.alpha, "must be in (0, 1)")

@@ -10,7 +10,8 @@ are exchangeable). So the interval ŷ ± q̂_α holds the next loss with probabi
 The step's state is the smallest set of the three that the two intervals allow (:func:`stability_state`): HEALTHY
 inside the 1 − ``alpha`` interval, WARNING outside it but inside the 1 − ``failure_alpha`` one, FAILURE outside
 both. WARNING is a metric; FAILURE gets ``action``. Where ``explosion_loss`` is set, an upper bound ŷ + q̂ of the
-1 − ``failure_alpha`` interval above it warns ahead (``forecast_action``): the next loss may explode.
+1 − ``failure_alpha`` interval above it warns ahead (``forecast_action``, by default ``checkpoint``: recovery takes
+a preventive checkpoint): the next loss may explode.
 
 Coverage is monitored: the fraction of the last ``coverage_window`` steps inside the 1 − ``alpha`` interval. Below
 1 − ``alpha`` − ``coverage_tolerance`` the scores have drifted (the run changed regime): the calibration set is cut
@@ -137,7 +138,7 @@ class ConformalMonitor:
             findings.append(Finding(self.name, Action.parse(config.forecast_action), Severity.WARNING,
                                     f"the loss forecast's {_percent(1 - config.failure_alpha)} upper bound "
                                     f"{forecast + fail:.4g} crosses explosion_loss {config.explosion_loss:.4g}: "
-                                    "a preventive checkpoint is advised", values=dict(self._values)))
+                                    "the loss may explode (preventive checkpoint)", values=dict(self._values)))
         self._warned_ahead = ahead
         full = len(coverage_window) >= config.coverage_window
         drifted = full and coverage < 1 - config.alpha - config.coverage_tolerance

@@ -41,7 +41,7 @@ class Decision:
 
     @property
     def applies_update(self) -> bool:
-        return self.action <= Action.WARN
+        return self.action <= Action.CHECKPOINT
 
 
 class DecisionPolicy:

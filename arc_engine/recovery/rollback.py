@@ -86,6 +86,7 @@ class Recovery:
         self.candidate: Snapshot | None = None
         self.pending: PendingRestore | None = None
         self.capture_due = False
+        self.force_disk = False  # a preventive checkpoint (Action.CHECKPOINT): the next verified snapshot to disk
         # The RNG a snapshot records: the state at the end of the previous optimizer step (the point its data
         # position and weights stand for), not at the next forward -- a loop that draws before its forward
         # (masking, noise) would otherwise resume one step's draws ahead.
@@ -260,9 +261,10 @@ class Recovery:
 
     def _maybe_save(self, verified: Snapshot) -> None:
         every = self.config.checkpoint.every_steps
-        if self.checkpoints is None or not every:
+        forced, self.force_disk = self.force_disk, False
+        if self.checkpoints is None or not (every or forced):
             return
-        if self.last_disk_step is not None and verified.step - self.last_disk_step < every:
+        if not forced and self.last_disk_step is not None and verified.step - self.last_disk_step < every:
             return
         with self.engine.own_work.section("recovery.checkpoint_save"):
             state_dict = self._disk_state(verified)
@@ -302,7 +304,13 @@ class Recovery:
         if decision is not None and decision.action == Action.ROLLBACK:
             self._plan_rollback(decision)
         elif decision is None or decision.applies_update:
-            self.capture_due = self.controller.on_healthy_step() or self.capture_due
+            preventive = decision is not None and decision.action == Action.CHECKPOINT
+            self.capture_due = self.controller.on_healthy_step() or self.capture_due or preventive
+            if preventive:  # a monitor sees trouble coming: snapshot now, and to disk whatever the schedule
+                self.force_disk = True
+                self.engine.emit_action(decision.step, "checkpoint", Severity.INFO,
+                                        "preventive checkpoint: a snapshot at the next step, saved to disk when "
+                                        "that step is verified", {}, detector="recovery")
             if self.capture_due:
                 self._step_end_rng = rng_state()
         else:

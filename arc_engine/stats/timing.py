@@ -22,6 +22,15 @@ from typing import Any
 import torch
 
 
+def mark(cuda: bool) -> object:
+    """A time mark: the host clock, or on CUDA an event recorded on the current stream (no sync)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class SectionClock:
     """Marks of the current step and the section times of the latest step whose marks can be read. Local to the
     rank, no collective; a few microseconds per mark."""
@@ -34,11 +43,7 @@ class SectionClock:
         self._before: object | None = None      # the start mark of the step before the last
 
     def _mark(self) -> object:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.cuda)
 
     def start(self) -> None:
         """The step starts (first forward of the step)."""
@@ -95,11 +100,7 @@ class ComputeProbe:
         self._open: list[list[list[object | None]]] = []  # sampled steps not read yet: per module [begin, end]
 
     def _mark(self) -> object:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.cuda)
 
     def start(self, step: int) -> None:
         """A step starts: stop timing the last one; time this one if it is a sampled step."""
