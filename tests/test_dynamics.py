@@ -219,3 +219,38 @@ def test_the_stabilisation_factor_is_the_papers_formula() -> None:
     assert stabilisation(value, norm, strength) == pytest.approx(stability + (1 - stability) * limit / norm)
     assert stabilisation(value, 0.5, strength) == 1.0  # the norm is under the clip: S + (1 - S) = 1
     assert stabilisation(-0.1, norm, strength) == stabilisation(value, math.inf, strength) == 1.0
+
+
+def _deepspeed(rank: int, world: int, run_dir: Path, stage: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-``stage``: the velocity from each rank's partition of the fp32 masters."""
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, stage, clip=1.0)
+    arc = attach_deepspeed(engine, make_config(run_dir, *ON, "detectors.dynamics.every=2"))
+    monitor = next(m for m in arc.engine.monitors if m.name == "dynamics")
+    agreed, exact, states = [], [], []
+    for step in range(9):
+        if step % 2 == 0:
+            states.append(torch.cat([p.detach().double().flatten() for p in engine.module.parameters()]))
+            if step > 0:
+                exact.append(float((states[-1] - states[-2]).norm()))
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = engine(inputs, targets)
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        if step % 2 == 0 and step > 0:
+            agreed.append(monitor.metrics()["velocity"])
+    arc.close()
+    return {"agreed": agreed, "exact": exact}
+
+
+def test_deepspeed_zero2_velocity_from_the_partitions_is_the_full_models(tmp_path: Path) -> None:
+    """2 ranks under ZeRO-2 (each holds half of the fp32 masters): the agreed velocity equals ‖θ_t − θ_{t−2}‖ of
+    the module's full parameters."""
+    pytest.importorskip("deepspeed")
+    results = run_ranks(_deepspeed, 2, tmp_path, 2)
+    for result in results:
+        assert result["agreed"] == results[0]["agreed"] and len(result["agreed"]) == 4
+        np.testing.assert_allclose(result["agreed"], result["exact"], rtol=1e-5)
