@@ -93,12 +93,15 @@ def attribute(forward_slow: np.ndarray, compute_slow: np.ndarray, compute_known:
     without a replica (-1) or alone in its replica stands alone (``RANK``). Pure."""
     result: list[tuple[str, list[int], list[int]]] = []
     slow = forward_slow | compute_slow
-    alone = [row for row in range(len(replicas)) if slow[row] and
-             (replicas[row] < 0 or int((replicas == replicas[row]).sum()) == 1)]
-    result.extend((RANK, [row], []) for row in alone)
-    for replica in sorted({int(r) for r in replicas[slow] if r >= 0}):
-        members = np.flatnonzero(replicas == replica)
-        if len(members) == 1:
+    # one grouping of the rows by replica (a report over thousands of ranks stays linear in them)
+    values, inverse, counts = np.unique(replicas, return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")
+    groups = np.split(order, np.cumsum(counts)[:-1])
+    alone = [row for row in np.flatnonzero(slow) if replicas[row] < 0 or counts[inverse[row]] == 1]
+    result.extend((RANK, [int(row)], []) for row in alone)
+    for index in sorted({int(inverse[row]) for row in np.flatnonzero(slow)}):
+        members = groups[index]
+        if values[index] < 0 or len(members) == 1:
             continue
         computing = [int(row) for row in members if compute_slow[row]]
         if computing and len(computing) < len(members):
