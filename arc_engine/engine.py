@@ -114,6 +114,9 @@ class ArcEngine:
                     producer, write=self.own_work.wrap(f"{family.name}.producer", producer.write)))
         #: the monitors that may scale a step's gradients (their ``gradient_coefficient(stats)``)
         self._stabilisers = [m.gradient_coefficient for m in self.monitors if hasattr(m, "gradient_coefficient")]
+        #: the monitors that shape the update or a rollback (``detectors.fisher``): ``before_update(params, step)``
+        #: in an applied optimizer step; ``on_verified()``, ``before_restore()``, ``after_restore(step)`` from recovery
+        self._shapers = [m for m in self.monitors if hasattr(m, "before_update")]
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, device)
         self.reporter = Reporter(config, self.rank, sinks)
@@ -481,6 +484,36 @@ class ArcEngine:
         for stabilise in self._stabilisers:
             coefficient *= stabilise(stats)
         return coefficient
+
+    @property
+    def shaping(self) -> bool:
+        """Whether a monitor shapes updates or rollbacks (:meth:`before_update`)."""
+        return bool(self._shapers)
+
+    def before_update(self, params: list[torch.Tensor]) -> None:
+        """In an applied optimizer step, before the update, with the tensors the optimizer steps (their gradients
+        final): the shaping monitors read or add to the gradients (``detectors.fisher``: the Fisher estimate, the
+        EWC penalty). Local; nothing to do without such a monitor."""
+        for monitor in self._shapers:
+            monitor.before_update(params, self.step)
+
+    def on_verified(self) -> None:
+        """Recovery verified the state about to be updated (local)."""
+        for monitor in self._shapers:
+            monitor.on_verified()
+
+    def before_restore(self) -> None:
+        """Recovery is about to restore a snapshot over the live state (local)."""
+        for monitor in self._shapers:
+            monitor.before_restore()
+
+    def after_restore(self) -> bool:
+        """Recovery restored a snapshot (training resumes from :attr:`step`): the shaping monitors may edit the
+        stepped tensors (the importance-weighted rollback). True when one did; the same on every rank."""
+        edited = False
+        for monitor in self._shapers:
+            edited = monitor.after_restore(self.step) or edited
+        return edited
 
     def step_lr_factor(self) -> float:
         """What the integrations multiply this step's learning rate by (and undo after the step): recovery's

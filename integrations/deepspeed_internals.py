@@ -137,6 +137,12 @@ def pending_gradient(zero: Any, group_id: int) -> Any:
     return zero.averaged_gradients.get(group_id)
 
 
+def refresh_bit16_from_masters(zero: Any) -> None:
+    """ZeRO-1/2: copy each rank's fp32 master partition into its bit16 partition and all-gather the bit16 groups
+    (``update_lp_params``, what DeepSpeed does after a step). Collective over the data-parallel groups."""
+    zero.update_lp_params()
+
+
 def partition_padding(zero: Any, group_id: int) -> int:
     """Padding elements at the end of this rank's partition of group ``group_id``."""
     return int(zero.groups_padding[group_id])

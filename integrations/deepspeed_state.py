@@ -95,6 +95,11 @@ class ZeroTrainState:
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
         """Nothing left to do: DCP loaded every tensor in place (bit16 parameters and fp32 masters alike)."""
 
+    def masters_changed(self) -> None:
+        """The bit16 partitions from the fp32 masters, then gathered into the parameters (DeepSpeed's own
+        ``update_lp_params``). Collective over the data-parallel group."""
+        deepspeed_internals.refresh_bit16_from_masters(self.zero)
+
     @torch.no_grad()
     def perturb(self, scale: float, seed: int) -> None:
         """Perturb the (replicated) bit16 parameters identically on every rank, then take each rank's fp32 master
@@ -123,6 +128,10 @@ class Zero3TrainState(ZeroTrainState):
         """The python state, then the bit16 partitions and the gathered parameters from the (restored) fp32
         masters. Collective over ZeRO-3's parameter groups: called last in every restore, on every rank."""
         super().load_extra_state(state)
+        self._refresh_bit16()
+
+    def masters_changed(self) -> None:
+        """The bit16 partitions and the gathered parameters from the fp32 masters (collective)."""
         self._refresh_bit16()
 
     @torch.no_grad()

@@ -321,6 +321,10 @@ class MegatronAdapter:
         if refusal is not None:
             raise ValueError(f"arc_engine.attach_megatron: detectors.sdc.recompute does not support {refusal}; set "
                              "detectors.sdc.recompute.enabled: false (detection and the agreed skip still work)")
+        if config.detectors.fisher.enabled:
+            raise ValueError("arc_engine.attach_megatron: detectors.fisher does not support megatron-core yet (its "
+                             "main parameters repeat over data- and tensor-parallel ranks, which the Fisher sums "
+                             "would count twice); set detectors.fisher.enabled: false")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested

@@ -128,6 +128,10 @@ class MegatronTrainState:
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
         """Nothing left to do: DCP loaded every tensor in place (model parameters and the stepped masters)."""
 
+    def masters_changed(self) -> None:
+        """Not reached: ``detectors.fisher`` (the only editor of the stepped tensors) is refused under Megatron."""
+        raise ValueError("arc_engine: editing Megatron's main parameters in place is not supported")
+
     @torch.no_grad()
     def perturb(self, scale: float, seed: int) -> None:
         """ARC's escape: noise on the tensors the optimizers step (the fp32 masters), then Megatron's own copy to

@@ -261,6 +261,35 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.conformal.action": KeyDoc("What a loss above its failure interval gets."),
     "detectors.conformal.forecast_action": KeyDoc("What the forecast's bound crossing `explosion_loss` gets "
                                                   "(`checkpoint`: a preventive checkpoint)."),
+    "detectors.fisher.enabled": KeyDoc("Fisher-aware recovery (ARC paper §3.3, §3.6; [detectors.md](detectors.md"
+                                       "#fisher-aware-recovery)): a diagonal Fisher estimate of each rank's own "
+                                       "part, the Fisher-Rao drift from the last verified state, the Fisher's "
+                                       "effective rank. Memory: 8 bytes per element of the rank's own part (DDP: "
+                                       "the whole replica). Not under megatron-core yet."),
+    "detectors.fisher.every": KeyDoc("Applied optimizer steps between Fisher updates (and its statistics).",
+                                     ">= 1, a multiple of `stats.interval`"),
+    "detectors.fisher.decay": KeyDoc("F ← decay g² + (1 − decay) F (the first update sets F = g²).", "in (0, 1]"),
+    "detectors.fisher.warmup_measurements": KeyDoc("Measurements before any verdict.", ">= 1"),
+    "detectors.fisher.window": KeyDoc("Healthy Fisher-Rao distances kept; their median scales `drift_factor`.",
+                                      ">= 3"),
+    "detectors.fisher.drift_threshold": KeyDoc("A Fisher-Rao distance from the last verified-stable state above "
+                                               "this gets `drift_action`; 0: off.", ">= 0"),
+    "detectors.fisher.drift_factor": KeyDoc("A Fisher-Rao distance above this times the median of the healthy "
+                                            "ones gets `drift_action`; 0: off.", "0 or > 1"),
+    "detectors.fisher.drift_action": KeyDoc("What a Fisher-Rao drift gets (a preventive checkpoint: the next "
+                                            "verified snapshot goes to disk and becomes the new reference)."),
+    "detectors.fisher.min_rank_fraction": KeyDoc("The Fisher's effective rank below this fraction of the "
+                                                 "parameters: a warning; 0: off.", "in [0, 1)"),
+    "detectors.fisher.importance_rollback": KeyDoc("A rollback keeps θ = β θ_ckpt + (1 − β) θ_now, β = "
+                                                   "sigmoid(sharpness (F / F̄ − 1)): the important parameters "
+                                                   "restored, the others kept. Needs `recovery.enabled`."),
+    "detectors.fisher.sharpness": KeyDoc("The importance weights' sharpness (the paper's λ times F̄).", "> 0"),
+    "detectors.fisher.ewc_strength": KeyDoc("λ₀ of the EWC penalty (λ_t / 2) Σ F (θ − θ*)² added after a rollback "
+                                            "(its gradient, inside the optimizer step); 0: off. Needs "
+                                            "`recovery.enabled`.", ">= 0"),
+    "detectors.fisher.ewc_decay_steps": KeyDoc("λ_t = λ₀ exp(−t / this), t the applied steps since the rollback.",
+                                               "> 0"),
+    "detectors.fisher.ewc_steps": KeyDoc("Applied steps the EWC penalty lasts after a rollback.", ">= 1"),
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),

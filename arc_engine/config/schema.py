@@ -529,6 +529,51 @@ class ConformalConfig:
 
 
 @dataclass(kw_only=True)
+class FisherConfig:
+    """Fisher-aware recovery (ARC paper §3.3 and §3.6, Algorithms 3, 7, 8): a diagonal Fisher estimate F ←
+    ``decay`` g² + (1 − ``decay``) F of the gradient each rank's optimizer applies to its own tensors (its partition
+    under ZeRO and FSDP2, the whole replica under DDP), updated every ``every`` applied steps (a multiple of
+    ``stats.interval``). On those steps the agreement carries ΣF, ΣF ln F, the element count and the Fisher-Rao
+    distance d_FR = √Σ F (θ − θ*)² from the last verified-stable state θ* (recovery's snapshots). After
+    ``warmup_measurements``: d_FR above ``drift_threshold`` (> 0) or above ``drift_factor`` times the median of the
+    last ``window`` healthy values gets ``drift_action`` (a preventive checkpoint); the Fisher's effective rank
+    exp(H(F / ΣF)) below ``min_rank_fraction`` of the element count a warning. With ``importance_rollback`` a
+    rollback blends θ = β θ_ckpt + (1 − β) θ_cur, β = sigmoid(``sharpness`` (F / F̄ − 1)); with ``ewc_strength``
+    λ₀ > 0 the steps after a rollback add the EWC penalty's gradient λ_t F (θ − θ*), λ_t = λ₀ exp(−t /
+    ``ewc_decay_steps``), for ``ewc_steps`` applied steps."""
+
+    enabled: bool = False
+    every: int = 10
+    decay: float = 0.05
+    warmup_measurements: int = 20
+    window: int = 64
+    drift_threshold: float = 0.0
+    drift_factor: float = 10.0
+    drift_action: ActionName = "checkpoint"
+    min_rank_fraction: float = 0.001
+    importance_rollback: bool = False
+    sharpness: float = 5.0
+    ewc_strength: float = 0.0
+    ewc_decay_steps: float = 50.0
+    ewc_steps: int = 200
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
+        require(0 < self.decay <= 1, "decay", self.decay, "must be in (0, 1]")
+        require(self.warmup_measurements >= 1, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 1")
+        require(self.window >= 3, "window", self.window, "must be an integer >= 3 (measurements)")
+        require(self.drift_threshold >= 0, "drift_threshold", self.drift_threshold, "must be >= 0 (0 = off)")
+        require(self.drift_factor == 0 or self.drift_factor > 1, "drift_factor", self.drift_factor,
+                "must be 0 (off) or > 1")
+        require(0 <= self.min_rank_fraction < 1, "min_rank_fraction", self.min_rank_fraction, "must be in [0, 1)")
+        require(self.sharpness > 0, "sharpness", self.sharpness, "must be > 0")
+        require(self.ewc_strength >= 0, "ewc_strength", self.ewc_strength, "must be >= 0 (0 = off)")
+        require(self.ewc_decay_steps > 0, "ewc_decay_steps", self.ewc_decay_steps, "must be > 0 (applied steps)")
+        require(self.ewc_steps >= 1, "ewc_steps", self.ewc_steps, "must be an integer >= 1 (applied steps)")
+
+
+@dataclass(kw_only=True)
 class DetectorsConfig:
     """One section per monitor family. A plugin family (:func:`arc_engine.monitors.registry.register_family`)
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
@@ -544,6 +589,7 @@ class DetectorsConfig:
     weight_health: WeightHealthConfig = field(default_factory=WeightHealthConfig)
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     conformal: ConformalConfig = field(default_factory=ConformalConfig)
+    fisher: FisherConfig = field(default_factory=FisherConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     r_metric: RMetricConfig = field(default_factory=RMetricConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})

@@ -15,6 +15,7 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.conformal import ConformalFamily
     from arc_engine.monitors.consistency import ConsistencyFamily
     from arc_engine.monitors.dynamics import DynamicsFamily
+    from arc_engine.monitors.fisher import FisherFamily
     from arc_engine.monitors.loss_spike import LossSpikeFamily
     from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
@@ -27,7 +28,7 @@ def builtin_families() -> list[MonitorFamily]:
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
             QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), StragglerFamily(), RMetricFamily(),
-            WeightHealthFamily(), DynamicsFamily(), ConformalFamily()]
+            WeightHealthFamily(), DynamicsFamily(), ConformalFamily(), FisherFamily()]
 
 
 def register_family(family: MonitorFamily) -> None:

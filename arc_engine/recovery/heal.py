@@ -40,12 +40,15 @@ def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
 def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]]) -> list[Any] | None:
     """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call): scale the gradients of
     ``param_groups`` by the step's gradient coefficient (recovery's healing clip, a monitor's stabilisation:
-    :meth:`ArcEngine.gradient_coefficient`) and their learning rates by the step's factor. Returns the saved
+    :meth:`ArcEngine.gradient_coefficient`), show them to the shaping monitors (:meth:`ArcEngine.before_update`:
+    the Fisher estimate, the EWC penalty) and scale their learning rates by the step's factor. Returns the saved
     learning rates to hand to :func:`restore_learning_rates` after the step, or None when nothing was scaled. Local;
-    in normal training it touches no tensor and walks no parameter list."""
+    in normal training without a shaping monitor it touches no tensor and walks no parameter list."""
     coefficient = engine.gradient_coefficient()
     if coefficient != 1.0:
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
                         coefficient)
+    if engine.shaping:
+        engine.before_update([p for group in param_groups for p in group["params"]])
     factor = engine.step_lr_factor()
     return scale_learning_rates(param_groups, factor) if factor != 1.0 else None

@@ -254,6 +254,7 @@ class Recovery:
         if decision.applies_update:
             self.ring.push(candidate)
             self.controller.on_verified()
+            self.engine.on_verified()
             self._maybe_save(candidate)
         else:
             self.ring.recycle(candidate)
@@ -361,6 +362,7 @@ class Recovery:
     # ------------------------------------------------------------------ carrying out
 
     def _carry_out(self, pending: PendingRestore) -> None:
+        self.engine.before_restore()
         if pending.snapshot is not None:
             extra = restore(pending.snapshot, self.state)
             self.engine.load_monitor_state_dict(extra["monitors"])
@@ -377,6 +379,8 @@ class Recovery:
             self.checkpoints.pin(info.step)
             self.engine.rewind(info.step, pending.data_position)
             self.restores["disk"] += 1
+        if self.engine.after_restore():  # the importance-weighted rollback edited the stepped tensors
+            self.state.masters_changed()
         if pending.escape:
             self.state.perturb(self.config.perturbation_scale, self.config.seed * 1_000_003 + self.controller.rollbacks)
 

@@ -56,6 +56,12 @@ class TrainState(Protocol):
         get the same noise on every rank (same ``seed``), so replicas stay identical."""
         ...
 
+    def masters_changed(self) -> None:
+        """The tensors the optimizer steps were edited in place (an importance-weighted rollback): bring the
+        model's copies in line (ZeRO's bit16 parameters, gathered again). Collective where those are gathered:
+        recovery calls it on every rank together."""
+        ...
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``tensor``: the local shard of a DTensor, the tensor itself otherwise."""
@@ -160,6 +166,9 @@ class TorchTrainState:
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
+
+    def masters_changed(self) -> None:
+        """Nothing to do: the optimizer steps the parameters (or their FSDP2 shards) themselves."""
 
     def perturb(self, scale: float, seed: int) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
