@@ -5,8 +5,9 @@ part of the parameters from its copy, and the copy refreshed) on the demo GPT, o
     .venv/bin/python scripts/bench_dynamics.py                    # 4 layers x 256, as 1 and 4 ranks
     .venv/bin/python scripts/bench_dynamics.py --layers 12 --repeats 50
 
-Prints, per ``--ranks`` value, the median over ``--repeats`` measured calls (after 3 warm-up calls) and that time
-spread over the ``every`` (10) optimizer steps between measurements, and the memory of the copy.
+Prints, per ``--ranks`` value and ``--sketch`` size (0: the velocity only; 128: with the attractor's sketch), the
+median over ``--repeats`` measured calls (after 3 warm-up calls) and that time spread over the ``every`` (10)
+optimizer steps between measurements, and the memory kept (the copy, and the sketch's int8 signs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from arc_engine.config import load_config
 from arc_engine.demo.gpt import GPT, GPTConfig
-from arc_engine.monitors.dynamics import VELOCITY, VelocityProducer
+from arc_engine.monitors.dynamics import SKETCH, VELOCITY, VelocityProducer
 from arc_engine.monitors.family import StepView
 from arc_engine.stats import Reduce, StatBuffer, StatLayout
 
@@ -35,15 +36,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4],
                         help="the decision group's size (owner dealing)")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--sketch", type=int, nargs="+", default=[0, 128],
+                        help="attractor_sketch sizes to compare (0: velocity only)")
     return parser.parse_args(argv)
 
 
-def measure(model: torch.nn.Module, ranks: int, repeats: int) -> dict[str, float]:
-    config = load_config(None, ["detectors.dynamics.enabled=true", "detectors.dynamics.every=1"]).detectors.dynamics
+def measure(model: torch.nn.Module, ranks: int, repeats: int, sketch: int) -> dict[str, float]:
+    config = load_config(None, ["detectors.dynamics.enabled=true", "detectors.dynamics.every=1",
+                                f"detectors.dynamics.attractor_sketch={sketch}"]).detectors.dynamics
     producer = VelocityProducer(config)
     producer.set_group(list(range(ranks)), 0)
     layout = StatLayout()
     layout.add(VELOCITY, 2, Reduce.SUM)
+    if sketch:
+        layout.add(SKETCH, sketch, Reduce.SUM)
     layout.freeze()
     buffer = StatBuffer(layout, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -57,7 +63,7 @@ def measure(model: torch.nn.Module, ranks: int, repeats: int) -> dict[str, float
             producer.write(buffer, StepView(step, params))
             if step >= 3:
                 times.append(time.perf_counter() - started)
-    copied = sum(t.numel() * t.element_size() for t in producer._copy or [])
+    copied = sum(t.numel() * t.element_size() for t in [*(producer._copy or []), *producer._signs])
     return {"ms": statistics.median(times) * 1e3, "copy_mb": copied / 2**20,
             "owned": sum(t.numel() for t in producer._copy or []) / sum(p.numel() for p in params)}
 
@@ -69,11 +75,15 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     total = sum(p.numel() for p in model.parameters())
     print(f"dynamics velocity producer, demo GPT {args.layers} layers x {args.d_model} ({total / 1e6:.2f}M "
           f"parameters), CPU, median of {args.repeats} calls")
-    results = {}
+    results: dict[int, dict[str, float]] = {}
     for ranks in args.ranks:
-        result = results[ranks] = measure(model, ranks, args.repeats)
-        print(f"  as 1 of {ranks} rank(s): owns {result['owned']:.0%} of the parameters; {result['ms']:.3f} ms per "
-              f"measurement, {result['ms'] / 10:.3f} ms per step at every: 10; copy {result['copy_mb']:.2f} MB")
+        for sketch in args.sketch:
+            result = measure(model, ranks, args.repeats, sketch)
+            results.setdefault(ranks, result)[f"ms_sketch{sketch}"] = result["ms"]
+            results[ranks][f"mb_sketch{sketch}"] = result["copy_mb"]
+            print(f"  as 1 of {ranks} rank(s), attractor_sketch {sketch}: owns {result['owned']:.0%} of the "
+                  f"parameters; {result['ms']:.3f} ms per measurement, {result['ms'] / 10:.3f} ms per step at "
+                  f"every: 10; kept {result['copy_mb']:.2f} MB (copy{' and signs' if sketch else ''})")
     return results
 
 

@@ -21,12 +21,15 @@ from arc_engine.monitors.dynamics import (
     DIVERGENT,
     HEALTHY,
     MARGINAL,
+    SKETCH,
     VELOCITY,
     WARNING,
     DynamicsFamily,
+    attractor_radius,
     lyapunov,
     oscillation_ratio,
     phase,
+    sketch_into,
     stabilisation,
 )
 from arc_engine.monitors.family import FamilyContext
@@ -77,7 +80,7 @@ def _monitor(*overrides: str) -> tuple[StatLayout, Any]:
 
 
 def _drive(velocities: list[float], *overrides: str) -> dict[int, list[str]]:
-    layout, monitor = _monitor(*overrides)
+    layout, monitor = _monitor("detectors.dynamics.attractor_sketch=0", *overrides)
     found = {}
     for step, velocity in enumerate(velocities):
         rows = np.zeros((2, layout.size))
@@ -102,6 +105,61 @@ def test_the_monitor_reports_each_phase_when_it_begins() -> None:
     oscillating = [step for step, labels in found.items() if labels == ["training dynamics oscillating"]]
     assert oscillating and min(oscillating) >= 31  # once the FFT window is full
     assert all(labels != ["training dynamics divergent"] for labels in found.values())
+
+
+def _trajectory(positions: np.ndarray, *overrides: str) -> tuple[dict[int, list[str]], list[float]]:
+    """Feed the monitor a trajectory: each measurement's displacement as two ranks' halves of its sketch (fixed
+    random signs per element) and of its squared norm. Returns the findings and the ratio metric per step."""
+    layout, monitor = _monitor(*overrides)
+    k = layout[SKETCH].size
+    generator = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (positions.shape[1],), generator=generator).to(torch.int8) * 2 - 1
+    half = positions.shape[1] // 2
+    found, ratios = {}, []
+    for step in range(1, len(positions)):
+        move = torch.as_tensor(positions[step] - positions[step - 1])
+        rows = np.zeros((2, layout.size))
+        for rank, part in enumerate((slice(0, half), slice(half, None))):
+            sketch = torch.zeros(k, dtype=torch.float64)
+            sketch_into(sketch, move[part], signs[part])
+            rows[rank, layout[VELOCITY].span] = [float(move[part].square().sum()), 1.0]
+            rows[rank, layout[SKETCH].span] = sketch.numpy()
+        findings = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1)))
+        monitor.commit(step, True)
+        ratios.append(monitor.metrics()["attractor_ratio"])
+        labels = [f.message.split(":")[0] for f in findings if "attractor" in f.message]
+        if labels:
+            found[step] = labels
+    return found, ratios
+
+
+def test_the_sketch_keeps_norms_and_the_attractor_is_a_settled_trajectory() -> None:
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.normal(size=3000))
+    estimates = []
+    for seed in range(200):
+        signs = torch.randint(0, 2, (3000,), generator=torch.Generator().manual_seed(seed)).to(torch.int8) * 2 - 1
+        sketch, halves = torch.zeros(128, dtype=torch.float64), torch.zeros(128, dtype=torch.float64)
+        sketch_into(sketch, x, signs)
+        sketch_into(halves, x / 4, signs)  # linear: two displacements add up to the sketch of their sum
+        sketch_into(halves, 3 * x / 4, signs)
+        assert torch.allclose(sketch, halves)
+        estimates.append(float(sketch.square().sum() / x.square().sum()))
+    assert np.mean(estimates) == pytest.approx(1.0, abs=0.03)  # unbiased
+    assert np.std(estimates) == pytest.approx(math.sqrt(2 / 128), rel=0.25)  # spread √(2/k)
+    positions = [np.zeros(4), np.array([1.0, 3.0, 0.0, 0.0]), np.array([-1.0, 3.0, 0.0, 0.0])]
+    assert attractor_radius(positions) == pytest.approx(2.0)  # the origin, farthest from the centroid (0, 2)
+
+    dims, steps = 4000, 80
+    drift = np.outer(np.arange(steps), rng.normal(size=dims)) * 0.1 + 0.05 * rng.normal(size=(steps, dims))
+    settled = 0.05 * rng.normal(size=(steps, dims))  # independent draws around a point: a noise ball
+    settled[:40] += drift[:40]  # drifting, then settled from measurement 40
+    found, ratios = _trajectory(drift)
+    assert found == {} and min(ratios[31:]) > 0.3  # a straight drift: R about half the path
+    found, ratios = _trajectory(settled)
+    # reported once: the window of 32 positions lies in the ball from position 71, and 5 measurements in a row
+    assert found == {71 + 4: ["training settled into an attractor"]}, found
+    assert ratios[-1] < 0.05 < min(ratios[31:70])
 
 
 def test_the_family_is_off_by_default_and_validates_its_section() -> None:
@@ -173,8 +231,11 @@ def _train(rank: int, world: int, run_dir: Path, backend: str, grow: bool, stabi
             if finding.detector == "dynamics":
                 findings[step] = finding.message.split(":")[0]
     arc.close()
+    window = torch.stack(states[-8:])  # the positions of the last `window` (8) measurements
+    exact_radius = float((window - window.mean(dim=0)).norm(dim=1).max())
     return {"agreed": agreed, "exact": exact, "findings": findings, "lyapunov": monitor.metrics()["lyapunov"],
-            "coefficients": coefficients, "params": params}
+            "coefficients": coefficients, "params": params, "exact_radius": exact_radius,
+            "radius": monitor.metrics()["attractor_radius"]}
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
@@ -188,6 +249,9 @@ def test_the_agreed_velocity_is_the_full_models_and_a_growing_step_is_divergent(
     for result in clean:
         assert result["agreed"] == clean[0]["agreed"]
         np.testing.assert_allclose(result["agreed"], result["exact"], rtol=1e-5)
+        # the attractor radius from the 128-number sketch: the full model's within the sketch's spread
+        assert result["radius"] == pytest.approx(result["exact_radius"], rel=0.35)
+        assert result["radius"] == clean[0]["radius"]
         assert all(label != "training dynamics divergent" for label in result["findings"].values())
     grown = run_ranks(_train, 2, tmp_path / "grown", backend, True)
     assert grown[0]["findings"] == grown[1]["findings"]

@@ -227,6 +227,16 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                            "alike."),
     "detectors.dynamics.stabilize_strength": KeyDoc("The stabilisation's intervention strength: the clip norm c = "
                                                     "(1 − strength) + strength e^{−λ̄}.", "in [0, 1]"),
+    "detectors.dynamics.attractor_sketch": KeyDoc("Numbers in the random-sign sketch of each displacement (in the "
+                                                  "step's one all-reduce) from which the trajectory's positions "
+                                                  "are tracked; 0: no attractor detection.", ">= 0"),
+    "detectors.dynamics.attractor_ratio": KeyDoc("An attractor (§3.4.5): over the last `window` positions, the "
+                                                 "largest distance from their centroid below this times the path "
+                                                 "length walked; 0: off.", "in [0, 1)"),
+    "detectors.dynamics.attractor_radius": KeyDoc("An attractor: that largest distance below this (parameter-space "
+                                                  "units, the paper's τ_attractor); 0: off.", ">= 0"),
+    "detectors.dynamics.attractor_steps": KeyDoc("Consecutive measurements inside the attractor rule before it is "
+                                                 "reported (an info event).", ">= 1"),
     "detectors.dynamics.action": KeyDoc("What a divergent trajectory gets."),
     "detectors.dynamics.oscillation_action": KeyDoc("What an oscillation gets."),
     "diagnostics.curvature.every": KeyDoc("Optimizer steps between curvature measurements when the training loop "

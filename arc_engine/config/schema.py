@@ -456,7 +456,11 @@ class DynamicsConfig:
     mean power (the paper's 2 fires on white noise; see detectors.md) gets ``oscillation_action``. Each phase is
     reported when it begins; after ``warmup_measurements`` velocities. With ``stabilize`` (opt-in, §3.4.6), while
     λ̄ > ``marginal`` every monitored step's gradient g becomes g S + (1 − S) clip(g, c), S = exp(−λ̄),
-    c = (1 − ``stabilize_strength``) + ``stabilize_strength`` e^{−λ̄} (a norm), from the agreed global norm."""
+    c = (1 − ``stabilize_strength``) + ``stabilize_strength`` e^{−λ̄} (a norm), from the agreed global norm.
+    Attractor detection (§3.4.5): the displacements are also written as an ``attractor_sketch``-number random-sign
+    sketch, whose running sum tracks the trajectory; over the last ``window`` positions, R = max ‖θ_t − θ̄‖ below
+    ``attractor_radius`` (> 0) or below ``attractor_ratio`` times the path length, for ``attractor_steps``
+    consecutive measurements, reports that training settled into an attractor (an info event)."""
 
     enabled: bool = False
     every: int = 10
@@ -470,6 +474,10 @@ class DynamicsConfig:
     warmup_measurements: int = 4
     stabilize: bool = False
     stabilize_strength: float = 0.5
+    attractor_sketch: int = 128
+    attractor_ratio: float = 0.05
+    attractor_radius: float = 0.0
+    attractor_steps: int = 5
     action: ActionName = "warn"
     oscillation_action: ActionName = "warn"
 
@@ -487,6 +495,11 @@ class DynamicsConfig:
                 "must be an integer >= 3 (two velocity ratios)")
         require(0 <= self.stabilize_strength <= 1, "stabilize_strength", self.stabilize_strength,
                 "must be in [0, 1]")
+        require(self.attractor_sketch >= 0, "attractor_sketch", self.attractor_sketch,
+                "must be an integer >= 0 (0 = no attractor detection)")
+        require(0 <= self.attractor_ratio < 1, "attractor_ratio", self.attractor_ratio, "must be in [0, 1)")
+        require(self.attractor_radius >= 0, "attractor_radius", self.attractor_radius, "must be >= 0 (0 = off)")
+        require(self.attractor_steps >= 1, "attractor_steps", self.attractor_steps, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)

@@ -49,6 +49,10 @@ from arc_engine.stats.partition import owned_ids
 #: measured (a copy existed and the step counter moved forward)
 VELOCITY = "dynamics_velocity"
 
+#: [attractor_sketch] SUM: this rank's random-sign sketch of its part of θ − θ_prev (bucket i mod k, a fixed random
+#: sign per element); summed over the ranks, the sketch of the whole displacement
+SKETCH = "dynamics_sketch"
+
 DIVERGENT, WARNING, MARGINAL, HEALTHY, CONVERGENT = "divergent", "warning", "marginal", "healthy", "convergent"
 PHASE_CODES = {CONVERGENT: -1.0, HEALTHY: 0.0, MARGINAL: 0.5, WARNING: 1.0, DIVERGENT: 2.0}
 
@@ -97,6 +101,26 @@ def stabilisation(value: float, norm: float, strength: float) -> float:
     return stability + (1 - stability) * min(1.0, limit / norm)
 
 
+def sketch_into(total: torch.Tensor, values: torch.Tensor, signs: torch.Tensor) -> None:
+    """``total`` (k numbers, float64) += the sketch of ``values``: element i, times its sign, into bucket i mod k.
+    Linear, so the sketch of a sum of displacements is the sum of their sketches; E‖sketch(x)‖² = ‖x‖² (random
+    signs), with a relative spread of about √(2 / k) when x's energy is spread over many elements."""
+    k = total.numel()
+    flat = values.reshape(-1)
+    signed = flat * signs
+    whole = flat.numel() // k * k
+    if whole:
+        total.add_(signed[:whole].view(-1, k).sum(0).to(total.dtype))
+    if whole < flat.numel():
+        total[: flat.numel() - whole].add_(signed[whole:].to(total.dtype))
+
+
+def attractor_radius(positions: list[np.ndarray]) -> float:
+    """R = max over the positions of their distance from the centroid (§3.4.5). Pure."""
+    stacked = np.stack(positions)
+    return float(np.linalg.norm(stacked - stacked.mean(axis=0), axis=1).max())
+
+
 class VelocityProducer:
     """Writes this rank's Σ(θ − θ_prev)² on the measured steps and keeps its copy of its part (see the module
     docstring). Device-side: no collective, no host sync."""
@@ -109,6 +133,8 @@ class VelocityProducer:
         self._copy_step = -1
         self._written_step = -1
         self._last: torch.Tensor | None = None  # this step's written values (a re-agreement writes them again)
+        self._last_sketch: torch.Tensor | None = None
+        self._signs: list[torch.Tensor] = []    # the attractor sketch's signs, one int8 per element of the part
 
     def set_group(self, ranks: list[int], rank: int) -> None:
         self.member, self.members = sorted(ranks).index(rank), len(ranks)
@@ -131,11 +157,14 @@ class VelocityProducer:
         if view.step % self.config.every:
             return
         slot = buffer.view(VELOCITY)
+        sketch = buffer.view(SKETCH) if self.config.attractor_sketch else None
         if view.step == self._written_step:  # a re-agreement of the step (recomputation): write the same again
             if self._last is not None:
                 slot.copy_(self._last)
+            if sketch is not None and self._last_sketch is not None:
+                sketch.copy_(self._last_sketch)
             return
-        self._written_step, self._last = view.step, None
+        self._written_step, self._last, self._last_sketch = view.step, None, None
         parts = [p.detach() for p in self.parts(view)]
         copy = self._copy
         if copy is not None and self._copy_step < view.step and len(copy) == len(parts) and \
@@ -144,6 +173,8 @@ class VelocityProducer:
                 differences = torch._foreach_sub(parts, copy)
                 norms = torch._foreach_norm(differences, 2, dtype=torch.float32)
                 total = torch.stack(norms).double().square().sum().to(slot.device)
+                if sketch is not None:
+                    self._last_sketch = self._sketch(differences, sketch)
                 torch._foreach_copy_(copy, parts)
             else:
                 total = torch.zeros((), dtype=torch.float64, device=slot.device)
@@ -152,6 +183,21 @@ class VelocityProducer:
         else:  # the first measurement, or after a rollback or a change of the parameters: a fresh copy
             self._copy = [p.clone() for p in parts]
         self._copy_step = view.step
+
+    def _sketch(self, differences: list[torch.Tensor], slot: torch.Tensor) -> torch.Tensor:
+        """Write the sketch of this rank's displacement into ``slot``; returns it (for a re-agreement)."""
+        if len(self._signs) != len(differences) or \
+                any(s.numel() != d.numel() for s, d in zip(self._signs, differences, strict=True)):
+            generator = torch.Generator().manual_seed(1_000_003 * runtime.global_rank() + 17)
+            self._signs = [(torch.randint(0, 2, (d.numel(),), generator=generator, dtype=torch.int8) * 2 - 1)
+                           .to(d.device) for d in differences]
+        total = torch.zeros(slot.numel(), dtype=torch.float64, device=differences[0].device if differences
+                            else slot.device)
+        for difference, signs in zip(differences, self._signs, strict=True):
+            sketch_into(total, difference, signs)
+        total = total.to(slot.device)
+        slot.copy_(total)
+        return total
 
 
 class DynamicsMonitor:
@@ -167,21 +213,29 @@ class DynamicsMonitor:
         self.measurements = 0
         self._pending: tuple[float, float | None, str] | None = None
         self._values: dict[str, float] = {}
+        #: the trajectory's sketched positions (running sums of the displacement sketches) and the velocities
+        #: between them; cleared where a measurement is missing (a fresh copy: the first, or after a rollback)
+        self.positions: deque[np.ndarray] = deque(maxlen=config.window)
+        self.steps_between: deque[float] = deque(maxlen=config.window)
+        self.inside = 0          # consecutive measurements inside the attractor rule
+        self.settled = False
+        self._attractor: tuple[np.ndarray | None, int, bool] | None = None
 
     def on_start(self, locations: dict[int, str]) -> None:
         if self.producer is not None:
             self.producer.set_group(list(locations), runtime.global_rank())
 
     def required_stats(self) -> tuple[str, ...]:
-        return (VELOCITY,)
+        return (VELOCITY, SKETCH) if self.config.attractor_sketch else (VELOCITY,)
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
-        self._pending = None
+        self._pending, self._attractor = None, None
         config = self.config
         if step % config.every:
             return []
         total, measured = stats.total(VELOCITY)
         if measured < len(stats.ranks) or not math.isfinite(total):
+            self._attractor = (None, 0, False)  # the trajectory restarts (a fresh copy) or is not finite
             return []  # no velocity on this step (a fresh copy), or a non-finite one (other families judge it)
         velocity = math.sqrt(max(total, 0.0))
         window = [*self.velocities, velocity]
@@ -199,23 +253,55 @@ class DynamicsMonitor:
                         "phase": PHASE_CODES[current], "oscillation_ratio": ratio}
         label = "oscillating" if oscillating else current
         self._pending = (velocity, smoothed, label)
+        findings = self._attractor_findings(stats, velocity)
         if label == self.phase:
-            return []
+            return findings
         values = {**self._values, "every": config.every, "window": len(window)}
         text = f"λ = {smoothed:.4g} per step" if smoothed is not None else "λ unknown"
         if label == DIVERGENT:
-            return [Finding(self.name, Action.parse(config.action), Severity.ERROR,
-                            f"training dynamics divergent: {text} > {config.divergent} (parameter velocity "
-                            f"{velocity:.4g} over {config.every} steps, growing)", values=values)]
+            return [*findings, Finding(self.name, Action.parse(config.action), Severity.ERROR,
+                               f"training dynamics divergent: {text} > {config.divergent} (parameter velocity "
+                               f"{velocity:.4g} over {config.every} steps, growing)", values=values)]
         if label == WARNING:
-            return [Finding(self.name, Action.WARN, Severity.WARNING,
-                            f"training dynamics unstable: {text} > {config.warning}", values=values)]
+            return [*findings, Finding(self.name, Action.WARN, Severity.WARNING,
+                               f"training dynamics unstable: {text} > {config.warning}", values=values)]
         if label == "oscillating":
-            return [Finding(self.name, Action.parse(config.oscillation_action), Severity.WARNING,
-                            f"training dynamics oscillating: {text}, the parameter velocity has a period of "
-                            f"{period} measurements ({period * config.every} steps), power {ratio:.3g}x the mean",
-                            values={**values, "period_measurements": period})]
-        return []
+            return [*findings, Finding(self.name, Action.parse(config.oscillation_action), Severity.WARNING,
+                               f"training dynamics oscillating: {text}, the parameter velocity has a period of "
+                               f"{period} measurements ({period * config.every} steps), power {ratio:.3g}x the mean",
+                               values={**values, "period_measurements": period})]
+        return findings
+
+    def _attractor_findings(self, stats: AgreedStats, velocity: float) -> list[Finding]:
+        """§3.4.5 on the sketched trajectory: R = max ‖θ_t − θ̄‖ over the last ``window`` positions, against
+        ``attractor_radius`` and ``attractor_ratio`` x the path walked between them."""
+        config = self.config
+        if not config.attractor_sketch:
+            return []
+        displacement = stats.total(SKETCH).astype(np.float64)
+        if not np.all(np.isfinite(displacement)):
+            self._attractor = (None, 0, False)
+            return []
+        position = (self.positions[-1] if self.positions else np.zeros_like(displacement)) + displacement
+        origin = [] if self.positions else [np.zeros_like(displacement)]  # where the first displacement began
+        window = [*origin, *self.positions, position][-config.window:]
+        walked = [*self.steps_between, velocity][-(len(window) - 1):]
+        full = len(window) >= config.window
+        radius = attractor_radius(window)
+        path = float(sum(walked))
+        ratio = radius / path if path > 0 else math.nan
+        inside = full and ((config.attractor_radius > 0 and radius < config.attractor_radius) or
+                           (config.attractor_ratio > 0 and math.isfinite(ratio) and ratio < config.attractor_ratio))
+        count = self.inside + 1 if inside else 0
+        settled = count >= config.attractor_steps
+        self._values.update(attractor_radius=radius, attractor_ratio=ratio)
+        self._attractor = (position, count, settled)
+        if not settled or self.settled:
+            return []
+        return [Finding(self.name, Action.WARN, Severity.INFO,
+                        f"training settled into an attractor: over the last {len(window)} measurements the "
+                        f"trajectory stays within {radius:.4g} of its centroid ({ratio:.3g} of the {path:.4g} it "
+                        f"walked), {count} measurements in a row", values={**self._values, "window": len(window)})]
 
     def gradient_coefficient(self, stats: AgreedStats) -> float:
         """§3.4.6, with ``stabilize``: while λ̄ > ``marginal`` the step's gradient g becomes g S + (1 − S) clip(g, c),
@@ -230,6 +316,17 @@ class DynamicsMonitor:
                              config.stabilize_strength)
 
     def commit(self, step: int, applied: bool) -> None:
+        attractor, self._attractor = self._attractor, None
+        if attractor is not None:
+            position, self.inside, self.settled = attractor
+            if position is None:
+                self.positions.clear()
+                self.steps_between.clear()
+            elif self._pending is not None:
+                if not self.positions:
+                    self.positions.append(np.zeros_like(position))
+                self.positions.append(position)
+                self.steps_between.append(self._pending[0])
         if self._pending is None:
             return
         velocity, smoothed, label = self._pending
@@ -243,13 +340,18 @@ class DynamicsMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"velocities": list(self.velocities), "smoothed": self.smoothed, "phase": self.phase,
-                "measurements": self.measurements}
+                "measurements": self.measurements, "positions": [p.tolist() for p in self.positions],
+                "steps_between": list(self.steps_between), "inside": self.inside, "settled": self.settled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.velocities = deque((float(v) for v in state["velocities"]), maxlen=self.config.window)
         self.smoothed = None if state["smoothed"] is None else float(state["smoothed"])
         self.phase = str(state["phase"])
         self.measurements = int(state["measurements"])
+        self.positions = deque((np.asarray(p, dtype=np.float64) for p in state.get("positions", [])),
+                               maxlen=self.config.window)
+        self.steps_between = deque((float(v) for v in state.get("steps_between", [])), maxlen=self.config.window)
+        self.inside, self.settled = int(state.get("inside", 0)), bool(state.get("settled", False))
 
 
 class DynamicsFamily(FamilyBase):
@@ -269,7 +371,8 @@ class DynamicsFamily(FamilyBase):
         return periodic_family_enabled(ctx, self.name, True)
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        return [StatDecl(VELOCITY, 2, Reduce.SUM)]
+        sketch = ctx.section.attractor_sketch
+        return [StatDecl(VELOCITY, 2, Reduce.SUM), *([StatDecl(SKETCH, sketch, Reduce.SUM)] if sketch else [])]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", self._producer(ctx).write)]
@@ -278,5 +381,16 @@ class DynamicsFamily(FamilyBase):
         return [DynamicsMonitor(ctx.section, self._producer(ctx))]
 
 
-__all__ = ["VELOCITY", "DynamicsFamily", "DynamicsMonitor", "VelocityProducer", "lyapunov", "oscillation_ratio",
-           "phase", "stabilisation"]
+__all__ = [
+    "SKETCH",
+    "VELOCITY",
+    "DynamicsFamily",
+    "DynamicsMonitor",
+    "VelocityProducer",
+    "attractor_radius",
+    "lyapunov",
+    "oscillation_ratio",
+    "phase",
+    "sketch_into",
+    "stabilisation",
+]
