@@ -268,6 +268,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                      "half of the scores.", "in [0, 1)"),
     "detectors.conformal.explosion_loss": KeyDoc("A forecast upper bound above this loss warns ahead (a "
                                                  "preventive checkpoint is advised); 0: off.", ">= 0"),
+    "detectors.conformal.signals": KeyDoc("The scalar signals that get conformal intervals: `loss` (the agreed "
+                                          "mean loss) and `grad_norm` (the agreed pre-clip global gradient norm, "
+                                          "judged in log space; its forecast warns ahead of "
+                                          "`detectors.grad_norm.explosion_threshold`). Metrics of a signal other "
+                                          "than the loss carry its name as a prefix.", "a list of loss, grad_norm"),
     "detectors.conformal.action": KeyDoc("What a loss above its failure interval gets."),
     "detectors.conformal.forecast_action": KeyDoc("What the forecast's bound crossing `explosion_loss` gets "
                                                   "(`checkpoint`: a preventive checkpoint)."),

@@ -512,7 +512,8 @@ class ConformalConfig:
     the 1 − ``alpha`` one a WARNING (a metric). With ``explosion_loss`` > 0, a forecast upper bound above it warns
     ahead (``forecast_action``: by default a preventive checkpoint). Coverage of the 1 − ``alpha`` interval over
     the last ``coverage_window`` steps below 1 − ``alpha`` − ``coverage_tolerance`` recalibrates on the newest half
-    of the scores."""
+    of the scores. ``signals``: what gets such intervals: ``loss`` and ``grad_norm`` (the agreed pre-clip global
+    gradient norm, in log space; its warning ahead uses ``detectors.grad_norm.explosion_threshold``)."""
 
     enabled: bool = False
     alpha: float = 0.1
@@ -524,6 +525,7 @@ class ConformalConfig:
     coverage_window: int = 500
     coverage_tolerance: float = 0.05
     explosion_loss: float = 0.0
+    signals: list[Literal["loss", "grad_norm"]] = field(default_factory=lambda: ["loss"])
     action: ActionName = "warn"
     forecast_action: ActionName = "checkpoint"
 
@@ -539,6 +541,8 @@ class ConformalConfig:
         require(self.coverage_window >= 10, "coverage_window", self.coverage_window, "must be an integer >= 10")
         require(0 <= self.coverage_tolerance < 1, "coverage_tolerance", self.coverage_tolerance, "must be in [0, 1)")
         require(self.explosion_loss >= 0, "explosion_loss", self.explosion_loss, "must be >= 0 (0 = off)")
+        require(len(self.signals) >= 1 and len(set(self.signals)) == len(self.signals), "signals", self.signals,
+                "must name each signal once, at least one")
 
 
 @dataclass(kw_only=True)

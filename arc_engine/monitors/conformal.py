@@ -1,5 +1,11 @@
-"""``detectors.conformal``: conformal loss-forecast intervals with calibrated coverage (ARC paper §3.5, Algorithms
-5-6).
+"""``detectors.conformal``: conformal forecast intervals with calibrated coverage for the loss and the gradient norm
+(ARC paper §3.5, Algorithms 5-6).
+
+Each signal in ``signals`` gets its own track (:class:`ConformalTrack`): ``loss``, the agreed mean loss, and
+``grad_norm``, the agreed pre-clip global gradient norm judged in log space (its noise scales with it), which gives
+the grad-norm detector's hand-set explosion threshold a calibrated counterpart; its warning ahead uses that
+threshold (``detectors.grad_norm.explosion_threshold``) as the explosion level. What follows is said of the loss and
+holds for each track.
 
 Each monitored step the agreed loss y (the standard loss slots: every rank the same) is compared with its one-step
 forecast ŷ (Holt's linear smoothing of the accepted losses: level and trend). The nonconformity score is |y − ŷ|;
@@ -84,76 +90,94 @@ class HoltForecast:
         self.trend = float(state["trend"])
 
 
-class ConformalMonitor:
-    """The loss's conformal interval, its state and its coverage (see the module docstring)."""
+#: the scalar signals a conformal track can follow: how each reads the agreed statistics, and whether it is judged in
+#: log space (a norm, whose noise scales with it)
+SIGNALS = ("loss", "grad_norm")
+_LABELS = {"loss": "loss", "grad_norm": "gradient norm"}
 
-    name = "conformal"
 
-    def __init__(self, config: ConformalConfig) -> None:
-        self.config = config
+def signal_value(signal: str, stats: AgreedStats) -> float:
+    """The signal's value on this step, in the space it is judged in (NaN when unusable): the agreed mean loss; the
+    natural log of the agreed pre-clip global gradient norm. Pure."""
+    if signal == "loss":
+        return mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0]))
+    squared = float(stats.total(names.GRAD_SQ).sum())
+    return 0.5 * math.log(squared) if squared > 0 and math.isfinite(squared) else math.nan
+
+
+class ConformalTrack:
+    """One signal's forecast, calibration set, coverage and counters (Algorithms 5-6); see the module docstring."""
+
+    def __init__(self, config: ConformalConfig, signal: str, explosion: float) -> None:
+        self.config, self.signal = config, signal
+        self.explosion = explosion  # in the judged space; +inf: no warning ahead
         self.forecaster = HoltForecast(config.level_rate, config.trend_rate)
         self.scores: deque[float] = deque(maxlen=config.window)
         self.covered: deque[bool] = deque(maxlen=config.coverage_window)
         self.failures = self.recalibrations = 0
         self._pending: tuple[float, float | None, bool | None, str] | None = None
-        self._values: dict[str, float] = {}
+        self.values: dict[str, float] = {}
         self._drifted = False
         self._warned_ahead = False
-
-    def required_stats(self) -> tuple[str, ...]:
-        return (names.LOSS, names.LOSS_RANKS)
 
     def thresholds(self) -> tuple[float, float]:
         scores = list(self.scores)
         return conformal_quantile(scores, self.config.alpha), conformal_quantile(scores, self.config.failure_alpha)
 
-    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+    def _shown(self, value: float) -> float:
+        """A judged-space value as the user reads it (a norm, not its log)."""
+        return value if self.signal == "loss" else math.exp(min(value, 700.0))
+
+    def judge(self, name: str, value: float) -> list[Finding]:
         self._pending = None
         config = self.config
-        loss = mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0]))
-        if not math.isfinite(loss):
-            return []  # the non-finite detector judges it; nothing enters the calibration
+        if not math.isfinite(value):
+            return []  # the non-finite and grad-norm detectors judge it; nothing enters the calibration
         forecast = self.forecaster.forecast()
         if forecast is None or len(self.scores) < config.min_calibration:
-            self._pending = (loss, None if forecast is None else abs(loss - forecast), None, HEALTHY)
+            self._pending = (value, None if forecast is None else abs(value - forecast), None, HEALTHY)
             return []
         warn, fail = self.thresholds()
-        score = abs(loss - forecast)
-        state = stability_state(score, warn, fail) if loss > forecast else HEALTHY  # only a rise is a failure
+        score = abs(value - forecast)
+        state = stability_state(score, warn, fail) if value > forecast else HEALTHY  # only a rise is a failure
         inside = score <= warn
-        self._pending = (loss, score, inside, state)
+        self._pending = (value, score, inside, state)
         coverage_window = [*self.covered, inside]
         coverage = sum(coverage_window) / len(coverage_window)
-        self._values = {"loss": loss, "forecast": forecast, "lower": forecast - warn, "upper": forecast + warn,
-                        "failure_upper": forecast + fail, "coverage": coverage,
-                        "state": {HEALTHY: 0.0, WARNING: 1.0, FAILURE: 2.0}[state]}
-        findings = []
+        shown = self._shown
+        self.values = {self.signal: shown(value), "forecast": shown(forecast), "lower": shown(forecast - warn),
+                       "upper": shown(forecast + warn), "failure_upper": shown(forecast + fail),
+                       "coverage": coverage, "state": {HEALTHY: 0.0, WARNING: 1.0, FAILURE: 2.0}[state]}
+        label, findings = _LABELS[self.signal], []
         if state == FAILURE:
-            findings.append(Finding(self.name, Action.parse(config.action), Severity.ERROR,
-                                    f"loss {loss:.4g} outside its {_percent(1 - config.failure_alpha)} conformal "
-                                    f"interval (forecast {forecast:.4g} + {fail:.3g})", values=dict(self._values)))
+            findings.append(Finding(name, Action.parse(config.action), Severity.ERROR,
+                                    f"{label} {shown(value):.4g} outside its {_percent(1 - config.failure_alpha)} "
+                                    f"conformal interval (upper bound {shown(forecast + fail):.4g}, forecast "
+                                    f"{shown(forecast):.4g})", values={**self.values, "signal": self.signal}))
         # the interval for the next step: warn ahead when its failure bound crosses the explosion level
-        ahead = config.explosion_loss > 0 and forecast + fail > config.explosion_loss
+        ahead = forecast + fail > self.explosion
         if ahead and not self._warned_ahead:
-            findings.append(Finding(self.name, Action.parse(config.forecast_action), Severity.WARNING,
-                                    f"the loss forecast's {_percent(1 - config.failure_alpha)} upper bound "
-                                    f"{forecast + fail:.4g} crosses explosion_loss {config.explosion_loss:.4g}: "
-                                    "the loss may explode (preventive checkpoint)", values=dict(self._values)))
+            findings.append(Finding(name, Action.parse(config.forecast_action), Severity.WARNING,
+                                    f"the {label} forecast's {_percent(1 - config.failure_alpha)} upper bound "
+                                    f"{shown(forecast + fail):.4g} crosses its explosion level "
+                                    f"{shown(self.explosion):.4g}: the {label} may explode (preventive checkpoint)",
+                                    values={**self.values, "signal": self.signal}))
         self._warned_ahead = ahead
         full = len(coverage_window) >= config.coverage_window
         drifted = full and coverage < 1 - config.alpha - config.coverage_tolerance
         if drifted and not self._drifted:
-            findings.append(Finding(self.name, Action.WARN, Severity.INFO,
-                                    f"conformal coverage {coverage:.1%} over the last {len(coverage_window)} steps is "
-                                    f"below {_percent(1 - config.alpha)} - {_percent(config.coverage_tolerance)}: "
-                                    "recalibrating on the newest half of the scores", values=dict(self._values)))
+            findings.append(Finding(name, Action.WARN, Severity.INFO,
+                                    f"conformal coverage of the {label} {coverage:.1%} over the last "
+                                    f"{len(coverage_window)} steps is below {_percent(1 - config.alpha)} - "
+                                    f"{_percent(config.coverage_tolerance)}: recalibrating on the newest half of the "
+                                    "scores", values={**self.values, "signal": self.signal}))
         self._drifted = drifted
         return findings
 
-    def commit(self, step: int, applied: bool) -> None:
+    def commit(self, applied: bool) -> None:
         if self._pending is None:
             return
-        loss, score, inside, state = self._pending
+        value, score, inside, state = self._pending
         self._pending = None
         if inside is not None:
             self.covered.append(inside)
@@ -164,16 +188,13 @@ class ConformalMonitor:
             return
         if score is not None:
             self.scores.append(score)
-        self.forecaster.update(loss)
+        self.forecaster.update(value)
         if self._drifted:  # recalibration: the newest half of the scores, a fresh coverage count
             keep = list(self.scores)[len(self.scores) // 2:]
             self.scores = deque(keep, maxlen=self.config.window)
             self.covered.clear()
             self.recalibrations += 1
             self._drifted = False
-
-    def metrics(self) -> dict[str, float]:
-        return {**self._values, "failures": float(self.failures), "recalibrations": float(self.recalibrations)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"forecaster": self.forecaster.state_dict(), "scores": list(self.scores),
@@ -186,14 +207,73 @@ class ConformalMonitor:
         self.failures, self.recalibrations = int(state["failures"]), int(state["recalibrations"])
 
 
+class ConformalMonitor:
+    """A conformal track per signal in ``signals`` (see the module docstring). The loss's metrics keep their plain
+    names (``forecast``, ``upper``, ...); another signal's carry its name as a prefix (``grad_norm_upper``)."""
+
+    name = "conformal"
+
+    def __init__(self, config: ConformalConfig, grad_explosion: float = math.inf) -> None:
+        self.config = config
+        explosions = {"loss": config.explosion_loss if config.explosion_loss > 0 else math.inf,
+                      "grad_norm": math.log(grad_explosion) if math.isfinite(grad_explosion) else math.inf}
+        self.tracks = {signal: ConformalTrack(config, signal, explosions[signal]) for signal in config.signals}
+
+    @property
+    def failures(self) -> int:
+        return sum(track.failures for track in self.tracks.values())
+
+    @property
+    def recalibrations(self) -> int:
+        return sum(track.recalibrations for track in self.tracks.values())
+
+    def required_stats(self) -> tuple[str, ...]:
+        needed = (names.LOSS, names.LOSS_RANKS) if "loss" in self.tracks else ()
+        return (*needed, names.GRAD_SQ) if "grad_norm" in self.tracks else needed
+
+    def thresholds(self, signal: str = "loss") -> tuple[float, float]:
+        return self.tracks[signal].thresholds()
+
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        findings: list[Finding] = []
+        for signal, track in self.tracks.items():
+            findings += track.judge(self.name, signal_value(signal, stats))
+        return findings
+
+    def commit(self, step: int, applied: bool) -> None:
+        for track in self.tracks.values():
+            track.commit(applied)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for signal, track in self.tracks.items():
+            values = {**track.values, "failures": float(track.failures),
+                      "recalibrations": float(track.recalibrations)}
+            prefix = "" if signal == "loss" else f"{signal}_"
+            out.update({(key if key == signal or not prefix else prefix + key): value
+                        for key, value in values.items()})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {signal: track.state_dict() for signal, track in self.tracks.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "forecaster" in state:  # the loss-only layout of arc_engine before the signals
+            state = {"loss": state}
+        for signal, track in self.tracks.items():
+            if signal in state:
+                track.load_state_dict(state[signal])
+
+
 class ConformalFamily(FamilyBase):
     """``detectors.conformal`` (off by default): reads the agreed loss (the standard loss slots)."""
 
     name = "conformal"
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [ConformalMonitor(ctx.section)]
+        grad_norm = ctx.config.detectors.grad_norm
+        return [ConformalMonitor(ctx.section, grad_norm.explosion_threshold if grad_norm.enabled else math.inf)]
 
 
-__all__ = ["FAILURE", "HEALTHY", "WARNING", "ConformalFamily", "ConformalMonitor", "HoltForecast",
-           "conformal_quantile", "stability_state"]
+__all__ = ["FAILURE", "HEALTHY", "SIGNALS", "WARNING", "ConformalFamily", "ConformalMonitor", "ConformalTrack",
+           "HoltForecast", "conformal_quantile", "signal_value", "stability_state"]
