@@ -321,10 +321,11 @@ class MegatronAdapter:
         if refusal is not None:
             raise ValueError(f"arc_engine.attach_megatron: detectors.sdc.recompute does not support {refusal}; set "
                              "detectors.sdc.recompute.enabled: false (detection and the agreed skip still work)")
-        if config.detectors.fisher.enabled:
-            raise ValueError("arc_engine.attach_megatron: detectors.fisher does not support megatron-core yet (its "
-                             "main parameters repeat over data- and tensor-parallel ranks, which the Fisher sums "
-                             "would count twice); set detectors.fisher.enabled: false")
+        fisher = config.detectors.fisher
+        if fisher.enabled and fisher.importance_rollback and any(mi.is_distributed(m) for m in self.members):
+            raise ValueError("arc_engine.attach_megatron: detectors.fisher.importance_rollback is not supported with "
+                             "Megatron's DistributedOptimizer yet (its blended shards would need a parameter "
+                             "all-gather outside a step); set it to false (the Fisher statistics and EWC work)")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested

@@ -129,8 +129,12 @@ class MegatronTrainState:
         """Nothing left to do: DCP loaded every tensor in place (model parameters and the stepped masters)."""
 
     def masters_changed(self) -> None:
-        """Not reached: ``detectors.fisher`` (the only editor of the stepped tensors) is refused under Megatron."""
-        raise ValueError("arc_engine: editing Megatron's main parameters in place is not supported")
+        """The fp32 masters changed in place (an importance-weighted rollback): Megatron's own copy to the bf16/fp16
+        model parameters (a no-op where the optimizer steps the model parameters). The DistributedOptimizer is
+        refused at attach for this (its shards would need a parameter all-gather)."""
+        for member in self.members:
+            if mi.inner_optimizer(member) is not None:
+                mi.copy_main_to_model_params(member)
 
     @torch.no_grad()
     def perturb(self, scale: float, seed: int) -> None:

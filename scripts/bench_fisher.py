@@ -34,6 +34,7 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.monitors.family import StepView
 from arc_engine.monitors.fisher import FisherState
 
 SEQ_LEN, BATCH = 16, 8
@@ -84,7 +85,7 @@ def cost(args: argparse.Namespace) -> dict[str, float]:
         "params_m": sum(p.numel() for p in params) / 1e6,
         "adamw_ms": _median_ms(optimizer.step, args.repeats),
         "update_ms": _median_ms(lambda: state.update(params), args.repeats),
-        "sums_ms": _median_ms(lambda: state.sums(False, device), args.repeats),
+        "sums_ms": _median_ms(lambda: state.sums(StepView(0, params), device), args.repeats),
         "memory_mb": sum(t.numel() * t.element_size() for t in state.fisher + (state.anchor or [])) / 2**20,
     }
     results["update_ratio"] = results["update_ms"] / results["adamw_ms"]

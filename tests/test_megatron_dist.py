@@ -477,3 +477,81 @@ def test_weight_health_names_the_matrices_of_every_pipeline_stage(tmp_path: Path
     assert any(name.startswith("layers.0.") for name in labels) and any(name.startswith("layers.1.")
                                                                          for name in labels)
     assert all(step["ranked"] == 2 for step in results[0]["steps"])
+
+
+# ------------------------------------------------------------------ Fisher and dynamics over TP and optimizer shards
+
+def _fisher(rank: int, world: int, config: str, layout: list[str]) -> dict[str, Any]:
+    """Three steps with the Fisher updated and agreed every step: the agreed sums, and the model's element count
+    (a tensor-parallel shard counted for all its peers, a duplicate once)."""
+    from megatron.core import parallel_state
+
+    from arc_engine.monitors.fisher import FISHER
+
+    script, args, state = _build([*SMALL, *layout, "--clip-grad", "0", "--arc-config", config])
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    elements = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                   for chunk in state.model for p in chunk.module.parameters())
+    sums = []
+    for _ in range(4):
+        script.train_step(state, args, state.arc.data_position)
+        sums.append(state.arc.engine.last_stats.total(FISHER).tolist())
+    state.arc.close()
+    return {"sums": sums, "elements": elements}
+
+
+@pytest.mark.timeout(500)
+def test_the_fisher_sums_count_every_element_once_over_tensor_and_optimizer_shards(tmp_path: Path) -> None:
+    """TP=2 x DP=2, fp32: the agreed element count of the Fisher sums is the model's (each TP shard once, each
+    layer norm once although every TP rank holds it, each replica's copy once), with and without the
+    DistributedOptimizer; both runs agree on ΣF and ΣF ln F (the same reduced gradients), every rank the same."""
+    config = _arc_yaml(tmp_path / "fisher.yaml", "fisher", fisher={"enabled": True, "every": 1})
+    plain = run_ranks(_fisher, 4, config, ["--tensor-model-parallel-size", "2"], timeout_s=240)
+    sharded = run_ranks(_fisher, 4, config, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+                        timeout_s=240)
+    for run in (plain, sharded):
+        assert all(r["sums"] == run[0]["sums"] for r in run)
+        for step in run[0]["sums"][1:]:  # (the first agreement comes before any F)
+            assert step[2] == run[0]["elements"] and step[5] == 4
+    for ours, theirs in zip(sharded[0]["sums"][1:], plain[0]["sums"][1:], strict=True):
+        assert ours[0] == pytest.approx(theirs[0], rel=1e-5) and ours[1] == pytest.approx(theirs[1], rel=1e-5)
+
+
+def _dynamics(rank: int, world: int, config: str, layout: list[str]) -> dict[str, Any]:
+    """Four steps with the velocity every step: the agreed velocities and the full model's own (each rank sums its
+    parameters' squared displacements, a tensor-parallel shard's over its peers)."""
+    from megatron.core import parallel_state
+
+    script, args, state = _build([*SMALL, *layout, "--clip-grad", "0", "--arc-config", config])
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    params = [p for chunk in state.model for p in chunk.module.parameters()]
+    monitor = next(m for m in state.arc.engine.monitors if m.name == "dynamics")
+    agreed, exact, before = [], [], None
+    for step in range(5):
+        now = [p.detach().double().clone() for p in params]
+        if before is not None:
+            total = torch.zeros((), dtype=torch.float64)
+            for param, a, b in zip(params, now, before, strict=True):
+                moved = (a - b).square().sum()
+                if getattr(param, "tensor_model_parallel", False):
+                    torch.distributed.all_reduce(moved, group=tp_group)
+                total += moved
+            exact.append(float(total.sqrt()))
+        before = now
+        script.train_step(state, args, state.arc.data_position)
+        if step:
+            agreed.append(monitor.metrics()["velocity"])
+    state.arc.close()
+    return {"agreed": agreed, "exact": exact}
+
+
+@pytest.mark.timeout(300)
+def test_the_dynamics_velocity_is_the_full_models_over_tensor_and_optimizer_shards(tmp_path: Path) -> None:
+    """TP=2 x DP=2 with the DistributedOptimizer: the agreed velocity (each rank's master shard) equals
+    ‖θ_t − θ_{t−1}‖ of the whole model, on every rank."""
+    config = _arc_yaml(tmp_path / "dynamics.yaml", "dynamics", dynamics={"enabled": True, "every": 1})
+    results = run_ranks(_dynamics, 4, config, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+                        timeout_s=240)
+    for result in results:
+        assert result["agreed"] == results[0]["agreed"] and len(result["agreed"]) == 4
+        np.testing.assert_allclose(result["agreed"], result["exact"], rtol=1e-5)

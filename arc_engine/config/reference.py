@@ -280,7 +280,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                        "#fisher-aware-recovery)): a diagonal Fisher estimate of each rank's own "
                                        "part, the Fisher-Rao drift from the last verified state, the Fisher's "
                                        "effective rank. Memory: 8 bytes per element of the rank's own part (DDP: "
-                                       "the whole replica). Not under megatron-core yet."),
+                                       "the whole replica)."),
     "detectors.fisher.every": KeyDoc("Applied optimizer steps between Fisher updates (and its statistics).",
                                      ">= 1, a multiple of `stats.interval`"),
     "detectors.fisher.decay": KeyDoc("F ← decay g² + (1 − decay) F (the first update sets F = g²).", "in (0, 1]"),

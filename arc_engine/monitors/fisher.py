@@ -43,6 +43,7 @@ penalty because their F, θ*, θ and gradients are.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -146,20 +147,28 @@ class FisherState:
             torch._foreach_addcmul_(olds, grads, grads, value=decay)
         self.updates += 1
 
-    def counted(self, partitioned: bool) -> list[int]:
-        """Indices of the tensors whose elements this rank adds to the agreement: all of a partitioned optimizer's
-        (ZeRO) and every shard (FSDP2); of replicated tensors, the ones this rank owns over the decision group."""
+    def counted(self, view: StepView) -> list[int]:
+        """Indices of the tensors whose elements this rank adds to the agreement. Where the adapter names the parts
+        each rank counts (:attr:`StepView.partition_parts`: ZeRO's partitions, Megatron's owned masters), the
+        stepped tensors holding a counted part; FSDP2's shards; of replicated tensors, the ones this rank owns over
+        the decision group."""
         if self._counted is None or self._counted[0] != len(self.tensors):
-            replicated = [i for i, p in enumerate(self._keep) if not partitioned and not _is_shard(p)]
-            owned = owned_ids([self.tensors[i] for i in replicated], self.member, self.members)
-            others = set(replicated) - {i for i in replicated if id(self.tensors[i]) in owned}
-            self._counted = (len(self.tensors), [i for i in range(len(self.tensors)) if i not in others])
+            if view.partition_parts is not None:
+                starts = sorted(part.data_ptr() for param in view.params
+                                for part in view.partition_parts(param)[0] if part.numel())
+                mine = [i for i, t in enumerate(self.tensors) if _holds_any(t, starts)]
+            else:
+                replicated = [i for i, p in enumerate(self._keep) if not _is_shard(p)]
+                owned = owned_ids([self.tensors[i] for i in replicated], self.member, self.members)
+                others = set(replicated) - {i for i in replicated if id(self.tensors[i]) in owned}
+                mine = [i for i in range(len(self.tensors)) if i not in others]
+            self._counted = (len(self.tensors), mine)
         return self._counted[1]
 
     @torch.no_grad()
-    def sums(self, partitioned: bool, device: torch.device) -> torch.Tensor:
+    def sums(self, view: StepView, device: torch.device) -> torch.Tensor:
         """[ΣF, ΣF ln F, count, ΣF (θ − θ*)², has θ*, 1] over the counted elements (float64, on ``device``)."""
-        indices = self.counted(partitioned)
+        indices = self.counted(view)
         fisher = [self.fisher[i] for i in indices]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if not fisher:
@@ -224,6 +233,13 @@ class FisherState:
 
 def _is_shard(param: torch.Tensor) -> bool:
     return local_tensor(param) is not param
+
+
+def _holds_any(tensor: torch.Tensor, starts: list[int]) -> bool:
+    """Whether one of the (sorted) data pointers ``starts`` lies inside ``tensor``'s storage span."""
+    begin = tensor.data_ptr()
+    index = bisect.bisect_left(starts, begin)
+    return index < len(starts) and starts[index] < begin + tensor.numel() * tensor.element_size()
 
 
 class FisherMonitor:
@@ -359,7 +375,7 @@ class FisherProducer:
         if view.step % self.config.every or not self.state.tensors:
             return
         slot = buffer.view(FISHER)
-        slot.copy_(self.state.sums(view.partition_parts is not None, slot.device))
+        slot.copy_(self.state.sums(view, slot.device))
 
 
 class FisherFamily(FamilyBase):
