@@ -87,7 +87,7 @@ class Arc:
         """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
         rank of the decision group, with ``loss_fn`` computing this rank's loss on a held micro-batch through the
         model as you train it (a DDP-wrapped model works: Hessian-vector products never reach ``.grad``, so DDP
-        reduces nothing). Returns the ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``,
+        reduces nothing; a DeepSpeed engine works, its forward standing aside for the measurement). Returns the ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``,
         also reported as a ``curvature`` event and ``arc/curvature/...`` metrics. The parameters, gradients and RNG
         state are left as they were. ValueError where the parameters are sharded (FSDP2, DeepSpeed ZeRO-3,
         megatron-core model parallelism): a Hessian-vector product needs each rank's whole model."""
@@ -99,7 +99,9 @@ class Arc:
             raise ValueError(f"arc.measure_curvature: {self.adapter.name} holds sharded parameters; curvature "
                              "diagnostics need each rank's whole model (DDP, DeepSpeed ZeRO-1/2, a plain module, "
                              "megatron-core without model parallelism)")
-        return self.engine.measure_curvature(loss_fn, params)
+        diagnosing = getattr(self.adapter, "diagnosing", None)
+        with diagnosing() if diagnosing is not None else contextlib.nullcontext():
+            return self.engine.measure_curvature(loss_fn, params)
 
     def curvature_due(self) -> bool:
         """Whether the step about to run is one of the periodic curvature measurements (every
@@ -155,6 +157,8 @@ class Adapter(Protocol):
     # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
     # optional: ``compute_modules(limit)``, the modules whose forward makes no collective, for the straggler
     # family's compute probe (default: the leaf modules with parameters of ``module``).
+    # optional: ``diagnosing()``, a context manager around a curvature measurement (DeepSpeed: the engine's forward
+    # without its backward machinery, which a Hessian-vector product would otherwise set off).
 
     def check_config(self, config: ArcConfig) -> None:
         """ValueError for a setting this framework cannot honour (before anything is registered)."""

@@ -32,8 +32,9 @@ skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -350,6 +351,18 @@ class ZeroAdapter:
     def local_grads(self) -> LocalGradHooks | None:
         """The local-gradient producer (after :meth:`install`)."""
         return self.hooks.local_grads if self.hooks is not None else None
+
+    @contextlib.contextmanager
+    def diagnosing(self) -> Iterator[None]:
+        """During a curvature measurement the engine's forward is its module's: DeepSpeed's forward arms its
+        backward prologue and epilogue (enter_backward, the gradient reduction) for any backward through its output,
+        which a Hessian-vector product would set off with no gradients to reduce. Restored afterwards."""
+        engine = self.ds_engine
+        engine.forward = engine.module.forward
+        try:
+            yield
+        finally:
+            del engine.forward
 
     def check_config(self, config: ArcConfig) -> None:
         if config.recovery.enabled and self.stage == 3 and deepspeed_internals.offloads_parameters(self.zero):

@@ -126,3 +126,42 @@ def test_ddp_ranks_agree_on_the_mean_and_training_continues_bitwise(tmp_path: Pa
         assert torch.equal(ours["params"], theirs["params"])
     assert measured[0]["due"] == [True, False, False, True, False, False]
     assert measured[0]["events"] == 1 and plain[0]["events"] == 0  # one event in the run's log
+
+
+def _zero2(rank: int, world: int, run_dir: Path, measure_at: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-2: each rank holds the whole (replicated) module; the measurement goes through the engine's
+    forward and never reaches DeepSpeed's gradient hooks (Hessian-vector products do not accumulate into .grad)."""
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from tests.test_deepspeed_dist import ds_engine
+
+    engine, data = ds_engine(rank, world, 2)
+    arc = attach_deepspeed(engine, make_config(run_dir, "diagnostics.curvature.probes=4"))
+    held = data.batch(1000, rank, BATCH)
+    results, local = [], []
+    for step in range(4):
+        if step == measure_at:
+            local.append(measure(lambda: engine.module(*held), list(engine.module.parameters()), probes=4,
+                                 iterations=10, rho=0.05, seed=arc.engine.step))
+            results.append(arc.measure_curvature(lambda: engine(*held)))  # the engine, as one trains
+        loss = engine(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+    arc.close()
+    return {"results": results, "local": local,
+            "params": torch.cat([p.detach().flatten() for p in engine.module.parameters()])}
+
+
+def test_deepspeed_zero2_measures_the_mean_and_training_continues_bitwise(tmp_path: Path) -> None:
+    """ZeRO-2 on 2 ranks, measured at step 2: every rank returns the mean of the ranks' own values (each computed
+    again without arc_engine), and the parameters after the run are bitwise those of a run without the
+    measurement (DeepSpeed's partitioned gradients untouched)."""
+    measured = run_ranks(_zero2, 2, tmp_path / "measured", 2)
+    plain = run_ranks(_zero2, 2, tmp_path / "plain", -1)
+    assert measured[0]["results"] == measured[1]["results"]
+    (agreed,) = measured[0]["results"]
+    for key in ("hessian_trace", "lambda_max", "sam_sharpness", "loss"):
+        assert agreed[key] == pytest.approx(np.mean([r["local"][0][key] for r in measured]), rel=1e-6), key
+    assert agreed["lambda_max"] > 0
+    for ours, theirs in zip(measured, plain, strict=True):
+        assert torch.equal(ours["params"], theirs["params"])
