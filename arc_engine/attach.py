@@ -87,8 +87,9 @@ class Arc:
         """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
         rank of the decision group, with ``loss_fn`` computing this rank's loss on a held micro-batch through the
         model as you train it (a DDP-wrapped model works: Hessian-vector products never reach ``.grad``, so DDP
-        reduces nothing; a DeepSpeed engine works, its forward standing aside for the measurement). Returns the ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``,
-        also reported as a ``curvature`` event and ``arc/curvature/...`` metrics. The parameters, gradients and RNG
+        reduces nothing; a DeepSpeed engine works, its forward standing aside for the measurement). Returns the
+        ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``, also reported as a
+        ``curvature`` event and ``arc/curvature/...`` metrics. The parameters, gradients and RNG
         state are left as they were. ValueError where the parameters are sharded (FSDP2, DeepSpeed ZeRO-3,
         megatron-core model parallelism): a Hessian-vector product needs each rank's whole model."""
         module = self.adapter.module
