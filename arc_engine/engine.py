@@ -115,7 +115,8 @@ class ArcEngine:
         #: the monitors that may scale a step's gradients (their ``gradient_coefficient(stats)``)
         self._stabilisers = [m.gradient_coefficient for m in self.monitors if hasattr(m, "gradient_coefficient")]
         #: the monitors that shape the update or a rollback (``detectors.fisher``): ``before_update(params, step)``
-        #: in an applied optimizer step; ``on_verified()``, ``before_restore()``, ``after_restore(step)`` from recovery
+        #: in an applied optimizer step; ``set_reference()``, ``before_restore()``, ``after_restore(step)`` from
+        #: recovery
         self._shapers = [m for m in self.monitors if hasattr(m, "before_update")]
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, device)
@@ -497,10 +498,11 @@ class ArcEngine:
         for monitor in self._shapers:
             monitor.before_update(params, self.step)
 
-    def on_verified(self) -> None:
-        """Recovery verified the state about to be updated (local)."""
+    def set_reference(self) -> None:
+        """The live state is the one training continues from safely: a snapshot recovery just verified (before the
+        update), or the state an escape left (local)."""
         for monitor in self._shapers:
-            monitor.on_verified()
+            monitor.set_reference()
 
     def before_restore(self) -> None:
         """Recovery is about to restore a snapshot over the live state (local)."""

@@ -9,7 +9,7 @@ it keeps, on its device in fp32:
   gradient the optimizer applies (after the framework's clipping and unscaling). The first update sets F = g² (an
   EMA started at zero would be biased low for 1/``decay`` updates). A skipped or rolled-back step never reaches it.
 * θ*, a copy of the tensors at the newest verified-stable state (taken when recovery verifies a snapshot, and
-  after every rollback).
+  after every rollback; after an escape, the perturbed state).
 
 Memory: 8 bytes per element of the rank's own part (its partition under ZeRO/FSDP2, the whole replica under DDP,
 where every rank holds the same F and θ*), plus a transient copy of it during an importance-weighted rollback.
@@ -331,8 +331,8 @@ class FisherMonitor:
         if strength > 0:
             self.state.penalize(params, strength)
 
-    def on_verified(self) -> None:
-        """Recovery verified the state the optimizer is about to update: it is the new θ*."""
+    def set_reference(self) -> None:
+        """The live state is the new θ*: a snapshot recovery verified (before the update), or an escape's."""
         self.state.set_anchor()
 
     def before_restore(self) -> None:

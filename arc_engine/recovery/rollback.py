@@ -254,7 +254,7 @@ class Recovery:
         if decision.applies_update:
             self.ring.push(candidate)
             self.controller.on_verified()
-            self.engine.on_verified()
+            self.engine.set_reference()
             self._maybe_save(candidate)
         else:
             self.ring.recycle(candidate)
@@ -383,6 +383,7 @@ class Recovery:
             self.state.masters_changed()
         if pending.escape:
             self.state.perturb(self.config.perturbation_scale, self.config.seed * 1_000_003 + self.controller.rollbacks)
+            self.engine.set_reference()  # the escaped state, not the restored one, is what EWC holds to
 
     def _build_disk_state(self, info: CommitInfo) -> dict[str, Any]:
         world = self._world()
