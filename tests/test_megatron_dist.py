@@ -555,3 +555,34 @@ def test_the_dynamics_velocity_is_the_full_models_over_tensor_and_optimizer_shar
     for result in results:
         assert result["agreed"] == results[0]["agreed"] and len(result["agreed"]) == 4
         np.testing.assert_allclose(result["agreed"], result["exact"], rtol=1e-5)
+
+
+def _curvature(rank: int, world: int, config: str, measure_at: int) -> dict[str, Any]:
+    """Data parallelism only (each rank holds the whole model): four steps, a curvature measurement on this rank's
+    held micro-batch before step ``measure_at`` through the model as it trains (megatron DDP, Float16Module)."""
+    script, args, state = _build([*SMALL, "--arc-config", config])
+    inputs, targets = state.data.batch(10_000, state.data_parallel_rank, args.micro_batch_size)
+    positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    (model,) = state.model
+    results = []
+    for step in range(4):
+        if step == measure_at:
+            results.append(state.arc.measure_curvature(
+                lambda: model(inputs, positions, None, labels=targets).float().mean()))
+        script.train_step(state, args, state.arc.data_position)
+    params = _params(state)
+    state.arc.close()
+    return {"results": results, "params": params}
+
+
+@pytest.mark.timeout(300)
+def test_curvature_under_megatron_data_parallelism_leaves_training_bitwise(tmp_path: Path) -> None:
+    """DP=2: both ranks return the same mean curvature (a positive λ_max) and the parameters after the run are
+    bitwise those of a run without the measurement (megatron's gradient buffers untouched)."""
+    config = _arc_yaml(tmp_path / "curvature.yaml", "curvature")
+    measured = run_ranks(_curvature, 2, config, 2, timeout_s=240)
+    plain = run_ranks(_curvature, 2, config, -1, timeout_s=240)
+    assert measured[0]["results"] == measured[1]["results"] and len(measured[0]["results"]) == 1
+    assert measured[0]["results"][0]["lambda_max"] > 0
+    for ours, theirs in zip(measured, plain, strict=True):
+        assert torch.equal(ours["params"], theirs["params"])
