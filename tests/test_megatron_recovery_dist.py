@@ -209,3 +209,50 @@ def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path,
             assert result["resumed_at"] == result["committed"][-1], rank
         assert result["equal"], rank  # resumed and continued: bitwise the uninterrupted run
         assert result["adam_steps"] == [6], rank
+
+
+# ------------------------------------------------------------------ Fisher-shaped rollback under megatron-core
+
+def _fisher_rollback(rank: int, world: int, flags: list[str], config: str, steps: int) -> dict[str, Any]:
+    """Train through a rollback with the importance-weighted blend and EWC; right after the blend, how far the bf16
+    model parameters are from their (blended) fp32 masters."""
+    script, args, state = _build([*flags, "--arc-config", config])
+    recovery_state = state.arc.engine.recovery.state
+    refresh, gaps = recovery_state.masters_changed, []
+
+    def masters_changed() -> None:
+        refresh()
+        for member in state.optimizer.chained_optimizers:
+            for models, mains in zip(member.float16_groups, member.fp32_from_float16_groups, strict=True):
+                gaps.extend(float((m.detach().float() - w.detach().to(m.dtype).float()).abs().max())
+                            for m, w in zip(models, mains, strict=True))
+
+    recovery_state.masters_changed = masters_changed
+    while state.arc.step < steps:
+        script.train_step(state, args, state.arc.data_position)
+    summary = state.arc.summary()
+    state.arc.close()
+    return {"params": _params(state), "recovery": summary["recovery"], "gaps": gaps}
+
+
+@pytest.mark.timeout(500)
+def test_the_fisher_shaped_rollback_keeps_megatron_replicas_identical(tmp_path: Path) -> None:
+    """TP=2 x DP=2, bf16 (fp32 masters): a NaN loss at step 5 rolls back; the importance-weighted blend edits the
+    masters and Megatron's copy brings the bf16 parameters in line (exactly, at bf16); with EWC after it the run
+    finishes, finite, each data-parallel replica identical to the other, and away from a plain rollback's."""
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--bf16"]
+    fault = [{"kind": "nan_loss", "rank": 1, "step": 5}]
+    plain = _recovery_yaml(tmp_path / "plain.yaml", "plain", fault)
+    shaped = _recovery_yaml(tmp_path / "shaped.yaml", "shaped", fault)
+    config = yaml.safe_load(Path(shaped).read_text())
+    config["detectors"]["fisher"] = {"enabled": True, "every": 1, "importance_rollback": True, "ewc_strength": 1e3}
+    Path(shaped).write_text(yaml.safe_dump(config))
+    ours = run_ranks(_fisher_rollback, 4, flags, shaped, 8, timeout_s=400)
+    theirs = run_ranks(_fisher_rollback, 4, flags, plain, 8, timeout_s=400)
+    for rank in range(4):
+        assert ours[rank]["recovery"]["rollbacks"] == 1 and theirs[rank]["recovery"]["rollbacks"] == 1
+        assert ours[rank]["gaps"] and max(ours[rank]["gaps"]) == 0.0 and theirs[rank]["gaps"] == []
+        assert torch.isfinite(ours[rank]["params"]).all()
+        assert not torch.equal(ours[rank]["params"], theirs[rank]["params"])
+    for first, second in ((0, 2), (1, 3)):  # the data-parallel replicas of each tensor-parallel shard
+        assert torch.equal(ours[first]["params"], ours[second]["params"])
