@@ -107,6 +107,8 @@ def sketch_into(total: torch.Tensor, values: torch.Tensor, signs: torch.Tensor) 
     signs), with a relative spread of about √(2 / k) when x's energy is spread over many elements."""
     k = total.numel()
     flat = values.reshape(-1)
+    if flat.element_size() < 4:  # summed in fp32 at least: a bf16 sum over n / k elements would lose the sketch
+        flat = flat.float()
     signed = flat * signs
     whole = flat.numel() // k * k
     if whole:
