@@ -358,11 +358,15 @@ class ZeroAdapter:
         backward prologue and epilogue (enter_backward, the gradient reduction) for any backward through its output,
         which a Hessian-vector product would set off with no gradients to reduce. Restored afterwards."""
         engine = self.ds_engine
+        own = vars(engine).get("forward")  # an instance-level forward of its own (a compiled engine), kept
         engine.forward = engine.module.forward
         try:
             yield
         finally:
-            del engine.forward
+            if own is not None:
+                engine.forward = own
+            else:
+                del engine.forward
 
     def check_config(self, config: ArcConfig) -> None:
         if config.recovery.enabled and self.stage == 3 and deepspeed_internals.offloads_parameters(self.zero):
