@@ -115,8 +115,8 @@ class ArcEngine:
         #: the monitors that may scale a step's gradients (their ``gradient_coefficient(stats)``)
         self._stabilisers = [m.gradient_coefficient for m in self.monitors if hasattr(m, "gradient_coefficient")]
         #: the monitors that shape the update or a rollback (``detectors.fisher``): ``before_update(params, step)``
-        #: in an applied optimizer step; ``set_reference()``, ``before_restore()``, ``after_restore(step)`` from
-        #: recovery
+        #: in an applied optimizer step where ``updates_on(step)``; ``set_reference()``, ``before_restore()``,
+        #: ``after_restore(step)`` from recovery
         self._shapers = [m for m in self.monitors if hasattr(m, "before_update")]
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, device)
@@ -491,11 +491,16 @@ class ArcEngine:
         """Whether a monitor shapes updates or rollbacks (:meth:`before_update`)."""
         return bool(self._shapers)
 
-    def before_update(self, params: list[torch.Tensor]) -> None:
-        """In an applied optimizer step, before the update, with the tensors the optimizer steps (their gradients
-        final): the shaping monitors read or add to the gradients (``detectors.fisher``: the Fisher estimate, the
-        EWC penalty). Local; nothing to do without such a monitor."""
-        for monitor in self._shapers:
+    def before_update(self, param_groups: list[dict[str, Any]]) -> None:
+        """In an applied optimizer step, before the update, with the optimizer's parameter groups (the tensors it
+        steps, their gradients final): the shaping monitors that have work on this step (``updates_on(step)``) read
+        or add to the gradients (``detectors.fisher``: the Fisher estimate, the EWC penalty). Local; the parameter
+        list is walked only on such a step."""
+        due = [monitor for monitor in self._shapers if monitor.updates_on(self.step)]
+        if not due:
+            return
+        params = [p for group in param_groups for p in group["params"]]
+        for monitor in due:
             monitor.before_update(params, self.step)
 
     def set_reference(self) -> None:

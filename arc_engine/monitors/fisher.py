@@ -322,6 +322,10 @@ class FisherMonitor:
 
     # -------------------------------------------------------------- engine and recovery hooks
 
+    def updates_on(self, step: int) -> bool:
+        """Whether :meth:`before_update` has work on optimizer step ``step``: a Fisher update, or the EWC penalty."""
+        return step % self.config.every == 0 or self.ewc_lambda(step) > 0
+
     def before_update(self, params: list[torch.Tensor], step: int) -> None:
         """In an applied optimizer step, before the update: fold the gradient into F (on the steps ``every``
         divides), then add the EWC penalty's gradient while it is active."""

@@ -49,6 +49,6 @@ def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]]) -> list[Any
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
                         coefficient)
     if engine.shaping:
-        engine.before_update([p for group in param_groups for p in group["params"]])
+        engine.before_update(param_groups)
     factor = engine.step_lr_factor()
     return scale_learning_rates(param_groups, factor) if factor != 1.0 else None
