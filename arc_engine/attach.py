@@ -210,6 +210,10 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     runtime.raise_on_every_rank(error, engine.group, "installing the configured faults")
     removers = adapter.install(engine, recompute_fn if wants_recompute else None)
     engine.add_lr_multiplier(injector.lr_multiplier)
+    if injector.acts_before_update:  # only then: heal_step walks no parameter list for faults in normal training
+        engine.add_update_hook(injector.before_update)
+    if injector.reports_events:
+        engine.add_event_source(injector.system_events)
     removers.append(register_step_start(engine, adapter.module))
     straggler = config.detectors.straggler
     if straggler.enabled and straggler.compute_every:  # after the fault hooks: a slowed module's delay is timed

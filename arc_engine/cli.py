@@ -1,7 +1,8 @@
-"""``arc-engine``: validate a config, print the defaults, run the demo, resend undelivered W&B alerts.
+"""``arc-engine``: validate a config, print the defaults, run the demo, resend undelivered W&B alerts, run the
+fault-injection campaign, write a run's report.
 
-Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts), 2 bad config or usage, 3 (EXIT_ABORT) the demo was
-stopped by arc_engine.
+Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts) or a campaign job failed, 2 bad config or usage, 3
+(EXIT_ABORT) the demo was stopped by arc_engine.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def _resend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """Write ``RUN_DIR/report/index.html`` (or into ``--out``) and print its path."""
+    from arc_engine.report import write_report
+
+    try:
+        page = write_report(args.run_dir, args.out)
+    except (FileNotFoundError, NotADirectoryError, RuntimeError) as err:
+        print(f"arc-engine report: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {page}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arc_args(show)
     demo = sub.add_parser("demo", help="run the demo job (torchrun, gloo, CPU); extra args go to the trainer")
     demo.add_argument("--nproc", type=int, default=2)
+    sub.add_parser("campaign", help="the fault-injection campaign: faults x seeds against arc_engine and the "
+                   "baselines, a table (arguments: arc-engine campaign --help)", add_help=False)
+    report = sub.add_parser("report", help="write a run's report: a static HTML page with PNG figures "
+                            "(RUN_DIR/report/index.html)", allow_abbrev=False)
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="an arc_engine run directory (events.jsonl)")
+    report.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/report)")
     resend = sub.add_parser("resend-alerts", help="send a run's undelivered_alerts.jsonl to W&B (exit 1: W&B "
                             "still unreachable, nothing removed)", allow_abbrev=False)
     resend.add_argument("file", type=Path)
@@ -88,10 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":
         return _demo(args, extra)
+    if args.command == "campaign":
+        from arc_engine.campaign.runner import main as campaign
+
+        return campaign(extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "resend-alerts":
         return _resend(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "validate-config":
         args.arc_overrides = args.overrides
         return _validate(args)

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +136,10 @@ class ArcEngine:
         self.recomputed_losses: list[torch.Tensor] | None = None  # record_loss calls while recompute_fn runs
         self.locations: dict[int, str] = {}  # global rank -> "host:device" (gathered at start when SDC is on)
         self.lr_multipliers: list[Callable[[], float]] = []  # e.g. injected learning-rate faults
+        #: called in every applied optimizer step before the update (e.g. injected optimizer-state faults)
+        self.update_hooks: list[Callable[[list[dict[str, Any]], Mapping[Any, Any] | None], None]] = []
+        #: asked once per step attempt for system events to add to ``local_events`` (e.g. injected hardware events)
+        self.event_sources: list[Callable[[], int]] = []
         self._step_open = False
         self._diagnosing = False  # a diagnostic (curvature) runs the model between steps
         self.monitored_steps = 0
@@ -216,9 +220,23 @@ class ArcEngine:
         """Multiply each step's learning rate by ``multiplier()`` (e.g. an injected learning-rate fault)."""
         self.lr_multipliers.append(multiplier)
 
+    def add_update_hook(self, hook: Callable[[list[dict[str, Any]], Mapping[Any, Any] | None], None]) -> None:
+        """Call ``hook(param_groups, state)`` in every applied optimizer step, after the step's checks and decision
+        and before the update (:func:`arc_engine.recovery.heal.heal_step`), with the optimizer's parameter groups
+        and its state keyed by their parameters (None where the integration has none). Local; e.g. injected
+        optimizer-state and collective faults. Without one, the step walks no parameter list for it."""
+        self.update_hooks.append(hook)
+
+    def add_event_source(self, source: Callable[[], int]) -> None:
+        """Add ``source()`` to :attr:`local_events` once per step attempt, at its start (:meth:`on_step_start`):
+        system events of this rank that the families counting them (the R-Metric's λ) see. Local; e.g. injected
+        hardware events."""
+        self.event_sources.append(source)
+
     def on_step_start(self) -> None:
         """Call at the first forward pass of each step, on every rank (the integrations do, from a forward
-        pre-hook). Carries out a pending rollback or takes a due snapshot; a no-op without recovery."""
+        pre-hook). Carries out a pending rollback or takes a due snapshot (a no-op without recovery), and counts
+        the event sources' new system events; once per step attempt."""
         if self._step_open or self._diagnosing:  # (a diagnostic's forward pass is not a step)
             return
         self._step_open = True
@@ -232,6 +250,8 @@ class ArcEngine:
                 self.recovery.on_step_start()
         if self.sdc_recompute is not None:
             self.sdc_recompute.capture()
+        for source in self.event_sources:
+            self.local_events += source()
 
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
         """From the watchdog thread: a hang (critical) or its end (info), through this rank's sinks."""
@@ -345,6 +365,7 @@ class ArcEngine:
         self._report(decision)
         self.reporter.metrics(self.step, self.monitors, {"arc/skipped_steps": float(self.policy.skipped_steps),
                                                          "arc/iteration": float(self.iteration)})
+        self.reporter.rank_metrics(self.step, self.iteration, self.monitors)
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
 

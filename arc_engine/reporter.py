@@ -9,6 +9,7 @@ local (no communication) and never raise into training (a failing sink is disabl
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,18 @@ from arc_engine.monitors import Monitor
 from arc_engine.policy import Decision
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
 from arc_engine.sinks.wandb_sink import WandbSink
+
+
+def farthest_from_median(per_rank: dict[int, float], limit: int) -> dict[int, float]:
+    """``per_rank`` when it has at most ``limit`` ranks, else the ``limit`` ranks farthest from the median (a
+    non-finite value counts as farthest), in rank order. Pure."""
+    if len(per_rank) <= limit:
+        return dict(per_rank)
+    finite = sorted(v for v in per_rank.values() if math.isfinite(v))
+    median = finite[len(finite) // 2] if finite else 0.0
+    distance = {rank: abs(v - median) if math.isfinite(v) else math.inf for rank, v in per_rank.items()}
+    kept = sorted(per_rank, key=lambda rank: (-distance[rank], rank))[:limit]
+    return {rank: per_rank[rank] for rank in sorted(kept)}
 
 
 class Reporter:
@@ -50,7 +63,8 @@ class Reporter:
                 self.sinks.add(ConsoleSink(Severity.parse(cfg.console.min_severity), cfg.console.color))
             if cfg.jsonl.enabled:
                 self.sinks.add(JsonlSink(run_dir / (cfg.jsonl.events_file + suffix),
-                                         run_dir / (cfg.jsonl.metrics_file + suffix)))
+                                         run_dir / (cfg.jsonl.metrics_file + suffix),
+                                         run_dir / (cfg.jsonl.ranks_file + suffix)))
         if wandb_owner:
             self.sinks.add(WandbSink(cfg.wandb, run_id, str(run_dir), locations, dataclasses.asdict(self.config)))
 
@@ -100,6 +114,21 @@ class Reporter:
             return
         values = {f"arc/{m.name}/{k}": v for m in monitors for k, v in m.metrics().items()}
         self.sinks.log_metrics(step, {**values, **extra})
+
+    def rank_metrics(self, step: int, iteration: int, monitors: Sequence[Monitor]) -> None:
+        """The per-rank statistics the monitors gathered on this step (``rank_metrics()``: name -> {global rank:
+        value}; most steps have none), as ``<monitor>/<name>``, each cut to ``sinks.jsonl.ranks_max`` ranks."""
+        if not self.owns_sinks:
+            return
+        values: dict[str, dict[int, float]] = {}
+        ranks = 0
+        for monitor in monitors:
+            gathered = getattr(monitor, "rank_metrics", None)
+            for name, per_rank in (gathered() if gathered is not None else {}).items():
+                ranks = max(ranks, len(per_rank))
+                values[f"{monitor.name}/{name}"] = farthest_from_median(per_rank, self.config.sinks.jsonl.ranks_max)
+        if values:
+            self.sinks.log_ranks(step, iteration, values, ranks)
 
     def close(self) -> None:
         self.sinks.close()

@@ -178,11 +178,14 @@ class ZeroPartitionStats:
         return self.group_id(optimizer) == len(self.groups) - 1
 
     def group_gradient(self, group_id: int) -> tuple[list[torch.Tensor], bool]:
-        """This rank's gradient pieces for ``group_id`` and whether they are already final (unscaled, clipped)."""
+        """This rank's gradient pieces for ``group_id`` and whether they are already final (unscaled, clipped); no
+        pieces once DeepSpeed has dropped them (a step it skipped on overflow)."""
         partition = deepspeed_internals.fp32_partitions(self.zero)[group_id]
         if partition.grad is not None:
             return [partition.grad.view(-1)], True
         pending = deepspeed_internals.pending_gradient(self.zero, group_id)
+        if pending is None:
+            return [], True
         flat = getattr(pending, "flat_partition", None)
         if flat is not None:
             return [flat.view(-1)], False
@@ -304,7 +307,7 @@ class ZeroStepHooks:
         if self.skip_this_step:
             drop_gradients(optimizer)
         else:  # healing: this group's LR and gradient (DeepSpeed steps the torch optimizer once per group)
-            self._saved_lrs = heal_step(self.engine, optimizer.param_groups)
+            self._saved_lrs = heal_step(self.engine, optimizer.param_groups, optimizer.state)
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._saved_lrs is not None:

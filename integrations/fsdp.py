@@ -19,7 +19,7 @@ over ranks is the exact global value. On monitored steps:
 
 With ``pre_reduce_stats=False`` the local slots come from the reduced shard: a NaN then names every rank whose
 shard holds it, not the rank that produced it. Plain ``register_hook`` never fires on FSDP2's sharded
-parameters, so ``nan_grad`` / ``inf_grad`` fault injection is refused here.
+parameters, so ``nan_grad`` / ``inf_grad`` / ``grad_scale`` fault injection is refused here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -38,12 +38,16 @@ from torch.distributed.tensor import DTensor
 from arc_engine import runtime
 from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
+from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+
+#: fault kinds injected through tensor hooks on the parameters, which FSDP2's sharded parameters never run
+TENSOR_HOOK_FAULTS = ("nan_grad", "inf_grad", "grad_scale")
 
 
 class FSDPGradStats:
@@ -204,11 +208,11 @@ class FSDPAdapter:
 
     @staticmethod
     def check_config(config: ArcConfig) -> None:
-        grad_faults = [f.kind for f in config.faults.injections if f.kind in ("nan_grad", "inf_grad")]
+        grad_faults = [f.kind for f in config.faults.injections if f.kind in TENSOR_HOOK_FAULTS]
         if grad_faults:
+            allowed = [kind for kind in get_args(FaultKind) if kind not in TENSOR_HOOK_FAULTS]
             raise ValueError(f"faults.injections: {grad_faults} are not supported under FSDP2 (tensor hooks do not "
-                             "fire on sharded parameters); allowed here: nan_loss, loss_scale, lr_scale, bitflip, "
-                             "stall")
+                             f"fire on sharded parameters); allowed here: {', '.join(allowed)}")
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup:
         mesh_ranks = dist.get_process_group_ranks(self.data_parallel_group)

@@ -114,6 +114,7 @@ class MegatronAdapter:
         for gemm in mi.parallel_linear_types():  # the bitflip fault reaches Megatron's GEMMs too
             register_gemm_type(gemm)
         self.members = mi.members(optimizer)
+        self._param_states = mi.ParamStates(optimizer)  # for the engine's update hooks (heal_step)
         self.params = [p for chunk in chunks for p in mi.unwrap_chunk(chunk).parameters() if p.requires_grad]
         self.groups: list[_Group] = []
         labels: list[str] = []
@@ -398,7 +399,7 @@ class MegatronAdapter:
             self._reduced_stats()
             self._vetoed = not engine.decide().applies_update
         if not (found_inf or self._vetoed):
-            self._saved_lrs = heal_step(engine, self.optimizer.param_groups)
+            self._saved_lrs = heal_step(engine, self.optimizer.param_groups, self._param_states)
         return found_inf or self._vetoed
 
     def _reduced_stats(self) -> None:

@@ -34,7 +34,7 @@ nothing else of Megatron is assigned. The layouts read here change between relea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +163,36 @@ def is_stub(member: Any) -> bool:
 def inner_optimizer(member: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer a member steps (None for a stub: a rank without parameters of that kind)."""
     return None if is_stub(member) else member.optimizer
+
+
+class ParamStates(Mapping[Any, Any]):
+    """The optimizer state of a Megatron optimizer's members keyed by the parameters their inner torch optimizers
+    step (what :func:`arc_engine.recovery.heal.heal_step` passes to the engine's update hooks with
+    ``optimizer.param_groups``). ``ChainedOptimizer.state`` is a ``ProxyDict`` keyed by ``(member index, key)``, so
+    no parameter can be looked up in it. Reads each member's current ``state`` at every access (a
+    ``load_state_dict`` replaces it) and never adds an entry (those states are ``defaultdict``s)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._members = members(optimizer)
+
+    def _states(self) -> list[Mapping[Any, Any]]:
+        return [inner.state for inner in map(inner_optimizer, self._members) if inner is not None]
+
+    def __getitem__(self, param: Any) -> Any:
+        for state in self._states():
+            if param in state:
+                return state[param]
+        raise KeyError(param)
+
+    def __contains__(self, param: object) -> bool:
+        return any(param in state for state in self._states())
+
+    def __iter__(self) -> Iterator[Any]:
+        for state in self._states():
+            yield from state
+
+    def __len__(self) -> int:
+        return sum(len(state) for state in self._states())
 
 
 def is_distributed(member: Any) -> bool:

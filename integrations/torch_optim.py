@@ -103,7 +103,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
             if not engine.decide().applies_update:
                 drop_gradients(opt)
                 return
-        saved = heal_step(engine, opt.param_groups)
+        saved = heal_step(engine, opt.param_groups, opt.state)
         if saved is not None:
             saved_lrs.append(saved)
 

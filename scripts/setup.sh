@@ -23,7 +23,7 @@ if ! .venv/bin/python -c "import megatron.core, psutil" >/dev/null 2>&1; then
   echo "[setup] installing megatron-core==0.16.1 and psutil (its checkpointing needs it)"
   pip_install "megatron-core==0.16.1" "psutil>=5.9"
 fi
-if ! .venv/bin/python -c "import arc_engine, pytest, pytest_timeout, ruff, wandb" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import arc_engine, pytest, pytest_timeout, ruff, wandb, matplotlib" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.arc_engine_installed ]; then
   echo "[setup] installing arc_engine (editable) with the dev extra"
   pip_install -e ".[dev]"

@@ -1,11 +1,9 @@
 """The campaign's baselines (arc_engine/campaign/baselines.py) on hand-made series, each against the rule as its
-source states it; the ARC stress scenarios (arc_engine/campaign/scenarios.py) as fault presets."""
+source states it."""
 
 from __future__ import annotations
 
 import math
-
-import pytest
 
 from arc_engine.campaign.baselines import (
     ConsecutiveIncreases,
@@ -66,21 +64,3 @@ def test_every_rule_is_fresh_and_first_alarm_finds_the_first_step() -> None:
     assert len({rule.name for rule in rules}) == len(rules) == 6
     assert first_alarm(GradNormThreshold(), [1.0] * 3, [1.0, 200.0, 300.0]) == 1
     assert first_alarm(NoMonitoring(), [NAN] * 3, [math.inf] * 3) is None
-
-
-def test_the_stress_scenarios_are_fault_presets_that_a_config_accepts() -> None:
-    from arc_engine.campaign.scenarios import SCENARIOS, scenario
-    from arc_engine.config import load_config
-
-    assert [s.scale for s in scenario("catastrophic_lr", 7)] == [1e5]  # the paper's 100,000x
-    assert [(s.kind, s.rank, s.step) for s in scenario("nan_bomb", 3, rank=1)] == [("nan_loss", 1, 3)]
-    assert scenario("gradient_apocalypse", 5, severity=2.0)[0].steps == 6
-    assert scenario("loss_supernova", 5, severity=0.5)[0].scale == 5e5
-    for name in SCENARIOS:  # every preset is a valid injection list, as YAML would give it
-        faults = [{"kind": s.kind, "rank": s.rank, "step": s.step, "steps": s.steps, "scale": s.scale}
-                  for s in scenario(name, 4)]
-        config = load_config(None, [f"faults.injections={faults}"])
-        assert [f.kind for f in config.faults.injections] == [s.kind for s in scenario(name, 4)]
-    for name, severity in (("tsunami", 1.0), ("lr_spike", 0.0), ("lr_spike", math.inf)):
-        with pytest.raises(ValueError):
-            scenario(name, 1, severity=severity)

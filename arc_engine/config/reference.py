@@ -362,6 +362,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "sinks.jsonl.enabled": KeyDoc("Append events and metrics as JSON lines in the run directory."),
     "sinks.jsonl.events_file": KeyDoc("File name of the event log.", "a plain file name"),
     "sinks.jsonl.metrics_file": KeyDoc("File name of the metrics log.", "a plain file name"),
+    "sinks.jsonl.ranks_file": KeyDoc("File name of the per-rank statistics (the report's per-rank panels).",
+                                     "a plain file name"),
+    "sinks.jsonl.ranks_max": KeyDoc("Per statistic, the values of at most this many ranks: all in a group no "
+                                    "larger, else those farthest from the median.", "an integer >= 1"),
     "sinks.wandb.enabled": KeyDoc("Alerts and `arc/` metrics to Weights & Biases, from one rank."),
     "sinks.wandb.project": KeyDoc("Project of the run arc_engine starts when none is active.", "a non-empty name"),
     "sinks.wandb.entity": KeyDoc("Entity of that run (null: wandb's default)."),
@@ -391,30 +395,45 @@ KEY_DOCS: dict[str, KeyDoc] = {
     f"{FAULT_PREFIX}.param": KeyDoc("`nan_grad` / `inf_grad`: the parameter (a `named_parameters()` name; null: "
                                     "the first)."),
     f"{FAULT_PREFIX}.scale": KeyDoc("`loss_scale` / `lr_scale`: the factor; `router_collapse`: what is added to "
-                                    "the chosen expert's logit.", "any number"),
+                                    "the chosen expert's logit; `grad_scale` / `weight_corruption`: the factor on "
+                                    "the chosen gradient / weight elements; `optimizer_state`: the factor on the "
+                                    "optimizer state; `collective_corruption`: the factor on the reduced "
+                                    "gradient.", "any number"),
     f"{FAULT_PREFIX}.pattern": KeyDoc("`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules (and "
                                       "megatron-core's parallel linears) to corrupt; `attention_lowbit` / "
                                       "`router_collapse` / `dead_expert`: on the "
                                       "attention (default `*core_attention`) or router (default `*router`) "
-                                      "modules.", "required for `bitflip`"),
+                                      "modules; `grad_scale` / `weight_corruption`: on the `named_parameters()` "
+                                      "names (default: every parameter).", "required for `bitflip`"),
     f"{FAULT_PREFIX}.where": KeyDoc("`bitflip`: the GEMM output corrupted: forward output, backward-data output "
                                     "(the layer input's gradient) or weight gradient."),
     f"{FAULT_PREFIX}.bit": KeyDoc("`bitflip`: the bit to flip (null: the dtype's default exponent bit).",
                                   "[0, 31] or null"),
-    f"{FAULT_PREFIX}.count": KeyDoc("`bitflip`: elements flipped per hit (with neither `count` nor `rate`: one).",
-                                    ">= 1 or null; not with `rate`"),
-    f"{FAULT_PREFIX}.rate": KeyDoc("`bitflip`: probability that each element is flipped.",
-                                   "(0, 1] or null; not with `count`"),
+    f"{FAULT_PREFIX}.count": KeyDoc("`bitflip`: elements flipped per hit (with neither `count` nor `rate`: one); "
+                                    "`hardware_events`: system events per step attempt (null: one).",
+                                    ">= 1 or null; not with `rate` for `bitflip`"),
+    f"{FAULT_PREFIX}.rate": KeyDoc("`bitflip`: probability that each element is flipped; `grad_scale` / "
+                                   "`weight_corruption`: fraction of the elements changed (null: all); "
+                                   "`data_corruption`: fraction of the token ids replaced (null: 0.3); "
+                                   "`collective_corruption`: probability that a step in the window is corrupted "
+                                   "(null: 1).", "(0, 1] or null; not with `count` for `bitflip`"),
     f"{FAULT_PREFIX}.persistent": KeyDoc("`bitflip`: fire on every call from `step` on, recomputations included (a "
-                                         "faulty device); else once per step, on the first GEMM. Mechanism "
-                                         "faults: active on every step from `step` on."),
-    f"{FAULT_PREFIX}.seed": KeyDoc("`bitflip`: seed of the choice of elements.", "any integer"),
+                                         "faulty device); else once per step, on the first GEMM. Mechanism and "
+                                         "state faults: active on every step from `step` on."),
+    f"{FAULT_PREFIX}.seed": KeyDoc("`bitflip` and the state faults: seed of their random choices (mixed with the "
+                                   "step).", "any integer"),
     f"{FAULT_PREFIX}.seconds": KeyDoc("`stall`: how long the rank sleeps at the step's first forward.",
                                       "> 0 for `stall`"),
     f"{FAULT_PREFIX}.bits": KeyDoc("`attention_lowbit`: the lowest bits of each BF16 word of the attention output "
                                    "and its gradient that are zeroed (a biased rounding toward zero).", "[1, 7]"),
     f"{FAULT_PREFIX}.expert": KeyDoc("`router_collapse`: the expert whose logit gets `scale` added; `dead_expert`: "
                                      "the expert that receives no token.", ">= 0, below the number of experts"),
+    f"{FAULT_PREFIX}.noise": KeyDoc("`grad_scale` / `weight_corruption`: standard deviation of the Gaussian noise "
+                                    "added to the chosen elements, in multiples of the tensor's RMS.", ">= 0"),
+    f"{FAULT_PREFIX}.state_key": KeyDoc("`optimizer_state`: the optimizer state tensor multiplied by `scale` "
+                                        "(Adam's first or second moment)."),
+    f"{FAULT_PREFIX}.megabytes": KeyDoc("`memory_leak`: MiB allocated and kept on the model's device per step "
+                                        "attempt.", "> 0, finite"),
     # recovery
     "recovery.enabled": KeyDoc("The ARC loop: verified-stable snapshots, rollback, heal, escape, resume."),
     "recovery.checkpoint_freq": KeyDoc("Healthy steps between snapshots; a snapshot becomes verified-stable when "

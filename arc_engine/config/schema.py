@@ -24,7 +24,10 @@ from arc_engine.config.errors import ConfigError, require
 ActionName = Literal["warn", "checkpoint", "skip", "rollback", "abort"]
 SeverityName = Literal["debug", "info", "warning", "error", "critical"]
 FaultKind = Literal["nan_grad", "inf_grad", "nan_loss", "loss_scale", "lr_scale", "bitflip", "stall",
-                    "attention_lowbit", "router_collapse", "dead_expert"]
+                    "attention_lowbit", "router_collapse", "dead_expert", "grad_scale", "data_corruption",
+                    "optimizer_state", "collective_corruption", "weight_corruption", "hardware_events",
+                    "memory_leak"]
+OptimizerStateKey = Literal["exp_avg", "exp_avg_sq"]
 
 
 @dataclass(kw_only=True)
@@ -638,16 +641,25 @@ class ConsoleSinkConfig:
 
 @dataclass(kw_only=True)
 class JsonlSinkConfig:
-    """Append-only JSON-lines logs in the run directory: one event (or metrics record) per line."""
+    """Append-only JSON-lines logs in the run directory: one event (or metrics record) per line.
+
+    ``ranks_file``: the per-rank statistics, on the steps a monitor gathered them (e.g. ``detectors.consistency``'s
+    ``detail_every`` steps): each rank's loss and local gradient norm, for ``arc-engine report``'s per-rank panels.
+    ``ranks_max``: per statistic, the values of at most this many ranks: every rank in a group no larger, else the
+    ranks farthest from the median (so the line stays small on thousands of ranks).
+    """
 
     enabled: bool = True
     events_file: str = "events.jsonl"
     metrics_file: str = "metrics.jsonl"
+    ranks_file: str = "ranks.jsonl"
+    ranks_max: int = 64
 
     def __post_init__(self) -> None:
-        for key in ("events_file", "metrics_file"):
+        for key in ("events_file", "metrics_file", "ranks_file"):
             value = getattr(self, key)
             require(value != "" and "/" not in value, key, value, "a plain file name")
+        require(self.ranks_max >= 1, "ranks_max", self.ranks_max, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)
@@ -735,6 +747,21 @@ class FaultSpec:
     lowest ``bits`` bits zeroed (1-7, the BF16 mantissa). ``router_collapse``: ``scale`` is added to the logit of
     expert ``expert`` of the routers matching ``pattern`` (default ``*router``) before routing. ``dead_expert``:
     that expert's logit is -inf before routing, so it receives no token from ``rank``.
+    State faults (:mod:`arc_engine.faults.state_faults`; the R-Metric paper's fault library and ARC's sabotage), on
+    every step attempt in ``[step, step + steps)`` or, with ``persistent``, every one from ``step`` on:
+    ``grad_scale``: the local gradient (before the reduction) of the parameters whose names match ``pattern``
+    (fnmatch on ``named_parameters()`` names; default: every parameter) becomes ``scale * g + N(0, (noise *
+    rms(g))^2)`` on a ``rate`` fraction of its elements (None: all). ``data_corruption``: a ``rate`` fraction (None:
+    0.3) of the token ids in the model's first positional argument become uniform random ids below the vocabulary
+    size of the model's first embedding, on every forward. ``optimizer_state``: before the update, the optimizer
+    state ``state_key`` of every stepped parameter is multiplied by ``scale``. ``collective_corruption``: before
+    the update, the reduced gradient of every stepped parameter is multiplied by ``scale``, with probability
+    ``rate`` (None: 1) per step (a collective that gave ``rank`` a wrong result; it acts after arc_engine's checks
+    of the step, so it shows from the next step on). ``weight_corruption``: at the step's first forward the
+    parameters matching ``pattern`` (default: every one) become ``scale * w + N(0, (noise * rms(w))^2)`` on a
+    ``rate`` fraction of their elements (None: all), in place. ``hardware_events``: ``count`` (None: 1) system
+    events per step attempt, counted by the R-Metric's λ. ``memory_leak``: ``megabytes`` MiB allocated on the
+    model's device per step attempt and kept until the injector is removed.
     ``steps``: how many consecutive steps from ``step`` the fault lasts (1 = transient).
 
     ``step`` counts step *attempts* (:attr:`ArcEngine.iteration`): it equals the optimizer step until a rollback
@@ -757,6 +784,9 @@ class FaultSpec:
     seconds: float = 0.0
     bits: int = 6
     expert: int = 0
+    noise: float = 0.0
+    state_key: OptimizerStateKey = "exp_avg"
+    megabytes: float = 0.5
 
     def __post_init__(self) -> None:
         require(self.rank >= -1, "rank", self.rank, "a global rank >= 0, or -1 for every rank")
@@ -769,6 +799,12 @@ class FaultSpec:
         require(self.kind != "stall" or self.seconds > 0, "seconds", self.seconds, "must be > 0 for kind 'stall'")
         require(1 <= self.bits <= 7, "bits", self.bits, "an integer in [1, 7] (the BF16 mantissa bits to zero)")
         require(self.expert >= 0, "expert", self.expert, "an expert index >= 0")
+        require(self.rate is None or 0.0 < self.rate <= 1.0, "rate", self.rate, "a fraction in (0, 1], or null")
+        require(self.count is None or self.count >= 1, "count", self.count, "an integer >= 1, or null")
+        require(self.noise >= 0.0, "noise", self.noise, "must be >= 0 (a multiple of the tensor's RMS)")
+        require(self.state_key in ("exp_avg", "exp_avg_sq"), "state_key", self.state_key,
+                "one of 'exp_avg', 'exp_avg_sq'")
+        require(0.0 < self.megabytes < math.inf, "megabytes", self.megabytes, "a finite number > 0 (MiB per step)")
 
 
 @dataclass(kw_only=True)

@@ -12,19 +12,24 @@ Learning-rate faults (``lr_scale``) scale the learning rate of the step through 
 ``current_step`` counts step attempts (the engine's ``iteration``), so a transient fault does not fire again when
 a rollback replays its step. ``bitflip`` faults are delegated to :class:`~arc_engine.faults.bitflip.BitFlipInjector`,
 the mechanism faults (``attention_lowbit``, ``router_collapse``, ``dead_expert``) to
-:class:`~arc_engine.faults.mechanism.MechanismFault`.
+:class:`~arc_engine.faults.mechanism.MechanismFault`, the state faults (``grad_scale``, ``data_corruption``,
+``weight_corruption``, ``memory_leak``, ``optimizer_state``, ``collective_corruption``, ``hardware_events``) to
+:mod:`arc_engine.faults.state_faults`; the wiring registers :meth:`FaultInjector.before_update` as an engine update
+hook and :meth:`FaultInjector.system_events` as an engine event source only when such a fault is on this rank.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from arc_engine.config.schema import FaultSpec
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
 from arc_engine.faults.mechanism import MECHANISM_KINDS, MechanismFault, select_modules
+from arc_engine.faults.state_faults import STATE_FAULTS
 
 
 def bitflip_spec(spec: FaultSpec) -> BitFlipSpec:
@@ -48,6 +53,10 @@ class FaultInjector:
         self.bitflips = [BitFlipInjector(bitflip_spec(s), rank=rank, current_step=current_step)
                          for s in self.specs if s.kind == "bitflip"]
         self.mechanisms = [MechanismFault(s, current_step, self.fired) for s in self.specs if s.kind in MECHANISM_KINDS]
+        self.state_faults = [STATE_FAULTS[s.kind](s, current_step, self.fired) for s in self.specs
+                             if s.kind in STATE_FAULTS]
+        self._update_faults = [fault for fault in self.state_faults if fault.acts_before_update]
+        self._event_faults = [fault for fault in self.state_faults if fault.reports_events]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _active(self, spec: FaultSpec) -> bool:
@@ -61,6 +70,8 @@ class FaultInjector:
             injector.install(model)
         for mechanism in self.mechanisms:
             mechanism.install(model)
+        for fault in self.state_faults:
+            fault.install(model)
         stalls = [spec for spec in self.specs if spec.kind == "stall" and not spec.pattern]
         if stalls:
             self._handles.append(model.register_forward_pre_hook(lambda module, args: self._stall(stalls)))
@@ -125,15 +136,41 @@ class FaultInjector:
                 loss = loss * spec.scale
         return loss
 
+    @property
+    def acts_before_update(self) -> bool:
+        """Whether a fault on this rank acts in :meth:`before_update` (``optimizer_state``,
+        ``collective_corruption``): the wiring registers that hook only then."""
+        return bool(self._update_faults)
+
+    @property
+    def reports_events(self) -> bool:
+        """Whether a fault on this rank reports :meth:`system_events` (``hardware_events``)."""
+        return bool(self._event_faults)
+
+    def before_update(self, param_groups: list[dict[str, Any]], state: Mapping[Any, Any] | None = None) -> None:
+        """The engine's update hook: in an applied optimizer step, after arc_engine's checks of the step and before
+        the update, apply the active ``optimizer_state`` / ``collective_corruption`` faults to ``param_groups`` (the
+        parameters the optimizer steps) and ``state`` (its state, keyed by those parameters). Local."""
+        for fault in self._update_faults:
+            fault.before_update(param_groups, state)
+
+    def system_events(self) -> int:
+        """The engine's event source, asked once per step attempt: the system events the active
+        ``hardware_events`` faults add (0 when none is active)."""
+        return sum(fault.system_events() for fault in self._event_faults)
+
     def bitflips_fired(self) -> list[dict]:
         """Every bit-flip injection so far (``step``, ``module``, ``where``, ``bit``, ``num_flipped``, ...)."""
         return [record for injector in self.bitflips for record in injector.fired]
 
     def remove(self) -> None:
+        """Remove every fault hook and release what the faults hold (``memory_leak``'s memory). Idempotent."""
         for injector in self.bitflips:
             injector.remove()
         for mechanism in self.mechanisms:
             mechanism.remove()
+        for fault in self.state_faults:
+            fault.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -120,6 +120,7 @@ class ConsistencyMonitor:
         self.direction_history: deque[float] = deque(maxlen=config.window)
         self.alarms = 0
         self._values: dict[str, float] = {}
+        self._rank_values: dict[str, dict[int, float]] = {}  # per rank, on a step that fetched them
         self._spread: Spread | None = None  # this step's, until commit
         self._flagged = False
         self._exceeded = (False, False)  # this step's CV above / C_dir below its limit
@@ -189,6 +190,10 @@ class ConsistencyMonitor:
         losses = per_rank_loss[recorded]
         self._values["loss_range"] = float(losses.max() - losses.min()) if losses.size else math.nan
         self._values["grad_norm_range"] = float(per_rank_norm.max() - per_rank_norm.min())
+        global_ranks = [int(r) for r in stats.ranks]
+        self._rank_values = {
+            "loss": {r: float(v) for r, v, ok in zip(global_ranks, per_rank_loss, recorded, strict=True) if ok},
+            "grad_norm": {r: float(v) for r, v in zip(global_ranks, per_rank_norm, strict=True)}}
         groups = stats.per_rank(POSITION)[:, 0] if self.positions > 1 else np.zeros(len(per_rank_norm))
         row, distance = farthest_rank_within(per_rank_norm, groups)
         rank = stats.ranks[row] if row >= 0 else -1  # the global rank of that row of the decision group
@@ -245,6 +250,11 @@ class ConsistencyMonitor:
 
     def metrics(self) -> dict[str, float]:
         return {**self._values, "alarms": float(self.alarms)}
+
+    def rank_metrics(self) -> dict[str, dict[int, float]]:
+        """Each rank's loss and local gradient norm, once, after a step that fetched them (empty otherwise)."""
+        values, self._rank_values = self._rank_values, {}
+        return values
 
     def state_dict(self) -> dict[str, Any]:
         return {"cv_history": list(self.cv_history), "direction_history": list(self.direction_history),

@@ -6,6 +6,7 @@ so it composes with any LR scheduler (DeepSpeed's, Megatron's, torch's) instead 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,13 +38,19 @@ def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
         torch._foreach_mul_(grads, coefficient)
 
 
-def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]]) -> list[Any] | None:
-    """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call): scale the gradients of
-    ``param_groups`` by the step's gradient coefficient (recovery's healing clip, a monitor's stabilisation:
-    :meth:`ArcEngine.gradient_coefficient`), show them to the shaping monitors (:meth:`ArcEngine.before_update`:
-    the Fisher estimate, the EWC penalty) and scale their learning rates by the step's factor. Returns the saved
-    learning rates to hand to :func:`restore_learning_rates` after the step, or None when nothing was scaled. Local;
-    in normal training without a shaping monitor it touches no tensor and walks no parameter list."""
+def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]],
+              state: Mapping[Any, Any] | None = None) -> list[Any] | None:
+    """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call), after the step's checks
+    and decision: run the engine's update hooks (:meth:`ArcEngine.add_update_hook`, e.g. injected optimizer-state
+    faults) with ``param_groups`` and ``state`` (the optimizer's state, keyed by those groups' parameters), scale the
+    gradients of ``param_groups`` by the step's gradient coefficient (recovery's healing clip, a monitor's
+    stabilisation: :meth:`ArcEngine.gradient_coefficient`), show them to the shaping monitors
+    (:meth:`ArcEngine.before_update`: the Fisher estimate, the EWC penalty) and scale their learning rates by the
+    step's factor. Returns the saved learning rates to hand to :func:`restore_learning_rates` after the step, or None
+    when nothing was scaled. Local; in normal training without an update hook or a shaping monitor it touches no
+    tensor and walks no parameter list."""
+    for hook in engine.update_hooks:  # first: an injected wrong reduction precedes anything the step does
+        hook(param_groups, state)
     coefficient = engine.gradient_coefficient()
     if coefficient != 1.0:
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],

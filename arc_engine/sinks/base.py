@@ -50,6 +50,12 @@ class SinkSet:
         for sink in self._active():
             self._call(sink, "log_metrics", step, metrics)
 
+    def log_ranks(self, step: int, iteration: int, values: dict[str, dict[int, float]], ranks: int) -> None:
+        """Per-rank statistics, to the sinks that keep them (``log_ranks``: the JSONL sink)."""
+        for sink in self._active():
+            if hasattr(sink, "log_ranks"):
+                self._call(sink, "log_ranks", step, iteration, values, ranks)
+
     def close(self) -> None:
         for sink in self._active():
             self._call(sink, "close")

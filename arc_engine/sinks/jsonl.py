@@ -1,4 +1,4 @@
-"""Append-only JSON-lines logs: ``events.jsonl`` and ``metrics.jsonl`` in the run directory."""
+"""Append-only JSON-lines logs: ``events.jsonl``, ``metrics.jsonl`` and ``ranks.jsonl`` in the run directory."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ class JsonlSink:
 
     name = "jsonl"
 
-    def __init__(self, events_path: Path, metrics_path: Path) -> None:
+    def __init__(self, events_path: Path, metrics_path: Path, ranks_path: Path | None = None) -> None:
         self.events_path = events_path
         self.metrics_path = metrics_path
+        self.ranks_path = ranks_path
         events_path.parent.mkdir(parents=True, exist_ok=True)
         self._events: IO[str] = open(events_path, "a", encoding="utf-8")  # noqa: SIM115
         self._metrics: IO[str] = open(metrics_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._ranks: IO[str] | None = None  # opened at the first per-rank record
 
     def emit(self, event: Event) -> None:
         self._write(self._events, event.to_json())
@@ -29,9 +31,21 @@ class JsonlSink:
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._write(self._metrics, json.dumps({"step": step, **json_safe(metrics)}, sort_keys=True))
 
+    def log_ranks(self, step: int, iteration: int, values: dict[str, dict[int, float]], ranks: int) -> None:
+        """One line of per-rank statistics: ``{"step", "iteration", "ranks" (the group's size), "values": {name:
+        {global rank: value}}}``."""
+        if self.ranks_path is None:
+            return
+        if self._ranks is None:
+            self._ranks = open(self.ranks_path, "a", encoding="utf-8")  # noqa: SIM115
+        record = {"step": step, "iteration": iteration, "ranks": ranks,
+                  "values": {name: {str(rank): value for rank, value in per_rank.items()}
+                             for name, per_rank in values.items()}}
+        self._write(self._ranks, json.dumps(json_safe(record), sort_keys=True))
+
     def close(self) -> None:
-        for handle in (self._events, self._metrics):
-            if not handle.closed:
+        for handle in (self._events, self._metrics, self._ranks):
+            if handle is not None and not handle.closed:
                 handle.flush()
                 os.fsync(handle.fileno())
                 handle.close()

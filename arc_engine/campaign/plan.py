@@ -1,0 +1,151 @@
+"""What a campaign runs: its profiles (``quick`` for CI, ``full`` for docs/results.md), the arc_engine configuration
+of each arm, and the list of runs per backend that :mod:`arc_engine.campaign.worker` executes.
+
+Per backend and seed, every library fault that the backend's model has the parts for runs twice:
+
+* ``observe``: arc_engine attached with every action turned into a warning and no recovery. The run is what it would
+  be unprotected (the hot path changes nothing without an intervention), arc_engine's alarms are recorded on it, and
+  the baselines replay its loss and gradient-norm series: every detector judges the same trajectory.
+* ``protect``: arc_engine as a user runs it (:data:`PROTECT`): skips, rollbacks and healing, recovery on.
+
+and the clean runs (no fault) run in both arms plus ``bare`` (no arc_engine at all, the overhead's reference).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arc_engine.config import load_config, to_dict
+from arc_engine.faults.library import DEMO_TARGETS, LIBRARY, WINDOW, Targets
+
+BACKENDS = ("ddp", "zero2")
+"""``ddp``: torch DDP over the demo GPT; ``zero2``: a real DeepSpeed ZeRO-2 engine over it (gradient clipping 1)."""
+TARGETS: dict[str, Targets] = {"ddp": DEMO_TARGETS, "zero2": DEMO_TARGETS}
+PARTS: dict[str, frozenset[str]] = {"ddp": frozenset(), "zero2": frozenset()}
+"""The optional model parts (``moe``) each backend's model has: faults that need others do not run there."""
+
+PROTECT: dict[str, Any] = {
+    "stats": {"interval": 1},
+    "detectors": {
+        "non_finite": {"action": "skip"},
+        "loss_spike": {"warmup_steps": 20, "factor": 6.0, "min_relative_increase": 0.25, "action": "skip"},
+        "grad_norm": {"explosion_threshold": 1.0e4},
+        "weight_health": {"enabled": True, "every": 10},
+    },
+    "policy": {"max_consecutive_skips": 3, "on_persistent_failure": "rollback"},
+    "recovery": {"enabled": True, "checkpoint_freq": 10, "lr_recovery_steps": 20,
+                 "checkpoint": {"every_steps": 0, "resume": False}},
+    "sinks": {"console": {"enabled": False}, "metrics_interval": 1, "wandb": {"enabled": False}},
+}
+"""The protected arm's arc_engine configuration (the demo's, with weight health on and no disk checkpoints)."""
+
+
+def observe_config(protect: dict[str, Any]) -> dict[str, Any]:
+    """``protect`` with every detector action a warning (``action`` and ``*_action`` keys), the SDC recomputation
+    and recovery off: arc_engine watches and reports, and changes nothing."""
+    full = to_dict(load_config(base=protect))
+    for section in full["detectors"].values():
+        if not isinstance(section, dict):
+            continue
+        for key in section:
+            if key == "action" or key.endswith("_action"):
+                section[key] = "warn"
+        recompute = section.get("recompute")
+        if isinstance(recompute, dict):
+            recompute["enabled"] = False
+    full["recovery"]["enabled"] = False
+    full["detectors"].pop("plugins", None)
+    return full
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A campaign's size. ``steps``: optimizer steps of a faulted run, whose fault starts at ``fault_step`` plus a
+    seed-dependent offset below ``jitter``; ``clean_steps``: steps of the first seed's clean runs (the false-alarm
+    and false-intervention runs; the other seeds' are ``steps`` long). Every clean run's held-out loss is also taken
+    at ``steps``: the faulted runs' reference."""
+
+    name: str
+    backends: tuple[str, ...]
+    faults: tuple[str, ...]
+    seeds: tuple[int, ...]
+    steps: int
+    fault_step: int
+    jitter: int
+    clean_steps: int
+    world: int = 2
+    model: dict[str, Any] = field(default_factory=lambda: {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64,
+                                                           "batch_size": 8, "lr": 3e-3})
+
+
+CRASH_SCENARIOS = ("nan_bomb", "inf_nuke", "loss_supernova", "catastrophic_lr", "lr_spike", "gradient_apocalypse")
+
+PROFILES: dict[str, Profile] = {
+    "quick": Profile("quick", backends=("ddp",), faults=CRASH_SCENARIOS, seeds=(0,), steps=100, fault_step=60,
+                     jitter=0, clean_steps=100),
+    "full": Profile("full", backends=BACKENDS, faults=tuple(LIBRARY), seeds=(0, 1, 2), steps=360, fault_step=180,
+                    jitter=40, clean_steps=2000),
+}
+
+
+def fault_step(profile: Profile, seed: int) -> int:
+    return profile.fault_step + (seed * 7919) % profile.jitter if profile.jitter else profile.fault_step
+
+
+def fault_rank(profile: Profile, seed: int) -> int:
+    """The rank a single-rank fault hits: 1, 0, 1, ... over the seeds (never always rank 0)."""
+    return (seed + 1) % profile.world
+
+
+def applicable(backend: str, fault: str) -> bool:
+    return set(LIBRARY[fault].needs) <= PARTS[backend]
+
+
+def fault_end(specs: list) -> int:
+    """The last step attempt a fault acts on (a persistent one: the first ``WINDOW`` steps, the span it is judged
+    on)."""
+    return max(spec.step + (WINDOW if spec.persistent else spec.steps) - 1 for spec in specs)
+
+
+def _run(name: str, arm: str, backend: str, fault: str, seed: int, steps: int, at: int | None, injections: list,
+         run_dir: Path, eval_at: tuple[int, ...] = (), end: int | None = None) -> dict[str, Any]:
+    run_id = name.replace("/", "-")
+    config: dict[str, Any] = copy.deepcopy(PROTECT)
+    config = observe_config(config) if arm == "observe" else config
+    config["run"] = {"run_id": run_id, "run_dir": str(run_dir)}
+    config["faults"] = {"injections": injections}
+    return {"name": name, "arm": arm, "backend": backend, "fault": fault, "seed": seed, "steps": steps,
+            "fault_step": at, "fault_end": end, "eval_at": list(eval_at), "config": config}
+
+
+def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The worker's plan for one backend: clean runs first (observe and protect per seed, ``clean_steps`` long for
+    the first seed, with a bare run as long, and ``steps`` for the others), then each applicable fault in both
+    arms per seed."""
+    runs: list[dict[str, Any]] = []
+    run_dir = out / "runs"
+    for seed in profile.seeds:
+        first = seed == profile.seeds[0]
+        for arm in ("bare", "observe", "protect") if first else ("observe", "protect"):
+            steps = profile.clean_steps if first else profile.steps
+            runs.append(_run(f"{backend}/clean/s{seed}/{arm}", arm, backend, "clean", seed, steps, None, [], run_dir,
+                             eval_at=(profile.steps,)))
+    for fault in faults if faults is not None else profile.faults:
+        if not applicable(backend, fault):
+            continue
+        for seed in profile.seeds:
+            at = fault_step(profile, seed)
+            specs = LIBRARY[fault].specs(at, rank=fault_rank(profile, seed), seed=seed, targets=TARGETS[backend])
+            injections = [dataclasses.asdict(spec) for spec in specs]
+            for arm in ("observe", "protect"):
+                runs.append(_run(f"{backend}/{fault}/s{seed}/{arm}", arm, backend, fault, seed, profile.steps, at,
+                                 injections, run_dir, end=fault_end(specs)))
+    return {"backend": backend, "model": profile.model, "results": str(out / "results.jsonl"), "runs": runs}
+
+
+__all__ = ["BACKENDS", "CRASH_SCENARIOS", "PROFILES", "PROTECT", "Profile", "applicable", "backend_plan",
+           "fault_rank", "fault_step", "observe_config"]

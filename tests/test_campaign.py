@@ -1,0 +1,115 @@
+"""The fault-injection campaign: its plan and arms (arc_engine/campaign/plan.py), its scoring on hand-made records
+(scoring.py), and the quick profile end to end on real DDP ranks (what CI runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_config
+from arc_engine.campaign.scoring import ARC, detection_step, score, table
+from arc_engine.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(fault: str, arm: str, losses: list[float], *, seed: int = 0, fault_step: int | None = 5,
+            terminal: int | None = None, events: tuple = (), completed: bool = True, eval_loss: float = 2.0,
+            attempts: int | None = None, skipped: int = 0, eval_at: dict | None = None) -> dict:
+    return {"name": f"ddp/{fault}/s{seed}/{arm}", "backend": "ddp", "fault": fault, "seed": seed, "arm": arm,
+            "fault_step": fault_step, "steps_target": 10, "attempts": attempts or len(losses),
+            "steps_done": len(losses), "completed": completed, "aborted": None, "terminal_step": terminal,
+            "losses": losses, "grad_norms": [1.0] * len(losses), "eval_loss": eval_loss, "eval_at": eval_at or {},
+            "step_ms_median": 10.0, "skipped_steps": skipped, "recovery": {"rollbacks": 1}, "events": list(events)}
+
+
+def _detection(iteration: int, severity: str = "error", action: str = "warn") -> dict:
+    return {"kind": "detection", "detector": "non_finite", "action": action, "severity": severity,
+            "step": iteration, "iteration": iteration}
+
+
+def test_observe_arm_turns_every_action_into_a_warning_and_recovery_off() -> None:
+    observe = load_config(base=observe_config(PROTECT))
+    assert not observe.recovery.enabled and load_config(base=PROTECT).recovery.enabled
+    assert observe.detectors.non_finite.action == "warn" and observe.detectors.grad_norm.explosion_action == "warn"
+    assert observe.detectors.conformal.forecast_action == "warn" and observe.detectors.fisher.drift_action == "warn"
+    assert observe.detectors.fisher.min_rank_fraction == load_config(base=PROTECT).detectors.fisher.min_rank_fraction
+    assert not observe.detectors.sdc.recompute.enabled
+
+
+def test_the_plan_runs_clean_arms_first_then_each_fault_in_both_arms(tmp_path: Path) -> None:
+    profile = PROFILES["quick"]
+    plan = backend_plan(profile, "ddp", tmp_path, faults=("nan_bomb", "router_imbalance"))
+    names = [run["name"] for run in plan["runs"]]
+    assert names == ["ddp/clean/s0/bare", "ddp/clean/s0/observe", "ddp/clean/s0/protect",
+                     "ddp/nan_bomb/s0/observe", "ddp/nan_bomb/s0/protect"]  # the GPT has no router: not run
+    faulted = plan["runs"][3]
+    assert faulted["config"]["faults"]["injections"][0]["kind"] == "nan_loss"
+    assert faulted["config"]["faults"]["injections"][0]["step"] == profile.fault_step
+    for run in plan["runs"][1:]:
+        load_config(base=run["config"])  # every arm's config is valid
+
+
+def test_detection_counts_alarms_from_the_fault_to_the_terminal_failure_only() -> None:
+    losses = [2.0] * 10
+    crashed = _record("nan_bomb", "observe", losses, fault_step=5, terminal=7)
+    assert detection_step([3, 6], crashed) == 6  # the alarm before the fault does not count
+    assert detection_step([3, 8], crashed) is None  # after the crash: too late
+    assert detection_step([7], crashed) == 7  # at the crash itself: lead 0
+    degraded = _record("data_corruption", "observe", losses, fault_step=5, terminal=None)
+    assert detection_step([9], degraded) == 9  # no crash: up to the run's end
+
+
+def test_scoring_lead_recovery_and_the_verdict_against_the_best_baseline() -> None:
+    clean = [2.0 + 0.01 * (-1) ** k for k in range(10)]
+    crash = [2.0] * 5 + [2.0, 2.1, math.nan, math.nan, math.nan]  # terminal at 7
+    records = [
+        _record("clean", "observe", clean, fault_step=None, eval_at={"10": 2.0}),
+        _record("clean", "protect", clean, fault_step=None, events=(_detection(4, "warning"),)),
+        _record("nan_bomb", "observe", crash, terminal=7, events=(_detection(6),), completed=False),
+        _record("nan_bomb", "protect", clean, events=(_detection(6, action="skip"),), attempts=12, skipped=1,
+                eval_loss=2.09),
+    ]
+    scores = score(records)
+    row = scores["rows"][0]
+    assert row["crashed"] == 1 and row["detectors"][ARC] == {"detected": 1, "lead_mean": 1.0}
+    assert row["recovered"] == 1 and row["unprotected_ok"] == 0  # 2.09 is within 5% of 2.0
+    assert row["steps_lost"] == 3  # 2 extra attempts + 1 skipped update
+    assert row["verdict"] == "yes"  # the z-score sees the NaN at 7 only: lead 0 < 1
+    assert scores["clean"]["backends"]["ddp"]["arc_warnings"] == 1
+    assert scores["clean"]["backends"]["ddp"]["false_interventions"] == 0
+    assert scores["crash_recovery"] == {"recovered": 1, "crash_runs": 1}
+    late = [dict(r, events=[]) if r["arm"] == "observe" and r["fault"] == "nan_bomb" else r for r in records]
+    row = score(late)["rows"][0]
+    assert row["detectors"][ARC]["detected"] == 0 and row["verdict"] == "no: fewer detections"
+    worse = [dict(r, eval_loss=2.2) if r["arm"] == "protect" and r["fault"] == "nan_bomb" else r for r in records]
+    assert score(worse)["rows"][0]["recovered"] == 0
+    assert "| ddp | nan_bomb |" in table(scores)
+
+
+def test_quick_campaign_end_to_end(tmp_path: Path) -> None:
+    """CI's campaign: the ARC stress scenarios on 2 DDP ranks, observed and protected. The NaN, Inf and 100,000x
+    learning-rate faults crash the unprotected run, the others leave it worse; arc_engine flags each one (no later
+    than the crash), recovers every one, and intervenes nowhere on the clean run."""
+    out = tmp_path / "campaign"
+    proc = subprocess.run([sys.executable, "-m", "arc_engine", "campaign", "--profile", "quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("runs ") >= len(PROFILES["quick"].faults) * 2 + 3  # a progress line per run
+    scores = json.loads((out / "scores.json").read_text())
+    rows = {row["fault"]: row for row in scores["rows"]}
+    assert set(rows) == set(PROFILES["quick"].faults)
+    crashing = {name for name, row in rows.items() if row["crashed"]}
+    assert {"nan_bomb", "inf_nuke", "catastrophic_lr"} <= crashing, crashing
+    for row in rows.values():  # the others degrade the unprotected run: its held-out loss ends > 5% above
+        assert row["detectors"][ARC]["detected"] == row["runs"], row
+        assert row["recovered"] == row["runs"] and row["crash_recovered"] == row["crashed"], row
+        assert row["unprotected_ok"] == 0, row
+    assert scores["clean"]["backends"]["ddp"]["false_interventions"] == 0
+    assert (out / "table.md").read_text().startswith("| backend | fault |")
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert all((Path(out) / "runs" / r["name"].replace("/", "-") / "events.jsonl").is_file()
+               for r in records if r["arm"] != "bare")
