@@ -1,15 +1,17 @@
-"""A small CPU replication of the SDC paper's Table I: final eval loss of a LLaMA-style model trained with
-exponent-bit flips injected into backward GEMM outputs, with and without arc_engine's localized recomputation.
+"""A small CPU replication of the SDC paper's Table I: final loss on held-out text of a LLaMA-style model trained
+with exponent-bit flips injected into backward GEMM outputs: no detection, detect-and-skip, detect-and-recompute.
 
-Three arms, each over several seeds, each a real 2-rank DDP job (gloo) in bf16 autocast:
+Four arms, each over several seeds, each a real 2-rank DDP job (gloo) in bf16 autocast:
 
-* ``baseline``: no fault;
+* ``baseline``: no fault, with ``detectors.sdc`` watching (every action a warning): its flags are false positives;
 * ``faults``: a transient flip of ``--bits`` (cycled) in ``--count`` elements of the backward-data GEMM output of
-  the ``--pattern`` layers on rank 1, every ``--every`` steps;
-* ``recompute``: the same faults, with ``detectors.sdc`` and ``detectors.sdc.recompute`` on.
+  the ``--pattern`` layers on rank 1, every ``--every`` steps, nothing detecting it (the paper's "no detection");
+* ``skip``: the same faults, ``detectors.sdc`` skipping the flagged steps on every rank;
+* ``recompute``: the same faults, ``detectors.sdc.recompute`` recomputing the flagged step on the suspect rank.
 
-Prints a Markdown table (mean and spread of the final eval loss per arm, recomputations, detections) and writes
-it with the per-seed numbers to ``--out`` (JSON).
+The evaluation text is not drawn from the training stream: a corpus generated with another seed (tokenized with the
+training vocabulary), 8 fixed batches. Prints a Markdown table (mean and spread of the final held-out loss per arm,
+SDC flags, skips, recomputations) and writes it with the per-seed numbers to ``--out`` (JSON).
 
     python scripts/replicate_sdc_table.py --seeds 3 --steps 600
 """
@@ -35,7 +37,8 @@ from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.llama import Llama, LlamaConfig
 from arc_engine.faults import BitFlipInjector, BitFlipSpec
 
-ARMS = ("baseline", "faults", "recompute")
+ARMS = ("baseline", "faults", "skip", "recompute")
+HELD_OUT_SEED = 987_654
 EVAL_BATCHES = 8
 
 
@@ -63,17 +66,19 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
     ddp = DistributedDataParallel(model)
     arc: Any = None
 
-    def loss_of(module: torch.nn.Module, position: int, data_rank: int) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return module(*data.batch(position, data_rank, args.batch))
+    held_out = CharDataset(generate_corpus(400, seed=HELD_OUT_SEED + seed), 32, seed=HELD_OUT_SEED, vocabulary=data)
 
-    if arm == "recompute":
-        config = load_config(None, [f"run.run_dir={Path(out).parent / 'runs'}", f"run.run_id={arm}-{seed}",
-                                    "sinks.console.enabled=false", "detectors.sdc.enabled=true",
-                                    "detectors.sdc.warmup_steps=50", "detectors.sdc.recompute.enabled=true",
-                                    "detectors.sdc.update_sample=1.0"])
-        arc = arc_engine.attach(ddp, optimizer, config,
-                                recompute_fn=lambda module, r: [loss_of(module, arc.data_position, r)])
+    def loss_of(module: torch.nn.Module, position: int, data_rank: int, source: CharDataset = data) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(*source.batch(position, data_rank, args.batch))
+
+    if arm != "faults":
+        overrides = [f"run.run_dir={Path(out).parent / 'runs'}", f"run.run_id={arm}-{seed}",
+                     "sinks.console.enabled=false", "detectors.sdc.enabled=true", "detectors.sdc.warmup_steps=50",
+                     "detectors.sdc.update_sample=1.0", f"detectors.sdc.recompute.enabled={arm == 'recompute'}",
+                     f"detectors.sdc.action={'warn' if arm == 'baseline' else 'skip'}"]
+        recompute = (lambda module, r: [loss_of(module, arc.data_position, r)]) if arm == "recompute" else None
+        arc = arc_engine.attach(ddp, optimizer, load_config(None, overrides), recompute_fn=recompute)
     injectors = []
     if arm != "baseline":
         bits = [int(b) for b in args.bits.split(",")]
@@ -95,11 +100,12 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
         optimizer.zero_grad(set_to_none=True)
         step_now += 1
     with torch.no_grad():
-        eval_loss = sum(float(loss_of(model, 100_000 + i, 0)) for i in range(EVAL_BATCHES)) / EVAL_BATCHES
+        eval_loss = sum(float(loss_of(model, i, 0, held_out)) for i in range(EVAL_BATCHES)) / EVAL_BATCHES
+    summary = arc.summary() if arc else {}
     result = {"arm": arm, "seed": seed, "eval_loss": eval_loss,
               "injections": sum(len(i.fired) for i in injectors),
-              "recomputations": arc.engine.sdc_recompute.calls if arc else 0,
-              "detections": arc.summary()["detections"] if arc else {}}
+              "recomputations": arc.engine.sdc_recompute.calls if arc and arc.engine.sdc_recompute else 0,
+              "skipped_steps": summary.get("skipped_steps", 0), "detections": summary.get("detections", {})}
     if arc:
         arc.close()
     gathered: list[Any] = [None] * world
@@ -119,17 +125,21 @@ def run_job(arm: str, seed: int, args: argparse.Namespace, workdir: Path) -> lis
 
 
 def summarize(results: dict[str, list[list[dict[str, Any]]]]) -> str:
-    lines = ["| arm | final eval loss (mean ± sd over seeds) | per seed | minus baseline, per seed | flips injected | "
-             "recomputations (rank 0 / rank 1) |", "|---|---|---|---|---|---|"]
+    lines = ["| arm | final held-out loss (mean ± sd over seeds) | per seed | minus baseline, per seed | "
+             "flips injected | SDC flags | skipped steps | recomputations (rank 0 / rank 1) |",
+             "|---|---|---|---|---|---|---|---|"]
     baseline = [ranks[0]["eval_loss"] for ranks in results["baseline"]]
     for arm, runs in results.items():
         losses = [ranks[0]["eval_loss"] for ranks in runs]
         spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
         flips = sum(r["injections"] for ranks in runs for r in ranks)
         calls = [sum(ranks[k]["recomputations"] for ranks in runs) for k in range(2)]
+        flags = sum(ranks[0]["detections"].get("sdc", 0) for ranks in runs)
+        skipped = sum(ranks[0].get("skipped_steps", 0) for ranks in runs)
         paired = ", ".join(f"{x - b:+.4f}" for x, b in zip(losses, baseline, strict=False))
         lines.append(f"| {arm} | {statistics.mean(losses):.4f} ± {spread:.4f} | "
-                     f"{', '.join(f'{x:.4f}' for x in losses)} | {paired} | {flips} | {calls[0]} / {calls[1]} |")
+                     f"{', '.join(f'{x:.4f}' for x in losses)} | {paired} | {flips} | {flags} | {skipped} | "
+                     f"{calls[0]} / {calls[1]} |")
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_config
 from arc_engine.campaign.scoring import ARC, detection_step, score, table
 from arc_engine.config import load_config
@@ -75,13 +77,22 @@ def test_scoring_lead_recovery_and_the_verdict_against_the_best_baseline() -> No
     ]
     scores = score(records)
     row = scores["rows"][0]
-    assert row["crashed"] == 1 and row["detectors"][ARC] == {"detected": 1, "lead_mean": 1.0}
+    assert row["crashed"] == 1 and row["detectors"][ARC] == {"detected": 1, "lead_mean": 1.0, "chance": 0.0}
+    consecutive = row["detectors"]["3 consecutive loss increases"]
+    assert consecutive["chance"] == 0.0  # no false alarm on the clean run: no chance detection either
     assert row["recovered"] == 1 and row["unprotected_ok"] == 0  # 2.09 is within 5% of 2.0
     assert row["steps_lost"] == 3  # 2 extra attempts + 1 skipped update
     assert row["verdict"] == "yes"  # the z-score sees the NaN at 7 only: lead 0 < 1
     assert scores["clean"]["backends"]["ddp"]["arc_warnings"] == 1
     assert scores["clean"]["backends"]["ddp"]["false_interventions"] == 0
     assert scores["crash_recovery"] == {"recovered": 1, "crash_runs": 1}
+    assert scores["clean"]["arc_alarms_by_detector"] == {"clean_steps": 10, "alarms": {}}
+    noisy = [dict(r, events=[_detection(3, "warning")]) if r["fault"] == "clean" and r["arm"] == "observe" else r
+             for r in records]
+    assert score(noisy)["clean"]["arc_alarms_by_detector"]["alarms"] == {"non_finite": 1}
+    assert score(noisy)["detectors"][ARC]["false_alarms_per_1000"] == 100.0
+    # 0.1 false alarms per step over the window of steps 5..7 (the crash): 1 - 0.9^3 chance detections
+    assert score(noisy)["rows"][0]["detectors"][ARC]["chance"] == pytest.approx(1 - 0.9**3)
     late = [dict(r, events=[]) if r["arm"] == "observe" and r["fault"] == "nan_bomb" else r for r in records]
     row = score(late)["rows"][0]
     assert row["detectors"][ARC]["detected"] == 0 and row["verdict"] == "no: fewer detections"
@@ -113,3 +124,20 @@ def test_quick_campaign_end_to_end(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all((Path(out) / "runs" / r["name"].replace("/", "-") / "events.jsonl").is_file()
                for r in records if r["arm"] != "bare")
+
+
+def test_megatron_tp2_campaign_backend(tmp_path: Path) -> None:
+    """The campaign on megatron-core (TP=2, the reference script's GPT on 2 CPU ranks): the NaN bomb crashes the
+    unprotected run; arc_engine flags it at the crash, the protected run recovers, the clean run sees no
+    intervention."""
+    out = tmp_path / "campaign"
+    proc = subprocess.run([sys.executable, "-m", "arc_engine", "campaign", "--profile", "quick", "--backends",
+                           "megatron_tp2", "--faults", "nan_bomb", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scores = json.loads((out / "scores.json").read_text())
+    (row,) = scores["rows"]
+    assert (row["backend"], row["fault"], row["crashed"]) == ("megatron_tp2", "nan_bomb", 1), row
+    assert row["detectors"][ARC]["detected"] == 1 and "non_finite" in row["arc_detectors"]
+    assert row["crash_recovered"] == 1 and row["unprotected_ok"] == 0
+    assert scores["clean"]["backends"]["megatron_tp2"]["false_interventions"] == 0

@@ -192,3 +192,33 @@ def test_router_monitor_ignores_a_small_similarity_move_near_zero() -> None:
     after = monitor._current[0]["similarity"]
     assert 0.15 * abs(before) < after - before < RouterConfig().min_similarity_change
     assert not [p for f in findings for p in f.values.get("problems", []) if p["statistic"] == "similarity"]
+
+
+def test_qk_spectra_skip_diverged_weights_without_raising() -> None:
+    """A diverged run (non-finite QKV weights, e.g. an unprotected 100,000x learning rate in the campaign) must not
+    crash the measurement (an SVD of NaN raises): the layer is skipped, and measured again one interval after its
+    weights are finite again."""
+    from types import SimpleNamespace
+
+    from arc_engine.monitors.family import AttentionShard, ModelParts
+    from arc_engine.monitors.qk_spectra import QKSpectraProducer
+
+    weight = torch.randn(2 * 3 * 4, 8, generator=torch.Generator().manual_seed(0))  # 2 groups x (1 q + k + v) x 4
+    parts = ModelParts(num_layers=1, num_heads=2, attention=[AttentionShard(
+        layer=0, weight=weight, num_query_groups=2, heads_per_group=1, head_dim=4, first_head=0, tp_rank=0,
+        owner=True)])
+    producer = QKSpectraProducer(parts, every=1)
+    slots = {HEAD_ENTROPY: torch.zeros(2), LAYER_SUMS: torch.zeros(len(LAYER_FIELDS)), MEASURED: torch.zeros(1)}
+    buffer = SimpleNamespace(device=torch.device("cpu"), view=lambda name: slots[name])
+
+    def measured_at(step: int) -> float:
+        slots[MEASURED].zero_()
+        producer.write(buffer, SimpleNamespace(step=step))
+        weight.add_(0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(step)))
+        return float(slots[MEASURED][0])
+
+    assert [measured_at(0), measured_at(1)] == [0.0, 2.0]  # a baseline, then both heads
+    weight[0, 0] = float("nan")
+    assert measured_at(2) == 0.0  # skipped, no exception
+    weight[0, 0] = 0.0
+    assert [measured_at(3), measured_at(4)] == [0.0, 2.0]  # a new baseline first

@@ -20,13 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from arc_engine.config import load_config, to_dict
-from arc_engine.faults.library import DEMO_TARGETS, LIBRARY, WINDOW, Targets
+from arc_engine.faults.library import DEMO_TARGETS, LIBRARY, MEGATRON_MOE_TARGETS, MEGATRON_TARGETS, WINDOW, Targets
 
-BACKENDS = ("ddp", "zero2")
-"""``ddp``: torch DDP over the demo GPT; ``zero2``: a real DeepSpeed ZeRO-2 engine over it (gradient clipping 1)."""
-TARGETS: dict[str, Targets] = {"ddp": DEMO_TARGETS, "zero2": DEMO_TARGETS}
-PARTS: dict[str, frozenset[str]] = {"ddp": frozenset(), "zero2": frozenset()}
+BACKENDS = ("ddp", "zero2", "megatron_tp2", "megatron_ep2")
+"""``ddp``: torch DDP over the demo GPT; ``zero2``: a real DeepSpeed ZeRO-2 engine over it (gradient clipping 1);
+``megatron_tp2`` / ``megatron_ep2``: megatron-core's GPT with tensor parallelism 2 / a 4-expert MoE with expert
+parallelism 2 (:mod:`arc_engine.campaign.megatron_backend`)."""
+TARGETS: dict[str, Targets] = {"ddp": DEMO_TARGETS, "zero2": DEMO_TARGETS, "megatron_tp2": MEGATRON_TARGETS,
+                               "megatron_ep2": MEGATRON_MOE_TARGETS}
+PARTS: dict[str, frozenset[str]] = {"ddp": frozenset(), "zero2": frozenset(), "megatron_tp2": frozenset(),
+                                    "megatron_ep2": frozenset({"moe"})}
 """The optional model parts (``moe``) each backend's model has: faults that need others do not run there."""
+BACKEND_CONFIG: dict[str, dict[str, Any]] = {
+    backend: {"detectors": {"qk_spectra": {"every": 10}, "router": {"every": 10}}}
+    for backend in ("megatron_tp2", "megatron_ep2")}
+"""Per-backend additions to both arms' configuration: the mechanism monitors measure every 10 steps (default 50),
+so that their trajectories have a baseline before a fault in a run of a few hundred steps."""
 
 PROTECT: dict[str, Any] = {
     "stats": {"interval": 1},
@@ -80,15 +89,29 @@ class Profile:
     world: int = 2
     model: dict[str, Any] = field(default_factory=lambda: {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64,
                                                            "batch_size": 8, "lr": 3e-3})
+    per_backend: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Backend -> fields that differ there (e.g. fewer faults and seeds for the slower Megatron models)."""
+
+    def for_backend(self, backend: str) -> Profile:
+        return dataclasses.replace(self, **self.per_backend.get(backend, {}), per_backend={})
 
 
 CRASH_SCENARIOS = ("nan_bomb", "inf_nuke", "loss_supernova", "catastrophic_lr", "lr_spike", "gradient_apocalypse")
+MEGATRON_TP2_FAULTS = ("gqa_mismatch", "rmsnorm_error", "nan_bomb", "catastrophic_lr", "sdc_bitflip")
+"""Under TP=2: the attention and normalization faults, two crash scenarios, a bit flip in a parallel linear."""
+MEGATRON_EP2_FAULTS = ("router_imbalance", "expert_failure", "nan_bomb")
+"""Under EP=2: the router and expert faults, and a crash scenario."""
+MEGATRON_SIZE: dict[str, Any] = {"steps": 200, "fault_step": 110, "jitter": 20, "clean_steps": 200,
+                                 "model": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "batch_size": 8}}
+"""The Megatron runs: 200 steps (a Megatron step costs several of the demo GPT's on CPU), a smaller fault set."""
 
 PROFILES: dict[str, Profile] = {
     "quick": Profile("quick", backends=("ddp",), faults=CRASH_SCENARIOS, seeds=(0,), steps=100, fault_step=60,
                      jitter=0, clean_steps=100),
-    "full": Profile("full", backends=BACKENDS, faults=tuple(LIBRARY), seeds=(0, 1, 2), steps=360, fault_step=180,
-                    jitter=40, clean_steps=2000),
+    "full": Profile("full", backends=BACKENDS, faults=tuple(LIBRARY), seeds=(0, 1), steps=360, fault_step=180,
+                    jitter=40, clean_steps=2000, per_backend={
+                        "megatron_tp2": {"faults": MEGATRON_TP2_FAULTS, **MEGATRON_SIZE},
+                        "megatron_ep2": {"faults": MEGATRON_EP2_FAULTS, **MEGATRON_SIZE}}),
 }
 
 
@@ -105,6 +128,14 @@ def applicable(backend: str, fault: str) -> bool:
     return set(LIBRARY[fault].needs) <= PARTS[backend]
 
 
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``extra``'s keys set (nested mappings merged)."""
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        merged[key] = _merged(merged.get(key, {}), value) if isinstance(value, dict) else copy.deepcopy(value)
+    return merged
+
+
 def fault_end(specs: list) -> int:
     """The last step attempt a fault acts on (a persistent one: the first ``WINDOW`` steps, the span it is judged
     on)."""
@@ -114,7 +145,7 @@ def fault_end(specs: list) -> int:
 def _run(name: str, arm: str, backend: str, fault: str, seed: int, steps: int, at: int | None, injections: list,
          run_dir: Path, eval_at: tuple[int, ...] = (), end: int | None = None) -> dict[str, Any]:
     run_id = name.replace("/", "-")
-    config: dict[str, Any] = copy.deepcopy(PROTECT)
+    config: dict[str, Any] = _merged(PROTECT, BACKEND_CONFIG.get(backend, {}))
     config = observe_config(config) if arm == "observe" else config
     config["run"] = {"run_id": run_id, "run_dir": str(run_dir)}
     config["faults"] = {"injections": injections}
@@ -125,7 +156,8 @@ def _run(name: str, arm: str, backend: str, fault: str, seed: int, steps: int, a
 def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The worker's plan for one backend: clean runs first (observe and protect per seed, ``clean_steps`` long for
     the first seed, with a bare run as long, and ``steps`` for the others), then each applicable fault in both
-    arms per seed."""
+    arms per seed. ``profile``'s ``per_backend`` fields apply."""
+    profile = profile.for_backend(backend)
     runs: list[dict[str, Any]] = []
     run_dir = out / "runs"
     for seed in profile.seeds:

@@ -52,15 +52,30 @@ def baseline_alarms(record: dict[str, Any], make: Callable[[], Baseline]) -> lis
             if rule.observe(loss, norm if norm is not None else math.nan)]
 
 
-def detection_step(alarms: Iterable[int], record: dict[str, Any]) -> int | None:
-    """The first alarm in the fault's window: from its first step to ``GRACE`` steps after its last, and no later
-    than the terminal failure."""
+def window(record: dict[str, Any]) -> tuple[int, int]:
+    """The steps in which an alarm detects the run's fault: from its first step to ``GRACE`` steps after its last,
+    and no later than the terminal failure or the run's last step."""
     start = record["fault_step"]
     fault_end = record.get("fault_end")
-    end = (fault_end if fault_end is not None else start) + GRACE
+    end = min((fault_end if fault_end is not None else start) + GRACE, len(record["losses"]) - 1)
     if record["terminal_step"] is not None:
         end = min(end, record["terminal_step"])
+    return start, end
+
+
+def detection_step(alarms: Iterable[int], record: dict[str, Any]) -> int | None:
+    """The first alarm in the fault's :func:`window`."""
+    start, end = window(record)
     return next((a for a in sorted(alarms) if start <= a <= end), None)
+
+
+def chance_detections(records: list[dict[str, Any]], false_alarm_rate: float | None) -> float:
+    """How many of ``records`` a rule alarming at random at ``false_alarm_rate`` per step (its rate on the clean
+    runs) would "detect": the sum over runs of 1 - (1 - rate)^(window length)."""
+    if not false_alarm_rate:
+        return 0.0
+    rate = min(1.0, false_alarm_rate)
+    return sum(1 - (1 - rate) ** (end - start + 1) for start, end in map(window, records))
 
 
 def detectors() -> dict[str, Callable[[dict[str, Any]], list[int]]]:
@@ -142,6 +157,12 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
     clean = _clean(records, rules)
     for name, numbers in clean.pop("false_alarms").items():
         summary[name].update(numbers)
+    for row in rows:  # what each detector's false alarms alone would have "detected" in these windows
+        observed = [by_arm[(row["backend"], row["fault"], seed, "observe")] for seed in groups[(row["backend"],
+                                                                                                  row["fault"])]]
+        for name, stats in row["detectors"].items():
+            per_1000 = summary[name].get("false_alarms_per_1000")
+            stats["chance"] = chance_detections(observed, None if per_1000 is None else per_1000 / 1000)
     return {"rows": rows, "detectors": summary, "clean": clean,
             "crash_recovery": {"recovered": sum(row["crash_recovered"] for row in crash_rows),
                                "crash_runs": sum(row["crashed"] for row in crash_rows)}}
@@ -182,6 +203,12 @@ def _clean(records: list[dict[str, Any]], rules: dict[str, Callable[[dict[str, A
     out: dict[str, Any] = {"backends": {}, "false_alarms": {}}
     observe = [r for r in records if r["fault"] == "clean" and r["arm"] == "observe"]
     steps = sum(len(r["losses"]) for r in observe)
+    by_detector: dict[str, int] = {}
+    for record in observe:
+        for event in record["events"]:
+            if event["kind"] == "detection" and event.get("severity") in ALARM_SEVERITIES:
+                by_detector[event["detector"]] = by_detector.get(event["detector"], 0) + 1
+    out["arc_alarms_by_detector"] = {"clean_steps": steps, "alarms": dict(sorted(by_detector.items()))}
     for name, alarms_of in rules.items():
         count = sum(len(alarms_of(r)) for r in observe)
         out["false_alarms"][name] = {"false_alarms": count, "clean_steps": steps,
@@ -212,17 +239,18 @@ def _lead(value: float | None) -> str:
 def table(scores: dict[str, Any]) -> str:
     """The campaign's tables in Markdown."""
     lines = ["| backend | fault | class | crashes unprotected | arc_engine detected | by | lead | best baseline | "
-             "its detections | lead | arc_engine >= best | recovered (arc_engine) | recovered (unprotected) | "
-             "steps lost | rollbacks |", "|" + "---|" * 15]
+             "its detections (by chance) | lead | arc_engine >= best | recovered (arc_engine) | "
+             "recovered (unprotected) | steps lost | rollbacks |", "|" + "---|" * 15]
     for row in scores["rows"]:
         arc = row["detectors"][ARC]
         best = row["best_baseline"]
-        other = row["detectors"][best] if best else {"detected": 0, "lead_mean": None}
+        other = row["detectors"][best] if best else {"detected": 0, "lead_mean": None, "chance": 0.0}
         lines.append(
             f"| {row['backend']} | {row['fault']} | {row['family']} | {_pct(row['crashed'], row['runs'])} | "
             f"{_pct(arc['detected'], row['runs'])} | {', '.join(row['arc_detectors']) or '-'} | "
             f"{_lead(arc['lead_mean'])} | {best or '-'} | "
-            f"{_pct(other['detected'], row['runs'])} | {_lead(other['lead_mean'])} | {row['verdict']} | "
+            f"{_pct(other['detected'], row['runs'])} ({other['chance']:.1f}) | {_lead(other['lead_mean'])} | "
+            f"{row['verdict']} | "
             f"{_pct(row['recovered'], row['protected_runs'])} | {_pct(row['unprotected_ok'], row['runs'])} | "
             f"{_lead(row['steps_lost'])} | {_lead(row['rollbacks'])} |")
     lines += ["", "| detector | detected (all faulted runs) | detected (crash-inducing runs) | mean lead (steps) | "
@@ -240,6 +268,11 @@ def table(scores: dict[str, Any]) -> str:
                      f"| {stats['arc_warnings']} | {'-' if overhead is None else f'{100 * overhead:+.1f}%'} |")
     crash = scores["crash_recovery"]
     lines += ["", f"Recovery on crash-inducing runs: {_pct(crash['recovered'], crash['crash_runs'])}."]
+    clean = scores["clean"].get("arc_alarms_by_detector")
+    if clean:
+        alarms = ", ".join(f"{name} {count}" for name, count in clean["alarms"].items()) or "none"
+        lines.append(f"arc_engine's alarms on the clean observe runs ({clean['clean_steps']} steps), by detector: "
+                     f"{alarms} (a detector not named raised none, `sdc` included when absent).")
     return "\n".join(lines) + "\n"
 
 

@@ -6,8 +6,9 @@ per backend, not once per run, is what makes a campaign of hundreds of runs fit 
 ``PLAN.json`` (written by :mod:`arc_engine.campaign.runner`) holds the backend, the model and a list of runs, each
 with its arm (``bare``: no arc_engine, clean runs only; ``observe``: arc_engine attached, every action a warning,
 no recovery; ``protect``: arc_engine as a user runs it, recovery on), its seed, its step target and its faults.
-Each run trains a fresh small GPT (:mod:`arc_engine.demo.gpt`) on the generated corpus; rank 0 appends one JSON
-record per run to the plan's ``results`` file and prints ``@@progress DONE TOTAL NAME`` lines that the runner
+Each run trains a fresh model on the generated corpus (the demo GPT, :mod:`arc_engine.demo.gpt`, under DDP or
+DeepSpeed ZeRO-2; megatron-core's GPT under TP or EP, :mod:`arc_engine.campaign.megatron_backend`); rank 0 appends
+one JSON record per run to the plan's ``results`` file and prints ``@@progress DONE TOTAL NAME`` lines that the runner
 turns into a progress bar. A run stops at the terminal failure of the R-Metric paper (loss > 100 or non-finite,
 agreed across ranks) once it has lasted ``CONFIRM_STEPS`` steps in the ``observe`` and ``bare`` arms, and after
 ``CRASH_PATIENCE`` terminal losses in a row in the ``protect`` arm; ``terminal_step`` is where that streak began.
@@ -33,6 +34,7 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.demo.train import exit_hard
 from arc_engine.sinks import read_jsonl
 
 TERMINAL_LOSS = 100.0
@@ -56,35 +58,27 @@ class HeldOut:
     with the training vocabulary; ``EVAL_BATCHES`` fixed batches, the same on every rank."""
 
     def __init__(self, train: CharDataset, seq_len: int, batch_size: int) -> None:
-        text = "".join(c for c in generate_corpus(num_sentences=600, seed=HELD_OUT_SEED) if c in train.stoi)
-        tokens = torch.tensor([train.stoi[c] for c in text], dtype=torch.long)
+        tokens = CharDataset(generate_corpus(num_sentences=600, seed=HELD_OUT_SEED), seq_len, vocabulary=train).tokens
         gen = torch.Generator().manual_seed(HELD_OUT_SEED)
         starts = torch.randint(0, tokens.numel() - seq_len - 1, (EVAL_BATCHES, batch_size), generator=gen)
         window = tokens[starts[..., None] + torch.arange(seq_len + 1)]
         self.batches = [(window[k, :, :-1], window[k, :, 1:]) for k in range(EVAL_BATCHES)]
 
-    @torch.no_grad()
-    def loss(self, module: torch.nn.Module, device: torch.device) -> float:
-        values = [float(module(x.to(device), y.to(device))) for x, y in self.batches]
+    def loss(self, trainer: Any) -> float:
+        values = [trainer.loss(x, y) for x, y in self.batches]
         return sum(values) / len(values)
 
 
-class _Bare:
-    """The ``bare`` arm's stand-in for an attached arc_engine (clean runs only: the overhead's reference)."""
+class _Counter:
+    """The ``bare`` arm's step counter, where an attached arc_engine would keep it (clean runs only: the overhead's
+    reference)."""
 
     def __init__(self) -> None:
         self.step = 0
-        self.faults = self
 
     @property
     def data_position(self) -> int:
         return self.step
-
-    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    def record_loss(self, loss: torch.Tensor) -> None:
-        self.step += 1
 
     def summary(self) -> dict[str, Any]:
         return {"steps": self.step, "iterations": self.step, "skipped_steps": 0}
@@ -93,34 +87,76 @@ class _Bare:
         pass
 
 
-def _build(plan: dict, run: dict, data: CharDataset, device: torch.device) -> tuple[Any, Any, torch.nn.Module]:
-    """(the trained object: a DDP model or a DeepSpeed engine, its optimizer or None, the bare module)."""
-    model_cfg = plan["model"]
-    torch.manual_seed(run["seed"])
-    model = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=model_cfg["seq_len"], num_layers=model_cfg["layers"],
-                          d_model=model_cfg["d_model"], num_heads=model_cfg["heads"])).to(device)
-    groups = param_groups(model, 0.1)
-    if plan["backend"] == "ddp":
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+class TorchTrainer:
+    """The demo GPT under torch DDP (``ddp``) or a DeepSpeed ZeRO-2 engine (``zero2``, gradient clipping 1)."""
+
+    def __init__(self, plan: dict, run: dict, data: CharDataset, device: torch.device) -> None:
+        model_cfg = plan["model"]
+        self.backend, self.data, self.device = plan["backend"], data, device
+        self.batch_size = model_cfg["batch_size"]
+        self.arc: arc_engine.Arc | None = None
+        torch.manual_seed(run["seed"])
+        self.module = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=model_cfg["seq_len"],
+                                    num_layers=model_cfg["layers"], d_model=model_cfg["d_model"],
+                                    num_heads=model_cfg["heads"])).to(device)
+        groups = param_groups(self.module, 0.1)
         optimizer = torch.optim.AdamW(groups, lr=model_cfg["lr"], betas=(0.9, 0.95))
-        return ddp, optimizer, model
-    import deepspeed
+        if self.backend == "ddp":
+            self.trained: Any = DistributedDataParallel(
+                self.module, device_ids=[device.index] if device.type == "cuda" else None)
+            self.optimizer: torch.optim.Optimizer | None = optimizer
+            return
+        import deepspeed
 
-    ds_config = {"train_micro_batch_size_per_gpu": model_cfg["batch_size"], "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-                 "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}}
-    optimizer = torch.optim.AdamW(groups, lr=model_cfg["lr"], betas=(0.9, 0.95))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, None, model
+        ds_config = {"train_micro_batch_size_per_gpu": self.batch_size, "gradient_accumulation_steps": 1,
+                     "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+                     "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}}
+        self.trained, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config)
+        self.optimizer = None
+
+    def attach(self, config: Any) -> arc_engine.Arc:
+        self.arc = arc_engine.attach(self.trained, self.optimizer, config)
+        return self.arc
+
+    def step(self, position: int) -> float:
+        """One optimizer step on batch ``position``; this rank's loss."""
+        inputs, targets = (t.to(self.device) for t in self.data.batch(position, dist.get_rank(), self.batch_size))
+        loss = self.trained(inputs, targets)
+        if self.arc is not None:
+            loss = self.arc.faults.on_loss(loss)
+            self.arc.record_loss(loss)
+        if self.optimizer is not None:
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.trained.backward(loss)
+            self.trained.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return float(self.module(inputs.to(self.device), targets.to(self.device)))
+
+    def close(self) -> None:
+        pass
 
 
-def run_one(plan: dict, run: dict, data: CharDataset, held_out: HeldOut, device: torch.device) -> dict[str, Any]:
+def make_trainer(plan: dict, run: dict, data: CharDataset, device: torch.device) -> Any:
+    if plan["backend"].startswith("megatron"):
+        from arc_engine.campaign.megatron_backend import MegatronTrainer
+
+        return MegatronTrainer(plan["backend"], plan["model"], run["seed"], run["steps"])
+    return TorchTrainer(plan, run, data, device)
+
+
+def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> dict[str, Any]:
     """Train one run; returns its record (the same on every rank except ``events``, read on rank 0)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    backend, model_cfg = plan["backend"], plan["model"]
-    trained, optimizer, module = _build(plan, run, data, device)
+    trainer = make_trainer(plan, run, data, device)
+    held_out = HeldOut(trainer.data, plan["model"]["seq_len"], plan["model"]["batch_size"])
     config = load_config(base=run["config"]) if run["arm"] != "bare" else None
-    arc = arc_engine.attach(trained, optimizer, config) if config is not None else _Bare()
+    arc: Any = trainer.attach(config) if config is not None else _Counter()
     losses: list[float] = []
     step_ms: list[float] = []
     terminal_at: int | None = None
@@ -130,44 +166,39 @@ def run_one(plan: dict, run: dict, data: CharDataset, held_out: HeldOut, device:
     evals: dict[str, float] = {}
     try:
         while arc.step < run["steps"]:
-            inputs, targets = (t.to(device) for t in data.batch(arc.data_position, rank, model_cfg["batch_size"]))
             start = time.perf_counter()
-            loss = arc.faults.on_loss(trained(inputs, targets))
-            arc.record_loss(loss)
-            if backend == "ddp":
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                trained.backward(loss)
-                trained.step()
+            local = trainer.step(arc.data_position)
             step_ms.append((time.perf_counter() - start) * 1e3)
+            if isinstance(arc, _Counter):
+                arc.step += 1
             attempts += 1
-            agreed = loss.detach().float().clone()
+            agreed = torch.tensor([local], dtype=torch.float64, device=device)
             dist.all_reduce(agreed)
             value = float(agreed) / world
             losses.append(value)
             in_a_row = in_a_row + 1 if terminal(value) else 0
-            if in_a_row and terminal_at is None and in_a_row >= min(CONFIRM_STEPS, run["steps"] - arc.step + in_a_row):
+            remaining = run["steps"] - arc.step
+            if in_a_row and terminal_at is None and in_a_row >= min(CONFIRM_STEPS, remaining + in_a_row):
                 terminal_at = attempts - in_a_row  # confirmed, or lasting to the run's end
             if arc.step in run["eval_at"] and str(arc.step) not in evals:
-                evals[str(arc.step)] = held_out.loss(module, device)
+                evals[str(arc.step)] = held_out.loss(trainer)
             if in_a_row >= CONFIRM_STEPS and run["arm"] != "protect":
                 break
             if in_a_row >= CRASH_PATIENCE:
                 break
     except arc_engine.ArcAbort as abort:
         aborted = abort.exit_code
-    eval_loss = held_out.loss(module, device)
+    eval_loss = held_out.loss(trainer)
     summary = arc.summary()
     arc.close()
+    trainer.close()
     record: dict[str, Any] = {
-        "name": run["name"], "backend": backend, "fault": run["fault"], "seed": run["seed"], "arm": run["arm"],
-        "fault_step": run["fault_step"], "fault_end": run.get("fault_end"), "steps_target": run["steps"],
-        "attempts": attempts,
-        "steps_done": summary["steps"], "completed": aborted is None and summary["steps"] >= run["steps"] and
-        in_a_row < CRASH_PATIENCE, "aborted": aborted, "terminal_step": terminal_at, "losses": losses,
-        "eval_loss": eval_loss, "eval_at": evals, "step_ms_median": statistics.median(step_ms) if step_ms else None,
+        "name": run["name"], "backend": plan["backend"], "fault": run["fault"], "seed": run["seed"],
+        "arm": run["arm"], "fault_step": run["fault_step"], "fault_end": run.get("fault_end"),
+        "steps_target": run["steps"], "attempts": attempts, "steps_done": summary["steps"],
+        "completed": aborted is None and summary["steps"] >= run["steps"] and in_a_row < CRASH_PATIENCE,
+        "aborted": aborted, "terminal_step": terminal_at, "losses": losses, "eval_loss": eval_loss,
+        "eval_at": evals, "step_ms_median": statistics.median(step_ms) if step_ms else None,
         "skipped_steps": summary.get("skipped_steps", 0), "recovery": summary.get("recovery", {}),
         "grad_norms": [], "events": []}
     if config is not None and rank == 0:
@@ -194,13 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=plan.get("timeout_s", 300)))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    model_cfg = plan["model"]
-    data = CharDataset(generate_corpus(), model_cfg["seq_len"])
-    held_out = HeldOut(data, model_cfg["seq_len"], model_cfg["batch_size"])
+    data = CharDataset(generate_corpus(), plan["model"]["seq_len"])
     results = Path(plan["results"])
     runs = plan["runs"]
     for index, run in enumerate(runs):
-        record = run_one(plan, run, data, held_out, device)
+        record = run_one(plan, run, data, device)
         if dist.get_rank() == 0:
             with results.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
@@ -211,7 +240,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # see arc_engine.demo.train.exit_hard
+    exit_hard(main())

@@ -35,8 +35,12 @@ class CharDataset:
     """Character-level tokens of a text and a sampler where the batch of (step, rank) is a pure function of
     both, so a run can skip or replay any step's data exactly (the data position is the step)."""
 
-    def __init__(self, text: str, seq_len: int, seed: int = 0) -> None:
-        self.chars = sorted(set(text))
+    def __init__(self, text: str, seq_len: int, seed: int = 0, vocabulary: CharDataset | None = None) -> None:
+        """``vocabulary``: tokenize with that dataset's characters (held-out text for a model trained on it; a
+        character it lacks is dropped)."""
+        if vocabulary is not None:
+            text = "".join(c for c in text if c in vocabulary.stoi)
+        self.chars = vocabulary.chars if vocabulary is not None else sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.tokens = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
         self.seq_len = seq_len

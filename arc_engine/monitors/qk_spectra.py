@@ -89,15 +89,21 @@ class QKSpectraProducer:
                 pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
                 dist.all_gather(pieces, weight.contiguous(), group=shard.gather)
                 weight = torch.cat(pieces)
+            if not bool(torch.isfinite(weight).all()):  # diverged weights: no spectrum, and no baseline after
+                self.previous.pop(shard.layer, None)     # (a periodic host sync, beside the SVDs')
+                continue
             q, k = split_qkv_rows(weight, shard.num_query_groups, shard.heads_per_group, shard.head_dim)
             first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
             q = q[first:last]
             previous = self.previous.get(shard.layer)
             if previous is not None and view.step - previous[0] == self.every:
                 _, q_prev, k_prev = previous
-                heads = [head_spectra(q[h], k[(first + h) // shard.heads_per_group], q_prev[h],
-                                      k_prev[(first + h) // shard.heads_per_group]) for h in range(q.shape[0])]
-                norms = [spectra["delta2"]["norm"] for spectra in heads]
+                try:
+                    heads = [head_spectra(q[h], k[(first + h) // shard.heads_per_group], q_prev[h],
+                                          k_prev[(first + h) // shard.heads_per_group]) for h in range(q.shape[0])]
+                except torch.linalg.LinAlgError:  # an SVD that does not converge (overflowing updates)
+                    heads = []
+                norms = [spectra["delta2"]["norm"] for spectra in heads] or [math.nan]
                 if all(math.isfinite(n) and n > 0.0 for n in norms):  # else: no update (skipped steps), or NaN
                     for h, spectra in enumerate(heads):
                         entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
