@@ -118,6 +118,8 @@ class ArcEngine:
         #: in an applied optimizer step where ``updates_on(step)``; ``set_reference()``, ``before_restore()``,
         #: ``after_restore(step)`` from recovery
         self._shapers = [m for m in self.monitors if hasattr(m, "before_update")]
+        #: the monitors that gather per-rank values on some steps (``rank_metrics()``, for ``ranks.jsonl``)
+        self._rank_reporters = [m for m in self.monitors if hasattr(m, "rank_metrics")]
         self.policy = DecisionPolicy(config.policy)
         self.pipeline = StatsPipeline(self.layout, group, device)
         self.reporter = Reporter(config, self.rank, sinks)
@@ -365,7 +367,8 @@ class ArcEngine:
         self._report(decision)
         self.reporter.metrics(self.step, self.monitors, {"arc/skipped_steps": float(self.policy.skipped_steps),
                                                          "arc/iteration": float(self.iteration)})
-        self.reporter.rank_metrics(self.step, self.iteration, self.monitors)
+        if self._rank_reporters:
+            self.reporter.rank_metrics(self.step, self.iteration, self._rank_reporters)
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
 

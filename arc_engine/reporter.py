@@ -115,16 +115,16 @@ class Reporter:
         values = {f"arc/{m.name}/{k}": v for m in monitors for k, v in m.metrics().items()}
         self.sinks.log_metrics(step, {**values, **extra})
 
-    def rank_metrics(self, step: int, iteration: int, monitors: Sequence[Monitor]) -> None:
-        """The per-rank statistics the monitors gathered on this step (``rank_metrics()``: name -> {global rank:
-        value}; most steps have none), as ``<monitor>/<name>``, each cut to ``sinks.jsonl.ranks_max`` ranks."""
+    def rank_metrics(self, step: int, iteration: int, monitors: Sequence[Any]) -> None:
+        """The per-rank statistics that ``monitors`` (those with a ``rank_metrics()``: name -> {global rank: value};
+        most steps have none) gathered on this step, as ``<monitor>/<name>``, each cut to ``sinks.jsonl.ranks_max``
+        ranks."""
         if not self.owns_sinks:
             return
         values: dict[str, dict[int, float]] = {}
         ranks = 0
         for monitor in monitors:
-            gathered = getattr(monitor, "rank_metrics", None)
-            for name, per_rank in (gathered() if gathered is not None else {}).items():
+            for name, per_rank in monitor.rank_metrics().items():
                 ranks = max(ranks, len(per_rank))
                 values[f"{monitor.name}/{name}"] = farthest_from_median(per_rank, self.config.sinks.jsonl.ranks_max)
         if values:

@@ -105,8 +105,9 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The campaign's numbers: one row per (backend, fault), the detectors' totals, the clean runs per backend."""
     by_arm: dict[tuple[str, str, int, str], dict[str, Any]] = {
         (r["backend"], r["fault"], r["seed"], r["arm"]): r for r in records}
-    references = {(backend, seed): r["eval_at"].get(str(steps)) for (backend, fault, seed, arm), r in by_arm.items()
-                  if fault == "clean" and arm == "observe" for steps in [_faulted_steps(records, backend)]}
+    faulted_steps = {r["backend"]: r["steps_target"] for r in records if r["fault"] != "clean"}
+    references = {(backend, seed): r["eval_at"].get(str(faulted_steps.get(backend, r["steps_target"])))
+                  for (backend, fault, seed, arm), r in by_arm.items() if fault == "clean" and arm == "observe"}
     rules = detectors()
     rows: list[dict[str, Any]] = []
     totals: dict[str, dict[str, list]] = {name: defaultdict(list) for name in rules}
@@ -166,11 +167,6 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rows": rows, "detectors": summary, "clean": clean,
             "crash_recovery": {"recovered": sum(row["crash_recovered"] for row in crash_rows),
                                "crash_runs": sum(row["crashed"] for row in crash_rows)}}
-
-
-def _faulted_steps(records: list[dict[str, Any]], backend: str) -> int:
-    return next((r["steps_target"] for r in records if r["backend"] == backend and r["fault"] != "clean"),
-                next(r["steps_target"] for r in records if r["backend"] == backend))
 
 
 def _order(fault: str) -> int:

@@ -5,12 +5,13 @@ JSONL sink wrote (``events.jsonl``, ``metrics.jsonl``, ``ranks.jsonl``; with ``s
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from arc_engine.sinks import read_jsonl
 
 #: Actions drawn on the timeline, and how (matplotlib marker / line style per action).
 MARKED_ACTIONS = ("skip", "recompute", "rollback", "escape", "checkpoint", "abort")
@@ -53,18 +54,6 @@ def _number(value: Any) -> float:
         return math.nan
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file; a truncated last line (a run killed mid-write) is skipped."""
-    records = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
 def _find(run_dir: Path, name: str) -> Path | None:
     for candidate in (run_dir / name, run_dir / f"{name}.rank0"):
         if candidate.is_file():
@@ -78,7 +67,7 @@ def load_run(run_dir: Path) -> RunData:
     if events_path is None:
         raise FileNotFoundError(f"{run_dir}: no events.jsonl (an arc_engine run directory has one; "
                                 f"is sinks.jsonl.enabled off?)")
-    data = RunData(run_dir=run_dir, events=_read(events_path))
+    data = RunData(run_dir=run_dir, events=read_jsonl(events_path))
     for event in data.events:
         data.run_id = data.run_id or str(event.get("run_id", ""))
         if event.get("kind") == "lifecycle" and event.get("detector") == "summary":
@@ -88,7 +77,7 @@ def load_run(run_dir: Path) -> RunData:
     metrics_path = _find(run_dir, "metrics.jsonl")
     if metrics_path is not None:
         columns: dict[str, tuple[list[int], list[float]]] = {}
-        for record in _read(metrics_path):
+        for record in read_jsonl(metrics_path):
             iteration = int(_number(record.get("arc/iteration", record.get("step", 0))))
             for name, value in record.items():
                 if name in ("step", "arc/iteration"):
@@ -99,7 +88,7 @@ def load_run(run_dir: Path) -> RunData:
         data.series = columns
     ranks_path = _find(run_dir, "ranks.jsonl")
     if ranks_path is not None:
-        for record in _read(ranks_path):
+        for record in read_jsonl(ranks_path):
             iteration = int(record.get("iteration", record.get("step", 0)))
             for name, values in record.get("values", {}).items():
                 per_rank = {int(rank): _number(value) for rank, value in values.items()}
