@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_config
 from arc_engine.campaign.scoring import ARC, detection_step, score, table
+from arc_engine.campaign.worker import lr_factor
 from arc_engine.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +55,19 @@ def test_the_plan_runs_clean_arms_first_then_each_fault_in_both_arms(tmp_path: P
     assert faulted["config"]["faults"]["injections"][0]["step"] == profile.fault_step
     for run in plan["runs"][1:]:
         load_config(base=run["config"])  # every arm's config is valid
+
+
+def test_every_run_shares_one_cosine_schedule_over_the_faulted_runs_length(tmp_path: Path) -> None:
+    profile = PROFILES["full"]
+    plan = backend_plan(profile, "ddp", tmp_path, faults=("nan_bomb",))
+    assert plan["schedule"] == {"decay_steps": profile.steps, "min_ratio": profile.min_lr_ratio}
+    clean = [run for run in plan["runs"] if run["fault"] == "clean"]
+    assert max(run["steps"] for run in clean) > profile.steps  # the 2,000-step clean runs train on at the floor
+    factors = [lr_factor(step, profile.steps, 0.1) for step in range(0, 3 * profile.steps, 7)]
+    assert factors[0] == 1.0 and all(a >= b for a, b in itertools.pairwise(factors))
+    assert lr_factor(profile.steps // 2, profile.steps, 0.1) == pytest.approx(0.55)
+    assert lr_factor(profile.steps, profile.steps, 0.1) == pytest.approx(0.1)
+    assert lr_factor(5 * profile.steps, profile.steps, 0.1) == pytest.approx(0.1)
 
 
 def test_detection_counts_alarms_from_the_fault_to_the_terminal_failure_only() -> None:

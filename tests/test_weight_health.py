@@ -164,6 +164,38 @@ def test_the_monitor_reads_norms_sparsity_and_ranks_and_alarms_on_each_condition
     assert {f.message for f in restored.evaluate(1, step1)} == {f.message for f in findings}
 
 
+def _rank_drops(monitor: WeightHealthMonitor, layout: StatLayout, ranks: list[float]) -> list[int]:
+    """Feed matrix 0's effective rank through ``ranks`` (one measurement each); the steps with a rank_drop."""
+    drops = []
+    for step, value in enumerate(ranks):
+        findings = monitor.evaluate(step, _rows(layout, [{WEIGHT: {0: [4.0, 100, 0]}, RANK: {0: [value, 1]}}]))
+        if any(f.values.get("kind") == "rank_drop" for f in findings):
+            drops.append(step)
+        monitor.commit(step, True)
+    return drops
+
+
+def test_the_rank_drop_follows_a_moving_reference_so_slow_compression_is_not_a_collapse() -> None:
+    """Learning compresses a matrix slowly (here 40 -> 16 over 30 measurements, 3% each: what the campaign's
+    position embedding does over 2,000 clean steps); a collapse halves it between two measurements. The default
+    reference (the largest of the last 5) flags only the collapse, for as long as it is within the window; the
+    paper's first-value reference (``rank_window=0``) flags the slow compression too, from where it passes half."""
+    slow = [40.0 * 0.97 ** k for k in range(30)]
+    collapse = [*slow[:10], slow[9] * 0.4, slow[9] * 0.4, *[slow[9] * 0.4] * 6]
+    layout, monitor, _ = _setup()
+    assert _rank_drops(monitor, layout, slow) == []
+    layout, monitor, _ = _setup()
+    assert _rank_drops(monitor, layout, collapse) == [10, 11, 12, 13, 14]  # then the collapsed rank is the reference
+    assert monitor.metrics()["rank_ratio_min"] == pytest.approx(slow[9] * 0.4 / 40.0)  # the score still sees it
+    state = monitor.state_dict()
+    restored = _setup()[1]
+    restored.load_state_dict(state)
+    assert restored.rank_recent == monitor.rank_recent and restored.rank_recent[0].maxlen == 5
+    layout, paper, _ = _setup("detectors.weight_health.rank_window=0")
+    first_below_half = next(k for k, value in enumerate(slow) if value < 20.0)
+    assert _rank_drops(paper, layout, slow) == list(range(first_below_half, len(slow)))
+
+
 def test_the_gradient_cv_alarm_is_off_by_default_and_fires_above_cv_max() -> None:
     noisy = {WEIGHT: {0: [1.0, 100, 0]}, GRAD: {0: [0.1, 100.0, 100]}}  # μ = 1e-3, σ ≈ 1: CV ≈ 1000
     layout, monitor, _ = _setup()
@@ -190,7 +222,7 @@ def test_the_family_is_off_by_default_off_without_the_adapters_matrix_list_and_v
     odd = load_config(None, [*ON, "stats.interval=3", "detectors.weight_health.every=10"])
     with pytest.raises(ValueError, match=r"multiple of stats\.interval"):
         family.enabled(FamilyContext(odd, odd.detectors.weight_health, ["g"], Reduce.SUM))
-    for bad in ("rank_samples=65", "collapse_ratio=1.0", "hist_max_log2=-50", "score_min=2"):
+    for bad in ("rank_samples=65", "collapse_ratio=1.0", "hist_max_log2=-50", "score_min=2", "rank_window=-1"):
         with pytest.raises(ConfigError):
             load_config(None, [*ON, f"detectors.weight_health.{bad}"])
 

@@ -67,6 +67,10 @@ class MegatronTrainer:
         self.state.arc = arc_engine.attach(self.state.model, self.state.optimizer, config)
         return self.state.arc
 
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The Megatron optimizer's groups (ChainedOptimizer's are its chained optimizers', collected anew)."""
+        return self.state.optimizer.param_groups
+
     def step(self, position: int) -> float:
         """One optimizer step on batch ``position``; the loss, averaged over the data-parallel ranks."""
         loss, _, _ = self.script.train_step(self.state, self.args, position)

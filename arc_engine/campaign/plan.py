@@ -87,6 +87,9 @@ class Profile:
     jitter: int
     clean_steps: int
     world: int = 2
+    min_lr_ratio: float = 0.1
+    """The learning rate's cosine decay, over ``steps``, ends at this fraction of the peak and stays there (a clean
+    run longer than ``steps`` trains on at the floor): every run, faulted or clean, has the same rate at each step."""
     model: dict[str, Any] = field(default_factory=lambda: {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64,
                                                            "batch_size": 8, "lr": 3e-3})
     per_backend: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -176,7 +179,9 @@ def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, .
             for arm in ("observe", "protect"):
                 runs.append(_run(f"{backend}/{fault}/s{seed}/{arm}", arm, backend, fault, seed, profile.steps, at,
                                  injections, run_dir, end=fault_end(specs)))
-    return {"backend": backend, "model": profile.model, "results": str(out / "results.jsonl"), "runs": runs}
+    schedule = {"decay_steps": profile.steps, "min_ratio": profile.min_lr_ratio}
+    return {"backend": backend, "model": profile.model, "schedule": schedule, "results": str(out / "results.jsonl"),
+            "runs": runs}
 
 
 __all__ = ["BACKENDS", "CRASH_SCENARIOS", "PROFILES", "PROTECT", "Profile", "applicable", "backend_plan",

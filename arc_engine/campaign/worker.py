@@ -49,6 +49,16 @@ HELD_OUT_SEED = 987_654
 EVAL_BATCHES = 8
 
 
+def lr_factor(step: int, decay_steps: int, min_ratio: float) -> float:
+    """The campaign's schedule at optimizer step ``step``: a cosine from 1 to ``min_ratio`` over ``decay_steps``,
+    then ``min_ratio`` (Megatron-LM's ``--lr-decay-style cosine`` with ``--min-lr``, no warmup). A decayed rate is
+    what makes "the final loss within 5% of the clean run" a statement about recovery rather than about the noise of
+    the last updates: at a constant rate, one skipped batch moves this model's final held-out loss by several
+    percent."""
+    progress = min(max(step, 0), decay_steps) / max(decay_steps, 1)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def terminal(loss: float) -> bool:
     return not math.isfinite(loss) or loss > TERMINAL_LOSS
 
@@ -114,6 +124,10 @@ class TorchTrainer:
         self.trained, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config)
         self.optimizer = None
 
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's groups as they are now (a rollback may have replaced the dicts)."""
+        return (self.optimizer if self.optimizer is not None else self.trained.optimizer).param_groups
+
     def attach(self, config: Any) -> arc_engine.Arc:
         self.arc = arc_engine.attach(self.trained, self.optimizer, config)
         return self.arc
@@ -157,6 +171,8 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
     held_out = HeldOut(trainer.data, plan["model"]["seq_len"], plan["model"]["batch_size"])
     config = load_config(base=run["config"]) if run["arm"] != "bare" else None
     arc: Any = trainer.attach(config) if config is not None else _Counter()
+    peak_lrs = [float(group["lr"]) for group in trainer.param_groups()]
+    schedule = plan["schedule"]
     losses: list[float] = []
     step_ms: list[float] = []
     terminal_at: int | None = None
@@ -166,6 +182,9 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
     evals: dict[str, float] = {}
     try:
         while arc.step < run["steps"]:
+            factor = lr_factor(arc.step, schedule["decay_steps"], schedule["min_ratio"])
+            for group, peak in zip(trainer.param_groups(), peak_lrs, strict=True):
+                group["lr"] = peak * factor  # recovery's LR cut and an injected LR fault multiply this for a step
             start = time.perf_counter()
             local = trainer.step(arc.data_position)
             step_ms.append((time.perf_counter() - start) * 1e3)

@@ -181,7 +181,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                    "measurement, rotating; 0: none. Replicated matrices only.",
                                                    "[0, max_tensors]"),
     "detectors.weight_health.rank_drop": KeyDoc("Alarm when a matrix's effective rank falls by more than this "
-                                                "fraction of its first value.", "(0, 1]"),
+                                                "fraction of its reference (`rank_window`).", "(0, 1]"),
+    "detectors.weight_health.rank_window": KeyDoc("The rank drop's reference: the largest of the matrix's last this "
+                                                  "many measured effective ranks (a collapse is a fall within them, "
+                                                  "not learning's slow compression); 0: its first value, the ARC "
+                                                  "paper's rule.", "[0, 1000]"),
     "detectors.weight_health.cv_max": KeyDoc("Alarm when a layer's gradient σ/|μ| exceeds this; 0: off (the paper's "
                                              "10 fires on every layer of a healthy model).", ">= 0"),
     "detectors.weight_health.hist_bins": KeyDoc("Equal log2-magnitude bins of the gradient histogram (its normalized "

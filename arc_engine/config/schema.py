@@ -398,7 +398,9 @@ class WeightHealthConfig:
     Alarms, on each measurement while they hold: ‖W‖_F above ``max_norm`` or non-finite (explosion); ‖W‖_F / ‖W₀‖_F
     below ``collapse_ratio`` (W₀: the matrix at the first measurement); the fraction of |w| < ``sparsity_eps`` above
     its first value + ``sparsity_increase``; the effective rank exp(H(σ/Σσ)) of ``rank_samples`` matrices per
-    measurement (rotating; 0: none) below (1 - ``rank_drop``) x its first value; the weight-health score
+    measurement (rotating; 0: none) below (1 - ``rank_drop``) x the largest of its previous ``rank_window``
+    measured values (0: its first value, the ARC paper's rule, which a long healthy run trips: learning compresses
+    a matrix, an embedding most, well below its random initialization's rank); the weight-health score
     (``norm_weight`` x NormScore + ``rank_weight`` x RankScore + ``sparsity_weight`` x SparsityScore, normalized over
     the components available) below ``score_min``: all with ``action``. A layer's gradient coefficient of variation
     σ/|μ| above ``cv_max`` (0: off; the paper's 10 fires on every layer of a healthy model) gets ``grad_action``.
@@ -414,6 +416,7 @@ class WeightHealthConfig:
     sparsity_increase: float = 0.1
     rank_samples: int = 2
     rank_drop: float = 0.5
+    rank_window: int = 5
     cv_max: float = 0.0
     hist_bins: int = 48
     hist_min_log2: int = -40
@@ -435,6 +438,7 @@ class WeightHealthConfig:
         require(0 <= self.rank_samples <= self.max_tensors, "rank_samples", self.rank_samples,
                 "must be an integer in [0, max_tensors]")
         require(0 < self.rank_drop <= 1, "rank_drop", self.rank_drop, "must be in (0, 1]")
+        require(0 <= self.rank_window <= 1000, "rank_window", self.rank_window, "must be an integer in [0, 1000]")
         require(self.cv_max >= 0, "cv_max", self.cv_max, "must be >= 0 (0 = off)")
         require(2 <= self.hist_bins <= 1024, "hist_bins", self.hist_bins, "must be an integer in [2, 1024]")
         require(self.hist_min_log2 < self.hist_max_log2, "hist_max_log2", self.hist_max_log2,

@@ -23,13 +23,17 @@ zero; the monitor reads only agreed sums.
 
 Alarms (each measurement, while the condition holds): ‖W‖_F above ``max_norm`` or non-finite (explosion);
 ‖W‖_F / ‖W₀‖_F below ``collapse_ratio`` (collapse; W₀: the matrix at the family's first measurement); sparsity above
-its first value + ``sparsity_increase``; effective rank below (1 − ``rank_drop``) x its first value; a gradient CV
+its first value + ``sparsity_increase``; effective rank below (1 − ``rank_drop``) x the largest of its last
+``rank_window`` measured values (0: its first value, the paper's rule; learning itself takes an embedding's rank to
+half its random initialization's in a long healthy run, so a reference that moves with the run is what tells a
+collapse from training); a gradient CV
 above ``cv_max`` (0: off); the weight-health score below ``score_min`` (:meth:`WeightHealthMonitor.scores`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -224,6 +228,7 @@ class WeightHealthMonitor:
         self.sparsity0: dict[int, float] = {}
         self.rank0: dict[int, float] = {}
         self.rank_latest: dict[int, float] = {}
+        self.rank_recent: dict[int, deque[float]] = {}  # the last ``rank_window`` measured ranks, per slot
         self.alarms = self.measurements = 0
         self._current: dict[str, np.ndarray] | None = None
         self._values: dict[str, float] = {}
@@ -265,10 +270,19 @@ class WeightHealthMonitor:
         self._flagged = bool(findings)
         return findings
 
+    def _rank_reference(self, slot: int) -> float:
+        """The rank drop's reference for ``slot``: the largest of its last ``rank_window`` measured ranks, or its
+        first (``rank_window`` 0); 0 when there is none yet."""
+        recent = self.rank_recent.get(slot)
+        if self.config.rank_window and recent:
+            return max(recent)
+        return self.rank0.get(slot, 0.0)
+
     def _ratios(self, current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Per slot: ‖W‖/‖W₀‖, sparsity − sparsity₀, and the latest effective rank / its first (NaN: no baseline)."""
+        """Per slot: ‖W‖/‖W₀‖, sparsity − sparsity₀, the latest effective rank / its first (the score's) and the
+        rank measured now / its reference (the rank drop's) (NaN: no baseline)."""
         nan = np.full(len(current["norm"]), np.nan)
-        norm_ratio, sparsity_rise, rank_ratio = nan.copy(), nan.copy(), nan.copy()
+        norm_ratio, sparsity_rise, rank_ratio, rank_drop = nan.copy(), nan.copy(), nan.copy(), nan.copy()
         latest = dict(self.rank_latest)
         latest.update({s: float(current["rank"][s]) for s in np.flatnonzero(current["ranked"])})
         for slot in np.flatnonzero(current["measured"]):
@@ -279,7 +293,13 @@ class WeightHealthMonitor:
                     sparsity_rise[slot] = current["sparsity"][slot] - self.sparsity0[slot]
                 if self.rank0.get(slot, 0.0) > 0 and slot in latest:
                     rank_ratio[slot] = latest[slot] / self.rank0[slot]
-        return {"norm_ratio": norm_ratio, "sparsity_rise": sparsity_rise, "rank_ratio": rank_ratio}
+        for slot in np.flatnonzero(current["ranked"]):
+            reference = self._rank_reference(int(slot))
+            if reference > 0:
+                with np.errstate(all="ignore"):
+                    rank_drop[slot] = current["rank"][slot] / reference
+        return {"norm_ratio": norm_ratio, "sparsity_rise": sparsity_rise, "rank_ratio": rank_ratio,
+                "rank_drop": rank_drop}
 
     def scores(self, current: dict[str, np.ndarray]) -> dict[str, float]:
         """The ARC score w_n NormScore + w_r RankScore + w_s SparsityScore (weights normalized over the components
@@ -326,8 +346,10 @@ class WeightHealthMonitor:
                 ("sparsity", ratios["sparsity_rise"] > config.sparsity_increase, current["sparsity"],
                  f"fraction of |w| < {config.sparsity_eps:g} up by more than {config.sparsity_increase:g}",
                  Severity.ERROR),
-                ("rank_drop", current["ranked"] & (ratios["rank_ratio"] < 1.0 - config.rank_drop), current["rank"],
-                 f"effective rank down by more than {config.rank_drop:.0%} from its first value", Severity.WARNING),
+                ("rank_drop", current["ranked"] & (ratios["rank_drop"] < 1.0 - config.rank_drop), current["rank"],
+                 f"effective rank down by more than {config.rank_drop:.0%} from "
+                 + (f"the largest of its last {config.rank_window} measurements" if config.rank_window
+                    else "its first value"), Severity.WARNING),
             ]
         return [self._finding(kind, hits, values, what, severity, config.action)
                 for kind, hits, values, what, severity in checks if hits.any()]
@@ -366,6 +388,8 @@ class WeightHealthMonitor:
             if math.isfinite(value):
                 self.rank_latest[slot] = value
                 self.rank0.setdefault(slot, value)
+                if self.config.rank_window:
+                    self.rank_recent.setdefault(slot, deque(maxlen=self.config.rank_window)).append(value)
 
     def metrics(self) -> dict[str, float]:
         return {**{k: v for k, v in self._values.items() if math.isfinite(v)}, "alarms": float(self.alarms),
@@ -373,11 +397,15 @@ class WeightHealthMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"norm0": _keyed(self.norm0), "sparsity0": _keyed(self.sparsity0), "rank0": _keyed(self.rank0),
-                "rank_latest": _keyed(self.rank_latest), "alarms": self.alarms, "measurements": self.measurements}
+                "rank_latest": _keyed(self.rank_latest), "alarms": self.alarms, "measurements": self.measurements,
+                "rank_recent": {str(k): list(v) for k, v in self.rank_recent.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norm0, self.sparsity0 = _unkeyed(state["norm0"]), _unkeyed(state["sparsity0"])
         self.rank0, self.rank_latest = _unkeyed(state["rank0"]), _unkeyed(state["rank_latest"])
+        window = self.config.rank_window or None
+        self.rank_recent = {int(k): deque((float(x) for x in v), maxlen=window)
+                            for k, v in state.get("rank_recent", {}).items()}  # absent: a state from before it
         self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
 
 
