@@ -26,8 +26,8 @@ Alarms (each measurement, while the condition holds): ‖W‖_F above ``max_norm
 its first value + ``sparsity_increase``; effective rank below (1 − ``rank_drop``) x the largest of its last
 ``rank_window`` measured values (0: its first value, the paper's rule; learning itself takes an embedding's rank to
 half its random initialization's in a long healthy run, so a reference that moves with the run is what tells a
-collapse from training); a gradient CV
-above ``cv_max`` (0: off); the weight-health score below ``score_min`` (:meth:`WeightHealthMonitor.scores`).
+collapse from training); a gradient CV above ``cv_max`` (0: off); the weight-health score below ``score_min``
+(:meth:`WeightHealthMonitor.scores`).
 """
 
 from __future__ import annotations
