@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from arc_engine import runtime
+from arc_engine import compat, runtime
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.engine import ArcEngine
 from arc_engine.faults import FaultInjector
@@ -129,6 +129,9 @@ class Arc:
     def close(self) -> None:
         """Remove the optimizer hooks and fault hooks, emit the summary, close sinks. Local, idempotent.
         (A DDP comm hook cannot be unregistered; after close it only performs the default all-reduce.)"""
+        before_close = getattr(self.adapter, "before_close", None)
+        if before_close is not None and not self.engine.closed:  # e.g. a last step the loss scaler skipped
+            before_close()
         for remove in self._removers:
             remove()
         self._removers.clear()
@@ -160,6 +163,11 @@ class Adapter(Protocol):
     # family's compute probe (default: the leaf modules with parameters of ``module``).
     # optional: ``diagnosing()``, a context manager around a curvature measurement (DeepSpeed: the engine's forward
     # without its backward machinery, which a Hessian-vector product would otherwise set off).
+    # optional: ``effective_config(config)``, the config with what the installed framework release cannot serve
+    # turned off (a copy; e.g. a detector whose internals are missing), reported by the adapter at install.
+    # optional: ``before_step_start()``, called at every forward before the engine opens a step, and
+    # ``before_close()``, called by ``Arc.close``: where the framework skips steps without an optimizer hook firing
+    # (a GradScaler's overflow), to close them; ``framework_skip_pending()`` says whether one is open.
 
     def check_config(self, config: ArcConfig) -> None:
         """ValueError for a setting this framework cannot honour (before anything is registered)."""
@@ -187,6 +195,9 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     then the adapter's hooks, then the step-start hook."""
     if not isinstance(config, ArcConfig):
         config = load_config(config)
+    effective_config = getattr(adapter, "effective_config", None)
+    if effective_config is not None:  # what the installed framework release cannot serve is off (an event says so)
+        config = effective_config(config)
     if _is_attached(adapter.module):
         raise ValueError("arc_engine.attach: this model already has an arc_engine attached; two engines would both "
                          "hook and decide every step (call arc.close() on the first one before attaching again)")
@@ -214,7 +225,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         engine.add_update_hook(injector.before_update)
     if injector.reports_events:
         engine.add_event_source(injector.system_events)
-    removers.append(register_step_start(engine, adapter.module))
+    removers.append(register_step_start(engine, adapter.module, getattr(adapter, "before_step_start", None)))
     straggler = config.detectors.straggler
     if straggler.enabled and straggler.compute_every:  # after the fault hooks: a slowed module's delay is timed
         limit = straggler.compute_modules
@@ -252,7 +263,7 @@ def check_optimizer_owns(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
            config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
            lr_scheduler: Any | None = None, recompute_fn: RecomputeFn | None = None,
-           ddp_comm_hook: tuple[Callable[..., Any], object] | None = None) -> Arc:
+           ddp_comm_hook: tuple[Callable[..., Any], object] | None = None, grad_scaler: Any | None = None) -> Arc:
     """Attach arc_engine to a model and its optimizer. Collective: call on every rank, once.
 
     ``model``: a ``DistributedDataParallel`` module (statistics come from a comm hook on its process group),
@@ -285,13 +296,31 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     gradients are what your hook alone gives. Its result must be the same on every rank of the group (as every
     all-reduce-based hook's is). Not with ``detectors.sdc.recompute`` (withholding a bucket would reach your hook's
     state, e.g. PowerSGD's error feedback).
+
+    ``grad_scaler``: the ``torch.amp.GradScaler`` (FSDP2: ``ShardedGradScaler``) that steps ``optimizer`` under fp16
+    mixed precision. Required when the loop scales the loss: arc_engine then judges unscaled statistics (the scale
+    of each step's backward divided out), reports the steps the scaler skips for overflow as the scaler's
+    (``grad_scaler_overflow``, never escalated while the scaler searches its scale: ``policy``), and rolls the
+    scaler back with the training state. Any order of ``scale``, ``unscale_``, clipping, ``step``, ``update``
+    works. Record the unscaled loss. Not with ``detectors.sdc.recompute``. DeepSpeed and megatron-core scale the
+    loss themselves: pass nothing.
     """
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
+
+    warn_if_untested_torch()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: no model can be one
+        FSDPModule = ()
 
     if ddp_comm_hook is not None and not isinstance(model, DistributedDataParallel):
         raise ValueError("arc_engine.attach: ddp_comm_hook is for a DistributedDataParallel model, got "
                          f"{type(model).__name__}")
+    framework_scaled = isinstance(model, (list, tuple)) or type(model).__module__.startswith(("megatron.",
+                                                                                             "deepspeed."))
+    if grad_scaler is not None and framework_scaled:
+        raise ValueError(f"arc_engine.attach: grad_scaler is for torch.amp loss scaling; {type(model).__name__} "
+                         "scales the loss itself (DeepSpeed and megatron-core fp16), pass no grad_scaler")
     if isinstance(model, (list, tuple)) or type(model).__module__.startswith("megatron."):
         from arc_engine.integrations.megatron import attach_megatron
 
@@ -308,15 +337,29 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         from arc_engine.integrations.fsdp import attach_fsdp
 
         return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler,
-                           recompute_fn=recompute_fn)
+                           recompute_fn=recompute_fn, grad_scaler=grad_scaler)
     from arc_engine.integrations.ddp import TorchAdapter
 
-    return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook), config, group=group,
+    return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook, grad_scaler), config, group=group,
                 recompute_fn=recompute_fn)
 
 
-def register_step_start(engine: ArcEngine, model: torch.nn.Module) -> Any:
+def warn_if_untested_torch(version: str | None = None) -> bool:
+    """Warn (:class:`~arc_engine.compat.UntestedTorchVersion`) when torch is outside :data:`arc_engine.compat.TORCH`;
+    True if it is. Nothing is refused: what a feature needs of torch is checked where it is used."""
+    return compat.TORCH.check(version or torch.__version__, compat.UntestedTorchVersion) is not None
+
+
+def register_step_start(engine: ArcEngine, model: torch.nn.Module,
+                        before: Callable[[], None] | None = None) -> Any:
     """A forward pre-hook that opens each step (:meth:`ArcEngine.on_step_start`), ahead of any hook a wrapper
-    (FSDP2's all-gather) registered. Returns the hook's remover."""
-    handle = model.register_forward_pre_hook(lambda module, args: engine.on_step_start(), prepend=True)
+    (FSDP2's all-gather) registered; ``before()`` (the adapter's) runs first at every forward. Returns the hook's
+    remover."""
+
+    def start(module: torch.nn.Module, args: object) -> None:
+        if before is not None:
+            before()
+        engine.on_step_start()
+
+    handle = model.register_forward_pre_hook(start, prepend=True)
     return handle.remove

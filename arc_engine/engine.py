@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -327,14 +328,20 @@ class ArcEngine:
         """Losses recorded so far in the current step (the running micro-batch's index + 1)."""
         return self._loss_count
 
-    def decide(self, extra_findings: tuple[Finding, ...] = (), only: tuple[str, ...] | None = None) -> Decision:
+    def decide(self, extra_findings: tuple[Finding, ...] = (), only: tuple[str, ...] | None = None, *,
+               overflow: Finding | None = None,
+               overflow_if_nonfinite: Callable[[], Finding] | None = None) -> Decision:
         """Collective on monitored steps: gather, judge, decide, report. Call once per optimizer step on every
         rank, after gradients are reduced and before they are applied. Raises :class:`ArcAbort` (on every rank)
         when the decision is ABORT. On unmonitored steps returns a no-op decision without communicating.
 
         ``extra_findings``: verdicts from outside the monitors, identical on every rank (e.g. the framework
         skipped the step); ``only``: names of the monitors to run (None: all), for steps whose statistics are
-        partial."""
+        partial. ``overflow``: the framework's dynamic loss scaler skipped this step (the finding says so);
+        ``overflow_if_nonfinite``: it skips the step itself when the agreed gradient is non-finite (a fused
+        optimizer that reads the scaler's verdict on the device), and this makes the finding. Either way a skip
+        for non-finite gradients at a finite loss counts as the scaler's routine overflow
+        (:class:`~arc_engine.policy.DecisionPolicy`)."""
         assert self.buffer is not None, "ArcEngine.start() was not called"
         if not self.is_monitored():
             return Decision(self.step, Action.NONE)
@@ -358,8 +365,13 @@ class ArcEngine:
             stats = self._regather()
             findings = [f for monitor in monitors for f in monitor.evaluate(self.step, stats)]
         self.last_stats = stats
+        if overflow is None and overflow_if_nonfinite is not None and _gradient_nonfinite(stats):
+            overflow = overflow_if_nonfinite()
+        if overflow is not None:
+            extra.append(overflow)
         findings += extra
-        decision = self.policy.decide(self.step, findings)
+        routine = overflow is not None and _loss_finite(stats)
+        decision = self.policy.decide(self.step, findings, overflow=routine)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
         decision = _with_exit_code(decision)
@@ -422,12 +434,13 @@ class ArcEngine:
         self.close()
         raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step, decision.exit_code)
 
-    def skip_by_framework(self, finding: Finding) -> None:
-        """Close the current step as one the training framework itself did not apply (e.g. DeepSpeed's overflow
-        check). Local: call it only with facts every rank shares (the framework's own agreed verdict). The finding
-        goes through the policy, so a run of such skips escalates like any other (``finding.action`` SKIP), or is
-        only reported (WARN). No monitor folds this step into its baseline. Raises ArcAbort on escalation."""
-        decision = self.policy.decide(self.step, [finding])
+    def skip_by_framework(self, finding: Finding, *, overflow: bool = False) -> None:
+        """Close the current (unmonitored) step as one the training framework itself did not apply (e.g. DeepSpeed's
+        overflow check). Local: call it only with facts every rank shares (the framework's own agreed verdict). The
+        finding goes through the policy, so a run of such skips escalates like any other (``finding.action`` SKIP),
+        or, with ``overflow`` (a dynamic loss scaler's), past ``policy.max_consecutive_overflow_skips``. No monitor
+        folds this step into its baseline. Raises ArcAbort on escalation."""
+        decision = self.policy.decide(self.step, [finding], overflow=overflow)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
         self.last_decision = decision
@@ -566,7 +579,7 @@ class ArcEngine:
         return decision is None or decision.step != self.step - 1 or decision.applies_update
 
     def _report(self, decision: Decision) -> None:
-        skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP)
+        skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP and not decision.overflow)
         self.reporter.decision(decision, self.iteration, skipped)
 
     def _commit(self, decision: Decision) -> None:
@@ -630,6 +643,10 @@ class ArcEngine:
                                    "step_ms": report.step_ms, "fraction": report.fraction, "pieces": report.pieces}
         return summary
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Emit the summary and close the sinks (idempotent, local)."""
         if self._closed:
@@ -685,6 +702,18 @@ class ArcEngine:
         self.rewind(int(state["step"]), int(state.get("data_position", state["step"])))
         self.load_monitor_state_dict(state["monitors"])
         self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})
+
+
+def _loss_finite(stats: AgreedStats) -> bool:
+    """Whether the agreed loss (summed over the ranks that recorded one) is finite."""
+    return names.LOSS not in stats.layout or bool(np.isfinite(stats.total(names.LOSS)).all())
+
+
+def _gradient_nonfinite(stats: AgreedStats) -> bool:
+    """Whether any rank's local gradient or the reduced gradient holds NaN/Inf."""
+    counts = stats.total(names.GRAD_NONFINITE_LOCAL)
+    return bool((counts > 0).any() or not np.isfinite(counts).all()
+                or not np.isfinite(stats.total(names.GRAD_SQ)).all())
 
 
 def _with_exit_code(decision: Decision) -> Decision:

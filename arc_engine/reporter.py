@@ -96,7 +96,9 @@ class Reporter:
             self.finding(decision.step, iteration, finding, action)
         if decision.action in (Action.SKIP, Action.ABORT):
             skip = decision.action == Action.SKIP
-            verb = "update not applied on any rank" if skip else "stopping every rank"
+            verb = "stopping every rank" if not skip else \
+                "the loss scaler skipped the update on every rank (overflow)" if decision.overflow else \
+                "update not applied on any rank"
             self.emit(Event(self.run_id, decision.step, "action", "engine",
                             Severity.WARNING if skip else Severity.CRITICAL, action,
                             f"{verb} (skipped so far: {skipped_so_far})",

@@ -38,7 +38,13 @@ from torch.nn.parallel import DistributedDataParallel
 from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch_optim import optimizer_stats, register_optimizer_hooks
+from arc_engine.integrations.torch_amp import ScalerWatch
+from arc_engine.integrations.torch_optim import (
+    ScalerSkips,
+    ScalerSkipsHooks,
+    optimizer_stats,
+    register_optimizer_hooks,
+)
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
@@ -109,6 +115,7 @@ class _StepQueue:
     sum_index: list[int] = field(default_factory=list)
     exact_values: list[torch.Tensor] = field(default_factory=list)  # copies of the buckets' local gradients
     exact_index: list[torch.Tensor] = field(default_factory=list)
+    inverse_scale: torch.Tensor | None = None  # 1 / the loss scale the step's gradients carry (a GradScaler's)
 
 
 @dataclass
@@ -125,6 +132,7 @@ class StatsHookState:
     offsets: list[int] = field(default_factory=list)  # index -> its first element in the flat trainable parameters
     exact_size: int = 0  # the trainable parameters' element count: a sketch of this size is the gradient itself
     owned: set[int] | None = None  # id() of the parameters whose reduced statistics this rank computes (None: all)
+    scaler: ScalerWatch | None = None  # the GradScaler whose scale the bucket gradients carry
     _plans: dict[int, _BucketPlan] = field(default_factory=dict)
     # bucket index -> (buffer, address, length) the plan was last checked against; holding the buffer keeps its
     # memory from being reused, so a rebuilt bucket never shows up at the old address
@@ -162,10 +170,13 @@ class StatsHookState:
         return plan
 
     def queue(self) -> _StepQueue:
-        """This step's queue (emptied first when it holds another step's results: a step that never agreed)."""
+        """This step's queue (emptied first when it holds another step's results: a step that never agreed), with
+        the loss scale of the step's backward."""
         step = self.engine.step
         if self._queue.step != step:
             self._queue = _StepQueue(step)
+            if self.scaler is not None:
+                self._queue.inverse_scale = self.scaler.inverse_scale(step)
         return self._queue
 
     @torch.no_grad()
@@ -177,16 +188,24 @@ class StatsHookState:
             return
         self._queue = _StepQueue()
         buffer = engine.buffer
+        inverse = queue.inverse_scale  # the step's gradients were scaled by a GradScaler: unscale what they gave
+
+        def unscaled(values: torch.Tensor) -> torch.Tensor:
+            return values if inverse is None else values * inverse.to(values.device)
+
         if queue.local_norms:
-            add_norm_stats(buffer, torch.cat(queue.local_norms), torch.cat(queue.local_index), names.GRAD_SQ_LOCAL,
-                           names.GRAD_NONFINITE_LOCAL)
+            add_norm_stats(buffer, unscaled(torch.cat(queue.local_norms)), torch.cat(queue.local_index),
+                           names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
         if queue.reduced_norms:
-            add_norm_stats(buffer, torch.cat(queue.reduced_norms), torch.cat(queue.reduced_index), names.GRAD_SQ)
+            add_norm_stats(buffer, unscaled(torch.cat(queue.reduced_norms)), torch.cat(queue.reduced_index),
+                           names.GRAD_SQ)
         if queue.sums:
-            add_chunk_sums(buffer.view(names.GRAD_SKETCH_LOCAL), queue.sums, queue.sum_index, self._sketch_cache)
+            add_chunk_sums(buffer.view(names.GRAD_SKETCH_LOCAL), [unscaled(s) for s in queue.sums], queue.sum_index,
+                           self._sketch_cache)
         if queue.exact_values:
             buffer.view(names.GRAD_SKETCH_LOCAL).index_add_(
-                0, torch.cat(queue.exact_index), torch.cat(queue.exact_values).to(buffer.device, torch.float64))
+                0, torch.cat(queue.exact_index),
+                unscaled(torch.cat(queue.exact_values).to(buffer.device, torch.float64)))
 
 
 def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -254,15 +273,16 @@ def mean_allreduce(process_group: dist.ProcessGroup | None, bucket: dist.GradBuc
 
 def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, groups: ParamGroupIndex,
                         inner_hook: object | None = None, inner_state: object | None = None,
-                        owned: set[int] | None = None) -> StatsHookState:
+                        owned: set[int] | None = None, scaler: ScalerWatch | None = None) -> StatsHookState:
     """Install the statistics hook on ``model`` (call once, before the first backward, on every rank).
 
     DDP accepts a single comm hook: to keep a hook of your own (e.g. fp16 compression), pass it as
     ``inner_hook``/``inner_state`` and arc_engine's hook calls it instead of the default all-reduce. ``owned``:
     ``id()`` of the parameters whose reduced-gradient statistics this rank computes (the engine's ``grad_sq`` slot
-    must then be ``Reduce.SUM``); None: all of them (``Reduce.REPLICATED``).
+    must then be ``Reduce.SUM``); None: all of them (``Reduce.REPLICATED``). ``scaler``: the GradScaler whose scale
+    the gradients carry during the backward (divided out of every statistic when they are folded).
     """
-    state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state, owned=owned)
+    state = StatsHookState(engine, model.process_group, groups, inner_hook, inner_state, owned=owned, scaler=scaler)
     trainable = [p for p in model.module.parameters() if p.requires_grad]
     state.position = {id(p): i for i, p in enumerate(trainable)}
     sizes = [p.numel() for p in trainable]
@@ -319,16 +339,19 @@ class DDPGradientTarget(ReplicaTarget):
 
 # --------------------------------------------------------------------------------------------- the adapter
 
-class TorchAdapter:
+class TorchAdapter(ScalerSkipsHooks):
     """:class:`arc_engine.attach.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
     ``torch.optim`` optimizer. Under DDP, statistics come from the comm hook and each replicated parameter's
     reduced statistics from its owner in DDP's process group (``Reduce.SUM``); a plain module's come from
     ``param.grad`` on every rank (``Reduce.REPLICATED``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None = None,
-                 ddp_comm_hook: tuple[Callable[..., Any], object] | None = None) -> None:
+                 ddp_comm_hook: tuple[Callable[..., Any], object] | None = None, grad_scaler: Any | None = None
+                 ) -> None:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.ddp_comm_hook = ddp_comm_hook
+        self.scaler = ScalerWatch(grad_scaler, optimizer) if grad_scaler is not None else None
+        self.scaler_skips: ScalerSkips | None = None
         self.is_ddp = isinstance(model, DistributedDataParallel)
         self.name = "DDP" if self.is_ddp else "a plain (non-DDP) module"
         self.module = model.module if self.is_ddp else model
@@ -345,12 +368,14 @@ class TorchAdapter:
 
     def check_config(self, config: ArcConfig) -> None:
         check_ddp_comm_hook(self.model, self.ddp_comm_hook, config)
+        check_scaler_config(self.scaler, config)
 
     def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return requested
 
     def train_state(self) -> TorchTrainState:
-        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank())
+        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
+                               grad_scaler=self.scaler.scaler if self.scaler is not None else None)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -359,13 +384,15 @@ class TorchAdapter:
         if self.is_ddp:
             inner_hook, inner_state = self.ddp_comm_hook if self.ddp_comm_hook is not None else (None, None)
             hook_state = register_stats_hook(engine, self.model, self.groups, inner_hook, inner_state,
-                                             owned=self.owned)
+                                             owned=self.owned, scaler=self.scaler)
             if recompute_fn is not None:
                 target = DDPGradientTarget(self.model, hook_state, self.optimizer)
                 engine.use_recompute(SDCRecompute(engine, engine.config.detectors.sdc.recompute, hook_state.gate,
                                                   target, recompute_fn), target.record_stats)
         hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=self.is_ddp,
-                                         owned=self.owned)
+                                         owned=self.owned, scaler=self.scaler)
+        if self.scaler is not None:
+            self.scaler_skips = ScalerSkips(engine, self.scaler)
         return [hooks.remove]
 
 
@@ -386,6 +413,17 @@ def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..
     if is_ddp and getattr(model, "_comm_hooks", None):
         raise ValueError("arc_engine.attach: this DDP model already has a comm hook and DDP accepts only one; "
                          "register it through arc_engine instead: attach(..., ddp_comm_hook=(hook, state))")
+
+
+def check_scaler_config(scaler: ScalerWatch | None, config: ArcConfig) -> None:
+    """Refuse what a GradScaler rules out: the SDC recomputation, since the scaler checks and unscales the
+    gradients before arc_engine's decision, so a recomputed gradient would bypass its overflow check."""
+    sdc = config.detectors.sdc
+    if scaler is not None and sdc.enabled and sdc.recompute.enabled:
+        raise ValueError("detectors.sdc.recompute is not supported with a loss scaler (grad_scaler=): the scaler "
+                         "unscales and checks the gradients before arc_engine decides, so a recomputed gradient "
+                         "would bypass its overflow check; turn the recomputation off (SDC detection and skipping "
+                         "still work)")
 
 
 def ddp_owned_params(model: DistributedDataParallel) -> set[int] | None:

@@ -20,14 +20,15 @@ a NaN is named on the rank that produced it.
 
 arc_engine replaces no DeepSpeed method and assigns no DeepSpeed attribute (a rollback's restore aside): it uses
 DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds, and reads the rest through
-:mod:`arc_engine.integrations.deepspeed_internals` (one module, behind a check of the DeepSpeed version; its
-docstring says why no public hook serves).
+:mod:`arc_engine.integrations.deepspeed_internals` (one module, checked at attach by what it reads; its
+docstring says why no public hook serves and which releases are tested).
 
 Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
 torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step, gathers
 what the ranks recorded for that step, and reports a ``deepspeed_overflow`` event plus the ``non_finite`` finding
-naming the rank (every rank sees the same DeepSpeed verdict); outside fp16 dynamic loss scaling they count as
-skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``.
+naming the rank (every rank sees the same DeepSpeed verdict). Outside fp16 dynamic loss scaling they count as
+skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``; under it they are the scaler's
+routine (warnings, counted per ``policy.max_consecutive_overflow_skips``) unless the loss was non-finite.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.integrations import deepspeed_internals
 from arc_engine.integrations.deepspeed_local import LocalGradHooks
-from arc_engine.integrations.torch_optim import drop_gradients
+from arc_engine.integrations.torch_optim import OVERFLOW_MONITORS, drop_gradients
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
@@ -265,6 +266,18 @@ class ZeroStepHooks:
         self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and deepspeed_internals.uses_dynamic_loss_scale(
             self.zero)
+        self._loss_scale: tuple[int, float] | None = None  # (step, the loss scale of its backward)
+
+    def note_loss_scale(self) -> None:
+        """At each ``record_loss`` (before its backward): the loss scale that step's gradients will carry (a Python
+        float in DeepSpeed; it moves on at an overflow before arc_engine closes the skipped step)."""
+        self._loss_scale = (self.engine.step, float(getattr(self.zero, "loss_scale", 1.0)))
+
+    def backward_loss_scale(self) -> float:
+        """The loss scale of the current step's backward (the one noted at its ``record_loss``, else the current)."""
+        if self._loss_scale is not None and self._loss_scale[0] == self.engine.step:
+            return self._loss_scale[1]
+        return float(getattr(self.zero, "loss_scale", 1.0))
 
     def skip_pending(self) -> bool:
         """DeepSpeed completed a step without stepping the optimizer that :meth:`catch_up` has not closed (local)."""
@@ -277,21 +290,21 @@ class ZeroStepHooks:
         gathers what the ranks recorded for the skipped step (loss, local gradients) in that step's one collective
         and names the rank(s) holding NaN/Inf; gradient-norm monitors are not run (DeepSpeed discarded them)."""
         while self.skip_pending():
-            escalate = not self.dynamic_loss_scale
             values = {"deepspeed_skipped_steps": int(self.ds_engine.skipped_steps),
                       "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
-            finding = Finding("deepspeed_overflow", Action.SKIP if escalate else Action.WARN, Severity.WARNING,
+            finding = Finding("deepspeed_overflow", Action.SKIP, Severity.WARNING,
                               "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
                               "norm)", (), values)
+            # Under fp16 dynamic loss scaling an overflow is routine while DeepSpeed searches its scale: the policy
+            # counts it apart (policy.max_consecutive_overflow_skips) unless the loss itself was non-finite.
+            overflow = self.dynamic_loss_scale
             if self.engine.is_monitored():
-                self.local_grads.flush(stepped=False)
-                # Under fp16 dynamic loss scaling overflow is routine (the scale is being calibrated): report it,
-                # but do not let the non-finite detector turn it into skips that escalate.
-                monitors = ("loss_spike",) if self.dynamic_loss_scale else ("non_finite", "loss_spike")
-                self.engine.decide(extra_findings=(finding,), only=monitors)
+                self.local_grads.flush(stepped=False, loss_scale=self.backward_loss_scale())
+                self.engine.decide(extra_findings=() if overflow else (finding,), only=OVERFLOW_MONITORS,
+                                   overflow=finding if overflow else None)
                 self.engine.finish_step(framework_skipped=True)
             else:
-                self.engine.skip_by_framework(finding)
+                self.engine.skip_by_framework(finding, overflow=overflow)
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.stats.is_first_call(optimizer):
@@ -299,7 +312,7 @@ class ZeroStepHooks:
             self.skip_this_step = False
             if self.engine.is_monitored():
                 with self.engine.own_work.section("deepspeed.local_flush"):
-                    self.local_grads.flush()
+                    self.local_grads.flush(loss_scale=self.backward_loss_scale())
                 self.stats.record(self.engine.wants_optimizer_stats())
                 self.skip_this_step = not self.engine.decide().applies_update
         elif self.recompute_target is not None and not self.skip_this_step:
@@ -319,6 +332,10 @@ class ZeroStepHooks:
             self.engine.finish_step()
 
 
+#: what each feature of :data:`deepspeed_internals.FEATURES` turns off in the config when its internals are missing
+CONFIG_OFF: dict[str, tuple[str, ...]] = {"rollback": ("recovery.enabled",)}
+
+
 class ZeroAdapter:
     """:class:`arc_engine.attach.Adapter` for a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3:
     every slot is a partial sum over the ranks' partitions (``Reduce.SUM``); the decision is taken in the step
@@ -327,7 +344,6 @@ class ZeroAdapter:
     shard_reduce = Reduce.SUM
 
     def __init__(self, ds_engine: Any) -> None:
-        deepspeed_internals.check_version()
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
         self.stage = int(ds_engine.zero_optimization_stage())
@@ -340,6 +356,9 @@ class ZeroAdapter:
                              f"stage {self.stage} (ZeRO-0 / plain DeepSpeed: not supported yet)")
         elif deepspeed_internals.offloads_optimizer(self.zero):
             raise ValueError("arc_engine's DeepSpeed integration does not support offload_optimizer yet")
+        # what this release holds of what the integration reads: warns outside the tested range, raises only when
+        # the partition statistics cannot be read; the features it turns off are reported at install
+        self.capabilities = deepspeed_internals.check_capabilities(self.zero, self.stage)
         self.name = f"DeepSpeed ZeRO-{self.stage}"
         self.module = ds_engine.module
         self.torch_optimizer = deepspeed_internals.wrapped_optimizer(self.zero)
@@ -371,7 +390,17 @@ class ZeroAdapter:
             else:
                 del engine.forward
 
+    def effective_config(self, config: ArcConfig) -> ArcConfig:
+        """``config`` with what this release's internals cannot serve turned off (``recovery.enabled`` without what a
+        rollback restores): a copy, named in the ``compatibility`` event. Local."""
+        return self.capabilities.effective_config(config, CONFIG_OFF)
+
     def check_config(self, config: ArcConfig) -> None:
+        sdc = config.detectors.sdc
+        if sdc.enabled and sdc.recompute.enabled and bool(self.ds_engine.fp16_enabled()):
+            raise ValueError("detectors.sdc.recompute is not supported under DeepSpeed fp16: its loss scaler checks "
+                             "the gradients for overflow before arc_engine decides, so a recomputed gradient would "
+                             "bypass that check; turn the recomputation off (SDC detection and skipping still work)")
         if config.recovery.enabled and self.stage == 3 and deepspeed_internals.offloads_parameters(self.zero):
             raise ValueError("recovery.enabled: rollback and checkpoints of DeepSpeed ZeRO-3 with offload_param "
                              "(parameter partitions on the CPU or NVMe) are not supported yet; keep the parameters "
@@ -397,9 +426,14 @@ class ZeroAdapter:
         sdc = engine.config.detectors.sdc
         gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device) \
             if recompute_fn is not None else None
+        compatibility = self.capabilities.report()
+        if compatibility is not None:  # one event naming every feature that is off (and an untested release)
+            engine.emit_lifecycle("compatibility", *compatibility)
         param_groups = module_param_groups(self.zero, self.stage)
-        # after the fault hooks: sees their output; ZeRO-1/2 take the statistics from what DeepSpeed is about to reduce
-        local_grads = LocalGradHooks(engine, param_groups, gate, self.zero if self.stage in (1, 2) else None)
+        # after the fault hooks: sees their output; ZeRO-1/2 take the statistics from what DeepSpeed is about to
+        # reduce, where the release holds what that reads
+        buckets = self.stage in (1, 2) and self.capabilities.has("bucket_local_statistics")
+        local_grads = LocalGradHooks(engine, param_groups, gate, self.zero if buckets else None)
         self.hooks = hooks = ZeroStepHooks(engine, self.ds_engine, local_grads)
         engine.use_partition_parts(hooks.stats.parameter_parts)  # per-parameter partition views (weight health)
         if recompute_fn is not None:
@@ -423,6 +457,7 @@ class ZeroAdapter:
         """Close the steps DeepSpeed skipped on its own before this micro-batch (see ZeroStepHooks.catch_up)."""
         if self.hooks is not None:
             self.hooks.catch_up()
+            self.hooks.note_loss_scale()
 
 
 def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = None, *,
@@ -438,7 +473,9 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     ``recompute_fn``: see :func:`arc_engine.attach` (``detectors.sdc.recompute``, ZeRO-1/2; it gets
     ``engine.module``; with gradient accumulation call ``record_loss`` once per micro-batch).
     Raises ValueError for ZeRO-0 and for offloaded optimizer states (not supported yet), and
-    :class:`~arc_engine.integrations.deepspeed_internals.UntestedDeepSpeedVersion` for a DeepSpeed release the
-    integration was not tested with (it reads ZeRO internals; see ``deepspeed_internals.py``).
+    :class:`~arc_engine.integrations.deepspeed_internals.MissingDeepSpeedInternals` where the ZeRO optimizer lacks
+    what every step's statistics read. A release outside the tested range (``deepspeed_internals.
+    TESTED_DEEPSPEED_RANGE``) gets a warning; features whose internals it lacks are turned off and named in one
+    ``compatibility`` lifecycle event (see ``deepspeed_internals.py``).
     """
     return wire(ZeroAdapter(ds_engine), config, group=group, recompute_fn=recompute_fn)

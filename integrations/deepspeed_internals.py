@@ -1,18 +1,18 @@
-"""Every read of DeepSpeed's undocumented ZeRO state, in one module, behind a check of the DeepSpeed version.
+"""Every read of DeepSpeed's undocumented ZeRO state, in one module, checked at attach by what it reads.
 
 arc_engine reaches DeepSpeed through its documented surface where one serves: the engine's methods and counters,
 the ZeRO optimizer's ``loss_scale`` and ``param_groups``, its ``register_grad_acc_post_hook`` (a callback once
-every gradient hook of a backward has fired), and torch's own extension points on the objects DeepSpeed builds
-(step hooks of the torch optimizer it wraps, tensor hooks on the module parameters). What none of them gives is
-read here, by small named functions, and only here; other modules call these functions.
+every gradient hook of a backward has fired; DeepSpeed 0.18.3 and later), and torch's own extension points on the
+objects DeepSpeed builds (step hooks of the torch optimizer it wraps, tensor hooks on the module parameters). What
+none of them gives is read here, by small named functions, and only here; other modules call these functions.
 
-Why no public DeepSpeed API serves (DeepSpeed 0.19.8):
+Why no public DeepSpeed API serves (DeepSpeed 0.18.0 .. 0.19.8):
 
 * **Local gradients before the reduction.** ZeRO-1/2 copy each gradient into a contiguous bucket and reduce the
   bucket from the gradient hook of the parameter that no longer fits in it (the last buckets: in the engine's
   backward epilogue). No hook runs between the fill and the reduction: ``average_tensor`` is an internal method,
   ``register_compile_pass`` acts only under DeepCompile. A torch tensor hook on a parameter runs just before
-  DeepSpeed's post-accumulate hook for it, so :func:`bucket_reduced_before` tells from the bucket's fill level
+  DeepSpeed's post-accumulate hook for it, so :func:`buckets_reduced_before` tells from the bucket's fill level
   (read, never written) whether DeepSpeed is about to reduce it, and hands over its contents.
 * **Per-partition statistics at the optimizer step.** ``deepspeed.utils.safe_get_full_grad`` /
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` work one parameter at a time and, under
@@ -29,20 +29,36 @@ Why no public DeepSpeed API serves (DeepSpeed 0.19.8):
   (:func:`refresh_gathered_parameters`); a resume first creates the lazy optimizer state the checkpoint loads
   into (:func:`materialize_sub_group_states`, one zero-learning-rate step per sub-group in ZeRO-3's own layout).
 
-The layouts read here change between DeepSpeed releases, so :func:`check_version` (called by ``attach_deepspeed``)
-refuses a version this module was not tested with.
+Releases. The layouts read here change between DeepSpeed releases. The integration is tested from
+:data:`TESTED_DEEPSPEED_RANGE`'s floor to its ceiling (0.18.0 .. 0.19.x). Where layouts differ inside it, the
+functions below follow what the installed release's objects hold, never a version string: whether an
+overflowing bucket is reduced alone or with every other dtype's bucket (``reduce_ipg_grads``' signature: 0.18.9+
+alone, 0.18.0 .. 0.18.4 all), the key of an oversized gradient (its communication dtype; in 0.18.0 its own
+dtype), gradient coalescing (none in 0.18). :func:`check_capabilities`, called once by ``attach_deepspeed``,
+checks that every attribute a feature reads is there: what every step's statistics read (:data:`CORE_NEEDS`;
+without it attach raises :class:`MissingDeepSpeedInternals`), and per :data:`FEATURES` entry the reduction
+buckets local statistics are read from (0.18.3+) and what a rollback restores (without them only that feature
+is off). A release outside the range gets a warning (:func:`check_version`), not a refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-#: DeepSpeed releases whose ZeRO internals this module was tested against (a local "+..." suffix is ignored).
-TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
+from arc_engine.compat import Capabilities, TestedRange
+
+#: The DeepSpeed releases arc_engine's integration is tested with: floor <= version < ceiling.
+TESTED_DEEPSPEED_RANGE = TestedRange("deepspeed", "0.18.0", "0.20.0", "integrations/deepspeed_internals.py")
+
+#: The releases the tests ran on: the floor and the newest 0.19.x.
+TESTED_DEEPSPEED_VERSIONS = ("0.18.0", "0.19.8")
 
 #: The engine's step counters a snapshot records and a rollback restores.
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
@@ -50,26 +66,149 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_ste
 #: The loss scaler's fields that change during training (``DynamicLossScaler.update_scale``); the rest is config.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
+#: What every step reads of the ZeRO optimizer, per stage family ("zero12", "zero3"): the torch optimizer it wraps,
+#: this rank's fp32 partitions, their pending gradients, the pre-clip norm, the clip threshold and the partition
+#: layout. Without one of them there are no gradient, weight or update statistics to decide on.
+CORE_NEEDS = {
+    "zero12": ("optimizer", "dp_process_group", "loss_scale", "clip_grad", "_global_grad_norm",
+               "single_partition_of_fp32_groups", "averaged_gradients", "groups_padding", "partition_size",
+               "real_dp_process_group", "bit16_groups", "bit16_groups_flat"),
+    "zero3": ("optimizer", "dp_process_group", "loss_scale", "clip_grad", "_global_grad_norm",
+              "fp32_partitioned_groups_flat", "averaged_gradients", "fp16_groups", "sub_group_to_group_id",
+              "groups_padding"),
+}
 
-class UntestedDeepSpeedVersion(RuntimeError):
-    """The installed DeepSpeed is not one arc_engine's DeepSpeed integration was tested with."""
+
+@dataclass(frozen=True)
+class Feature:
+    """A part of the integration that reads ZeRO internals beyond :data:`CORE_NEEDS` and can be turned off alone."""
+
+    name: str
+    description: str  # what it does
+    without: str  # what happens when it is off, for the compatibility event
+    needs: Mapping[str, tuple[str, ...]]  # stage family -> dotted attribute paths on the ZeRO optimizer
+    shape_errors: Callable[[Any], list[str]] | None = None  # once every need is there: what they hold, if wrong
 
 
-def check_version(installed: str | None = None) -> None:
-    """Raise :class:`UntestedDeepSpeedVersion` unless ``installed`` (default: the imported ``deepspeed``'s
-    version) is one of :data:`TESTED_DEEPSPEED_VERSIONS`. Local, no communication."""
-    if installed is None:
-        import deepspeed
+def _bucket_shape_errors(zero: Any) -> list[str]:
+    """The reduction buckets as :func:`buckets_reduced_before` reads them: per dtype, a fill level, its parameters,
+    its buffers and the index of the one being filled."""
+    buckets = zero.ipg_buckets
+    if not isinstance(buckets, Mapping):
+        return [f"ipg_buckets is a {type(buckets).__name__}, not a dict"]
+    return [f"a reduction bucket has no {name}" for bucket in buckets.values()
+            for name in ("elements", "params", "buffer", "index") if not hasattr(bucket, name)][:1]
 
-        installed = str(deepspeed.__version__)
-    if installed.split("+")[0] in TESTED_DEEPSPEED_VERSIONS:
-        return
-    tested = ", ".join(TESTED_DEEPSPEED_VERSIONS)
-    raise UntestedDeepSpeedVersion(
-        f"arc_engine's DeepSpeed integration reads ZeRO internals that change between DeepSpeed releases "
-        f"(integrations/deepspeed_internals.py); it is tested with deepspeed {tested}, and this environment has "
-        f"deepspeed {installed}. Install a tested release (pip install 'deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}') "
-        f"or train without arc_engine's DeepSpeed integration.")
+
+#: The features that can be turned off, each with the attributes it reads (dotted: an attribute of an attribute).
+FEATURES = (
+    Feature("bucket_local_statistics",
+            "each rank's local gradient statistics read from ZeRO-1/2's reduction buckets just before the reduction",
+            "local gradient statistics come from tensor hooks on the parameters instead (the same statistics; "
+            "ZeRO-1: summed per micro-batch)",
+            {"zero12": ("register_grad_acc_post_hook", "ipg_buckets", "reduce_bucket_size", "get_param_comm_dtype",
+                        "extra_large_param_to_reduce", "get_gradient_for_reduction", "contiguous_gradients",
+                        "partition_gradients", "overlap_comm", "is_gradient_accumulation_boundary",
+                        "reduce_ipg_grads")},
+            _bucket_shape_errors),
+    Feature("rollback",
+            "rollback, checkpoints and resume (recovery.enabled): restoring ZeRO's partitions, loss scaler and "
+            "counters",
+            "recovery.enabled is turned off in the engine's copy of the config (detection and skips work)",
+            {"zero12": ("update_lp_params", "parallel_partitioned_bit16_groups", "loss_scaler"),
+             "zero3": ("fp16_partitioned_groups_flat", "parameter_offload.partition_all_parameters",
+                       "persistent_parameters", "invalidate_secondary_tensor", "loss_scaler")}),
+)
+
+
+class UntestedDeepSpeedVersion(UserWarning):
+    """The installed DeepSpeed is outside :data:`TESTED_DEEPSPEED_RANGE` (a warning category, never raised)."""
+
+
+class MissingDeepSpeedInternals(RuntimeError):
+    """The ZeRO optimizer lacks what every step's statistics read (:data:`CORE_NEEDS`)."""
+
+
+def installed_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
+
+
+def check_version(installed: str | None = None) -> str | None:
+    """Warn (:class:`UntestedDeepSpeedVersion`) when ``installed`` (default: the imported ``deepspeed``'s version)
+    is outside :data:`TESTED_DEEPSPEED_RANGE`, and return the warning's text; None inside it. Never raises: what
+    the integration needs is checked by :func:`check_capabilities`. Local, no communication."""
+    return TESTED_DEEPSPEED_RANGE.check(installed_version() if installed is None else installed,
+                                        UntestedDeepSpeedVersion)
+
+
+def stage_family(stage: int) -> str:
+    return "zero3" if stage == 3 else "zero12"
+
+
+def _has(obj: Any, path: str) -> bool:
+    for name in path.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            return False
+    return True
+
+
+def missing(zero: Any, needs: tuple[str, ...]) -> list[str]:
+    """The dotted attribute paths of ``needs`` that ``zero`` does not have."""
+    return [path for path in needs if not _has(zero, path)]
+
+
+def _core_shape_errors(zero: Any, family: str) -> list[str]:
+    """What the core attributes hold, where a release could lay them out differently: one fp32 partition per
+    parameter group (ZeRO-1/2) or per sub-group (ZeRO-3), pending gradients keyed by group."""
+    errors = []
+    if not isinstance(zero.averaged_gradients, Mapping):
+        errors.append(f"averaged_gradients is a {type(zero.averaged_gradients).__name__}, not a dict")
+    if family == "zero12":
+        groups = len(zero.optimizer.param_groups)
+        counts = {"single_partition_of_fp32_groups": len(zero.single_partition_of_fp32_groups),
+                  "bit16_groups": len(zero.bit16_groups), "partition_size": len(zero.partition_size)}
+        errors += [f"{name} holds {count} entries for {groups} parameter groups" for name, count in counts.items()
+                   if count != groups]
+    else:
+        sub_groups = len(zero.fp32_partitioned_groups_flat)
+        counts = {"fp16_groups": len(zero.fp16_groups), "groups_padding": len(zero.groups_padding)}
+        errors += [f"{name} holds {count} entries for {sub_groups} sub-groups" for name, count in counts.items()
+                   if count != sub_groups]
+        if not all(hasattr(param, "partition_numel") for params in zero.fp16_groups for param in params):
+            errors.append("ZeRO-3 parameters have no partition_numel()")
+    return errors
+
+
+def check_capabilities(zero: Any, stage: int, installed: str | None = None) -> Capabilities:
+    """Check once, at attach, what the integration reads of ``zero`` (the engine's ZeRO optimizer at ``stage``):
+    raise :class:`MissingDeepSpeedInternals` naming what is missing of :data:`CORE_NEEDS`, and return the
+    :data:`FEATURES` that are off. Warns (:func:`check_version`) for a release outside the tested range. Local,
+    reads only."""
+    installed = installed_version() if installed is None else installed
+    check_version(installed)
+    family = stage_family(stage)
+    absent = missing(zero, CORE_NEEDS[family])
+    errors = [f"missing {', '.join(absent)}"] if absent else _core_shape_errors(zero, family)
+    if errors:
+        raise MissingDeepSpeedInternals(
+            f"arc_engine's DeepSpeed integration cannot read this ZeRO-{stage} optimizer (deepspeed {installed}; "
+            f"tested: {TESTED_DEEPSPEED_RANGE.text()}): {'; '.join(errors)}. Every step's gradient, weight and update "
+            f"statistics are read from these (integrations/deepspeed_internals.py). Install a tested release or "
+            f"train without arc_engine's DeepSpeed integration.")
+    found = Capabilities(TESTED_DEEPSPEED_RANGE, installed, {f.name: (f.description, f.without) for f in FEATURES})
+    for feature in FEATURES:
+        if family not in feature.needs:
+            continue
+        what = missing(zero, feature.needs[family])
+        if not what and feature.shape_errors is not None:
+            what = feature.shape_errors(zero)
+        if what:
+            found.off[feature.name] = what
+    return found
 
 
 # ------------------------------------------------------------------ ZeRO optimizer (all stages)
@@ -169,7 +308,7 @@ def bit16_partition(zero: Any, group_id: int, partition_id: int) -> torch.Tensor
 
 def reduces_contiguous_buckets(zero: Any) -> bool:
     """Whether ZeRO-1/2 reduce gradients through contiguous buckets filled by DeepSpeed's own gradient hooks -- the
-    set-up :func:`bucket_reduced_before` and :func:`pending_buckets` describe (no offload, no ZenFlow)."""
+    set-up :func:`buckets_reduced_before` and :func:`pending_buckets` describe (no offload, no ZenFlow)."""
     return (bool(getattr(zero, "contiguous_gradients", False)) and hasattr(zero, "ipg_buckets")
             and not offloads_optimizer(zero) and not getattr(zero, "zenflow", False))
 
@@ -192,8 +331,8 @@ def gradient_for_reduction(zero: Any, param: torch.Tensor) -> torch.Tensor | Non
 
 def bucket_overflow_test(zero: Any, param: torch.Tensor) -> Callable[[], bool]:
     """A test cheap enough for a tensor hook on ``param`` (no DeepSpeed call): whether ``param``'s gradient no longer
-    fits in the bucket it goes to, so that DeepSpeed's gradient hook for it, about to run, may reduce that bucket
-    first (:func:`bucket_reduced_before` then decides and gives the bucket). DeepSpeed keeps one bucket object per
+    fits in the bucket it goes to, so that DeepSpeed's gradient hook for it, about to run, may reduce buckets
+    first (:func:`buckets_reduced_before` then decides and gives them). DeepSpeed keeps one bucket object per
     communication dtype and empties it in place, so the one read here stays the one it fills."""
     bucket = zero.ipg_buckets.get(zero.get_param_comm_dtype(param))
     numel, limit = param.numel(), zero.reduce_bucket_size
@@ -202,24 +341,43 @@ def bucket_overflow_test(zero: Any, param: torch.Tensor) -> Callable[[], bool]:
     return lambda: bucket.elements + numel > limit
 
 
-def bucket_reduced_before(zero: Any, param: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """The bucket DeepSpeed reduces at the start of its gradient hook for ``param`` (the one ``param``'s gradient
-    does not fit in), as its flat pre-reduction contents and the parameters in it in bucket order; None if that
-    hook reduces nothing. Call from a tensor hook on ``param`` (it runs before DeepSpeed's hook). Mirrors
-    ``reduce_independent_p_g_buckets_and_remove_grads``; reads only."""
+def _coalesces_reduction(zero: Any) -> bool:
+    """Whether the engine is coalescing this backward's reductions into one (0.19; 0.18 has none)."""
+    return bool(getattr(zero, "_coalesce_grad_reduction", False))
+
+
+def _reduces_one_dtype(zero: Any) -> bool:
+    """Whether an overflowing bucket is reduced alone (``reduce_ipg_grads(comm_dtype=...)``, 0.18.9+) or
+    together with every other dtype's bucket (``reduce_ipg_grads()``, 0.18.0 .. 0.18.4)."""
+    return _reduce_takes_dtype(type(zero))
+
+
+@functools.cache
+def _reduce_takes_dtype(zero_type: type) -> bool:
+    """Read from ``reduce_ipg_grads``'s signature, once per ZeRO optimizer class."""
+    return "comm_dtype" in inspect.signature(zero_type.reduce_ipg_grads).parameters
+
+
+def buckets_reduced_before(zero: Any, param: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The buckets DeepSpeed reduces at the start of its gradient hook for ``param`` (because ``param``'s gradient
+    does not fit in its bucket), each as its flat pre-reduction contents and the parameters in it in bucket order;
+    empty if that hook reduces nothing. Call from a tensor hook on ``param`` (it runs before DeepSpeed's hook).
+    Mirrors ``reduce_independent_p_g_buckets_and_remove_grads`` of the installed release; reads only."""
     numel = param.numel()
-    if numel == 0 or zero._coalesce_grad_reduction or not is_accumulation_boundary(zero):
-        return None
+    if numel == 0 or _coalesces_reduction(zero) or not is_accumulation_boundary(zero):
+        return []
     comm_dtype = zero.get_param_comm_dtype(param)
     bucket = zero.ipg_buckets.get(comm_dtype)
     if bucket is None or bucket.elements + numel <= zero.reduce_bucket_size:
-        return None
-    return _bucket_contents(zero, comm_dtype, bucket)
+        return []
+    reduced = [(comm_dtype, bucket)] if _reduces_one_dtype(zero) else list(zero.ipg_buckets.items())
+    contents = (_bucket_contents(zero, dtype, reduced_bucket) for dtype, reduced_bucket in reduced)
+    return [found for found in contents if found is not None]
 
 
 def pending_buckets(zero: Any) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every bucket still waiting for DeepSpeed's backward epilogue to reduce it, as in
-    :func:`bucket_reduced_before`. Call once all gradient hooks of a backward have fired."""
+    :func:`buckets_reduced_before`. Call once all gradient hooks of a backward have fired."""
     pending = (_bucket_contents(zero, comm_dtype, bucket) for comm_dtype, bucket in zero.ipg_buckets.items())
     return [contents for contents in pending if contents is not None]
 
@@ -228,8 +386,11 @@ def _bucket_contents(zero: Any, comm_dtype: torch.dtype, bucket: Any) -> tuple[t
     if not bucket.params or bucket.elements == 0:
         return None
     params = [zero.bit16_groups[group_id][index] for group_id, index, _ in bucket.params]
-    oversized = zero.extra_large_param_to_reduce.get(comm_dtype)
-    if oversized is not None:  # a gradient larger than a bucket is reduced from where it lies
+    # a gradient larger than a bucket is reduced from where it lies; DeepSpeed keys it by its communication dtype
+    # (0.18.0: by the parameter's own dtype), so it is found by that
+    oversized = next((p for p in zero.extra_large_param_to_reduce.values()
+                      if zero.get_param_comm_dtype(p) == comm_dtype), None)
+    if oversized is not None:
         return zero.get_gradient_for_reduction(oversized).reshape(-1), params
     return bucket.buffer[bucket.index].narrow(0, 0, bucket.elements), params
 
@@ -275,7 +436,8 @@ def offloads_parameters(zero: Any) -> bool:
 def sub_group_bit16_partitions(zero: Any) -> list[torch.Tensor]:
     """This rank's flat bit16 partition of each sub-group: a view of the buffer every parameter's ``ds_tensor``
     (its partition, which the forward all-gathers) lives in. Equal to the fp32 master partition cast to bit16
-    between steps (the step copies it over); the same tensor as the master when the model trains in fp32."""
+    between steps (the step copies it over). When the model trains in fp32 it is the master itself (0.18.2 and
+    later) or a separate fp32 copy (0.18.0)."""
     return zero.fp16_partitioned_groups_flat
 
 

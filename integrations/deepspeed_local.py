@@ -48,10 +48,12 @@ def _weak_callback(method: Callable[[], None]) -> Callable[[], None]:
 class LocalGradHooks:
     """Each rank's own gradient before ZeRO reduces it, taken where DeepSpeed lets arc_engine see it whole:
 
-    * ``"buckets"`` (ZeRO-2, or ZeRO-1 with ``overlap_comm``; ``zero`` given, ``contiguous_gradients`` on, no gate):
+    * ``"buckets"`` (ZeRO-2, or ZeRO-1 with ``overlap_comm``; ``zero`` given -- the adapter gives it where the
+      release has what this reads, :data:`deepspeed_internals.FEATURES` ``bucket_local_statistics`` --,
+      ``contiguous_gradients`` on, no gate):
       DeepSpeed copies each gradient into a contiguous bucket and reduces the bucket from its gradient hook of the
       parameter that no longer fits in it. A torch tensor hook on every parameter runs just before DeepSpeed's hook
-      for it and, on monitored steps, asks :func:`deepspeed_internals.bucket_reduced_before` whether a bucket is
+      for it and, on monitored steps, asks :func:`deepspeed_internals.buckets_reduced_before` whether buckets are
       about to be reduced; if so it takes per-parameter norms of the bucket's slices (one fused kernel) and the
       bucket's :func:`chunk_sums` -- a few kernels per bucket, like the DDP comm hook. The last buckets, which the
       engine's backward epilogue reduces, are taken by DeepSpeed's ``register_grad_acc_post_hook`` callback (once
@@ -60,7 +62,8 @@ class LocalGradHooks:
     * ``"accumulated"`` (ZeRO-1 without ``overlap_comm``, contiguous gradients, no gate): stage 1 reduces every
       accumulated gradient in the engine's backward epilogue, after that callback; on the accumulation boundary the
       callback takes their norms (one fused kernel) and per-parameter block sums.
-    * ``"tensor hooks"`` on every trainable module parameter otherwise (ZeRO-3, a gate, non-contiguous gradients):
+    * ``"tensor hooks"`` on every trainable module parameter otherwise (ZeRO-3, a gate, non-contiguous gradients, a
+      release without those internals):
       they run on the incoming gradient, before accumulation and so before DeepSpeed's reduction hooks.
 
     Nothing is assigned to DeepSpeed's objects: the buckets are read (``deepspeed_internals``), the hooks are
@@ -144,9 +147,8 @@ class LocalGradHooks:
         def hook(grad: torch.Tensor) -> None:
             self._seen_elements += numel
             if overflows() and self._watching():
-                reduced = deepspeed_internals.bucket_reduced_before(self._zero, self.params[index])
-                if reduced is not None:
-                    self._record_bucket(*reduced)
+                for tensor, params in deepspeed_internals.buckets_reduced_before(self._zero, self.params[index]):
+                    self._record_bucket(tensor, params)
 
         return hook
 
@@ -268,10 +270,11 @@ class LocalGradHooks:
             self._register_tensor_hooks()
 
     @torch.no_grad()
-    def flush(self, stepped: bool = True) -> None:
+    def flush(self, stepped: bool = True, loss_scale: float = 1.0) -> None:
         """Move this step's accumulators into the engine's buffer and clear them (local, device-side).
         ``stepped``: called at the optimizer step of a monitored step (not for a step DeepSpeed skipped), where
-        DeepSpeed must have reduced this step's gradients."""
+        DeepSpeed must have reduced this step's gradients. ``loss_scale``: the scale the step's gradients carry
+        (fp16), divided out of the norms and the sketch."""
         buffer = self.engine.buffer
         if buffer is None:
             return
@@ -280,6 +283,9 @@ class LocalGradHooks:
         self._seen_elements = self._taken_elements = self._taken_in_step = 0
         self._missed = False
         self._fold()
+        if loss_scale != 1.0:
+            self.sq_p.div_(loss_scale * loss_scale)
+            self.sketch_k.div_(loss_scale)
         buffer.index_add(names.GRAD_SQ_LOCAL, self.group_index_p, self.sq_p)
         buffer.index_add(names.GRAD_NONFINITE_LOCAL, self.group_index_p, (~torch.isfinite(self.sq_p)).double())
         self.sq_p.zero_()

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO training state for recovery (:class:`arc_engine.recovery.state.TrainState`), stages 1, 2 and 3.
 
-What one rank holds in DeepSpeed 0.19.8 under ZeRO-1/2 (``deepspeed/runtime/zero/stage_1_and_2.py``): the
+What one rank holds in DeepSpeed 0.18.0 .. 0.19.8 under ZeRO-1/2 (``deepspeed/runtime/zero/stage_1_and_2.py``): the
 module's bit16 parameters (full copies: ZeRO-1/2 partition only the optimizer), per parameter group ``j`` the fp32
 master partition ``single_partition_of_fp32_groups[j]`` and its Adam moments in the wrapped torch optimizer's
 state, the loss scaler, and on the engine the LR scheduler and the step/sample counters. Snapshots and
@@ -138,7 +138,7 @@ class Zero3TrainState(ZeroTrainState):
     def _refresh_bit16(self) -> None:
         bit16 = deepspeed_internals.sub_group_bit16_partitions(self.zero)
         for target, master in zip(bit16, self._partitions(), strict=True):
-            if target is not master:  # the same tensor when the model trains in fp32
+            if target is not master:  # the same tensor when the model trains in fp32 (0.18.0 keeps a copy)
                 target.copy_(master)
         deepspeed_internals.refresh_gathered_parameters(self.zero)
 

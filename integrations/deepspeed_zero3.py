@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stage 3: statistics on each rank's own partition, decided inside the optimizer step.
 
-What DeepSpeed 0.19.8 holds (``deepspeed/runtime/zero/stage3.py``, the ground truth): each parameter group is cut
-into one or more *sub-groups* (``sub_group_size``); per sub-group ``i`` a flat fp32 master partition
+What DeepSpeed 0.18.0 .. 0.19.8 hold (``deepspeed/runtime/zero/stage3.py``, the ground truth): each parameter
+group is cut into one or more *sub-groups* (``sub_group_size``); per sub-group ``i`` a flat fp32 master partition
 ``fp32_partitioned_groups_flat[i]`` with its Adam moments in ``optimizer.state[partition]``, owned by parameter
 group ``sub_group_to_group_id[i]``. The partition is the concatenation of each parameter's own partition
 (``partition_numel()`` elements), and on the last rank each of those ends in ``groups_padding[i][k]`` padding

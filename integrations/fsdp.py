@@ -40,6 +40,8 @@ from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations.torch_amp import ScalerWatch
+from arc_engine.integrations.torch_optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
@@ -56,8 +58,9 @@ class FSDPGradStats:
     no host sync) and runs on every rank."""
 
     def __init__(self, engine: ArcEngine, groups: ParamGroupIndex, params: Sequence[DTensor], *,
-                 pre_reduce: bool) -> None:
+                 pre_reduce: bool, scaler: ScalerWatch | None = None) -> None:
         self.engine, self.pre_reduce, self.active = engine, pre_reduce, True
+        self.scaler = scaler  # the (Sharded)GradScaler whose scale the backward's gradients carry
         self.position = {id(p): i for i, p in enumerate(params)}
         device = engine.pipeline.device
         self.group_index_p = groups.index_tensor(list(params), device)
@@ -82,8 +85,12 @@ class FSDPGradStats:
         self._places: dict[int, torch.Tensor] = {}
 
     def monitored(self) -> bool:
-        """Whether this step's statistics are collected (monitored step, engine started, not detached)."""
-        return self.active and self.engine.buffer is not None and self.engine.is_monitored()
+        """Whether this step's statistics are collected (monitored step, engine started, not detached); under a
+        GradScaler, also takes the step's loss scale at its first gradient."""
+        on = self.active and self.engine.buffer is not None and self.engine.is_monitored()
+        if on and self.scaler is not None:
+            self.scaler.inverse_scale(self.engine.step)
+        return on
 
     def hook_unsharded(self, index_by_name: dict[str, int], module: torch.nn.Module, args: object) -> None:
         """Forward pre-hook on an FSDP module (FSDP prepends its own, so it runs first): the module's registered
@@ -136,22 +143,30 @@ class FSDPGradStats:
             local_norm_p = torch.hypot(self.local_done_norm_p, self.local_cur_norm_p)
         else:
             local_norm_p = self.reduced_norm_p
+        inverse = self.scaler.inverse_scale(self.engine.step) if self.scaler is not None else None
+        if inverse is not None:  # gradients of a scaled loss: unscaled here, exactly (the scale is a power of 2)
+            inverse = inverse.to(local_norm_p.device)
+            self.reduced_norm_p.mul_(inverse)
+            local_norm_p = local_norm_p * inverse
         # One-element views: their norms are the kept values, so the core's per-group sums and non-finite
         # counts apply unchanged.
         accumulate_grad_stats(self.engine.buffer, list(local_norm_p.unsqueeze(1)), self.group_index_p,
                               names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
         accumulate_grad_stats(self.engine.buffer, list(self.reduced_norm_p.unsqueeze(1)), self.group_index_p,
                               names.GRAD_SQ)
-        self._flush_sketch()
+        self._flush_sketch(inverse)
         torch._foreach_zero_([self.reduced_norm_p, self.local_done_norm_p, self.local_cur_norm_p])
         self._cur_grad.clear()
 
-    def _flush_sketch(self) -> None:
-        """Add this step's local-gradient sketch (or, exact, the local gradient at its elements' places)."""
+    def _flush_sketch(self, inverse: torch.Tensor | None) -> None:
+        """Add this step's local-gradient sketch (or, exact, the local gradient at its elements' places), times
+        ``inverse`` (1 / the loss scale) when given."""
         parts = [*self._sketch_done, *self._sketch_cur.items()]
         self._sketch_done, self._sketch_cur = [], {}
         if not parts:
             return
+        if inverse is not None:
+            parts = [(i, part * inverse.to(part.device)) for i, part in parts]
         slot = self.engine.buffer.view(names.GRAD_SKETCH_LOCAL)
         if not self.exact:
             add_chunk_sums(slot, [part for _, part in parts], [i for i, _ in parts], self._sketch_cache)
@@ -184,7 +199,7 @@ def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
     return mesh.get_group()
 
 
-class FSDPAdapter:
+class FSDPAdapter(ScalerSkipsHooks):
     """:class:`arc_engine.attach.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
     ``torch.optim`` optimizer: every slot is a partial sum over the ranks' shards (``Reduce.SUM``)."""
 
@@ -192,8 +207,10 @@ class FSDPAdapter:
     supports_recompute = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, pre_reduce_stats: bool = True,
-                 lr_scheduler: Any | None = None) -> None:
+                 lr_scheduler: Any | None = None, grad_scaler: Any | None = None) -> None:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.scaler = ScalerWatch(grad_scaler, optimizer) if grad_scaler is not None else None
+        self.scaler_skips: ScalerSkips | None = None
         self.module = model
         self.pre_reduce_stats = pre_reduce_stats
         self.sharded = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
@@ -222,7 +239,8 @@ class FSDPAdapter:
         return requested or self.data_parallel_group
 
     def train_state(self) -> TorchTrainState:
-        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank())
+        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
+                               grad_scaler=self.scaler.scaler if self.scaler is not None else None)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -230,7 +248,8 @@ class FSDPAdapter:
     def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
         from arc_engine.integrations.torch_optim import register_optimizer_hooks
 
-        producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats)
+        producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats,
+                                 scaler=self.scaler)
         timed = engine.own_work.wrap
         on_reduced_grad = timed("fsdp.reduced_grad", producer.on_reduced_grad)
         handles = [p.register_post_accumulate_grad_hook(on_reduced_grad) for p in self.sharded]
@@ -243,14 +262,16 @@ class FSDPAdapter:
         # before the deciding pre-hook
         handles.append(self.optimizer.register_step_pre_hook(timed("fsdp.flush", producer.flush)))
         hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=True,
-                                         local_shards=True)
+                                         local_shards=True, scaler=self.scaler)
+        if self.scaler is not None:  # a skipped step's norms are flushed where it is closed
+            self.scaler_skips = ScalerSkips(engine, self.scaler, (producer.flush,))
         return [producer.remove_hooks, *(h.remove for h in handles), hooks.remove]
 
 
 def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
                 pre_reduce_stats: bool = True, lr_scheduler: Any | None = None,
-                recompute_fn: RecomputeFn | None = None) -> Arc:
+                recompute_fn: RecomputeFn | None = None, grad_scaler: Any | None = None) -> Arc:
     """Attach arc_engine to a model sharded with FSDP2 ``fully_shard`` and its optimizer. Collective: call on
     every rank of the FSDP group, once, after ``fully_shard`` and the optimizer are built, before the first
     forward. Then use the returned :class:`Arc` as with :func:`arc_engine.attach`.
@@ -259,7 +280,8 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     same ranks (e.g. a gloo group beside NCCL). ``pre_reduce_stats``: local statistics from the unsharded
     gradients (default) or from the reduced shards (see the module docstring). Raises ValueError for
     parameters not sharded by ``fully_shard``, N-D meshes, a group with other ranks, gradient faults, and the SDC
-    recomputation (not supported under FSDP2).
+    recomputation (not supported under FSDP2). ``grad_scaler``: the ``ShardedGradScaler`` the loop steps the
+    optimizer with (fp16): statistics are unscaled and its own skips reported (:mod:`.torch_amp`).
     """
-    return wire(FSDPAdapter(model, optimizer, pre_reduce_stats=pre_reduce_stats, lr_scheduler=lr_scheduler), config,
-                group=group, recompute_fn=recompute_fn)
+    return wire(FSDPAdapter(model, optimizer, pre_reduce_stats=pre_reduce_stats, lr_scheduler=lr_scheduler,
+                            grad_scaler=grad_scaler), config, group=group, recompute_fn=recompute_fn)

@@ -25,9 +25,12 @@ recomputes the step (:mod:`arc_engine.integrations.megatron_recompute`).
 
 Under bf16 and fp32 stock megatron-core has no non-finite check (found_inf needs a grad scaler): with arc_engine a
 NaN loss or gradient on any rank is skipped by all ranks. The prospective Adam update is computed on the unclipped
-gradient (the decision comes before Megatron clips). Everything read of Megatron's internals, and the three
-methods wrapped on instances (``start_grad_sync``, ``prepare_grads``, ``step``), live in
-:mod:`arc_engine.integrations.megatron_internals`.
+gradient (the decision comes before Megatron clips). Everything read of Megatron's internals, and the methods
+wrapped on instances (``start_grad_sync``, ``prepare_grads``, ``step``, and the routers' ``routing`` with
+``detectors.router``), live in :mod:`arc_engine.integrations.megatron_internals`, which checks at attach what the
+installed megatron-core holds (tested: 0.16.1 .. 0.19.x): a release outside that range gets a warning, and a feature
+whose internals are missing is turned off alone (its detectors off in the engine's copy of the config) and named in
+one ``compatibility`` lifecycle event.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from arc_engine import runtime
 from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
+from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults.bitflip import register_gemm_type
 from arc_engine.integrations import megatron_internals as mi
 from arc_engine.integrations.megatron_state import MegatronTrainState
@@ -99,7 +103,6 @@ class MegatronAdapter:
 
     def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
                  checkpoint_args: Callable[[], Any] | None = None) -> None:
-        mi.check_version()
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         if not chunks or not all(mi.is_megatron_ddp(c) for c in chunks):
             raise ValueError("arc_engine.attach_megatron: pass the megatron DistributedDataParallel model chunks "
@@ -108,11 +111,15 @@ class MegatronAdapter:
         if not hasattr(optimizer, "prepare_grads"):
             raise ValueError("arc_engine.attach_megatron: the optimizer must be a Megatron optimizer "
                              f"(get_megatron_optimizer), got {type(optimizer).__name__}")
+        # what this release holds of what the integration reads: warns outside the tested range, raises only when
+        # no decision could be taken; the features it turns off are reported at install
+        self.capabilities = mi.check_capabilities(chunks, optimizer)
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.checkpoint_args = checkpoint_args
         self.module = mi.unwrap_chunk(chunks[0])
-        for gemm in mi.parallel_linear_types():  # the bitflip fault reaches Megatron's GEMMs too
-            register_gemm_type(gemm)
+        if self.capabilities.has("gemm_faults"):  # the bitflip fault reaches Megatron's GEMMs too
+            for gemm in mi.parallel_linear_types():
+                register_gemm_type(gemm)
         self.members = mi.members(optimizer)
         self._param_states = mi.ParamStates(optimizer)  # for the engine's update hooks (heal_step)
         self.params = [p for chunk in chunks for p in mi.unwrap_chunk(chunk).parameters() if p.requires_grad]
@@ -161,6 +168,10 @@ class MegatronAdapter:
         self._sketch_cache: dict = {}
         self._saved_lrs: list[Any] | None = None
         self._found_inf = False
+        #: fp16: Megatron's grad scaler and whether it is dynamic; the loss scale of the step's backward
+        self._scaler = mi.loss_scaler(optimizer)
+        self._scale_step, self._step_scale = -1, None
+        self._overflow: Finding | None = None  # an unmonitored step Megatron skipped itself, to close as such
         self._vetoed = False
 
     def _model_parts(self) -> ModelParts:
@@ -169,7 +180,9 @@ class MegatronAdapter:
         dealt round-robin over the data-parallel ranks."""
         from megatron.core import parallel_state
 
-        layers = mi.transformer_layers(self.chunks)
+        attention_on = self.capabilities.has("attention_spectra")
+        routers_on = self.capabilities.has("router_observation")
+        layers = mi.transformer_layers(self.chunks) if attention_on or routers_on else []
         # ranks whose local gradients are different shards of one replica's: tensor, pipeline, context and expert
         # parallel peers (the expert ranks hold different experts)
         sharded = (parallel_state.get_tensor_model_parallel_world_size()
@@ -195,7 +208,7 @@ class MegatronAdapter:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         for layer in layers:
             index = mi.layer_index(layer)
-            layout = mi.attention_layout(layer)
+            layout = mi.attention_layout(layer) if attention_on else None
             if layout is not None:
                 weight, groups, per_group, head_dim, span = layout
                 if span == 1:
@@ -209,13 +222,13 @@ class MegatronAdapter:
                                                     owner=index % dp_size == dp_rank,
                                                     gather=self._query_group_peers(span),
                                                     heads=(first, first + mine)))
-            router = mi.router_of(layer)
+            router = mi.router_of(layer) if routers_on else None
             if router is not None:
                 own_tokens = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
                 routers.append(RouterShard(index, router, router.weight, config.moe_router_topk,
                                            parallel_state.get_expert_model_parallel_rank(),
                                            report_weight=tp_rank == 0 and dp_rank == 0, report_tokens=own_tokens))
-        if len(attention) != len(layers):
+        if len(attention) != len(layers) or not attention_on:
             attention = []  # some layer's QKV layout is not one arc_engine reads: no partial picture
         experts = config.num_moe_experts if routers else 0
         return ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads if attention else 0,
@@ -234,10 +247,7 @@ class MegatronAdapter:
         (not split over tensor-parallel ranks) and counts, on the first data-parallel replica."""
         from megatron.core import parallel_state
 
-        named: dict[int, str] = {}
-        for layer in mi.transformer_layers(self.chunks):
-            for name, param in layer.named_parameters():
-                named[id(param)] = f"layers.{mi.layer_index(layer)}.{name}"
+        named = mi.layer_parameter_names(self.chunks)
         expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -313,7 +323,18 @@ class MegatronAdapter:
         return remover
 
     # ----------------------------------------------------------------------------------------- contract
+    def effective_config(self, config: ArcConfig) -> ArcConfig:
+        """``config`` with the detectors whose Megatron internals this release lacks turned off (a copy; the same
+        object when every feature is available). Local; :func:`arc_engine.attach.wire` calls it."""
+        return self.capabilities.effective_config(config, CONFIG_OFF)
+
     def check_config(self, config: ArcConfig) -> None:
+        checkpoint = config.recovery.checkpoint
+        missing = self.capabilities.off.get("megatron_checkpoint")
+        if config.recovery.enabled and checkpoint.format == "megatron" and missing:
+            raise ValueError(f"arc_engine.attach_megatron: recovery.checkpoint.format: megatron needs megatron-core "
+                             f"internals this release ({self.capabilities.version}) lacks ({', '.join(missing)}); "
+                             f"use auto or dcp (tested range {mi.TESTED_MEGATRON_CORE_RANGE.text()})")
         if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
             self.parts.matrices = self._weight_matrices()
         sdc = config.detectors.sdc
@@ -332,13 +353,18 @@ class MegatronAdapter:
         return requested
 
     def train_state(self) -> TrainState:
-        return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args)
+        return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args,
+                                  native_format=self.capabilities.has("megatron_checkpoint"))
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         self.engine = engine
+        compatibility = self.capabilities.report()
+        if compatibility is not None:  # one event naming every feature that is off (and an untested release)
+            message, values = compatibility
+            engine.emit_lifecycle("compatibility", message, values)
         self.parts.current_step = lambda: engine.step
         engine.use_partition_parts(self.partition_parts)
         removers = [*self._routing_removers]
@@ -355,7 +381,8 @@ class MegatronAdapter:
                                  target.record_stats)
         timed = engine.own_work.wrap
         local_stats = timed("megatron.bucket_stats", self._local_stats)
-        removers += [mi.wrap_start_grad_sync(ref, local_stats) for ref in mi.bucket_groups(self.chunks)]
+        if self.capabilities.has("bucket_statistics"):
+            removers += [mi.wrap_start_grad_sync(ref, local_stats) for ref in mi.bucket_groups(self.chunks)]
         removers.append(mi.found_inf_skips(self.optimizer)(timed("megatron.decide", self._decide)))
         removers.append(mi.after_step(self.optimizer, timed("megatron.after_step", self._after_step)))
         return removers
@@ -367,6 +394,8 @@ class MegatronAdapter:
         engine = self.engine
         if engine.buffer is None or not engine.is_monitored():
             return
+        if self._scaler is not None and self._scale_step != engine.step:  # the scale these gradients carry
+            self._scale_step, self._step_scale = engine.step, self._scaler[0].scale
         index = self._bucket_index.get(ref.index)
         if index is None:
             index = torch.tensor([self._model_group.get(id(p), 0) for p in ref.params()], dtype=torch.long,
@@ -394,13 +423,41 @@ class MegatronAdapter:
         """Inside ``prepare_grads``, after Megatron's own: statistics of the reduced shard, the agreed decision, and
         the value to return (True: skip the step on every rank)."""
         engine = self.engine
-        self._found_inf, self._vetoed, self._saved_lrs = found_inf, False, None
+        self._found_inf, self._vetoed, self._saved_lrs, self._overflow = found_inf, False, None, None
+        overflow = self._overflow_finding() if found_inf else None
+        dynamic = self._scaler is not None and self._scaler[1]
         if engine.is_monitored():
+            self._unscale_local_stats()
             self._reduced_stats()
-            self._vetoed = not engine.decide().applies_update
+            decision = engine.decide(overflow=overflow if dynamic else None,
+                                     extra_findings=(overflow,) if overflow is not None and not dynamic else ())
+            self._vetoed = not found_inf and not decision.applies_update
+        else:
+            self._overflow = overflow
         if not (found_inf or self._vetoed):
             self._saved_lrs = heal_step(engine, self.optimizer.param_groups, self._param_states)
         return found_inf or self._vetoed
+
+    def _overflow_finding(self) -> Finding:
+        """Megatron's own skip (found_inf: NaN/Inf in the unscaled main gradients), as a finding."""
+        scale = float(self._step_scale) if self._step_scale is not None else float("nan")
+        kind = "dynamic grad scaler" if self._scaler is not None and self._scaler[1] else "optimizer"
+        return Finding("megatron_overflow", Action.SKIP, Severity.WARNING,
+                       f"megatron-core's {kind} skipped the step (NaN/Inf in the gradients"
+                       + (f" at loss scale {scale:g})" if self._scaler is not None else ")"), (),
+                       {"loss_scale": scale})
+
+    def _unscale_local_stats(self) -> None:
+        """fp16: the local statistics were taken of gradients that carry the step's loss scale; divide it out
+        (device-side; Megatron already moved its scale on in ``prepare_grads``, so the backward's is used)."""
+        scale = self._step_scale if self._scale_step == self.engine.step else None
+        if scale is None:
+            return
+        buffer = self.engine.buffer
+        inverse = scale.detach().double().reciprocal().to(buffer.device)
+        buffer.view(names.GRAD_SQ_LOCAL).mul_(inverse.square())
+        if names.GRAD_SKETCH_LOCAL in self.engine.layout:
+            buffer.view(names.GRAD_SKETCH_LOCAL).mul_(inverse)
 
     def _reduced_stats(self) -> None:
         """Statistics of the reduced gradient on this rank's shard (and the prospective update when due)."""
@@ -427,7 +484,21 @@ class MegatronAdapter:
         if self._saved_lrs is not None:
             restore_learning_rates(self.optimizer.param_groups, self._saved_lrs)
             self._saved_lrs = None
-        self.engine.finish_step(framework_skipped=self._found_inf and not self._vetoed)
+        if self._overflow is not None:  # an unmonitored step Megatron skipped: through the policy, locally
+            dynamic = self._scaler is not None and self._scaler[1]
+            self.engine.skip_by_framework(self._overflow, overflow=dynamic)
+            self._overflow = None
+            return
+        self.engine.finish_step(framework_skipped=self._found_inf)
+
+
+#: what each feature of :data:`megatron_internals.FEATURES` turns off in the config when its internals are missing
+CONFIG_OFF: dict[str, tuple[str, ...]] = {
+    "bucket_statistics": ("detectors.sdc.enabled", "detectors.consistency.enabled", "detectors.r_metric.enabled"),
+    "sdc_recompute": ("detectors.sdc.recompute.enabled",),
+    "attention_spectra": ("detectors.qk_spectra.enabled",),
+    "router_observation": ("detectors.router.enabled",),
+}
 
 
 def _matrix_order(name: str) -> tuple[int, int, str]:
@@ -455,6 +526,11 @@ def attach_megatron(model: Any, optimizer: Any, config: ArcConfig | str | Path |
 
     ``checkpoint_args``: returns what disk checkpoints in Megatron's format store as ``args`` (Megatron-LM's own
     arguments: the launcher passes ``megatron.training.get_args``, so a Megatron-LM ``--load`` also restores its data
-    position); default: the model's shape and parallel layout."""
-    adapter = MegatronAdapter(model, optimizer, lr_scheduler, checkpoint_args)
-    return wire(adapter, config, group=group, recompute_fn=recompute_fn)
+    position); default: the model's shape and parallel layout.
+
+    Raises :class:`~arc_engine.integrations.megatron_internals.MissingMegatronInternals` where the installed
+    megatron-core (or these objects) lack what every decision reads. A release outside the tested range
+    (``megatron_internals.TESTED_MEGATRON_CORE_RANGE``) gets a warning; features whose internals it lacks are turned
+    off and named in one ``compatibility`` lifecycle event (see ``megatron_internals.py``)."""
+    return wire(MegatronAdapter(model, optimizer, lr_scheduler, checkpoint_args), config, group=group,
+                recompute_fn=recompute_fn)

@@ -1,7 +1,8 @@
 """The disk tier under megatron-core in Megatron's own checkpoint format: :class:`MegatronDiskFormat`.
 
-Each committed checkpoint directory is a ``dist_checkpointing`` checkpoint (backend ``torch_dist``: DCP files,
-``common.pt``, ``metadata.json``) with Megatron-LM's top-level layout, so Megatron users load it with their own
+Each committed checkpoint directory is a ``dist_checkpointing`` checkpoint (backend ``torch_dist``: DCP files and
+``metadata.json``, plus ``common.pt`` before megatron-core 0.19, which keeps the common state in the DCP files) with
+Megatron-LM's top-level layout, so Megatron users load it with their own
 tools (``dist_checkpointing.load`` with the model's and optimizer's sharded state dicts, or Megatron-LM's
 ``--load`` pointed at it with ``--no-load-rng``)::
 
@@ -21,7 +22,7 @@ gets Megatron-LM's names (:meth:`MegatronDiskFormat.publish`): ``iter_0000100`` 
 ``step_00000100``) for each committed checkpoint, and ``latest_checkpointed_iteration.txt`` naming the newest, so
 Megatron-LM's ``--load <root>`` finds it. The write runs in the
 background on arc_engine's checkpoint group; what precedes it (building the sharded state dicts, Megatron's
-integrity check on the first save, ``common.pt``) runs on the training thread at the save, as in Megatron-LM.
+integrity check on the first save, the common state) runs on the training thread at the save, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ class MegatronDiskFormat:
     """:class:`arc_engine.recovery.checkpoint.DiskFormat` for megatron DDP chunks and a Megatron optimizer."""
 
     name = "megatron"
-    common_files = mi.DIST_CKPT_COMMON_FILES
 
     def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
                  checkpoint_args: Callable[[], Any] | None = None) -> None:
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.checkpoint_args = checkpoint_args
         self._validated = False  # Megatron's integrity check (a gather over the job) on the first save only
+
+    @property
+    def common_files(self) -> tuple[str, ...]:
+        """The files beside the DCP shards that the coordinator writes (and arc_engine checksums): the installed
+        release's (``metadata.json``, and ``common.pt`` before 0.19)."""
+        layout = mi.dist_checkpoint_layout()
+        assert layout is not None, "checked at attach (the megatron_checkpoint feature)"
+        return layout.common_files
 
     def _sharded_state_dict(self, *, loading: bool) -> dict[str, Any]:
         from megatron.core import parallel_state

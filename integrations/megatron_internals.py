@@ -1,6 +1,7 @@
-"""Every read of megatron-core's internals, and every method arc_engine wraps, in one module behind a version check.
+"""Every read of megatron-core's internals, and every method arc_engine wraps, in one module, checked at attach
+by what it reads.
 
-What arc_engine needs of megatron-core 0.16.1 and why no public API gives it (the sources in site-packages are the
+What arc_engine needs of megatron-core and why no public API gives it (the sources in site-packages are the
 ground truth; ``../shared/megatron-core-notes.md`` has the checked facts):
 
 * **Local gradients before the data-parallel reduction.** megatron ``DistributedDataParallel`` accumulates each
@@ -23,17 +24,30 @@ ground truth; ``../shared/megatron-core-notes.md`` has the checked facts):
 * **Checkpoints in Megatron's own format.** ``dist_checkpointing.save`` runs its whole save, including the final
   gather of write results and a barrier, on the default process group from the calling thread; arc_engine's disk
   tier writes from a background thread on its own gloo group. :func:`prepare_dist_checkpoint` therefore does what
-  the ``torch_dist`` strategy does before writing (validation, ``common.pt``, the translation of ShardedTensors to
-  DCP with Megatron's save planner), and arc_engine's checkpoint manager writes the result with DCP on its group;
-  the directory is then what ``dist_checkpointing.load`` (and Megatron-LM's ``--load``) reads.
+  the ``torch_dist`` strategy does before writing (validation, the common state, the translation of ShardedTensors
+  to DCP with Megatron's save planner), and arc_engine's checkpoint manager writes the result with DCP on its
+  group; the directory is then what ``dist_checkpointing.load`` (and Megatron-LM's ``--load``) reads.
 
 Wrapped methods are instance attributes, removed again by the removers these functions return (``Arc.close``);
-nothing else of Megatron is assigned. The layouts read here change between releases, so :func:`check_version`
-(called by ``attach_megatron``) refuses a megatron-core this module was not tested with.
+nothing else of Megatron is assigned.
+
+Releases. The integration is tested from 0.16.1 to 0.19.x (:data:`TESTED_MEGATRON_CORE_RANGE`; run on 0.16.1 and
+0.19.2, 0.17 and 0.18 read from their sources). Where layouts differ inside it, the functions below follow what the
+installed release holds, never a version string: the common (non-tensor) state of a checkpoint is ``common.pt``
+through ``TorchCommonSaveStrategy`` (0.16) or ``strategies.common.save_common`` (0.17, 0.18), and a
+``common_state`` ShardedObject inside the DCP files (0.19, whose loader still reads a legacy ``common.pt``)
+(:func:`dist_checkpoint_layout`). :func:`check_capabilities`, called once at attach, checks that everything a
+feature reads is there (modules, attributes, signatures, and the attributes of the live chunks and optimizer):
+what every decision reads (:data:`CORE_NEEDS`; without it attach raises :class:`MissingMegatronInternals`), and per
+:data:`FEATURES` entry what only that feature reads (without it that feature alone is off, and the adapter names it
+in one ``compatibility`` lifecycle event). A release outside the range gets a warning (:func:`check_version`), not
+a refusal.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,26 +55,301 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: megatron-core releases whose internals this module was tested against (a local "+..." suffix is ignored).
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+from arc_engine.compat import Capabilities, TestedRange
+
+#: The megatron-core releases arc_engine's Megatron integration is tested with: floor <= version < ceiling.
+TESTED_MEGATRON_CORE_RANGE = TestedRange("megatron-core", "0.16.1", "0.20.0", "integrations/megatron_internals.py")
+
+#: The releases the tests ran on: 0.16.1 (Python 3.11 lane) and 0.19.2 (Python 3.12 lane).
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 
 
-class UntestedMegatronVersion(RuntimeError):
-    """The installed megatron-core is not one arc_engine's Megatron integration was tested with."""
+class UntestedMegatronVersion(UserWarning):
+    """The installed megatron-core is outside :data:`TESTED_MEGATRON_CORE_RANGE` (a warning category, never
+    raised)."""
 
 
-def check_version(installed: str | None = None) -> None:
-    """Raise :class:`UntestedMegatronVersion` unless ``installed`` (default: the imported ``megatron.core``'s) is
-    one of :data:`TESTED_MEGATRON_CORE_VERSIONS`. Local, no communication."""
-    if installed is None:
-        import megatron.core
+class MissingMegatronInternals(RuntimeError):
+    """The installed megatron-core, or the chunks and optimizer passed to attach, lack what every decision reads
+    (:data:`CORE_NEEDS`)."""
 
-        installed = str(megatron.core.__version__)
-    if installed.split("+")[0] not in TESTED_MEGATRON_CORE_VERSIONS:
-        raise UntestedMegatronVersion(
-            f"arc_engine's Megatron integration reads megatron-core internals and was tested with "
-            f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}; found {installed}. Install megatron-core=="
-            f"{TESTED_MEGATRON_CORE_VERSIONS[-1]} or check integrations/megatron_internals.py against it.")
+
+def installed_version() -> str:
+    import megatron.core
+
+    return str(megatron.core.__version__)
+
+
+def in_tested_range(installed: str) -> bool:
+    """Whether ``installed`` (a local "+..." suffix ignored) is inside :data:`TESTED_MEGATRON_CORE_RANGE`."""
+    return TESTED_MEGATRON_CORE_RANGE.contains(installed)
+
+
+def check_version(installed: str | None = None) -> str | None:
+    """Warn (:class:`UntestedMegatronVersion`) when ``installed`` (default: the imported ``megatron.core``'s
+    version) is outside :data:`TESTED_MEGATRON_CORE_RANGE`, and return the warning's text; None inside it. Never
+    raises: what the integration needs is checked by :func:`check_capabilities`. Local, no communication."""
+    return TESTED_MEGATRON_CORE_RANGE.check(installed_version() if installed is None else installed,
+                                            UntestedMegatronVersion)
+
+
+# ----------------------------------------------------------------------------------------- capabilities
+#
+# A need is "module:attribute.path", optionally with the leading parameter names the callable must take:
+# "module:function(model, config)". Instance needs are checked on the live chunks and optimizer by the functions
+# below (``*_errors``): they return what is missing, in words.
+
+#: What every decision reads: the chunks' class, the optimizer's veto and step, its members and their inner torch
+#: optimizers, the model parameters behind each inner group, Megatron's gradient-norm rule and parallel groups.
+CORE_NEEDS = (
+    "megatron.core.distributed:DistributedDataParallel",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+    "megatron.core.transformer.module:param_is_not_shared(param)",
+    "megatron.core.tensor_parallel:param_is_not_tensor_parallel_duplicate(param, tp_group)",
+    "megatron.core.utils:get_model_config(model)",
+    *(f"megatron.core.parallel_state:{name}" for name in (
+        "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
+        "get_expert_data_parallel_group", "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
+        "get_tensor_model_parallel_world_size", "get_pipeline_model_parallel_rank",
+        "get_pipeline_model_parallel_world_size", "get_context_parallel_world_size",
+        "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size")),
+)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A part of the integration that reads megatron-core internals beyond :data:`CORE_NEEDS` and can be turned
+    off alone."""
+
+    name: str
+    description: str  # what it does, for the compatibility event
+    without: str  # what happens when it is off
+    needs: tuple[str, ...] = ()  # module needs (see above)
+    instance_errors: Callable[[list[Any], Any], list[str]] | None = None  # (chunks, optimizer) -> what is missing
+
+
+def _need_error(need: str) -> str | None:
+    """What is missing of one module need (None: present, with the parameters it names)."""
+    path, _, params = need.partition("(")
+    module_name, _, attribute = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError:
+        return f"module {module_name}"
+    for name in attribute.split("."):
+        if not hasattr(obj, name):
+            return path
+        obj = getattr(obj, name)
+    wanted = [p.strip() for p in params.rstrip(")").split(",") if p.strip()]
+    if wanted:
+        try:
+            found = [p for p in inspect.signature(obj).parameters if p != "self"][:len(wanted)]
+        except (TypeError, ValueError):
+            return f"{path} (no signature)"
+        if found != wanted:
+            return f"{path}({', '.join(wanted)}) (found ({', '.join(found)}))"
+    return None
+
+
+def missing_needs(needs: tuple[str, ...]) -> list[str]:
+    """The module needs that the installed megatron-core does not meet, in words."""
+    return [error for error in map(_need_error, needs) if error is not None]
+
+
+def _missing_attributes(obj: Any, names: tuple[str, ...], what: str) -> list[str]:
+    return [f"{what}.{name}" for name in names if not hasattr(obj, name)]
+
+
+def _bucket_group_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    """The bucket groups as :class:`BucketGroupRef` and :func:`wrap_start_grad_sync` read them."""
+    errors = [e for chunk in chunks for e in
+              _missing_attributes(chunk, ("bucket_groups", "expert_parallel_bucket_groups"), "DistributedDataParallel")]
+    if errors:
+        return errors
+    for group in (g for chunk in chunks for g in (*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups)):
+        errors += _missing_attributes(group, ("buckets", "is_first_batch", "grad_reduce_handle", "start_grad_sync"),
+                                      "bucket group")
+        for bucket in getattr(group, "buckets", ()):
+            errors += _missing_attributes(bucket, ("params_list", "grad_data"), "bucket")
+            if not errors and not all(hasattr(p, "main_grad") for p in bucket.params_list):
+                errors.append("param.main_grad")
+        if errors:
+            return sorted(set(errors))
+    return []
+
+
+def _recompute_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    """What :class:`IsolatedBackward`, :func:`reduction_of` and :func:`inner_grad_views` read of the live objects."""
+    from megatron.core.utils import get_model_config
+
+    errors = _missing_attributes(get_model_config(chunks[0]), IsolatedBackward.HOOKS, "model config")
+    errors += _missing_attributes(chunks[0], ("ddp_config",), "DistributedDataParallel")
+    for group in (g for chunk in chunks for g in (*getattr(chunk, "bucket_groups", ()),
+                                                   *getattr(chunk, "expert_parallel_bucket_groups", ()))):
+        errors += _missing_attributes(group, ("is_last_microbatch", "ddp_config"), "bucket group")
+        if hasattr(group, "ddp_config"):
+            errors += _missing_attributes(group.ddp_config, ("use_distributed_optimizer", "average_in_collective"),
+                                          "ddp_config")
+            errors += _missing_attributes(group, ("intra_distributed_optimizer_instance_group",)
+                                          if getattr(group.ddp_config, "use_distributed_optimizer", False)
+                                          else ("data_parallel_group",), "bucket group")
+        errors += [e for bucket in getattr(group, "buckets", ())
+                   for e in _missing_attributes(bucket, ("gradient_scaling_factor",), "bucket")]
+    for member in members(optimizer):
+        if is_stub(member):
+            continue
+        if is_distributed(member):
+            errors += _missing_attributes(member, ("shard_fp32_from_float16_groups", "shard_fp32_groups",
+                                                   "_get_model_param_range_map"), "DistributedOptimizer")
+        elif hasattr(member, "float16_groups"):
+            errors += _missing_attributes(member, ("fp32_from_float16_groups",), "Float16Optimizer")
+    return sorted(set(errors))
+
+
+def _transformer_layer_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    errors: list[str] = []
+    for layer in transformer_layers(chunks):
+        errors += _missing_attributes(layer, ("layer_number", "config"), "TransformerLayer")
+        errors += _missing_attributes(getattr(layer, "config", None), (
+            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels"), "config")
+    return sorted(set(errors))
+
+
+def _attention_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    """A ``SelfAttention`` holds its fused QKV projection as ``linear_qkv`` (what :func:`attention_layout` reads)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    errors = _transformer_layer_errors(chunks, optimizer)
+    for layer in transformer_layers(chunks):
+        attention = getattr(layer, "self_attention", None)
+        if isinstance(attention, SelfAttention) and getattr(getattr(attention, "linear_qkv", None), "weight",
+                                                            None) is None:
+            errors.append("SelfAttention.linear_qkv.weight")
+    return sorted(set(errors))
+
+
+def _router_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    errors = _transformer_layer_errors(chunks, optimizer)
+    for layer in transformer_layers(chunks):
+        router = router_of(layer)
+        if router is not None:
+            errors += _missing_attributes(router, ("routing", "weight"), "router")
+            errors += _missing_attributes(layer.config, ("moe_router_topk", "num_moe_experts", "sequence_parallel"),
+                                          "config")
+    return sorted(set(errors))
+
+
+def _checkpoint_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    if dist_checkpoint_layout() is None:
+        return ["a known place for a checkpoint's common state (strategies.common.TorchCommonSaveStrategy, "
+                "strategies.common.save_common, or serialization's common_state ShardedObject)"]
+    return []
+
+
+#: The features that can be turned off, each with what it reads beyond :data:`CORE_NEEDS`.
+FEATURES = (
+    Feature("bucket_statistics",
+            "each rank's local gradient statistics, taken as Megatron starts reducing a bucket group (per-rank "
+            "gradient norms and non-finite counts, the SDC gradient sketch)",
+            "detectors.sdc, detectors.consistency and detectors.r_metric are off; non-finite gradients are still "
+            "caught in the reduced gradient (a rank is named for a non-finite loss only)",
+            (), _bucket_group_errors),
+    Feature("sdc_recompute",
+            "the SDC recomputation (detectors.sdc.recompute): an isolated backward pass and Megatron's "
+            "post-reduction all-reduces replayed on a correction",
+            "detectors.sdc.recompute is off (detection and the agreed skip work)",
+            ("megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads"
+             "(model, config, tp_group)",
+             "megatron.core.distributed.finalize_model_grads:_allreduce_word_embedding_grads"
+             "(model, config, embd_group, pp_group)",
+             "megatron.core.distributed.finalize_model_grads:_allreduce_position_embedding_grads"
+             "(model, config, pos_emb_group, pp_group)",
+             "megatron.core.parallel_state:get_embedding_group(check_initialized)",
+             "megatron.core.parallel_state:get_position_embedding_group(check_initialized)",
+             "megatron.core.parallel_state:get_pipeline_model_parallel_group",
+             "megatron.core.parallel_state:get_context_parallel_group",
+             "megatron.core.parallel_state:get_expert_tensor_parallel_group",
+             "megatron.core.tensor_parallel.random:get_cuda_rng_tracker"),
+            _recompute_errors),
+    Feature("attention_spectra",
+            "the attention families' view of each layer's fused QKV weight (detectors.qk_spectra)",
+            "detectors.qk_spectra is off",
+            ("megatron.core.transformer.transformer_layer:TransformerLayer",
+             "megatron.core.transformer.attention:SelfAttention.get_query_key_value_tensors"),
+            _attention_errors),
+    Feature("router_observation",
+            "every routing decision of the MoE routers, observed through TopKRouter.routing (detectors.router)",
+            "detectors.router is off",
+            ("megatron.core.transformer.transformer_layer:TransformerLayer",
+             "megatron.core.transformer.moe.router:TopKRouter.routing(logits)"),
+            _router_errors),
+    Feature("megatron_checkpoint",
+            "disk checkpoints in Megatron's own dist_checkpointing format (recovery.checkpoint.format auto or "
+            "megatron)",
+            "format auto writes arc_engine's plain DCP layout; format megatron is refused",
+            ("megatron.core.dist_checkpointing:load(sharded_state_dict, checkpoint_dir)",
+             "megatron.core.dist_checkpointing.core:CheckpointingConfig",
+             "megatron.core.dist_checkpointing.core:save_config(config, checkpoint_dir)",
+             "megatron.core.dist_checkpointing.dict_utils:dict_list_map_inplace",
+             "megatron.core.dist_checkpointing.mapping:ShardedTensor",
+             "megatron.core.dist_checkpointing.mapping:ShardedObject(key, data, global_shape, global_offset, "
+             "replica_id)",
+             "megatron.core.dist_checkpointing.state_dict_utils:save_preprocess(sharded_state_dict, "
+             "validate_access_integrity)",
+             "megatron.core.dist_checkpointing.strategies.torch:MCoreSavePlanner",
+             "megatron.core.dist_checkpointing.strategies.torch:_replace_state_dict_keys_with_sharded_keys"
+             "(sharded_state_dict, keep_only_main_replica)",
+             "megatron.core.dist_checkpointing.strategies.torch:mcore_to_pyt_state_dict(state_dict, is_loading)"),
+            _checkpoint_errors),
+    Feature("gemm_faults",
+            "the bitflip fault reaching Megatron's tensor-parallel GEMMs (ColumnParallelLinear, RowParallelLinear)",
+            "bitflip faults reach torch's own linear layers only",
+            ("megatron.core.tensor_parallel.layers:ColumnParallelLinear",
+             "megatron.core.tensor_parallel.layers:RowParallelLinear")),
+)
+
+
+def _core_errors(chunks: list[Any], optimizer: Any) -> list[str]:
+    """What every decision reads of the live optimizer: the veto and the step, and per member its inner torch
+    optimizer and the model parameters behind each inner group."""
+    errors = [f"optimizer.{name}" for name in ("prepare_grads", "step") if not callable(getattr(optimizer, name,
+                                                                                               None))]
+    for member in members(optimizer):
+        if is_stub(member):
+            continue
+        errors += _missing_attributes(member.optimizer, ("param_groups", "state"), "inner optimizer")
+        if is_distributed(member):
+            errors += _missing_attributes(member, ("model_float16_groups", "model_fp32_groups"),
+                                          "DistributedOptimizer")
+        elif hasattr(member, "float16_groups"):
+            errors += _missing_attributes(member, ("fp32_from_fp32_groups",), "Float16Optimizer")
+    return sorted(set(errors))
+
+
+def check_capabilities(chunks: list[Any], optimizer: Any, installed: str | None = None) -> Capabilities:
+    """Check once, at attach, what the integration reads of the installed megatron-core and of the live
+    ``chunks`` (megatron DDP) and ``optimizer``: raise :class:`MissingMegatronInternals` naming what is missing of
+    :data:`CORE_NEEDS`, and return the :data:`FEATURES` that are off. Warns (:func:`check_version`) for a release
+    outside the tested range. Local, reads only."""
+    installed = installed_version() if installed is None else installed
+    check_version(installed)
+    errors = missing_needs(CORE_NEEDS)
+    errors = errors or _core_errors(chunks, optimizer)
+    if errors:
+        raise MissingMegatronInternals(
+            f"arc_engine's Megatron integration cannot read this megatron-core ({installed}; tested: "
+            f"{TESTED_MEGATRON_CORE_RANGE.text()}): missing {', '.join(errors)}. Every decision reads these "
+            f"(integrations/megatron_internals.py). Install a tested release or train without arc_engine's Megatron "
+            f"integration.")
+    found = Capabilities(TESTED_MEGATRON_CORE_RANGE, installed,
+                         {f.name: (f.description, f.without) for f in FEATURES})
+    for feature in FEATURES:
+        what = missing_needs(feature.needs)
+        if not what and feature.instance_errors is not None:
+            what = feature.instance_errors(chunks, optimizer)
+        if what:
+            found.off[feature.name] = what
+    return found
 
 
 # ----------------------------------------------------------------------------------------- model chunks, buckets
@@ -154,6 +443,18 @@ def wrap_start_grad_sync(ref: BucketGroupRef, before: Callable[[BucketGroupRef],
 def members(optimizer: Any) -> list[Any]:
     """The Megatron optimizers a ``ChainedOptimizer`` steps (itself when it is a single one)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def loss_scaler(optimizer: Any) -> tuple[Any, bool] | None:
+    """(the grad scaler, whether it is dynamic) of the first member with one (fp16: Megatron scales the loss by
+    ``get_loss_scale()`` and unscales the main gradients in ``prepare_grads``), None without one (bf16, fp32)."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    for member in members(optimizer):
+        scaler = getattr(member, "grad_scaler", None)
+        if scaler is not None:
+            return scaler, isinstance(scaler, DynamicGradScaler)
+    return None
 
 
 def is_stub(member: Any) -> bool:
@@ -279,10 +580,21 @@ def after_step(optimizer: Any, done: Callable[[tuple], None]) -> Callable[[], No
 # ------------------------------------------------------------------------------------------ model structure
 
 def transformer_layers(chunks: list[Any]) -> list[Any]:
-    """Every ``TransformerLayer`` of this rank's chunks (its pipeline stage(s)), in order."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
+    """Every ``TransformerLayer`` of this rank's chunks (its pipeline stage(s)), in order (none when the release
+    has no such class)."""
+    try:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+    except ImportError:
+        return []
     return [m for chunk in chunks for m in unwrap_chunk(chunk).modules() if isinstance(m, TransformerLayer)]
+
+
+def layer_parameter_names(chunks: list[Any]) -> dict[int, str]:
+    """``id(param) -> "layers.<global layer index>.<name in the layer>"`` for the parameters of this rank's
+    transformer layers (names that do not collide across pipeline stages); empty where the layers do not carry
+    their global number."""
+    return {id(param): f"layers.{layer_index(layer)}.{name}" for layer in transformer_layers(chunks)
+            if hasattr(layer, "layer_number") for name, param in layer.named_parameters()}
 
 
 def layer_index(layer: Any) -> int:
@@ -355,7 +667,36 @@ def copy_main_to_model_params(member: Any) -> None:
 
 #: the backend and version ``metadata.json`` names: megatron-core's ``torch_dist`` (DCP underneath)
 DIST_CKPT_BACKEND = ("torch_dist", 1)
-DIST_CKPT_COMMON_FILES = ("common.pt", "metadata.json")
+#: where Megatron keeps the common state of a ``torch_dist`` checkpoint from 0.19 on: one ShardedObject of this key
+COMMON_STATE_KEY = "common_state"
+
+
+@dataclass(frozen=True)
+class DistCheckpointLayout:
+    """How the installed ``dist_checkpointing`` lays out a ``torch_dist`` checkpoint's common (non-tensor) state:
+    in ``common.pt`` written by ``save_common`` (0.16: ``TorchCommonSaveStrategy``; 0.17, 0.18: a function), or
+    (``save_common`` None, 0.19) as the ShardedObject :data:`COMMON_STATE_KEY` inside the DCP files.
+    ``common_files``: the files the coordinator writes beside the DCP files."""
+
+    save_common: Callable[[dict, Any], None] | None
+    common_files: tuple[str, ...]
+
+
+def dist_checkpoint_layout() -> DistCheckpointLayout | None:
+    """The layout the installed release writes (None: none this module knows). Read from what the release holds:
+    0.19's loader has ``serialization._legacy_common_state_exists`` (it reads the common state from the DCP files,
+    or from a legacy ``common.pt``); before it, ``strategies.common`` saves ``common.pt``."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    if hasattr(serialization, "_legacy_common_state_exists") and hasattr(serialization, "load_common_state_dict"):
+        return DistCheckpointLayout(None, ("metadata.json",))
+    if hasattr(common, "TorchCommonSaveStrategy"):
+        return DistCheckpointLayout(common.TorchCommonSaveStrategy("torch", 1).save_common,
+                                    ("common.pt", "metadata.json"))
+    if hasattr(common, "save_common"):
+        return DistCheckpointLayout(common.save_common, ("common.pt", "metadata.json"))
+    return None
 
 
 def sharded_object(key: str, data: Any, rank: int, world: int) -> Any:
@@ -389,27 +730,32 @@ def layout_args(chunks: list[Any]) -> Any:
 
 def prepare_dist_checkpoint(sharded_state_dict: dict, step_dir: Any, *, coordinator: bool, validate: bool,
                             stage: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]]) -> tuple[dict, Any]:
-    """The ``torch_dist`` strategy's save up to the write: apply factories, split off the common part (the
-    coordinator writes ``common.pt`` and ``metadata.json`` into ``step_dir``), replace every ShardedTensor's data
-    by ``stage``'s host copy (so training can go on while the write runs), translate to DCP. Returns the DCP state
-    dict and Megatron's save planner for ``dcp.async_save``. Collective on the default group when ``validate``
-    (Megatron's access-integrity check)."""
+    """The ``torch_dist`` strategy's save up to the write: apply factories, split off the common part (written as
+    the installed release does, :func:`dist_checkpoint_layout`: the coordinator's ``common.pt``, or a ShardedObject
+    in the DCP files; the coordinator writes ``metadata.json`` into ``step_dir``), replace every ShardedTensor's
+    data by ``stage``'s host copy (so training can go on while the write runs), translate to DCP. Returns the DCP
+    state dict and Megatron's save planner for ``dcp.async_save``. Collective on the default group when
+    ``validate`` (Megatron's access-integrity check)."""
     import copy
 
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
 
+    layout = dist_checkpoint_layout()
+    assert layout is not None, "checked at attach (the megatron_checkpoint feature)"
     sharded, common = save_preprocess(sharded_state_dict, validate, None)
+    if layout.save_common is None:  # 0.19: as dist_checkpointing.save, one copy (rank 0's) in the DCP files
+        sharded[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, common, (1,), (0,), replica_id=dist.get_rank())
+    elif coordinator:
+        layout.save_common(common, step_dir)
     if coordinator:
-        TorchCommonSaveStrategy("torch", 1).save_common(common, step_dir)
         save_config(CheckpointingConfig(*DIST_CKPT_BACKEND), step_dir)
     tensors: list[Any] = []
 
@@ -439,8 +785,9 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     """``optimizer.load_state_dict`` from a dist_checkpointing load, then Adam's ``step`` of every parameter from
     its group's saved step. The DistributedOptimizer stores the step in its param groups only and, loading its
     ``dp_reshardable`` parameter state, writes back the live step tensors of the loading template (megatron-core
-    0.16.1): without this, a rollback would keep the current step counts. Other members get one step tensor per
-    parameter (the load may share one). Under no_grad (the DistributedOptimizer copies into leaf shards)."""
+    0.16.1; 0.19.2 resumes bitwise with this too): without this, a rollback would keep the current step counts.
+    Other members get one step tensor per parameter (the load may share one). Under no_grad (the
+    DistributedOptimizer copies into leaf shards)."""
     with torch.no_grad():
         optimizer.load_state_dict(state_dict)
         chained = members(optimizer)

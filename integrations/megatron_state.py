@@ -28,9 +28,10 @@ class MegatronTrainState:
     reshardable = False
 
     def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
-                 checkpoint_args: Any | None = None) -> None:
+                 checkpoint_args: Any | None = None, native_format: bool = True) -> None:
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.checkpoint_args = checkpoint_args  # () -> what Megatron-LM saves as "args" (see MegatronDiskFormat)
+        self.native_format = native_format  # False: this megatron-core lacks what MegatronDiskFormat reads
         self.members = mi.members(optimizer)
 
     def live_tensors(self) -> list[torch.Tensor]:
@@ -86,8 +87,11 @@ class MegatronTrainState:
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    def native_disk_format(self) -> MegatronDiskFormat:
-        """Megatron's own checkpoint format for the disk tier (``recovery.checkpoint.format: auto``)."""
+    def native_disk_format(self) -> MegatronDiskFormat | None:
+        """Megatron's own checkpoint format for the disk tier (``recovery.checkpoint.format: auto``); None where
+        the installed megatron-core lacks what it reads (auto then writes arc_engine's DCP layout)."""
+        if not self.native_format:
+            return None
         return MegatronDiskFormat(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args)
 
     def dcp_state_dict(self) -> dict[str, Any]:

@@ -1,32 +1,61 @@
 #!/usr/bin/env bash
-# Create ./.venv and install arc_engine with its dev tools. Idempotent; safe to re-run.
-# torch is installed first and pinned, so pip never resolves it on its own (an unpinned torch would pull
-# the multi-GB CUDA build). Override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" (the default).
+# Create a virtual environment and install arc_engine (editable) with its dev tools and the frameworks of one test
+# lane. Idempotent; safe to re-run. ARC_LANE picks the lane (docs/compatibility.md):
+#
+#   py311 (default)  .venv         Python 3.11, torch 2.13.0 (the CPU wheel on this machine's disk),
+#                                  deepspeed 0.19.8, megatron-core 0.16.1: the whole suite
+#   py312            .venv312      Python 3.12, torch 2.15.0 (the newest on PyPI: the CUDA build, run on the CPU),
+#                                  deepspeed 0.19.8, megatron-core 0.19.2 (ships Megatron-LM's megatron.training)
+#   floor            .venv-floor   Python 3.10, torch 2.9.1, deepspeed 0.18.0: the oldest releases supported
+#
+# torch is installed first and pinned, so pip never resolves it on its own (an unpinned torch pulls a multi-GB CUDA
+# build). This machine's pip constraint file caps torch at 2.14.1; the py312 lane lifts it for its own installs only
+# (PIP_CONSTRAINT=/dev/null). Override any pin with TORCH_SPEC, DEEPSPEED_SPEC, MEGATRON_SPEC, PYTHON, VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+LANE="${ARC_LANE:-py311}"
+case "$LANE" in
+  py311) defaults=(python3.11 .venv "torch==2.13.0" "deepspeed==0.19.8" "megatron-core==0.16.1") ;;
+  py312) defaults=(python3.12 .venv312 "torch==2.15.0" "deepspeed==0.19.8" "megatron-core==0.19.2")
+         export PIP_CONSTRAINT=/dev/null ;;
+  floor) defaults=(python3.10 .venv-floor "torch==2.9.1" "deepspeed==0.18.0" "") ;;
+  *) echo "scripts/setup.sh: unknown ARC_LANE=${LANE} (allowed: py311, py312, floor)" >&2; exit 2 ;;
+esac
+PYTHON="${PYTHON:-${defaults[0]}}"
+VENV="${VENV:-${defaults[1]}}"
+TORCH_SPEC="${TORCH_SPEC:-${defaults[2]}}"
+DEEPSPEED_SPEC="${DEEPSPEED_SPEC:-${defaults[3]}}"
+MEGATRON_SPEC="${MEGATRON_SPEC-${defaults[4]}}"
+if ! command -v "$PYTHON" >/dev/null 2>&1 && [ "$LANE" = py311 ]; then
+  PYTHON=python3  # a machine whose default Python is the 3.11 this lane wants
 fi
-pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+py="$VENV/bin/python"
+pip_install() { "$py" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  echo "[setup] installing ${TORCH_SPEC} (first, pinned)"
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup:${LANE}] installing ${TORCH_SPEC} (first, pinned)"
   pip_install "${TORCH_SPEC}"
 fi
-if ! .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
-  echo "[setup] installing deepspeed==0.19.8 (after torch, no build isolation, so it builds against this torch)"
-  pip_install --no-build-isolation "deepspeed==0.19.8"
+if [ -n "$DEEPSPEED_SPEC" ] && ! "$py" -c "import deepspeed" >/dev/null 2>&1; then
+  echo "[setup:${LANE}] installing ${DEEPSPEED_SPEC} (after torch, no build isolation, so it builds against this torch)"
+  pip_install --no-build-isolation "${DEEPSPEED_SPEC}"
+  # DeepSpeed JIT-builds its CPU shared-memory op on first use (about 90 s, cached in ~/.cache/torch_extensions):
+  # build it here, so no test's time limit pays for it
+  "$py" -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder')
+b is None or b.load()" >/dev/null 2>&1 || echo "[setup:${LANE}] (DeepSpeed's CPU op did not build; its tests build it)"
 fi
-if ! .venv/bin/python -c "import megatron.core, psutil" >/dev/null 2>&1; then
-  echo "[setup] installing megatron-core==0.16.1 and psutil (its checkpointing needs it)"
-  pip_install "megatron-core==0.16.1" "psutil>=5.9"
+if [ -n "$MEGATRON_SPEC" ] && ! "$py" -c "import megatron.core, psutil" >/dev/null 2>&1; then
+  echo "[setup:${LANE}] installing ${MEGATRON_SPEC} and psutil (its checkpointing needs it)"
+  pip_install "${MEGATRON_SPEC}" "psutil>=5.9"
 fi
-if ! .venv/bin/python -c "import arc_engine, pytest, pytest_timeout, ruff, wandb, matplotlib" >/dev/null 2>&1 \
-   || [ pyproject.toml -nt .venv/.arc_engine_installed ]; then
-  echo "[setup] installing arc_engine (editable) with the dev extra"
+marker="$VENV/.arc_engine_installed"
+if ! "$py" -c "import arc_engine, pytest, pytest_timeout, ruff, wandb, matplotlib" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt "$marker" ] || [ setup.py -nt "$marker" ]; then
+  echo "[setup:${LANE}] installing arc_engine (editable) with the dev extra"
   pip_install -e ".[dev]"
-  touch .venv/.arc_engine_installed
+  touch "$marker"
 fi
-.venv/bin/python -c "import torch, arc_engine; print(f'[setup] ready: torch {torch.__version__}, arc_engine {arc_engine.__version__}')"
+"$py" -c "import sys, torch, arc_engine; print(f'[setup:${LANE}] ready in ${VENV}: Python {sys.version.split()[0]}, torch {torch.__version__}, arc_engine {arc_engine.__version__}')"

@@ -1,7 +1,25 @@
 #!/usr/bin/env bash
-# The test command: set up (if needed), lint, run the whole suite. Extra args go to pytest.
+# The test command: set up the lane's environment (if needed), lint, run the lane's tests. Extra args go to pytest.
+# ARC_LANE (scripts/setup.sh): py311 (default) runs the whole suite; py312 and floor run the tests that exercise
+# the frameworks' releases (docs/testing.md#lanes says which and why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+LANE="${ARC_LANE:-py311}"
 bash scripts/setup.sh
-.venv/bin/ruff check arc_engine integrations tests scripts launch
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+case "$LANE" in
+  py311) venv=.venv; tests=() ;;
+  py312) venv=.venv312
+         tests=(tests/test_ddp_dist.py tests/test_fsdp_dist.py tests/test_amp_dist.py tests/test_deepspeed_amp_dist.py
+                tests/test_deepspeed_dist.py tests/test_deepspeed_zero3_dist.py tests/test_zero3_sampling_dist.py
+                tests/test_deepspeed_zero3_recovery_dist.py tests/test_deepspeed_internals.py
+                tests/test_megatron_dist.py tests/test_megatron_recovery_dist.py tests/test_megatron_recompute_dist.py
+                tests/test_megatron_separability_dist.py tests/test_megatron_qk_separability_dist.py
+                tests/test_megatron_internals.py tests/test_megatron_amp_dist.py tests/test_megatron_lm_launcher.py) ;;
+  floor) venv=.venv-floor
+         tests=(tests/test_ddp_dist.py tests/test_fsdp_dist.py tests/test_amp_dist.py tests/test_checkpoint_dist.py
+                tests/test_deepspeed_dist.py tests/test_deepspeed_internals.py tests/test_deepspeed_amp_dist.py) ;;
+  *) echo "scripts/test.sh: unknown ARC_LANE=${LANE}" >&2; exit 2 ;;
+esac
+VENV="${VENV:-$venv}"
+"$VENV/bin/ruff" check arc_engine integrations tests scripts launch
+exec "$VENV/bin/python" -m pytest -q --durations=25 "${tests[@]}" "$@"

@@ -1,13 +1,14 @@
-"""Reference GPT pretraining script on megatron-core alone (TP, PP, EP/MoE, DistributedOptimizer, bf16).
+"""Reference GPT pretraining script on megatron-core alone (TP, PP, EP/MoE, DistributedOptimizer, bf16, fp16).
 
     torchrun --nproc-per-node 4 scripts/train_megatron_gpt.py --cpu \\
         --tensor-model-parallel-size 2 --use-distributed-optimizer --train-iters 5
     # GPUs: the same command without --cpu (NCCL, one GPU per rank).
 
 It follows Megatron-LM's ``pretrain_gpt.py`` without ``megatron.training``: parallel_state and seeds, GPTModel
-with the local (no Transformer Engine) layer spec, Float16Module for bf16, megatron DDP, ``get_megatron_optimizer``
-and ``get_forward_backward_func`` (the no-pipelining schedule at PP=1, 1F1B at PP>1). The learning rate is
-constant. ``--cpu`` installs ``arc_engine.testing.megatron_cpu`` (the CUDA-to-CPU shims) and uses gloo.
+with the local (no Transformer Engine) layer spec, Float16Module for bf16 and fp16, megatron DDP,
+``get_megatron_optimizer`` and ``get_forward_backward_func`` (the no-pipelining schedule at PP=1, 1F1B at PP>1).
+The learning rate is constant. ``--cpu`` installs ``arc_engine.testing.megatron_cpu`` (the CUDA-to-CPU shims) and
+uses gloo.
 
 The data is the demo's generated corpus: the micro-batch of (iteration, data-parallel rank, micro-batch index) is a
 pure function of the three, so any iteration can be skipped or replayed exactly. Tests import the pieces
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron-LM's default is 0.1")
     group.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron-LM's default is 0.1")
     group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true", help="fp16 with Megatron's dynamic loss scaling")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16 (Megatron-LM's default)")
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=int, default=2)
     group.add_argument("--global-batch-size", type=int, default=None,
@@ -128,7 +131,7 @@ def _padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
 
 
 def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     moe = {}
     if args.num_experts:
         moe = {"num_moe_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
@@ -142,7 +145,7 @@ def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size, add_bias_linear=not args.disable_bias_linear,
         sequence_parallel=args.sequence_parallel, use_cpu_initialization=args.cpu,
-        bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=dtype, pipeline_dtype=dtype,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, **moe,
     )
 
@@ -166,10 +169,10 @@ def build_model_and_optimizer(args: argparse.Namespace) -> TrainState:
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
     model = model.to(device)
-    if args.bf16:
+    if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16,  # Megatron-LM accumulates and reduces bf16 grads in fp32
+        grad_reduce_in_fp32=args.bf16 or args.fp16,  # Megatron-LM accumulates and reduces them in fp32
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=args.check_for_nan_in_grad,
@@ -177,7 +180,8 @@ def build_model_and_optimizer(args: argparse.Namespace) -> TrainState:
     model_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                        bf16=args.bf16, params_dtype=config.params_dtype,
+                        bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+                        initial_loss_scale=args.initial_loss_scale,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         model_chunks,
     )
@@ -292,10 +296,11 @@ def main() -> int:
     logging_rank = _is_logging_rank()
     if logging_rank:
         members = [type(member).__name__ for member in state.optimizer.chained_optimizers]
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         print(f"[train] world {torch.distributed.get_world_size()} = TP {args.tensor_model_parallel_size} x "
               f"PP {args.pipeline_model_parallel_size} x DP {parallel_state.get_data_parallel_world_size()} "
               f"(EP {args.expert_model_parallel_size}) | {state.num_microbatches} micro-batch(es) of "
-              f"{args.micro_batch_size} | {'bf16' if args.bf16 else 'fp32'} | optimizer {members}", flush=True)
+              f"{args.micro_batch_size} | {precision} | optimizer {members}", flush=True)
     arc = state.arc
     step_index = 0
     try:

@@ -1,14 +1,14 @@
-"""Run ``launch/megatron/pretrain_gpt_arc.py`` on CPU ranks over gloo, for tests against a Megatron-LM checkout.
+"""Run ``launch/megatron/pretrain_gpt_arc.py`` on CPU ranks over gloo, for the tests of Megatron-LM's ``pretrain()``.
 
-``torchrun --nproc-per-node 2 tests/megatron_lm_cpu_entry.py <pretrain_gpt.py arguments> --arc-config arc.yaml``
-with ``MEGATRON_LM_PATH`` set. Each rank installs the CPU shims of :mod:`arc_engine.testing.megatron_cpu` (megatron-core
-and Megatron-LM's ``megatron/training``), then runs the launcher's ``main()`` unchanged. The launcher itself holds no
-CPU code.
+``torchrun --nproc-per-node 2 tests/megatron_lm_cpu_entry.py <pretrain_gpt.py arguments> --arc-config arc.yaml``.
+Each rank installs the CPU shims of :mod:`arc_engine.testing.megatron_cpu` (megatron-core and Megatron-LM's
+``megatron/training``), then runs the launcher's ``main()`` unchanged. The launcher itself holds no CPU code.
 
-The checkout goes on ``sys.path`` after site-packages, so ``megatron.training``, ``pretrain_gpt`` and
-``gpt_builders`` come from the checkout and ``megatron.core`` from the installed megatron-core wheel (the same
-version: its Python sources match tag ``core_v0.16.1``, and it ships the compiled dataset helpers the checkout
-would build with ``make``).
+Megatron-LM's training code comes from the installed ``megatron.training`` package (megatron-core 0.19 ships it) or,
+with ``MEGATRON_LM_PATH`` set, from that checkout. The checkout goes on ``sys.path`` after site-packages, so
+``megatron.training``, ``pretrain_gpt`` and ``gpt_builders`` come from the checkout and ``megatron.core`` from the
+installed megatron-core wheel (the same version: its Python sources match the checkout's tag, and it ships the
+compiled dataset helpers the checkout would build with ``make``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ LAUNCHER = ROOT / "launch" / "megatron" / "pretrain_gpt_arc.py"
 
 
 def main() -> None:
-    checkout = os.environ["MEGATRON_LM_PATH"]
-    if checkout not in sys.path:
+    checkout = os.environ.get("MEGATRON_LM_PATH")
+    if checkout and checkout not in sys.path:
         sys.path.append(checkout)  # after site-packages: the launcher keeps it where it is
     if str(ROOT) not in sys.path:
         sys.path.insert(1, str(ROOT))

@@ -1,4 +1,5 @@
-"""DeepSpeed without monkeypatching: the version check, the structure (every read of ZeRO internals in
+"""DeepSpeed without monkeypatching: the tested range and the capability checks (a missing attribute turns off its
+feature alone; a release outside the range warns), the structure (every read of ZeRO internals in
 ``integrations/deepspeed_internals.py``, no assignment to a DeepSpeed object anywhere in ``integrations/``), and the
 local (pre-reduction) gradient statistics read from DeepSpeed's reduction buckets on real gloo ranks, with every
 attribute write on DeepSpeed's objects recorded while arc_engine runs."""
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,39 +116,154 @@ def private_reads(path: Path) -> list[str]:
 # ------------------------------------------------------------------ single process
 
 
-def test_check_version_refuses_an_untested_release_with_what_to_do() -> None:
+def test_check_version_warns_outside_the_tested_range_and_never_raises() -> None:
+    import warnings
+
     from arc_engine.integrations.deepspeed_internals import (
-        TESTED_DEEPSPEED_VERSIONS,
+        TESTED_DEEPSPEED_RANGE,
         UntestedDeepSpeedVersion,
         check_version,
     )
 
-    assert TESTED_DEEPSPEED_VERSIONS == ("0.19.8",)
-    check_version("0.19.8")
-    check_version("0.19.8+a1b2c3d")  # a source build of the tested release
-    for untested in ("0.19.7", "0.20.0", "0.19.80"):
-        with pytest.raises(UntestedDeepSpeedVersion) as raised:
-            check_version(untested)
-        message = str(raised.value)
-        assert f"deepspeed {untested}" in message and "tested with deepspeed 0.19.8" in message
-        assert "pip install 'deepspeed==0.19.8'" in message
+    assert (TESTED_DEEPSPEED_RANGE.floor, TESTED_DEEPSPEED_RANGE.ceiling) == ("0.18.0", "0.20.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inside the range: no warning at all
+        for tested in ("0.18.0", "0.18.3", "0.19.8", "0.19.8+a1b2c3d", "0.19.80"):
+            assert check_version(tested) is None, tested
+    for untested in ("0.17.6", "0.20.0", "1.0.0", "0.16", "source-build"):
+        with pytest.warns(UntestedDeepSpeedVersion) as caught:
+            message = check_version(untested)
+        assert message is not None and str(caught[0].message) == message
+        assert f"deepspeed {untested} is outside" in message and "(0.18.0 .. 0.19.x)" in message
 
 
-def test_installed_deepspeed_is_a_tested_release() -> None:
+def test_installed_deepspeed_is_in_the_tested_range() -> None:
     pytest.importorskip("deepspeed")
     from arc_engine.integrations.deepspeed_internals import check_version
 
-    check_version()  # the environment's own version passes: the integration's tests below ran against it
+    assert check_version() is None  # the environment's own release: the integration's tests below ran against it
 
 
-def test_attach_refuses_an_untested_deepspeed_before_touching_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_zero(stage: int, *, without: str = "") -> SimpleNamespace:
+    """A stand-in for DeepSpeed's ZeRO-1/2 or ZeRO-3 optimizer holding everything the integration reads (one
+    parameter group of one 4-element parameter), less the dotted attribute path ``without``."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    parts: dict = {"optimizer": torch.optim.SGD([param], lr=0.1), "dp_process_group": None, "loss_scale": 1.0,
+                   "clip_grad": 0.0, "_global_grad_norm": 0.0, "averaged_gradients": {},
+                   "loss_scaler": SimpleNamespace(cur_scale=1.0)}
+    if stage == 3:
+        param.partition_numel = lambda: 4
+        parts.update(fp32_partitioned_groups_flat=[torch.zeros(4)], fp16_groups=[[param]], sub_group_to_group_id={0: 0},
+                     groups_padding=[[0]], fp16_partitioned_groups_flat=[torch.zeros(4)],
+                     parameter_offload=SimpleNamespace(partition_all_parameters=lambda: None),
+                     persistent_parameters=[], invalidate_secondary_tensor=lambda: None)
+    else:
+        bucket = SimpleNamespace(elements=0, params=[], buffer=[torch.zeros(8)], index=0)
+        parts.update(single_partition_of_fp32_groups=[torch.zeros(4)], groups_padding=[0], partition_size=[4],
+                     real_dp_process_group=[None], bit16_groups=[[param]], bit16_groups_flat=[torch.zeros(4)],
+                     register_grad_acc_post_hook=lambda hook: None, ipg_buckets={torch.float32: bucket},
+                     reduce_bucket_size=8, get_param_comm_dtype=lambda p: torch.float32,
+                     extra_large_param_to_reduce={}, get_gradient_for_reduction=lambda p: p.grad,
+                     contiguous_gradients=True, partition_gradients=True, overlap_comm=False,
+                     is_gradient_accumulation_boundary=lambda: True, reduce_ipg_grads=lambda comm_dtype=None: None,
+                     update_lp_params=lambda: None, parallel_partitioned_bit16_groups=[[torch.zeros(4)]])
+    head, _, tail = without.partition(".")
+    if tail:
+        parts[head] = SimpleNamespace()  # the outer object is there, the attribute read through it is not
+    elif head:
+        del parts[head]
+    return SimpleNamespace(**parts)
+
+
+def _feature_needs() -> list[tuple[int, str, str]]:
+    from arc_engine.integrations.deepspeed_internals import FEATURES
+
+    return [(stage, feature.name, need) for feature in FEATURES for family, needs in feature.needs.items()
+            for stage in ((3,) if family == "zero3" else (1, 2)) for need in needs]
+
+
+def _core_needs() -> list[tuple[int, str]]:
+    from arc_engine.integrations.deepspeed_internals import CORE_NEEDS
+
+    return [(stage, need) for family, needs in CORE_NEEDS.items() for stage in ((3,) if family == "zero3" else (2,))
+            for need in needs]
+
+
+def test_a_complete_zero_optimizer_has_every_feature() -> None:
+    from arc_engine.integrations.deepspeed_internals import check_capabilities
+
+    for stage in (1, 2, 3):
+        capabilities = check_capabilities(fake_zero(stage), stage, installed="0.19.8")
+        assert capabilities.off == {} and capabilities.report() is None
+
+
+@pytest.mark.parametrize(("stage", "feature", "need"), _feature_needs())
+def test_a_missing_attribute_turns_off_exactly_its_feature(stage: int, feature: str, need: str) -> None:
+    from arc_engine.integrations.deepspeed_internals import check_capabilities
+
+    capabilities = check_capabilities(fake_zero(stage, without=need), stage, installed="0.19.8")
+    assert capabilities.off == {feature: [need]}
+    message, values = capabilities.report()
+    assert f"{feature} off" in message and need in message and values["features_off"] == {feature: [need]}
+    assert values["in_tested_range"] is True
+
+
+@pytest.mark.parametrize(("stage", "need"), _core_needs())
+def test_a_missing_core_attribute_refuses_attach_naming_it(stage: int, need: str) -> None:
+    from arc_engine.integrations.deepspeed_internals import MissingDeepSpeedInternals, check_capabilities
+
+    with pytest.raises(MissingDeepSpeedInternals, match=rf"missing {need}\b"):
+        check_capabilities(fake_zero(stage, without=need), stage, installed="0.19.8")
+
+
+def test_a_core_attribute_laid_out_differently_refuses_attach() -> None:
+    from arc_engine.integrations.deepspeed_internals import MissingDeepSpeedInternals, check_capabilities
+
+    zero = fake_zero(2)
+    zero.single_partition_of_fp32_groups = []  # a release keeping its partitions elsewhere
+    with pytest.raises(MissingDeepSpeedInternals, match="single_partition_of_fp32_groups holds 0 entries for 1"):
+        check_capabilities(zero, 2, installed="0.19.8")
+    zero = fake_zero(2)
+    zero.ipg_buckets = {torch.float32: SimpleNamespace(elements=0)}  # buckets of another shape: buckets off
+    assert check_capabilities(zero, 2, installed="0.19.8").off == {
+        "bucket_local_statistics": ["a reduction bucket has no params"]}
+
+
+def test_a_release_outside_the_range_warns_and_keeps_what_it_has() -> None:
+    from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion, check_capabilities
+
+    with pytest.warns(UntestedDeepSpeedVersion, match=r"deepspeed 0\.17\.6 is outside"):
+        capabilities = check_capabilities(fake_zero(2, without="register_grad_acc_post_hook"), 2, installed="0.17.6")
+    assert capabilities.off == {"bucket_local_statistics": ["register_grad_acc_post_hook"]}
+    message, values = capabilities.report()
+    assert message.startswith("deepspeed 0.17.6, outside the tested range 0.18.0 .. 0.19.x: bucket_local_statistics")
+    assert values["in_tested_range"] is False and values["deepspeed"] == "0.17.6"
+    with pytest.warns(UntestedDeepSpeedVersion):
+        capabilities = check_capabilities(fake_zero(3), 3, installed="0.20.1")
+    assert capabilities.off == {} and "every feature's internals are present" in capabilities.report()[0]
+
+
+def test_the_adapter_turns_off_only_the_missing_feature_and_recovery_without_rollback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     deepspeed = pytest.importorskip("deepspeed")
-    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from arc_engine.integrations.deepspeed import ZeroAdapter
     from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion
 
-    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")  # a test shim: the environment has 0.19.8
-    with pytest.raises(UntestedDeepSpeedVersion, match=r"this environment has deepspeed 0\.18\.0"):
-        attach_deepspeed(object())
+    monkeypatch.setattr(deepspeed, "__version__", "0.17.6")  # a test shim: the environment's release is in range
+    zero = fake_zero(2, without="update_lp_params")
+    ds_engine = SimpleNamespace(optimizer=zero, module=torch.nn.Linear(2, 2), zero_optimization_stage=lambda: 2)
+    with pytest.warns(UntestedDeepSpeedVersion):
+        adapter = ZeroAdapter(ds_engine)
+    assert adapter.capabilities.off == {"rollback": ["update_lp_params"]}
+    plain = make_config(tmp_path)
+    assert adapter.effective_config(plain) is plain  # recovery off: nothing to turn off
+    asked = make_config(tmp_path, "recovery.enabled=true")
+    effective = adapter.effective_config(asked)
+    assert asked.recovery.enabled and not effective.recovery.enabled  # a copy: the caller's config is untouched
+    assert effective.detectors == asked.detectors
+    message, values = adapter.capabilities.report()
+    assert values["config_off"] == ["recovery.enabled"] and "rollback off" in message
+    adapter.check_config(effective)
 
 
 def test_no_integration_assigns_to_a_deepspeed_object() -> None:
@@ -222,7 +339,7 @@ def _local_rank(rank: int, world: int, stage: int, overlap_comm: bool, run_dir: 
     import deepspeed
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, IPGBucket
+    from deepspeed.runtime.zero import stage_1_and_2
 
     from arc_engine.integrations.deepspeed import attach_deepspeed
 
@@ -234,7 +351,8 @@ def _local_rank(rank: int, world: int, stage: int, overlap_comm: bool, run_dir: 
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "overlap_comm": overlap_comm},
               "steps_per_print": 10_000}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    classes = [DeepSpeedEngine, DeepSpeedZeroOptimizer, IPGBucket, LossScaler, DynamicLossScaler]
+    classes = [DeepSpeedEngine, stage_1_and_2.DeepSpeedZeroOptimizer, LossScaler, DynamicLossScaler]
+    classes += [stage_1_and_2.IPGBucket] if hasattr(stage_1_and_2, "IPGBucket") else []  # 0.17.6 has it, 0.17.0 not
     local_sq_rg, sources = [], []
     warnings = WarningsKept()
     logging.getLogger("arc_engine").addHandler(warnings)
@@ -257,7 +375,8 @@ def _local_rank(rank: int, world: int, stage: int, overlap_comm: bool, run_dir: 
         arc.close()
     logging.getLogger("arc_engine").removeHandler(warnings)
     return {"local_sq_rg": local_sq_rg, "sketch_rk": sketch_rk, "sources": sources, "writes": writes,
-            "warnings": [w for w in warnings.messages if "did not read" in w]}
+            "warnings": [w for w in warnings.messages if "did not read" in w],
+            "buckets": arc.adapter.capabilities.has("bucket_local_statistics")}
 
 
 def reference_local_sq(world: int, steps: int, accumulated: bool) -> list[list[list[float]]]:
@@ -296,8 +415,10 @@ def test_local_gradients_read_before_zero_reduces_them_without_writing_to_deepsp
     import numpy as np
 
     results = run_ranks(_local_rank, 2, stage, overlap_comm, tmp_path, timeout_s=280)
-    expected = reference_local_sq(2, 1, accumulated)[0]
     for result in results:
+        if not result["buckets"]:  # a release without what the buckets are read with: the tensor hooks' statistics
+            source, accumulated = "tensor hooks", False
+        expected = reference_local_sq(2, 1, accumulated)[0]
         assert result["writes"] == [], result["writes"]
         assert result["sources"] == [source, source] and result["warnings"] == []  # no fallback to tensor hooks
         np.testing.assert_allclose(result["local_sq_rg"][0], expected, rtol=1e-5)
@@ -315,9 +436,92 @@ def test_a_plain_loss_backward_falls_back_to_tensor_hooks_with_a_warning(tmp_pat
     gradient through tensor hooks from then on."""
     pytest.importorskip("deepspeed")
     import numpy as np
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    if not hasattr(DeepSpeedZeroOptimizer, "register_grad_acc_post_hook"):
+        pytest.skip("this DeepSpeed (before 0.18.3) has no torch-style loss.backward() under ZeRO-1/2")
     for result in run_ranks(_local_rank, 2, 2, False, tmp_path, True, timeout_s=280):
         assert result["writes"] == []
         assert result["sources"] == ["tensor hooks", "tensor hooks"]
-        assert len(result["warnings"]) == 1 and "(buckets)" in result["warnings"][0]
+        # a release without the buckets' internals reads tensor hooks from the start: nothing to fall back from
+        assert len(result["warnings"]) == (1 if result["buckets"] else 0)
+        assert all("(buckets)" in warning for warning in result["warnings"])
         assert np.isfinite(result["local_sq_rg"][1]).all() and (result["local_sq_rg"][1] > 0).all()
+
+
+def _outside_range_rank(rank: int, world: int, run_dir: Path) -> dict:
+    """ZeRO-2 on a DeepSpeed that calls itself 0.17.6 and has no ``register_grad_acc_post_hook`` (as before 0.18.3),
+    rank 1's gradient NaN at step 2."""
+    import warnings
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    import deepspeed
+
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion
+
+    deepspeed.__version__ = "0.17.6"  # a test shim: an older release, as the version check sees it
+    model, data = tiny_model_and_data()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 2}, "steps_per_print": 10_000}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def absent(self):
+        raise AttributeError("register_grad_acc_post_hook")
+
+    zero = engine.optimizer  # a test shim: the same optimizer, without the callback 0.18.0 .. 0.18.2 lack
+    zero.__class__ = type("WithoutPostBackwardHook", (type(zero),), {"register_grad_acc_post_hook": property(absent)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arc = attach_deepspeed(engine, make_config(
+            run_dir, "faults.injections=[{kind: nan_grad, rank: 1, step: 2, param: blocks.0.ln1.weight}]"))
+    local_sq_rg = []
+    for step in range(4):
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = engine(inputs, targets)
+        arc.record_loss(loss)
+        engine.backward(loss)
+        engine.step()
+        local_sq_rg.append(arc.engine.last_stats.per_rank(names.GRAD_SQ_LOCAL))
+    summary = arc.summary()
+    source = arc.adapter.local_grads.source
+    arc.close()
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, UntestedDeepSpeedVersion)],
+            "source": source, "local_sq_rg": local_sq_rg[0], "summary": summary}
+
+
+@pytest.mark.timeout(300)
+def test_a_release_outside_the_range_trains_with_only_the_missing_feature_off(tmp_path: Path) -> None:
+    """Outside the tested range, without the internals of one feature: a warning, one event naming that feature,
+    and the rest works -- local statistics from tensor hooks (against the single-process reference), rank 1's NaN
+    skipped on both ranks and named, training going on."""
+    pytest.importorskip("deepspeed")
+    import numpy as np
+
+    from arc_engine.sinks import read_jsonl
+    from tests.test_deepspeed_dist import deepspeed_skips_nonfinite_fp32_steps
+
+    results = run_ranks(_outside_range_rank, 2, tmp_path, timeout_s=280)
+    model, data = tiny_model_and_data()
+    expected = []  # per rank, per group: the squared norm of the rank's own gradient at step 0
+    for rank in range(2):
+        model.zero_grad()
+        model(*data.batch(0, rank, BATCH)).backward()
+        expected.append([sum(float(p.grad.double().square().sum()) for p in group["params"])
+                         for group in param_groups(model, 0.1)])
+    for result in results:
+        assert len(result["warnings"]) == 1 and "deepspeed 0.17.6 is outside" in result["warnings"][0]
+        assert result["source"] == "tensor hooks"
+        np.testing.assert_allclose(result["local_sq_rg"], expected, rtol=1e-5)
+        summary = result["summary"]  # the NaN step: DeepSpeed's skip (0.19.8) or arc_engine's (before)
+        assert summary["steps"] == 4 and summary["skipped_steps"] >= 1
+        assert summary["framework_skipped_steps"] == int(deepspeed_skips_nonfinite_fp32_steps())
+    events = read_jsonl(tmp_path / "test" / "events.jsonl")
+    compatibility = [e for e in events if e["kind"] == "lifecycle" and e["detector"] == "compatibility"]
+    assert len(compatibility) == 1
+    off = compatibility[0]["values"]["features_off"]  # (before 0.17.6 the buckets themselves are laid out otherwise)
+    assert list(off) == ["bucket_local_statistics"] and "register_grad_acc_post_hook" in off["bucket_local_statistics"]
+    assert compatibility[0]["values"]["in_tested_range"] is False
+    assert "deepspeed 0.17.6, outside the tested range 0.18.0 .. 0.19.x" in compatibility[0]["message"]
+    nan_event = next(e for e in events if e["kind"] == "detection" and e["detector"] == "non_finite")
+    assert nan_event["step"] == 2 and nan_event["ranks"] == [1]

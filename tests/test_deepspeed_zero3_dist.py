@@ -31,6 +31,9 @@ def ds_engine(rank: int, world: int, sub_group_size: int | None = None) -> tuple
     os.environ.setdefault("WORLD_SIZE", str(world))
     import deepspeed
 
+    from tests.test_deepspeed_dist import wait_for_zero3_gathers
+
+    wait_for_zero3_gathers()  # DeepSpeed before 0.19.8 races on gloo otherwise
     model, data = tiny_model_and_data()
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
     zero: dict[str, Any] = {"stage": 3}

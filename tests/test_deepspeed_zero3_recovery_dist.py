@@ -34,12 +34,15 @@ PERSISTENCE = 100  # elements: layer norms and biases stay gathered between step
 
 def zero3_job(config: ArcConfig | None, rank: int, world: int, bf16: bool = True) -> tuple[Job, Any]:
     """The ZeRO-3 job with DeepSpeed's warm-up LR scheduler (``bf16=False``: the model trains in fp32, and each fp32
-    master partition is the bit16 partition itself)."""
+    master partition is the bit16 partition itself, or a separate fp32 copy on DeepSpeed 0.18.0)."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     import deepspeed
 
+    from tests.test_deepspeed_dist import wait_for_zero3_gathers
+
+    wait_for_zero3_gathers()  # DeepSpeed before 0.19.8 races on gloo otherwise
     model, data = tiny_model_and_data()
     optimizer = make_optimizer(model)
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10_000,

@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1 on real gloo ranks: the reference script's model (GPTModel, megatron DDP, the
+"""megatron-core (0.16.1 and 0.19.2) on real gloo ranks: the reference script's model (GPTModel, megatron DDP, the
 DistributedOptimizer, ChainedOptimizer members) with arc_engine attached, faults injected at (rank, step).
 
 The CUDA shims (``arc_engine.testing.megatron_cpu``) are installed inside the spawned ranks only. One spawn costs
@@ -113,6 +113,59 @@ def test_tp2_dp2_bf16_nan_is_skipped_on_all_ranks_and_clean_training_is_bitwise_
         assert result["finite"], rank
         assert result["adam_steps"] == [4], rank  # the skipped step left Adam's step count alone
         assert result["skipped"] == 1 and result["detections"] == {"non_finite": 1}, rank
+
+
+# ------------------------------------------------------------------ a release past the tested range
+
+def _untested_release(rank: int, world: int, config: str) -> dict[str, Any]:
+    """Attach to a megatron-core that says it is 0.21.0 and whose ``TopKRouter.routing`` takes other arguments (a
+    dense model never calls it), then train 4 steps with a NaN loss on rank 1 at step 2."""
+    import warnings
+
+    import megatron.core
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from arc_engine.integrations import megatron_internals as mi
+
+    megatron.core.__version__ = "0.21.0"
+    TopKRouter.routing = lambda self, scores, padding_mask=None: None  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        script, args, state = _build([*SMALL, "--use-distributed-optimizer", "--arc-config", config])
+    applied = []
+    while state.arc.step < 4:
+        _, ok, _ = script.train_step(state, args, state.arc.data_position)
+        applied.append(ok)
+    run_dir = state.arc.engine.run_dir
+    state.arc.close()
+    events = [json.loads(line) for line in (run_dir / f"events.jsonl.rank{rank}").read_text().splitlines()]
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, mi.UntestedMegatronVersion)],
+            "applied": applied, "events": events}
+
+
+@pytest.mark.timeout(300)
+def test_a_release_past_the_tested_range_warns_turns_off_one_feature_and_still_skips_a_nan(tmp_path: Path) -> None:
+    """DP=2: the attach warns (not refuses), one ``compatibility`` event on each rank names the release and the one
+    feature whose internals changed (the router observation, so ``detectors.router`` is off), and the monitoring
+    that needs no such internals still skips a NaN loss on every rank."""
+    config = tmp_path / "untested.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"run_id": "untested", "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
+        "sinks": {"console": {"enabled": False}, "all_ranks": True},
+        "faults": {"injections": [{"kind": "nan_loss", "rank": 1, "step": 2}]}}))
+    results = run_ranks(_untested_release, 2, str(config), timeout_s=280)
+    for rank, result in enumerate(results):
+        assert len(result["warnings"]) == 1 and "megatron-core 0.21.0 is outside" in result["warnings"][0], rank
+        compatibility = [e for e in result["events"] if e["detector"] == "compatibility"]
+        assert len(compatibility) == 1, (rank, compatibility)
+        values = compatibility[0]["values"]
+        assert (values["megatron_core"], values["in_tested_range"]) == ("0.21.0", False), values
+        assert list(values["features_off"]) == ["router_observation"], values
+        assert values["config_off"] == ["detectors.router.enabled"], values
+        assert "outside the tested range 0.16.1 .. 0.19.x" in compatibility[0]["message"]
+        assert result["applied"] == [True, True, False, True], rank
+        skips = [e for e in result["events"] if e["detector"] == "non_finite" and e["action"] == "skip"]
+        assert [(e["step"], e["ranks"]) for e in skips] == [(2, [1])], rank
 
 
 # ------------------------------------------------------------------ SDC: a bit flip in one rank's GEMM

@@ -1,15 +1,22 @@
 """The Megatron integration's structure (no processes): every read of megatron-core internals and every wrapped
-method lives in ``integrations/megatron_internals.py`` behind a version check; the wrappers run and come off as
-documented; the Megatron-LM launcher's flags parse through a Megatron-style parser."""
+method lives in ``integrations/megatron_internals.py``, checked by what it reads (a release outside the tested range
+warns; a missing internal turns off the one feature that reads it); the wrappers run and come off as documented;
+the Megatron-LM launcher's flags parse through a Megatron-style parser."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import importlib.util
+import sys
+import types
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from arc_engine.integrations import megatron_internals as mi
 
@@ -40,11 +47,190 @@ def test_megatron_objects_are_read_and_written_only_through_the_internals_module
     assert private_reads == [] and writes == [] and calls == [], (private_reads, writes, calls)
 
 
-def test_the_version_check_refuses_an_untested_megatron_core() -> None:
-    mi.check_version("0.16.1")
-    mi.check_version("0.16.1+local")
-    with pytest.raises(mi.UntestedMegatronVersion, match=r"tested with 0\.16\.1; found 0\.17\.0"):
-        mi.check_version("0.17.0")
+def test_the_launcher_replaces_only_the_two_documented_megatron_lm_functions() -> None:
+    """``pretrain_gpt_arc.py`` wraps ``setup_model_and_optimizer`` and ``evaluate`` of Megatron-LM's training module
+    (its docstring and docs/megatron.md say why) and assigns nothing else of Megatron's; ``gpt_steps.py`` only marks
+    its own dataset provider as ``pretrain_gpt.py`` does."""
+    def writes(path: Path) -> list[str]:
+        tree = ast.parse(path.read_text())
+        found = [ast.unparse(target) for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AugAssign)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Attribute) and _root_name(target) != "self"]
+        found += [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")]
+        return found
+
+    assert sorted(writes(LAUNCHER)) == ["steps.datasets_provider.is_distributed", "training.evaluate",
+                                        "training.setup_model_and_optimizer"]
+    assert writes(LAUNCHER.parent / "gpt_steps.py") == ["train_valid_test_datasets_provider.is_distributed"]
+
+
+def test_the_version_check_warns_outside_the_tested_range_and_never_raises() -> None:
+    for tested in ("0.16.1", "0.16.1+local", "0.17.0", "0.18.2", "0.19.0", "0.19.2+92e005a"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # inside the range: no warning
+            assert mi.check_version(tested) is None, tested
+    for untested in ("0.16.0", "0.15.3", "0.20.0", "0.20.0rc1", "1.0.0", "unknown"):
+        with pytest.warns(mi.UntestedMegatronVersion, match=r"outside the range .* \(0\.16\.1 \.\. 0\.19\.x\)"):
+            message = mi.check_version(untested)
+        assert message is not None and untested in message
+
+
+def test_the_installed_megatron_core_is_in_the_tested_range_and_lacks_nothing() -> None:
+    pytest.importorskip("megatron.core")
+    assert mi.in_tested_range(mi.installed_version()), mi.installed_version()
+    assert mi.missing_needs(mi.CORE_NEEDS) == []
+    assert {f.name: mi.missing_needs(f.needs) for f in mi.FEATURES} == {f.name: [] for f in mi.FEATURES}
+    assert mi.dist_checkpoint_layout() is not None
+
+
+# ------------------------------------------------ capability checks on stand-ins for the chunks and the optimizer
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params_list, self.grad_data, self.gradient_scaling_factor = params, torch.zeros(4), 1.0
+
+
+class _BucketGroup:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.buckets, self.is_first_batch, self.grad_reduce_handle = [_Bucket(params)], False, None
+        self.is_last_microbatch = True
+        self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=False, average_in_collective=False)
+        self.data_parallel_group = None
+
+    def start_grad_sync(self) -> None:
+        pass
+
+
+class _Chunk(torch.nn.Module):
+    """What megatron DDP holds that the integration reads (no transformer layers: a bare linear model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.linear = torch.nn.Linear(2, 2)
+        for param in self.linear.parameters():
+            param.main_grad = torch.zeros_like(param)
+        self.bucket_groups = [_BucketGroup(list(self.linear.parameters()))]
+        self.expert_parallel_bucket_groups: list = []
+        self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=False)
+        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+
+
+class _FP32Optimizer:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.optimizer = torch.optim.SGD(params, lr=0.1)
+
+    def prepare_grads(self) -> bool:
+        return False
+
+    def step(self) -> tuple:
+        return True, None, None
+
+
+def _capabilities(chunk: _Chunk | None = None, optimizer: Any = None) -> mi.Capabilities:
+    chunk = chunk if chunk is not None else _Chunk()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the installed release is in the range: no warning
+        return mi.check_capabilities([chunk], optimizer or _FP32Optimizer(list(chunk.parameters())))
+
+
+def test_every_feature_is_on_when_the_release_holds_what_it_reads() -> None:
+    pytest.importorskip("megatron.core")
+    found = _capabilities()
+    assert found.off == {} and found.in_tested_range and found.report() is None
+
+
+def test_a_module_missing_one_function_turns_off_exactly_the_feature_that_reads_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("megatron.core")
+    name = "megatron.core.distributed.finalize_model_grads"
+    real = importlib.import_module(name)
+    fake = types.ModuleType(name)
+    for attribute in ("_allreduce_non_tensor_model_parallel_grads", "_allreduce_position_embedding_grads"):
+        setattr(fake, attribute, getattr(real, attribute))  # _allreduce_word_embedding_grads left out
+    monkeypatch.setitem(sys.modules, name, fake)
+    found = _capabilities()
+    assert list(found.off) == ["sdc_recompute"], found.off
+    assert "_allreduce_word_embedding_grads" in found.off["sdc_recompute"][0]
+    message, values = found.report()  # type: ignore[misc]
+    assert "sdc_recompute off" in message and values["features_off"] == found.off
+
+
+def test_a_changed_signature_turns_off_the_feature_that_calls_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    monkeypatch.setattr(TopKRouter, "routing", lambda self, scores, padding_mask=None: None)
+    found = _capabilities()
+    assert list(found.off) == ["router_observation"], found.off
+    assert found.off["router_observation"][0].endswith("TopKRouter.routing(logits) (found (scores))")
+
+
+def test_a_checkpoint_layout_this_module_does_not_know_turns_off_megatron_format_checkpoints(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("megatron.core")
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    for module, attribute in ((serialization, "_legacy_common_state_exists"), (common, "TorchCommonSaveStrategy"),
+                              (common, "save_common")):
+        if hasattr(module, attribute):
+            monkeypatch.delattr(module, attribute)
+    assert mi.dist_checkpoint_layout() is None
+    assert list(_capabilities().off) == ["megatron_checkpoint"]
+
+
+def test_bucket_groups_without_their_bucket_list_turn_off_the_local_statistics_only() -> None:
+    pytest.importorskip("megatron.core")
+    chunk = _Chunk()
+    del chunk.bucket_groups[0].buckets
+    found = _capabilities(chunk)
+    assert list(found.off) == ["bucket_statistics"] and found.off["bucket_statistics"] == ["bucket group.buckets"]
+
+
+def test_an_optimizer_without_the_veto_is_refused_naming_what_is_missing() -> None:
+    pytest.importorskip("megatron.core")
+    chunk = _Chunk()
+
+    class NoVeto:
+        def __init__(self) -> None:
+            self.optimizer = torch.optim.SGD(chunk.parameters(), lr=0.1)
+
+        def step(self) -> tuple:
+            return True, None, None
+
+    with pytest.raises(mi.MissingMegatronInternals, match=r"missing optimizer\.prepare_grads"):
+        _capabilities(chunk, NoVeto())
+
+
+def test_an_untested_release_warns_and_turns_nothing_off_by_itself() -> None:
+    pytest.importorskip("megatron.core")
+    chunk = _Chunk()
+    with pytest.warns(mi.UntestedMegatronVersion):
+        found = mi.check_capabilities([chunk], _FP32Optimizer(list(chunk.parameters())), installed="0.21.0")
+    assert found.off == {} and not found.in_tested_range
+    message, values = found.report()  # type: ignore[misc]
+    assert "outside the tested range 0.16.1 .. 0.19.x" in message and values["in_tested_range"] is False
+
+
+def test_a_feature_that_is_off_turns_its_detectors_off_in_a_copy_of_the_config() -> None:
+    from arc_engine.config import ArcConfig
+    from arc_engine.integrations.megatron import CONFIG_OFF, MegatronAdapter
+
+    adapter = MegatronAdapter.__new__(MegatronAdapter)  # only the capabilities: no megatron objects needed
+    described = {f.name: (f.description, f.without) for f in mi.FEATURES}
+    adapter.capabilities = mi.Capabilities(mi.TESTED_MEGATRON_CORE_RANGE, "0.21.0", described,
+                                           {"bucket_statistics": ["bucket group.buckets"],
+                                            "attention_spectra": ["config.kv_channels"]})
+    config = ArcConfig()
+    effective = adapter.effective_config(config)
+    assert effective is not config and config.detectors.sdc.enabled and config.detectors.qk_spectra.enabled
+    assert adapter.capabilities.config_off == [*CONFIG_OFF["bucket_statistics"], *CONFIG_OFF["attention_spectra"]]
+    assert not (effective.detectors.sdc.enabled or effective.detectors.consistency.enabled
+                or effective.detectors.r_metric.enabled or effective.detectors.qk_spectra.enabled)
+    assert effective.detectors.router.enabled and effective.detectors.loss_spike.enabled  # needs no internals
 
 
 class _FakeBucketGroup:

@@ -1,7 +1,8 @@
-"""SDC recomputation under megatron-core 0.16.1 on real gloo ranks (TP=2 x DP=2, bf16, DistributedOptimizer): the
-recompute unit is the suspect data-parallel replica's model-parallel group (its TP peer recomputes with it, the
-other replica waits), the correction goes through Megatron's own reduction groups, and a fault that reproduces
-only on the suspect's device is classified by the other replica recomputing the same micro-batches.
+"""SDC recomputation under megatron-core (0.16.1, 0.19.2) on real gloo ranks (TP=2 x DP=2, bf16,
+DistributedOptimizer): the recompute unit is the suspect data-parallel replica's model-parallel group (its TP peer
+recomputes with it, the other replica waits), the correction goes through Megatron's own reduction groups, and a
+fault that reproduces only on the suspect's device is classified by the other replica recomputing the same
+micro-batches.
 
 Layout: ranks 0,1 are data-parallel replica 0 (TP ranks 0,1), ranks 2,3 replica 1.
 """

@@ -122,7 +122,7 @@ def _megatron_user_load(flags: list[str], path: Path) -> tuple[int, torch.Tensor
     from arc_engine.recovery.state import materialize_optimizer_state
 
     _, _, fresh = _build([*flags, "--no-arc"])
-    for member in fresh.optimizer.chained_optimizers:  # 0.16.1's DistributedOptimizer.state_dict() needs Adam's
+    for member in fresh.optimizer.chained_optimizers:  # megatron-core's DistributedOptimizer.state_dict() needs Adam's
         materialize_optimizer_state(member.optimizer)  # state, which torch Adam creates at its first step
     metadata = {**(dist_checkpointing.load_content_metadata(str(path)) or {}),
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
@@ -156,6 +156,11 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
     committed = state.arc.engine.recovery.checkpoints.committed()
     out: dict[str, Any] = {"saves": saves, "committed": [info.step for info in committed]}
     if fmt == "megatron":
+        from arc_engine.integrations import megatron_internals as mi
+
+        layout = mi.dist_checkpoint_layout()
+        assert layout is not None
+        out["common_files"] = list(layout.common_files)  # common.pt and metadata.json; metadata.json from 0.19 on
         newest = committed[-1].path
         out["files"] = sorted(p.name for p in newest.iterdir())
         root = newest.parent  # found as Megatron-LM's --load finds it: the tracker file, then iter_XXXXXXX
@@ -164,8 +169,8 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
         iteration, params = _megatron_user_load(flags, root / f"iter_{tracked:07d}")
         out["user_load"] = iteration == committed[-1].step and torch.equal(params, by_step[iteration])
         dist.barrier()
-        if rank == 0:  # the newest commit's common.pt goes bad: the resume must fall back to the one before
-            (newest / "common.pt").write_bytes(b"not a checkpoint")
+        if rank == 0:  # the newest commit's first common file goes bad: the resume must fall back to the one before
+            (newest / layout.common_files[0]).write_bytes(b"not a checkpoint")
         dist.barrier()
     script, args, state = _build([*flags, "--arc-config", second])  # a new job: resumes from the commit
     out["resumed_at"] = state.arc.step
@@ -181,7 +186,8 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
 @pytest.mark.parametrize("fmt", ["megatron", "dcp"])
 def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path, fmt: str) -> None:
     """``megatron`` (what ``auto`` picks): each checkpoint is a dist_checkpointing checkpoint that megatron-core's
-    own load reads; arc_engine's checksums cover Megatron's files too (a corrupted ``common.pt`` falls back)."""
+    own load reads; arc_engine's checksums cover Megatron's files too (a corrupted ``common.pt``, or from
+    megatron-core 0.19 on ``metadata.json``, falls back)."""
     def config(name: str, run_id: str, disk: bool) -> str:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({
@@ -198,13 +204,13 @@ def test_a_megatron_job_resumes_from_its_disk_checkpoint_bitwise(tmp_path: Path,
     for rank, result in enumerate(results):
         assert result["saves"] >= 2 and len(result["committed"]) >= 2, rank
         if fmt == "megatron":
-            assert {"common.pt", "metadata.json", ".metadata", "COMMITTED.json"} <= set(result["files"]), rank
+            assert {*result["common_files"], ".metadata", "COMMITTED.json"} <= set(result["files"]), rank
             assert result["user_load"], rank  # megatron-core's own load: the model and optimizer of that step
             # Megatron-LM's names: the tracker names the newest commit, one iter_ link per committed checkpoint
             assert result["megatron_lm_names"] == (result["committed"][-1],
                                                    [f"iter_{step:07d}" for step in result["committed"]]), rank
-            assert result["resumed_at"] == result["committed"][-2], rank  # the newest one's common.pt is bad
-            assert any("common.pt" in error for error in result["load_errors"]), result["load_errors"]
+            assert result["resumed_at"] == result["committed"][-2], rank  # the newest one's common file is bad
+            assert any(result["common_files"][0] in error for error in result["load_errors"]), result["load_errors"]
         else:
             assert result["resumed_at"] == result["committed"][-1], rank
         assert result["equal"], rank  # resumed and continued: bitwise the uninterrupted run

@@ -357,6 +357,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.r_metric.action": KeyDoc("What an alert gets."),
     "policy.max_consecutive_skips": KeyDoc("More skipped steps in a row than this escalate: the fault is "
                                            "persistent.", ">= 0"),
+    "policy.max_consecutive_overflow_skips": KeyDoc("More steps in a row than this that a dynamic loss scaler "
+                                                    "skipped itself (fp16 overflow at a finite loss) escalate; "
+                                                    "they do not count towards `max_consecutive_skips`.", ">= 0"),
     "policy.on_persistent_failure": KeyDoc("What escalation does; `rollback` needs `recovery.enabled`, else it "
                                            "aborts (exit code 3)."),
     # sinks

@@ -626,14 +626,19 @@ class PolicyConfig:
     ``max_consecutive_skips``: a run of more than this many skipped steps in a row is no longer transient and
     escalates to ``on_persistent_failure``: ``rollback`` (with ``recovery.enabled``; otherwise it aborts) or
     ``abort``.
+    ``max_consecutive_overflow_skips``: the same bound for the steps a dynamic loss scaler skips itself (torch.amp
+    ``GradScaler``, DeepSpeed and megatron-core fp16) for non-finite gradients at a finite loss: a scaler searching
+    its scale skips a few steps in a row, halving the scale each time, so these count apart and escalate only past
+    this bound (32 halvings take Megatron's initial scale 2^32 to 1).
     """
 
     max_consecutive_skips: int = 5
+    max_consecutive_overflow_skips: int = 32
     on_persistent_failure: Literal["abort", "rollback"] = "rollback"
 
     def __post_init__(self) -> None:
-        require(self.max_consecutive_skips >= 0, "max_consecutive_skips", self.max_consecutive_skips,
-                "must be an integer >= 0")
+        for key in ("max_consecutive_skips", "max_consecutive_overflow_skips"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be an integer >= 0")
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,7 @@ VALIDATION = "r_metric_validation"
 #: The terms, in weight order.
 TERMS = ("lambda", "variance", "drift")
 #: Agreed findings that count as system events for λ (a straggler finding counts each rank it names).
-EVENT_DETECTORS = ("straggler", "deepspeed_overflow", "sdc")
+EVENT_DETECTORS = ("straggler", "deepspeed_overflow", "grad_scaler_overflow", "megatron_overflow", "sdc")
 #: NVML is polled every this many monitored steps.
 NVML_POLL_EVERY = 10
 

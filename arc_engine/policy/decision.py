@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ class Decision:
     findings: tuple[Finding, ...] = ()
     escape: bool = False  # a ROLLBACK that also perturbs the weights and skips ahead (ARC's ESCAPING state)
     exit_code: int = EXIT_ABORT  # for ABORT
+    #: a dynamic loss scaler skipped the step itself (non-finite gradients at a finite loss): a routine overflow
+    overflow: bool = False
 
     @property
     def applies_update(self) -> bool:
@@ -48,42 +51,61 @@ class DecisionPolicy:
     """Turns findings into a :class:`Decision`, escalating runs of skipped steps.
 
     Pure given its state: the same findings and state give the same decision on every rank.
+
+    A step a dynamic loss scaler skipped itself (``overflow=True``) is routine while the scaler searches its scale:
+    it is a SKIP whose findings are reported as warnings at most, counted apart from the other skips and escalated
+    only past ``max_consecutive_overflow_skips``.
     """
 
     def __init__(self, config: PolicyConfig, *, can_rollback: bool = False) -> None:
         self.config = config
         self.can_rollback = can_rollback
         self.consecutive_skips = 0
+        self.consecutive_overflow_skips = 0
         self.skipped_steps = 0
 
-    def decide(self, step: int, findings: list[Finding]) -> Decision:
+    def decide(self, step: int, findings: list[Finding], *, overflow: bool = False) -> Decision:
+        if overflow:
+            findings = [f if f.severity <= Severity.WARNING else dataclasses.replace(f, severity=Severity.WARNING)
+                        for f in findings]
         action = max((f.action for f in findings), default=Action.NONE)
+        if overflow:
+            action = max(action, Action.SKIP)
         extra: list[Finding] = []
-        if action == Action.SKIP and self.consecutive_skips + 1 > self.config.max_consecutive_skips:
+        count, bound, key = (self.consecutive_overflow_skips, self.config.max_consecutive_overflow_skips,
+                             "max_consecutive_overflow_skips") if overflow else \
+            (self.consecutive_skips, self.config.max_consecutive_skips, "max_consecutive_skips")
+        if action == Action.SKIP and count + 1 > bound:
             action = Action.parse(self.config.on_persistent_failure)
+            what = "steps would be skipped for a loss-scale overflow" if overflow else "steps would be skipped"
             extra.append(Finding(
                 "policy", action, Severity.CRITICAL,
-                f"{self.consecutive_skips + 1} consecutive steps would be skipped "
-                f"(policy.max_consecutive_skips = {self.config.max_consecutive_skips}): the fault is persistent",
-                values={"consecutive_skips": self.consecutive_skips + 1}))
+                f"{count + 1} consecutive {what} (policy.{key} = {bound}): the fault is persistent",
+                values={"consecutive_skips": count + 1, "overflow": overflow}))
         if action == Action.ROLLBACK and not self.can_rollback:
             action = Action.ABORT
             extra.append(Finding("policy", Action.ABORT, Severity.CRITICAL,
                                  "rollback requested but recovery is not enabled (recovery.enabled: false): "
                                  "stopping instead"))
-        return Decision(step, action, (*findings, *extra))
+        return Decision(step, action, (*findings, *extra), overflow=overflow and action == Action.SKIP)
 
     def commit(self, decision: Decision) -> None:
-        """Record that ``decision`` was carried out."""
-        if decision.action == Action.SKIP:
+        """Record that ``decision`` was carried out. ``skipped_steps`` counts arc_engine's own skips; a scaler's
+        overflow skip neither counts there nor ends a run of them."""
+        if decision.overflow:
+            self.consecutive_overflow_skips += 1
+        elif decision.action == Action.SKIP:
             self.consecutive_skips += 1
             self.skipped_steps += 1
-        else:  # an applied step ends the run of skips; so does a rollback (it changes the state)
+        else:  # an applied step ends the runs of skips; so does a rollback (it changes the state)
             self.consecutive_skips = 0
+            self.consecutive_overflow_skips = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps}
+        return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
+                "consecutive_overflow_skips": self.consecutive_overflow_skips}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_overflow_skips = int(state.get("consecutive_overflow_skips", 0))

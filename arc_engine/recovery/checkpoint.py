@@ -69,6 +69,25 @@ __all__ = ["CheckpointError", "CheckpointManager", "CommitInfo", "DiskFormat"]
 logger = logging.getLogger("arc_engine")
 
 
+
+@functools.cache
+def _async_save_parameters() -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(dcp.async_save).parameters)
+
+
+def _async_save_options(group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """``dcp.async_save``'s options that this torch has: ``async_stager`` (torch >= 2.9; the state is staged
+    already, so DCP copies nothing; before, DCP stages a second host copy) and ``no_dist`` (a job without a group)."""
+    names = _async_save_parameters()
+    options: dict[str, Any] = {}
+    if "async_stager" in names:
+        options["async_stager"] = AlreadyStaged()
+    if "no_dist" in names:
+        options["no_dist"] = group is None
+    return options
+
 class DiskFormat(Protocol):
     """A backend's own layout inside a checkpoint directory, written by DCP on the checkpoint group.
 
@@ -211,8 +230,7 @@ class CheckpointManager:
             self._worker = threading.Thread(target=self._work, name="arc-checkpoint-commit", daemon=True)
             self._worker.start()
         upload = dcp.async_save(staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
-                                planner=planner, process_group=self._group, async_stager=AlreadyStaged(),
-                                no_dist=self._group is None)
+                                planner=planner, process_group=self._group, **_async_save_options(self._group))
         self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload)
         self.saves["started"] += 1
         self._jobs.put(self._job)
@@ -275,6 +293,8 @@ class CheckpointManager:
         save_id = None
         try:
             dcp_metadata = job.upload.result(timeout=max(0.0, deadline - time.monotonic()))
+            if getattr(dcp_metadata, "storage_data", None) is None:  # torch < 2.10 fills in a copy: read what it wrote
+                dcp_metadata = FileSystemReader(job.step_dir).read_metadata()
             storage_meta = getattr(dcp_metadata, "storage_meta", None)
             save_id = getattr(storage_meta, "save_id", None)
             job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata), *self._common_files()}

@@ -126,11 +126,12 @@ class TorchTrainState:
     reshardable = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any | None = None, *, rank: int = 0) -> None:
+                 lr_scheduler: Any | None = None, *, rank: int = 0, grad_scaler: Any | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.rank = rank
+        self.grad_scaler = grad_scaler  # a torch.amp GradScaler: its scale and growth tracker roll back too
 
     def live_tensors(self) -> list[torch.Tensor]:
         tensors = [local_tensor(p) for p in self.model.parameters()]
@@ -148,12 +149,17 @@ class TorchTrainState:
 
     def extra_state(self) -> dict[str, Any]:
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        return {"param_groups": group_hyperparameters(self.optimizer), "lr_scheduler": scheduler}
+        extra = {"param_groups": group_hyperparameters(self.optimizer), "lr_scheduler": scheduler}
+        if self.grad_scaler is not None:  # (a host read of the scale, at snapshot time only)
+            extra["grad_scaler"] = self.grad_scaler.state_dict()
+        return extra
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         load_group_hyperparameters(self.optimizer, state["param_groups"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     def dcp_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU ranks over gloo: every CUDA-to-CPU shim it needs, in one place.
+"""Run megatron-core (0.16.1 .. 0.19.x) on CPU ranks over gloo: every CUDA-to-CPU shim it needs, in one place.
 
 Imported only by tests and by ``scripts/train_megatron_gpt.py --cpu``; the library never imports it. Call
 :func:`install` in each rank process before building any megatron model (megatron may already be imported). It
@@ -20,15 +20,19 @@ these places:
   and rerun_state_machine.py hard-code CUDA devices and compare ``param.type()`` to CUDA type names.
 - ``moe_utils.te_general_gemm = None``: the router's gating GEMM reads that name, which is only bound when
   Transformer Engine imports (NameError otherwise).
-- ``torch.cuda.synchronize`` -> no-op: pipeline P2P with ``batch_p2p_comm`` (PP > 1) calls it after every exchange.
+- ``torch.cuda.synchronize`` -> no-op: pipeline P2P with ``batch_p2p_comm`` (PP > 1) calls it after every exchange,
+  and from 0.19 on ``Timer.start`` (``core/timers.py``) calls it on every run. On a CUDA build of torch without a
+  GPU the real one fails with "Found no NVIDIA driver".
 - ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` / ``Event`` -> inert stand-ins, and
   ``token_dispatcher.maybe_move_tensor_to_cpu`` returns numpy split sizes: the alltoall MoE dispatcher copies its
-  split sizes device-to-host on a side stream and only converts them to numpy when the tensor ``is_cuda``.
+  split sizes device-to-host on a side stream and only converts them to numpy when the tensor ``is_cuda``; from 0.19
+  on Megatron-LM's ``_ddp_wrap`` creates a ``torch.cuda.Stream()`` for plain DDP too.
 - ``WrappedTorchNorm`` accepts ``sequence_parallel`` and tags its parameters ``.sequence_parallel = True``: TP with
   MoE requires sequence parallelism, the local spec's torch norm asserts it off (apex's norm would allow it), and
   ``finalize_model_grads`` all-reduces norm grads over TP only for parameters carrying that tag.
 
-Megatron-LM's own training code (``megatron/training`` from a checkout) needs a few more: :func:`install_megatron_lm`.
+Megatron-LM's own training code (``megatron/training``: from a checkout, or the package the megatron-core 0.19
+wheel ships) needs a few more: :func:`install_megatron_lm`.
 """
 
 from __future__ import annotations
@@ -196,7 +200,8 @@ _megatron_lm_installed = False
 
 def install_megatron_lm() -> None:
     """Everything :func:`install` does, plus what Megatron-LM's own training code (``megatron/training`` from a
-    checkout, at tag ``core_v0.16.1``) needs on CPU ranks over gloo (idempotent; same rules as :func:`install`):
+    checkout at tag ``core_v0.16.1``, or the package megatron-core 0.19.2 ships) needs on CPU ranks over gloo
+    (idempotent; same rules as :func:`install`):
 
     - ``pretrain()`` calls ``initialize_megatron`` without ``allow_no_cuda``, which asserts
       ``torch.cuda.is_available()``: ``training.initialize_megatron`` is wrapped to pass ``allow_no_cuda=True``
@@ -206,32 +211,40 @@ def install_megatron_lm() -> None:
       is a no-op.
     - ``validate_args`` reads the GPU's architecture (``get_device_arch_version``, from
       ``torch.cuda.get_device_properties``): it reports 0, i.e. not Blackwell, so TP > 1 still asserts
-      ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment.
+      ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment. The function lives in ``training/utils.py`` (0.16) or
+      ``training/utils/common_utils.py`` (0.19); every module that imported it gets the stand-in.
     - ``_compile_dependencies`` runs ``make`` on ``megatron/core/datasets`` (pybind11, a compiler, a writable
-      source tree) and builds the fused CUDA kernels with nvcc: the dataset helpers are taken as built when
-      ``helpers_cpp`` imports (the installed megatron-core wheel ships them), and the fused kernels are not loaded.
+      source tree) and, before 0.19, builds the fused CUDA kernels with nvcc: the dataset helpers are taken as built
+      when ``helpers_cpp`` imports (the installed megatron-core wheel ships them), and the fused kernels (where
+      ``megatron.legacy`` still has them) are not loaded.
     - ``initialize.py`` imports ``enable_batch_invariant_mode`` from megatron-core's Triton kernels, which import
       ``triton`` (a CUDA-only package): without Triton, that module is replaced by a stand-in whose functions
       raise (``--batch-invariant-mode`` is unavailable on CPU).
     - ``set_jit_fusion_options`` warms up the ``torch.compile``-d bias-GeLU / bias-dropout-add fusions on CUDA
       tensors: the warm-up is skipped (pass ``--no-bias-gelu-fusion --no-bias-dropout-fusion`` so the model does
-      not compile them either).
+      not compile them either). 0.19 passes it ``tp_size=``: the stand-in takes any arguments.
     """
     global _megatron_lm_installed
     if _megatron_lm_installed:
         return
     install()
     _stand_in_batch_invariant_kernels()
+    import importlib
+    import sys
     from functools import partial
 
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.legacy import fused_kernels
     from megatron.training import arguments, initialize, training
     from megatron.training import utils as training_utils
 
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
-    arguments.get_device_arch_version = training_utils.get_device_arch_version = lambda: 0
+    with contextlib.suppress(ImportError):  # 0.19: training/utils is a package
+        importlib.import_module("megatron.training.utils.common_utils")
+    for module in [arguments, training_utils, *(m for name, m in list(sys.modules.items())
+                                                 if name.startswith("megatron.training.utils."))]:
+        if hasattr(module, "get_device_arch_version"):
+            module.get_device_arch_version = lambda: 0
     training.initialize_megatron = partial(initialize.initialize_megatron, allow_no_cuda=True)
     build_helpers = dataset_utils.compile_helpers
 
@@ -242,8 +255,13 @@ def install_megatron_lm() -> None:
             build_helpers()
 
     dataset_utils.compile_helpers = compile_helpers
-    fused_kernels.load = lambda args: None
-    initialize._warmup_jit_function = lambda: None
+    try:  # 0.16: _compile_dependencies builds them with nvcc; 0.19 has no megatron.legacy
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        pass
+    else:
+        fused_kernels.load = lambda args: None
+    initialize._warmup_jit_function = lambda *args, **kwargs: None
     _megatron_lm_installed = True
 
 

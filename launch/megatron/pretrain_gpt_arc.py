@@ -1,30 +1,42 @@
-"""Megatron-LM's ``pretrain_gpt.py`` with arc_engine: the same training, plus ``--arc-config`` and ``--arc.*``.
+"""Megatron-LM's GPT pretraining with arc_engine: the same training, plus ``--arc-config`` and ``--arc.*``.
 
-Run it from (or point ``MEGATRON_LM_PATH`` at) a Megatron-LM checkout, with the arguments you pass to
-``pretrain_gpt.py``::
+Two ways to get Megatron-LM's training code, with the arguments you pass to ``pretrain_gpt.py``::
 
-    MEGATRON_LM_PATH=/path/to/Megatron-LM torchrun --nproc-per-node 8 launch/megatron/pretrain_gpt_arc.py \\
-        <your pretrain_gpt.py arguments> --arc-config arc.yaml
+    # the megatron.training package megatron-core >= 0.19 ships (pip install megatron-core): no checkout
+    torchrun --nproc-per-node 8 launch/megatron/pretrain_gpt_arc.py <pretrain_gpt.py arguments> --arc-config arc.yaml
+    # a Megatron-LM checkout (its pretrain_gpt.py and megatron/training; tags core_v0.16.1 .. core_v0.19.x)
+    MEGATRON_LM_PATH=/path/to/Megatron-LM torchrun --nproc-per-node 8 launch/megatron/pretrain_gpt_arc.py ...
+
+With ``MEGATRON_LM_PATH`` (or from a working directory holding ``pretrain_gpt.py``) the forward step, loss and
+datasets are the checkout's ``pretrain_gpt.py``; without one they are ``gpt_steps.py`` beside this file
+(``pretrain_gpt.py``'s, for a plain GPT). ``pretrain()`` changed its API in 0.19: before it took the providers plus
+``extra_args_provider`` and parsed the arguments itself; from 0.19 the entry parses them
+(``parse_and_validate_args``) and passes a config container. The launcher takes whichever the installed
+``pretrain()`` accepts (read from its signature).
 
 What it adds, and nothing else:
 
-* **the flags**, through ``pretrain()``'s own ``extra_args_provider`` (Megatron-LM's parser exits on an unknown
-  flag; this is its extension point), chained after the provider ``pretrain_gpt.py`` passes (ModelOpt's, when
-  installed);
+* **the flags**, through Megatron-LM's own ``extra_args_provider`` (its parser exits on an unknown flag; this is
+  its extension point), chained after ModelOpt's when a checkout's ``pretrain_gpt.py`` passes it (before 0.19);
 * **the attachment**, right after ``setup_model_and_optimizer`` built the DDP model chunks, the optimizer and the
   scheduler (:func:`arc_engine.integrations.megatron.attach_megatron`: statistics per bucket and DistOpt shard,
   the job-wide decision, the veto through Megatron's own skip path -- ``optimizer.step()`` returns
   ``update_successful=False`` and Megatron-LM counts a skipped iteration);
-* **the loss**: each micro-batch's per-token loss from ``pretrain_gpt.loss_func``, recorded on the last pipeline
+* **the loss**: each training micro-batch's per-token loss from the loss function, recorded on the last pipeline
   stage, after arc_engine's loss faults (``faults.injections`` of kind ``nan_loss`` / ``loss_scale``) are applied to
-  the loss Megatron-LM back-propagates (Megatron-LM's own ``lm loss`` report stays the unfaulted one).
+  the loss Megatron-LM back-propagates (Megatron-LM's own ``lm loss`` report stays the unfaulted one);
+* **evaluation** runs with the hang watchdog paused (:meth:`arc_engine.Arc.watchdog_paused`), and its losses are
+  not recorded as training losses.
 
-It calls ``pretrain()`` as ``pretrain_gpt.py`` does (same providers, ``args_defaults`` and
-``get_embedding_ranks``), except for Megatron-LM's in-process restart: ``--inprocess-restart`` is refused (a
-restarted ``pretrain()`` would attach arc_engine a second time).
+Two functions of Megatron-LM's ``megatron.training.training`` module are replaced for this process, because no
+public hook hands over the optimizer or marks evaluation: ``setup_model_and_optimizer`` (wrapped: it attaches
+arc_engine to what it returns) and ``evaluate`` (wrapped: the watchdog pause and the evaluation flag).
+``pretrain()`` looks both up in that module at call time. Nothing else of Megatron-LM is changed.
 
-``--help`` lists Megatron-LM's flags only: its ``ft_integration.setup()`` parses (and answers ``--help``) before
-``pretrain()`` adds the extra providers. arc_engine's flags are documented with arc_engine's configuration.
+Megatron-LM's in-process restart is refused (``--inprocess-restart``: a restarted ``pretrain()`` would attach
+arc_engine a second time). ``--help`` is Megatron-LM's: 0.16's ``ft_integration.setup()`` answers it before the
+extra provider runs (Megatron-LM's flags only), and 0.19.2's parser fails on it (a ``%`` in one of its help
+strings); arc_engine's flags are documented with its configuration (``arc-engine show-config``).
 
 Leave Megatron-LM's own ``--check-for-nan-in-loss-and-grad`` as you like: it is fatal on a NaN where arc_engine
 skips the step, so with arc_engine you may turn it off (``--no-check-for-nan-in-loss-and-grad``).
@@ -33,22 +45,66 @@ skips the step, so with arc_engine you may turn it off (``--no-check-for-nan-in-
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import os
 import sys
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import arc_engine
 
+HERE = Path(__file__).resolve().parent
 
-def add_megatron_lm_path() -> None:
-    """Make ``pretrain_gpt`` and ``megatron.training`` importable from ``MEGATRON_LM_PATH`` (or the working
-    directory when it is a checkout)."""
-    path = os.environ.get("MEGATRON_LM_PATH") or os.getcwd()
-    if not os.path.exists(os.path.join(path, "pretrain_gpt.py")):
-        sys.exit(f"pretrain_gpt_arc: no pretrain_gpt.py in {path}; set MEGATRON_LM_PATH to a Megatron-LM checkout")
-    if path not in sys.path:
-        sys.path.insert(0, path)
+
+class GPTSteps(NamedTuple):
+    """What ``pretrain()`` calls back, from a checkout's ``pretrain_gpt.py`` or from ``gpt_steps.py``."""
+
+    forward_step: Any
+    datasets_provider: Any
+    model_provider: Any = None  # the pre-0.19 API builds the model through it
+    get_embedding_ranks: Any = None
+    extra_args_provider: Any = None  # ModelOpt's, when a checkout's pretrain_gpt.py passes it (pre-0.19 API)
+    source: str = ""
+
+
+def checkout_path() -> str | None:
+    """The Megatron-LM checkout to train from: ``MEGATRON_LM_PATH``, else the working directory when it holds
+    ``pretrain_gpt.py``; None: the installed ``megatron.training`` package. Exits when ``MEGATRON_LM_PATH`` names
+    no checkout."""
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if path:
+        if not os.path.exists(os.path.join(path, "pretrain_gpt.py")):
+            sys.exit(f"pretrain_gpt_arc: no pretrain_gpt.py in MEGATRON_LM_PATH={path}")
+        return path
+    return os.getcwd() if os.path.exists(os.path.join(os.getcwd(), "pretrain_gpt.py")) else None
+
+
+def load_gpt_steps() -> GPTSteps:
+    """The checkout's ``pretrain_gpt.py`` providers (the checkout goes first on ``sys.path`` unless it is there
+    already), or this directory's ``gpt_steps.py`` for the installed package."""
+    path = checkout_path()
+    if path is not None:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        import pretrain_gpt  # Megatron-LM's, from the checkout
+
+        model_provider = getattr(pretrain_gpt, "model_provider", None)
+        if model_provider is not None and hasattr(pretrain_gpt, "gpt_builder"):  # 0.16: the builder is passed in
+            model_provider = partial(model_provider, pretrain_gpt.gpt_builder)
+        modelopt = getattr(pretrain_gpt, "add_modelopt_args", None) \
+            if getattr(pretrain_gpt, "has_nvidia_modelopt", False) else None
+        return GPTSteps(pretrain_gpt.forward_step, pretrain_gpt.train_valid_test_datasets_provider, model_provider,
+                        getattr(pretrain_gpt, "get_embedding_ranks", None), modelopt, f"checkout {path}")
+    if importlib.util.find_spec("megatron.training") is None:
+        sys.exit("pretrain_gpt_arc: no megatron.training package (megatron-core >= 0.19 ships it) and no "
+                 "Megatron-LM checkout (set MEGATRON_LM_PATH)")
+    spec = importlib.util.spec_from_file_location("arc_gpt_steps", HERE / "gpt_steps.py")
+    assert spec is not None and spec.loader is not None
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    return GPTSteps(steps.forward_step, steps.train_valid_test_datasets_provider, source="installed megatron.training")
 
 
 def arc_args_provider(inner: Any | None = None) -> Any:
@@ -63,10 +119,11 @@ def arc_args_provider(inner: Any | None = None) -> Any:
 
 
 class ArcHooks:
-    """Holds the attached engine between Megatron-LM's setup and its loop."""
+    """Holds the attached engine between Megatron-LM's setup and its loop, and whether it is evaluating."""
 
     def __init__(self) -> None:
         self.arc: arc_engine.Arc | None = None
+        self.evaluating = False
 
     def wrap_setup(self, setup: Any) -> Any:
         """``setup_model_and_optimizer`` that attaches arc_engine to what it returns."""
@@ -85,11 +142,28 @@ class ArcHooks:
 
         return setup_model_and_optimizer
 
+    def wrap_evaluate(self, evaluate: Any) -> Any:
+        """``evaluate`` under the watchdog's pause, its losses kept out of arc_engine's."""
+
+        def evaluate_paused(*args: Any, **kwargs: Any) -> Any:
+            self.evaluating = True
+            try:
+                if self.arc is None:
+                    return evaluate(*args, **kwargs)
+                with self.arc.watchdog_paused():
+                    return evaluate(*args, **kwargs)
+            finally:
+                self.evaluating = False
+
+        return evaluate_paused
+
     def wrap_forward_step(self, forward_step: Any) -> Any:
-        """``forward_step`` whose loss function also records the micro-batch's per-token loss."""
+        """``forward_step`` whose loss function also records a training micro-batch's per-token loss."""
 
         def step(*args: Any, **kwargs: Any) -> Any:
             output, loss_func = forward_step(*args, **kwargs)
+            if self.arc is None or self.evaluating:
+                return output, loss_func
 
             def loss_with_arc(*loss_args: Any, **loss_kwargs: Any) -> Any:
                 result = loss_func(*loss_args, **loss_kwargs)
@@ -104,24 +178,39 @@ class ArcHooks:
         return step
 
 
-def main() -> None:
-    add_megatron_lm_path()
-    import pretrain_gpt  # Megatron-LM's, from the checkout
+def run_pretrain(steps: GPTSteps, forward_step: Any) -> None:
+    """Megatron-LM's ``pretrain()`` with arc_engine's flags, in the API the installed release has."""
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain, training
+    from megatron.training import pretrain
+
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
+    steps.datasets_provider.is_distributed = True
+    if "cfg_container" not in inspect.signature(pretrain).parameters:  # before 0.19: pretrain() parses
+        pretrain(steps.datasets_provider, steps.model_provider, ModelType.encoder_or_decoder, forward_step,
+                 args_defaults=defaults, extra_args_provider=arc_args_provider(steps.extra_args_provider),
+                 get_embedding_ranks=steps.get_embedding_ranks)
+        return
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=arc_args_provider(), args_defaults=defaults)
+    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(config, steps.datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             get_embedding_ranks=steps.get_embedding_ranks)
+
+
+def main() -> None:
+    steps = load_gpt_steps()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[arc_engine] pretrain_gpt_arc: Megatron-LM's pretrain() with the GPT steps of {steps.source}",
+              flush=True)
+    from megatron.training import training
 
     hooks = ArcHooks()
     training.setup_model_and_optimizer = hooks.wrap_setup(training.setup_model_and_optimizer)
-    model_provider = pretrain_gpt.model_provider
-    if hasattr(pretrain_gpt, "gpt_builder"):  # newer Megatron-LM: the builder is passed to the provider
-        model_provider = partial(model_provider, pretrain_gpt.gpt_builder)
-    inner = pretrain_gpt.add_modelopt_args if getattr(pretrain_gpt, "has_nvidia_modelopt", False) else None
-    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    training.evaluate = hooks.wrap_evaluate(training.evaluate)
     try:
-        pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 hooks.wrap_forward_step(pretrain_gpt.forward_step),
-                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=arc_args_provider(inner),
-                 get_embedding_ranks=getattr(pretrain_gpt, "get_embedding_ranks", None))
+        run_pretrain(steps, hooks.wrap_forward_step(steps.forward_step))
     except arc_engine.ArcAbort as abort:
         print(f"[arc_engine] {abort}", file=sys.stderr, flush=True)
         sys.exit(abort.exit_code)
