@@ -21,12 +21,23 @@ case "$LANE" in
   floor) defaults=(python3.10 .venv-floor "torch==2.9.1" "deepspeed==0.18.0" "") ;;
   *) echo "scripts/setup.sh: unknown ARC_LANE=${LANE} (allowed: py311, py312, floor)" >&2; exit 2 ;;
 esac
-PYTHON="${PYTHON:-${defaults[0]}}"
+find_python() {  # find_python python3.12: that interpreter, also where pyenv's shims do not expose it
+  local want="${1#python}" candidate
+  for candidate in "$1" "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/${want}."*/bin/python; do
+    if "$candidate" -c "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '${want}')" \
+        >/dev/null 2>&1; then
+      echo "$candidate"
+      return
+    fi
+  done
+  echo "$1"
+}
+PYTHON="${PYTHON:-$(find_python "${defaults[0]}")}"
 VENV="${VENV:-${defaults[1]}}"
 TORCH_SPEC="${TORCH_SPEC:-${defaults[2]}}"
 DEEPSPEED_SPEC="${DEEPSPEED_SPEC:-${defaults[3]}}"
 MEGATRON_SPEC="${MEGATRON_SPEC-${defaults[4]}}"
-if ! command -v "$PYTHON" >/dev/null 2>&1 && [ "$LANE" = py311 ]; then
+if ! "$PYTHON" --version >/dev/null 2>&1 && [ "$LANE" = py311 ]; then
   PYTHON=python3  # a machine whose default Python is the 3.11 this lane wants
 fi
 if [ ! -x "$VENV/bin/python" ]; then
