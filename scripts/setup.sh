@@ -55,8 +55,14 @@ if [ -n "$DEEPSPEED_SPEC" ] && ! "$py" -c "import deepspeed" >/dev/null 2>&1; th
   pip_install --no-build-isolation "${DEEPSPEED_SPEC}"
   # DeepSpeed JIT-builds its CPU shared-memory op on first use (about 90 s, cached in ~/.cache/torch_extensions):
   # build it here, so no test's time limit pays for it
-  "$py" -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder')
-b is None or b.load()" >/dev/null 2>&1 || echo "[setup:${LANE}] (DeepSpeed's CPU op did not build; its tests build it)"
+  timeout 600 "$py" -c "from deepspeed.accelerator import get_accelerator as a
+b = a().create_op_builder('ShareMemCommBuilder')
+b is None or b.load()" >/dev/null 2>&1 || {
+    echo "[setup:${LANE}] (DeepSpeed's CPU op did not build; its tests build it)"
+    # a build cut short leaves torch's file lock behind, and every later load would wait on it for ever
+    "$py" -c "import os; from torch.utils.cpp_extension import _get_build_directory as d
+lock = os.path.join(d('deepspeed_shm_comm', False), 'lock'); os.path.exists(lock) and os.remove(lock)" || true
+  }
 fi
 if [ -n "$MEGATRON_SPEC" ] && ! "$py" -c "import megatron.core, psutil" >/dev/null 2>&1; then
   echo "[setup:${LANE}] installing ${MEGATRON_SPEC} and psutil (its checkpointing needs it)"

@@ -208,7 +208,9 @@ def install_megatron_lm() -> None:
       (``is_available`` itself stays False for torch and everyone else).
     - ``_initialize_distributed`` creates the model-parallel groups and ``_set_random_seed`` seeds the model-parallel
       RNG tracker only when ``torch.cuda.device_count() > 0``: it reports one device, and ``torch.cuda.set_device``
-      is a no-op.
+      is a no-op. ``torch.cuda.is_available`` is pinned to False: torch answers it from ``device_count()`` when
+      ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (which importing DeepSpeed sets), and a True would make the data loader
+      pin memory on a CUDA device that is not there.
     - ``validate_args`` reads the GPU's architecture (``get_device_arch_version``, from
       ``torch.cuda.get_device_properties``): it reports 0, i.e. not Blackwell, so TP > 1 still asserts
       ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment. The function lives in ``training/utils.py`` (0.16) or
@@ -238,6 +240,7 @@ def install_megatron_lm() -> None:
     from megatron.training import utils as training_utils
 
     torch.cuda.device_count = lambda: 1
+    torch.cuda.is_available = lambda: False
     torch.cuda.set_device = lambda device: None
     with contextlib.suppress(ImportError):  # 0.19: training/utils is a package
         importlib.import_module("megatron.training.utils.common_utils")
