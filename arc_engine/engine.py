@@ -186,7 +186,10 @@ class ArcEngine:
             store = runtime.default_store()
             world = dist.get_world_size() if dist.is_initialized() else 1
             board = ProgressBoard(store, self.run_id, world) if store is not None else None
-            self.watchdog = HangWatchdog(self.config.watchdog, runtime.global_rank(), self.run_dir,
+            watchdog = self.config.watchdog  # observe mode: a hang is alerted, the rank never ended
+            if self.config.observing and watchdog.action == "abort":
+                watchdog = dataclasses.replace(watchdog, action="alert")
+            self.watchdog = HangWatchdog(watchdog, runtime.global_rank(), self.run_dir,
                                          self._watchdog_report, lambda: self.iteration, board=board,
                                          world_size=world, on_abort=self.reporter.close).start()
         self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "

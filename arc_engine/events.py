@@ -48,6 +48,8 @@ class Finding:
 
     ``ranks``: global ranks implicated (empty when the finding is about the global state).
     ``values``: the numbers that tripped the monitor, JSON-serialisable.
+    ``by_framework``: a fact rather than a request: the training framework already skipped the step itself (e.g. a
+    loss scaler's overflow), so its ``action`` stands even where arc_engine only observes.
     """
 
     detector: str
@@ -56,6 +58,7 @@ class Finding:
     message: str
     ranks: tuple[int, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
+    by_framework: bool = False
 
 
 @dataclass(frozen=True)

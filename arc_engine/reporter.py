@@ -94,6 +94,15 @@ class Reporter:
         action = decision.action.name.lower()
         for finding in decision.findings:
             self.finding(decision.step, iteration, finding, action)
+        observed = decision.observed
+        if observed is not None and observed > max(decision.action, Action.CHECKPOINT):
+            verb = {Action.SKIP: "skipped the update", Action.ROLLBACK: "rolled back",
+                    Action.ABORT: "stopped every rank"}.get(observed, observed.name.lower())
+            self.emit(Event(self.run_id, decision.step, "action", "engine",
+                            Severity.CRITICAL if observed == Action.ABORT else Severity.WARNING, action,
+                            f"observe mode: acting, arc_engine would have {verb}; nothing was done "
+                            "(policy.mode: observe)", tuple(sorted({r for f in decision.findings for r in f.ranks})),
+                            {"would_have": observed.name.lower()}, iteration=iteration))
         if decision.action in (Action.SKIP, Action.ABORT):
             skip = decision.action == Action.SKIP
             verb = "stopping every rank" if not skip else \

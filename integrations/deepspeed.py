@@ -294,7 +294,7 @@ class ZeroStepHooks:
                       "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
             finding = Finding("deepspeed_overflow", Action.SKIP, Severity.WARNING,
                               "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
-                              "norm)", (), values)
+                              "norm)", (), values, by_framework=True)
             # Under fp16 dynamic loss scaling an overflow is routine while DeepSpeed searches its scale: the policy
             # counts it apart (policy.max_consecutive_overflow_skips) unless the loss itself was non-finite.
             overflow = self.dynamic_loss_scale

@@ -445,7 +445,7 @@ class MegatronAdapter:
         return Finding("megatron_overflow", Action.SKIP, Severity.WARNING,
                        f"megatron-core's {kind} skipped the step (NaN/Inf in the gradients"
                        + (f" at loss scale {scale:g})" if self._scaler is not None else ")"), (),
-                       {"loss_scale": scale})
+                       {"loss_scale": scale}, by_framework=True)
 
     def _unscale_local_stats(self) -> None:
         """fp16: the local statistics were taken of gradients that carry the step's loss scale; divide it out

@@ -80,7 +80,7 @@ class ScalerWatch:
         scale = self.step_scale()
         return Finding("grad_scaler_overflow", Action.SKIP, Severity.WARNING,
                        f"{type(self.scaler).__name__} skipped the step (NaN/Inf in the gradients at loss scale "
-                       f"{scale:g})", (), {"loss_scale": scale})
+                       f"{scale:g})", (), {"loss_scale": scale}, by_framework=True)
 
 
 def fused_grad_scale(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:

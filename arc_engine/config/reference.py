@@ -360,6 +360,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "policy.max_consecutive_overflow_skips": KeyDoc("More steps in a row than this that a dynamic loss scaler "
                                                     "skipped itself (fp16 overflow at a finite loss) escalate; "
                                                     "they do not count towards `max_consecutive_skips`.", ">= 0"),
+    "policy.mode": KeyDoc("`act`: carry the decisions out; `observe`: detect, report and alert only (never skip, "
+                          "roll back, recompute, abort or end a rank; refuses `recovery.enabled` and "
+                          "`detectors.sdc.recompute.enabled`)."),
     "policy.on_persistent_failure": KeyDoc("What escalation does; `rollback` needs `recovery.enabled`, else it "
                                            "aborts (exit code 3)."),
     # sinks

@@ -630,11 +630,17 @@ class PolicyConfig:
     ``GradScaler``, DeepSpeed and megatron-core fp16) for non-finite gradients at a finite loss: a scaler searching
     its scale skips a few steps in a row, halving the scale each time, so these count apart and escalate only past
     this bound (32 halvings take Megatron's initial scale 2^32 to 1).
+    ``mode``: ``act`` carries the decisions out; ``observe`` detects, reports and alerts exactly as ``act`` would
+    (every finding, every event, W&B alerts, the action ``act`` would have taken) but never skips, rolls back,
+    recomputes, aborts or ends a rank: every step the framework applies is applied, the hang watchdog only alerts,
+    and no run of findings escalates. Steps the framework skips itself (a loss scaler's overflow) are still reported
+    as its skips. ``recovery.enabled`` and ``detectors.sdc.recompute.enabled`` are refused under ``observe``.
     """
 
     max_consecutive_skips: int = 5
     max_consecutive_overflow_skips: int = 32
     on_persistent_failure: Literal["abort", "rollback"] = "rollback"
+    mode: Literal["act", "observe"] = "act"
 
     def __post_init__(self) -> None:
         for key in ("max_consecutive_skips", "max_consecutive_overflow_skips"):
@@ -985,6 +991,19 @@ class ArcConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy.mode == "observe":  # settings whose only purpose is to act
+            require(not self.recovery.enabled, "recovery.enabled", self.recovery.enabled,
+                    "must be false under policy.mode: observe (observe never rolls back)")
+            require(not self.detectors.sdc.recompute.enabled, "detectors.sdc.recompute.enabled",
+                    self.detectors.sdc.recompute.enabled,
+                    "must be false under policy.mode: observe (observe never recomputes a step)")
+
+    @property
+    def observing(self) -> bool:
+        """``policy.mode: observe``: decisions are reported, never carried out."""
+        return self.policy.mode == "observe"
 
 
 __all__ = [

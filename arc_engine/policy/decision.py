@@ -41,6 +41,10 @@ class Decision:
     exit_code: int = EXIT_ABORT  # for ABORT
     #: a dynamic loss scaler skipped the step itself (non-finite gradients at a finite loss): a routine overflow
     overflow: bool = False
+    #: ``policy.mode: observe``: the step's verdict as ``act`` would have carried it out, before escalation (an
+    #: observer keeps no run of skips); ``action`` is then what happened: NONE, or the framework's own skip.
+    #: None under ``act``
+    observed: Action | None = None
 
     @property
     def applies_update(self) -> bool:
@@ -55,6 +59,10 @@ class DecisionPolicy:
     A step a dynamic loss scaler skipped itself (``overflow=True``) is routine while the scaler searches its scale:
     it is a SKIP whose findings are reported as warnings at most, counted apart from the other skips and escalated
     only past ``max_consecutive_overflow_skips``.
+
+    Under ``policy.mode: observe`` the decision records what ``act`` would have done (``observed``) and carries out
+    nothing: its action is NONE, or SKIP where the framework already skipped the step (an overflow, a finding
+    ``by_framework``), and nothing escalates.
     """
 
     def __init__(self, config: PolicyConfig, *, can_rollback: bool = False) -> None:
@@ -71,6 +79,9 @@ class DecisionPolicy:
         action = max((f.action for f in findings), default=Action.NONE)
         if overflow:
             action = max(action, Action.SKIP)
+        if self.config.mode == "observe":
+            happened = Action.SKIP if overflow or any(f.by_framework for f in findings) else Action.NONE
+            return Decision(step, happened, tuple(findings), overflow=overflow, observed=action)
         extra: list[Finding] = []
         count, bound, key = (self.consecutive_overflow_skips, self.config.max_consecutive_overflow_skips,
                              "max_consecutive_overflow_skips") if overflow else \
