@@ -78,6 +78,28 @@ class Arc:
         return self.engine.last_step_applied
 
     @property
+    def applied_steps(self) -> int:
+        """Optimizer steps whose update reached the parameters: :attr:`step` less the skipped ones (arc_engine's and
+        the framework's own), going back with a rollback to the restored state's count. What a loop that keeps its
+        own step counter (a Trainer's ``global_step``) should show. Local."""
+        return self.engine.applied_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps closed without their update so far: arc_engine's skips, the framework's own (e.g. loss-scaler
+        overflows; a step both skipped counts once) and the steps that triggered a rollback. Never goes back.
+        Local; identical on every rank."""
+        return self.engine.unapplied_steps
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks (escapes included) carried out so far; 0 without ``recovery.enabled``. A loop learns that one
+        happened when this grows across an optimizer step (or from its events: :meth:`ArcEngine.sinks` takes a sink
+        of your own). Local; identical on every rank."""
+        recovery = self.engine.recovery
+        return recovery.controller.rollbacks if recovery is not None else 0
+
+    @property
     def data_position(self) -> int:
         """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
         on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
@@ -278,7 +300,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     same action (default: the whole job, the world group; a narrower group must contain every model-parallel peer
     of its ranks). Under DDP, replicated statistics are split among the ranks of DDP's own process group whatever
     the decision group (:mod:`arc_engine.stats.partition`). ``lr_scheduler``: snapshotted and restored with the
-    training state when ``recovery`` is enabled (for DeepSpeed, the engine's own scheduler is used).
+    training state when ``recovery`` is enabled (DeepSpeed: a scheduler the loop steps outside the engine; the
+    engine's own is always restored; both at once are refused).
 
     With ``recovery.enabled`` the loop must draw its batches from :attr:`Arc.data_position` and run until
     :attr:`Arc.step` reaches its target (both go back on a rollback and are restored on a resume), and should step
@@ -308,6 +331,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     from torch.nn.parallel import DistributedDataParallel
 
     warn_if_untested_torch()
+    optimizer, grad_scaler = _unwrap_accelerate(optimizer, grad_scaler)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2: no model can be one
@@ -329,7 +353,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     if type(model).__module__.startswith("deepspeed."):
         from arc_engine.integrations.deepspeed import attach_deepspeed
 
-        return attach_deepspeed(model, config, group=group, recompute_fn=recompute_fn)
+        return attach_deepspeed(model, config, group=group, recompute_fn=recompute_fn, lr_scheduler=lr_scheduler)
     if optimizer is None:
         raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
     check_optimizer_owns(model, optimizer)
@@ -342,6 +366,18 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
 
     return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook, grad_scaler), config, group=group,
                 recompute_fn=recompute_fn)
+
+
+def _unwrap_accelerate(optimizer: Any, grad_scaler: Any) -> tuple[Any, Any]:
+    """What Hugging Face Accelerate's ``accelerator.prepare`` returns for an optimizer: an ``AcceleratedOptimizer``
+    around the torch optimizer (the hooks go on the inner one) whose ``scaler`` is the ``GradScaler`` under fp16
+    (taken unless ``grad_scaler`` is given). Under DeepSpeed the wrapper's step is the engine's: nothing to take."""
+    if optimizer is None or not type(optimizer).__module__.startswith("accelerate."):
+        return optimizer, grad_scaler
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizer: the engine is what attaches
+        return optimizer, grad_scaler
+    return inner, grad_scaler if grad_scaler is not None else getattr(optimizer, "scaler", None)
 
 
 def warn_if_untested_torch(version: str | None = None) -> bool:

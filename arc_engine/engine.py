@@ -130,6 +130,9 @@ class ArcEngine:
         self.step = 0            # optimizer steps of the training state (goes back on a rollback)
         self.iteration = 0       # step attempts, monotonic (faults and wall-clock reports use it)
         self.data_position = 0   # index of the next batch to train on, one per optimizer step
+        self.applied_steps = 0   # steps whose update reached the parameters since the start (rewound on rollback)
+        self.unapplied_steps = 0  # steps closed without their update (skips of any origin, a rollback's step)
+        self._last_applied = True  # whether the last closed step's update was applied
         self.recovery: Recovery | None = None
         self.sdc_recompute: SDCRecompute | None = None  # see use_recompute (detectors.sdc.recompute)
         self.restat: Callable[[], None] | None = None    # the adapter's re-recording of reduced statistics
@@ -471,6 +474,10 @@ class ArcEngine:
         self.step += 1
         self.iteration += 1
         self.data_position += 1
+        applied = decision is None or decision.applies_update
+        self._last_applied = applied
+        self.applied_steps += int(applied)
+        self.unapplied_steps += int(not applied)
         if self.recovery is not None:
             self.recovery.on_step_end(decision)
         if self.watchdog is not None:
@@ -570,16 +577,18 @@ class ArcEngine:
             factor *= multiplier()
         return factor
 
-    def rewind(self, step: int, data_position: int) -> None:
-        """Set the step counter and data position after a rollback or resume (local; every rank does the same)."""
+    def rewind(self, step: int, data_position: int, applied_steps: int | None = None) -> None:
+        """Set the step counter and data position (and, where the restored state recorded it, the count of applied
+        steps) after a rollback or resume (local; every rank does the same)."""
         self.step = step
         self.data_position = data_position
+        if applied_steps is not None:
+            self.applied_steps = int(applied_steps)
 
     @property
     def last_step_applied(self) -> bool:
         """False when the previous step's update was skipped (e.g. to gate an LR-scheduler step)."""
-        decision = self.last_decision
-        return decision is None or decision.step != self.step - 1 or decision.applies_update
+        return self._last_applied
 
     def _report(self, decision: Decision) -> None:
         skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP and not decision.overflow)
@@ -687,22 +696,25 @@ class ArcEngine:
         """Cumulative counters a rollback keeps but a restart restores."""
         return {"iteration": self.iteration, "monitored_steps": self.monitored_steps,
                 "framework_skipped_steps": self.framework_skipped_steps, "policy": self.policy.state_dict(),
+                "unapplied_steps": self.unapplied_steps,
                 "event_counts": dict(self.event_counts)}
 
     def load_counters_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.monitored_steps = int(state["monitored_steps"])
         self.framework_skipped_steps = int(state["framework_skipped_steps"])
+        self.unapplied_steps = int(state.get("unapplied_steps", 0))
         self.policy.load_state_dict(state["policy"])
         self.reporter.event_counts = Counter(state.get("event_counts", {}))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""
-        return {"step": self.step, "data_position": self.data_position, "monitors": self.monitor_state_dict(),
-                **self.counters_state_dict()}
+        return {"step": self.step, "data_position": self.data_position, "applied_steps": self.applied_steps,
+                "monitors": self.monitor_state_dict(), **self.counters_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rewind(int(state["step"]), int(state.get("data_position", state["step"])))
+        self.rewind(int(state["step"]), int(state.get("data_position", state["step"])),
+                    state.get("applied_steps", state["step"]))
         self.load_monitor_state_dict(state["monitors"])
         self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})
 

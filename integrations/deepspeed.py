@@ -329,6 +329,8 @@ class ZeroStepHooks:
         if self.stats.is_last_call(optimizer):
             if self.recompute_target is not None:
                 self.recompute_target.end_step()
+            if self.skip_this_step:  # DeepSpeed books it as skipped too: its own LR scheduler does not step
+                deepspeed_internals.mark_step_not_applied(self.zero)
             self.engine.finish_step()
 
 
@@ -343,7 +345,14 @@ class ZeroAdapter:
 
     shard_reduce = Reduce.SUM
 
-    def __init__(self, ds_engine: Any) -> None:
+    def __init__(self, ds_engine: Any, lr_scheduler: Any | None = None) -> None:
+        if lr_scheduler is not None and lr_scheduler is ds_engine.lr_scheduler:
+            lr_scheduler = None  # the engine's own: DeepSpeed steps it, recovery restores it as the engine's
+        elif lr_scheduler is not None and ds_engine.lr_scheduler is not None:
+            raise ValueError("arc_engine.attach: this DeepSpeed engine steps its own LR scheduler (the config's "
+                             "'scheduler' or deepspeed.initialize(lr_scheduler=)); lr_scheduler= is for a scheduler "
+                             "the training loop steps itself, next to an engine without one")
+        self.lr_scheduler = lr_scheduler
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
         self.stage = int(ds_engine.zero_optimization_stage())
@@ -413,7 +422,7 @@ class ZeroAdapter:
         from arc_engine.integrations.deepspeed_state import Zero3TrainState, ZeroTrainState
 
         state_type = Zero3TrainState if self.stage == 3 else ZeroTrainState
-        return state_type(self.ds_engine, rank=runtime.global_rank())
+        return state_type(self.ds_engine, rank=runtime.global_rank(), lr_scheduler=self.lr_scheduler)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         """The step attempt: DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught
@@ -461,7 +470,8 @@ class ZeroAdapter:
 
 
 def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = None, *,
-                     group: dist.ProcessGroup | None = None, recompute_fn: RecomputeFn | None = None) -> Arc:
+                     group: dist.ProcessGroup | None = None, recompute_fn: RecomputeFn | None = None,
+                     lr_scheduler: Any | None = None) -> Arc:
     """Attach arc_engine to a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3. Collective: call on
     every rank, once, after ``deepspeed.initialize``. ``group``: the decision group (default: the whole job).
 
@@ -477,5 +487,8 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     what every step's statistics read. A release outside the tested range (``deepspeed_internals.
     TESTED_DEEPSPEED_RANGE``) gets a warning; features whose internals it lacks are turned off and named in one
     ``compatibility`` lifecycle event (see ``deepspeed_internals.py``).
+    ``lr_scheduler``: a scheduler the loop steps itself, outside the engine (e.g. the Hugging Face Trainer's):
+    recovery snapshots and restores it with the engine; step it only when ``arc.last_step_applied``. Refused
+    (ValueError) next to an engine that steps a scheduler of its own.
     """
-    return wire(ZeroAdapter(ds_engine), config, group=group, recompute_fn=recompute_fn)
+    return wire(ZeroAdapter(ds_engine, lr_scheduler), config, group=group, recompute_fn=recompute_fn)

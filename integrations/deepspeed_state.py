@@ -42,11 +42,15 @@ class ZeroTrainState:
 
     reshardable = False
 
-    def __init__(self, ds_engine: Any, *, rank: int) -> None:
+    def __init__(self, ds_engine: Any, *, rank: int, lr_scheduler: Any | None = None) -> None:
         self.ds_engine = ds_engine
         self.zero = ds_engine.optimizer
         self.torch_optimizer = deepspeed_internals.wrapped_optimizer(self.zero)
         self.rank = rank
+        self.outside_scheduler = lr_scheduler  # one the loop steps itself (DeepSpeed's own is the engine's)
+
+    def _schedulers(self) -> list[Any]:
+        return [s for s in (self.ds_engine.lr_scheduler, self.outside_scheduler) if s is not None]
 
     def _partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 master partitions, one per parameter group (ZeRO-3: per sub-group)."""
@@ -74,16 +78,15 @@ class ZeroTrainState:
         return [t.detach() for _, t in self._model_tensors() + self._partition_state()]
 
     def extra_state(self) -> dict[str, Any]:
-        scheduler = self.ds_engine.lr_scheduler
         return {"param_groups": group_hyperparameters(self.torch_optimizer),
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "lr_schedulers": [scheduler.state_dict() for scheduler in self._schedulers()],
                 "loss_scaler": deepspeed_internals.loss_scaler_state(self.zero),
                 "counters": deepspeed_internals.engine_counters(self.ds_engine)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         load_group_hyperparameters(self.torch_optimizer, state["param_groups"])
-        if self.ds_engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.ds_engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for scheduler, saved in zip(self._schedulers(), state["lr_schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
         deepspeed_internals.restore_loss_scaler(self.zero, state["loss_scaler"])
         deepspeed_internals.restore_engine_counters(self.ds_engine, state["counters"])
 

@@ -35,9 +35,15 @@ import arc_engine.integrations
 assert "site-packages" in arc_engine.__file__, arc_engine.__file__
 names = sorted({m.name for pkg in (arc_engine, arc_engine.integrations)
                 for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")} - {"arc_engine.__main__"})
+extras = []
 for name in names:
-    importlib.import_module(name)
-print(f"[wheel] imported {len(names)} modules of arc_engine {arc_engine.__version__} from {arc_engine.__path__[0]}")
+    try:
+        importlib.import_module(name)
+    except ImportError as error:  # only a module whose extra is not installed, and it must say which
+        assert "pip install 'arc-engine[" in str(error), (name, error)
+        extras.append(name)
+print(f"[wheel] imported {len(names) - len(extras)} modules of arc_engine {arc_engine.__version__} from "
+      f"{arc_engine.__path__[0]}; {extras or 'none'} named the extra they need")
 EOF
 
 venv/bin/arc-engine validate-config "$repo/configs/default.yaml"

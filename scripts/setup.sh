@@ -10,12 +10,15 @@
 #
 # torch is installed first and pinned, so pip never resolves it on its own (an unpinned torch pulls a multi-GB CUDA
 # build). This machine's pip constraint file caps torch at 2.14.1; the py312 lane lifts it for its own installs only
-# (PIP_CONSTRAINT=/dev/null). Override any pin with TORCH_SPEC, DEEPSPEED_SPEC, MEGATRON_SPEC, PYTHON, VENV.
+# (PIP_CONSTRAINT=/dev/null). The py311 lane also installs the trainers: transformers, accelerate, lightning.
+# Override any pin with TORCH_SPEC, DEEPSPEED_SPEC, MEGATRON_SPEC, TRAINERS_SPEC, PYTHON, VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LANE="${ARC_LANE:-py311}"
+TRAINERS_DEFAULT=""
 case "$LANE" in
-  py311) defaults=(python3.11 .venv "torch==2.13.0" "deepspeed==0.19.8" "megatron-core==0.16.1") ;;
+  py311) defaults=(python3.11 .venv "torch==2.13.0" "deepspeed==0.19.8" "megatron-core==0.16.1")
+         TRAINERS_DEFAULT="transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6" ;;
   py312) defaults=(python3.12 .venv312 "torch==2.15.0" "deepspeed==0.19.8" "megatron-core==0.19.2")
          export PIP_CONSTRAINT=/dev/null ;;
   floor) defaults=(python3.10 .venv-floor "torch==2.9.1" "deepspeed==0.18.0" "") ;;
@@ -37,6 +40,7 @@ VENV="${VENV:-${defaults[1]}}"
 TORCH_SPEC="${TORCH_SPEC:-${defaults[2]}}"
 DEEPSPEED_SPEC="${DEEPSPEED_SPEC:-${defaults[3]}}"
 MEGATRON_SPEC="${MEGATRON_SPEC-${defaults[4]}}"
+TRAINERS_SPEC="${TRAINERS_SPEC-${TRAINERS_DEFAULT}}"  # the trainers of examples/: Hugging Face's, Lightning's
 if ! "$PYTHON" --version >/dev/null 2>&1 && [ "$LANE" = py311 ]; then
   PYTHON=python3  # a machine whose default Python is the 3.11 this lane wants
 fi
@@ -67,6 +71,14 @@ fi
 if [ -n "$MEGATRON_SPEC" ] && ! "$py" -c "import megatron.core, psutil" >/dev/null 2>&1; then
   echo "[setup:${LANE}] installing ${MEGATRON_SPEC} and psutil (its checkpointing needs it)"
   pip_install "${MEGATRON_SPEC}" "psutil>=5.9"
+fi
+if [ -n "$TRAINERS_SPEC" ] && ! "$py" -c "import transformers, accelerate, lightning" >/dev/null 2>&1; then
+  echo "[setup:${LANE}] installing ${TRAINERS_SPEC} (with this torch pinned)"
+  pinned="$(mktemp)"
+  "$py" -c "import torch; print(f'torch=={torch.__version__}')" > "$pinned"
+  # shellcheck disable=SC2086  # the spec is a list of requirements
+  pip_install -c "$pinned" ${TRAINERS_SPEC}
+  rm -f "$pinned"
 fi
 marker="$VENV/.arc_engine_installed"
 if ! "$py" -c "import arc_engine, pytest, pytest_timeout, ruff, wandb, matplotlib" >/dev/null 2>&1 \

@@ -350,3 +350,21 @@ def test_show_config_applies_overrides_without_a_file():
                            "--arc.detectors.loss_spike.factor=8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert yaml.safe_load(proc.stdout)["detectors"]["loss_spike"]["factor"] == 8.0
+
+
+def test_pop_arc_args_takes_arc_engines_arguments_out_of_a_foreign_command_line(tmp_path):
+    """For scripts that parse sys.argv their own way (nanoGPT's configurator): arc_engine's options leave the list,
+    every other argument stays in order, and the config is the file's with the overrides applied."""
+    from arc_engine.config import pop_arc_args
+
+    config_file = tmp_path / "arc.yaml"
+    config_file.write_text("stats: {interval: 4}\n")
+    argv = ["train.py", "config/train_gpt2.py", "--arc-config", str(config_file), "--batch_size=8",
+            "--arc.detectors.loss_spike.factor=6", "--arc.stats.interval", "2", "--compile=False"]
+    config = pop_arc_args(argv)
+    assert argv == ["train.py", "config/train_gpt2.py", "--batch_size=8", "--compile=False"]
+    assert config.stats.interval == 2 and config.detectors.loss_spike.factor == 6
+    with pytest.raises(ConfigError, match="factr"):
+        pop_arc_args(["train.py", "--arc.detectors.loss_spike.factr=6"], exit_on_error=False)
+    with pytest.raises(ConfigError):
+        pop_arc_args(["train.py", "--arc.stats.interval"], exit_on_error=False)

@@ -30,8 +30,9 @@ INTERNALS = "deepspeed_internals.py"
 #: Names that hold DeepSpeed objects in the integration sources (the ZeRO optimizer, the engine, the loss scaler).
 DEEPSPEED_NAMES = re.compile(r"(self\.)?_?(zero|zero_optimizer|ds_engine|scaler|loss_scaler|bucket)")
 
-#: The only functions that assign to a DeepSpeed object: rollback writes public attributes back.
-ALLOWED_WRITERS = {"restore_engine_counters", "restore_loss_scaler"}
+#: The only functions that assign to a DeepSpeed object: rollback writes public attributes back, and a step
+#: arc_engine skipped is booked as skipped (the ZeRO optimizer's ``overflow`` flag, which DeepSpeed resets each step).
+ALLOWED_WRITERS = {"restore_engine_counters", "restore_loss_scaler", "mark_step_not_applied"}
 
 #: DeepSpeed's documented surface that integration code may use directly, outside deepspeed_internals.py: of the
 #: engine (``deepspeed.initialize``'s first result) and of the ZeRO optimizer (its ``engine.optimizer``).

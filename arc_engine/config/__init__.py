@@ -1,6 +1,6 @@
 """Typed configuration: schema, YAML loader, command-line glue."""
 
-from arc_engine.config.cli_args import EXIT_BAD_CONFIG, add_arc_args, config_from_args
+from arc_engine.config.cli_args import EXIT_BAD_CONFIG, add_arc_args, config_from_args, pop_arc_args
 from arc_engine.config.errors import ConfigError
 from arc_engine.config.loader import from_dict, load_config, to_dict
 from arc_engine.config.schema import (
@@ -41,5 +41,6 @@ __all__ = [
     "config_from_args",
     "from_dict",
     "load_config",
+    "pop_arc_args",
     "to_dict",
 ]

@@ -6,6 +6,9 @@ Usage, next to ``deepspeed.add_config_arguments(parser)``::
     arc_engine.add_arc_args(parser)
     args = parser.parse_args()
     config = arc_engine.config_from_args(args)   # exits with code 2 and one message on a bad config
+
+Scripts that parse ``sys.argv`` their own way (nanoGPT's configurator, fire, hydra) take arc_engine's arguments out
+first: ``config = arc_engine.pop_arc_args()``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,44 @@ def config_from_args(args: argparse.Namespace, *, exit_on_error: bool = True,
     overrides = getattr(args, _OVERRIDE_DEST, None) or []
     try:
         return load_config(path, overrides, base=None if path else default)
+    except (ConfigError, OSError, UnicodeDecodeError) as err:
+        if not exit_on_error:
+            raise
+        exit_with_config_error(err)
+
+
+def pop_arc_args(argv: list[str] | None = None, *, exit_on_error: bool = True) -> ArcConfig:
+    """Remove ``--arc-config PATH`` (or ``=PATH``) and every ``--arc.<key>=VALUE`` (or ``--arc.<key> VALUE``) from
+    ``argv`` (default: ``sys.argv``, edited in place, so the script's own parser never sees them) and return the
+    config they name (the file, then the overrides in order). A bad config exits with code 2 and one message, as
+    :func:`config_from_args` (``exit_on_error=False``: ConfigError / OSError propagate); so does an option missing
+    its value."""
+    argv = sys.argv if argv is None else argv
+    path: str | None = None
+    overrides: list[str] = []
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--arc-config", "--arc_config") or name.startswith("--arc."):
+            if not eq:
+                if i + 1 >= len(argv):
+                    error = ConfigError(name.removeprefix("--arc."), None, "a value after the option")
+                    if exit_on_error:
+                        exit_with_config_error(error)
+                    raise error
+                value, i = argv[i + 1], i + 1
+            if name.startswith("--arc."):
+                overrides.append(f"{name.removeprefix('--arc.')}={value}")
+            else:
+                path = value
+        else:
+            kept.append(arg)
+        i += 1
+    argv[:] = kept
+    try:
+        return load_config(path, overrides)
     except (ConfigError, OSError, UnicodeDecodeError) as err:
         if not exit_on_error:
             raise

@@ -454,7 +454,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "recovery.lr_recovery_steps": KeyDoc("Healthy steps over which the learning rate returns linearly to the "
                                          "schedule; also the length of a recovery episode.", ">= 1"),
     "recovery.skip_data": KeyDoc("`window`: resume the data after the failed batch; `none`: replay the same "
-                                 "batches."),
+                                 "batches; `stream`: the loader cannot seek, training goes on with its next "
+                                 "batches (escapes skip none)."),
     "recovery.heal_clip_grad_norm": KeyDoc("While healing, also scale gradients to at most this global norm "
                                            "(null: no extra clipping).", "> 0 or null"),
     "recovery.max_consecutive_rollbacks": KeyDoc("Rollbacks without a new verified-stable state before the next "

@@ -873,7 +873,9 @@ class RecoveryConfig:
     verified-stable snapshots (0 = disk tier only). ``lr_reduction_factor``: the learning rate is multiplied by it
     at each rollback (compounding over consecutive rollbacks) and returns linearly to the scheduled value over
     ``lr_recovery_steps`` healthy steps. ``skip_data``: ``window`` resumes the data after the batch that failed
-    (the batches between the snapshot and the failure are not replayed), ``none`` replays them.
+    (the batches between the snapshot and the failure are not replayed), ``none`` replays them, ``stream`` is for
+    loaders that cannot seek (the Hugging Face and Lightning trainers'): training goes on with the batches the
+    loader yields next, as ``window`` would, and an escape skips no batches.
     ``heal_clip_grad_norm``: while the learning rate is reduced, also scale gradients to at most this global norm
     (unset = no extra clipping). ``max_consecutive_rollbacks``: rollbacks without a verified-stable state in
     between before the next failure escapes instead: ``perturbation_scale`` x the RMS of each parameter (or
@@ -887,7 +889,7 @@ class RecoveryConfig:
     memory_ring_mb: float = 1024.0
     lr_reduction_factor: float = 0.5
     lr_recovery_steps: int = 100
-    skip_data: Literal["window", "none"] = "window"
+    skip_data: Literal["window", "none", "stream"] = "window"
     heal_clip_grad_norm: float | None = None
     max_consecutive_rollbacks: int = 3
     perturbation_scale: float = 1.0e-3

@@ -220,7 +220,8 @@ class Recovery:
 
     def _arc_extra(self) -> dict[str, Any]:
         return {"data_position": self.engine.data_position, "monitors": self.engine.monitor_state_dict(),
-                "step": self.engine.step, "iteration": self.engine.iteration}
+                "step": self.engine.step, "iteration": self.engine.iteration,
+                "applied_steps": self.engine.applied_steps}
 
     def _size_ring(self, local_bytes: int) -> None:
         if self._ring_sized:
@@ -276,7 +277,7 @@ class Recovery:
                 state_dict["train"], stable = from_snapshot(state_dict["train"], self.state.live_tensors(),
                                                             verified.tensors)
             metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
-                        "run_id": self.engine.run_id}
+                        "run_id": self.engine.run_id, "applied_steps": verified.extra.get("applied_steps")}
             self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
             self._disk_source = weakref.ref(verified) if stable else None
         self.last_disk_step = verified.step
@@ -325,6 +326,7 @@ class Recovery:
         snapshot = self.ring.latest()
         if snapshot is not None:
             step, data_position, disk_step = snapshot.step, snapshot.extra["data_position"], None
+            applied = snapshot.extra.get("applied_steps")
         else:
             info = self._agreed_disk_latest()
             if info is None:
@@ -332,15 +334,19 @@ class Recovery:
                                            "ring empty, no committed checkpoint): continuing without rollback")
                 return
             step, data_position, disk_step = info.step, int(info.metadata["data_position"]), info.step
-        if self.config.skip_data == "window":
+            applied = info.metadata.get("applied_steps")
+        stream = self.config.skip_data == "stream"  # the loader cannot seek: it goes on with its next batch
+        if self.config.skip_data in ("window", "stream"):
             data_position = failed_position + 1
-        if decision.escape:
+        if decision.escape and not stream:
             data_position += self.config.skip_ahead_steps
+        data = "the data goes on with the loader's next batch (it cannot seek)" if stream else \
+            f"data resumes at batch {data_position}"
         self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position)
         where = f"memory snapshot of step {step}" if snapshot is not None else f"disk checkpoint of step {step}"
         kind = "escape" if decision.escape else "rollback"
         self.engine.emit_action(decision.step, kind, Severity.ERROR,
-                                f"{kind}: every rank returns to the {where}, data resumes at batch {data_position}, "
+                                f"{kind}: every rank returns to the {where}, {data}, "
                                 f"learning rate x {self.controller.lr_factor:.3g}"
                                 + (f", weights perturbed x {self.config.perturbation_scale}" if decision.escape
                                    else ""),
@@ -348,7 +354,7 @@ class Recovery:
                                  "tier": "memory" if snapshot is not None else "disk",
                                  "lr_factor": self.controller.lr_factor, "rollbacks": self.controller.rollbacks,
                                  "escapes": self.controller.escapes})
-        self.engine.rewind(step, data_position)
+        self.engine.rewind(step, data_position, applied)
 
     def _agreed_disk_latest(self) -> CommitInfo | None:
         if self.checkpoints is None:
@@ -407,6 +413,8 @@ class Recovery:
             log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
                         info.world_size, self._world())
         self.engine.load_monitor_state_dict(shared["arc"]["monitors"])
+        if shared["arc"].get("applied_steps") is not None:
+            self.engine.applied_steps = int(shared["arc"]["applied_steps"])
         if full:  # a restart: everything, including the counters a rollback keeps
             self.controller.load_state_dict(shared["controller"])
             self.engine.load_counters_state_dict(shared["engine"])

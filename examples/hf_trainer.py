@@ -1,0 +1,96 @@
+"""A Hugging Face Trainer pre-training a small GPT-2 with arc_engine: one callback added, nothing else changed.
+
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --arc-config configs/demo.yaml
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --deepspeed examples/ds_zero2.json --arc.recovery.enabled=true
+
+On CPU ranks (this repository's CI) it runs over gloo; on GPUs, over NCCL. The model is built from a config (no
+download) and the text is generated (no dataset download). ``--no-arc`` runs the same training without arc_engine;
+``--result PATH`` writes what each rank ended with (its parameters, the Trainer's step counter and log history),
+which the tests compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from arc_engine.config.cli_args import add_arc_args, config_from_args
+from arc_engine.demo.corpus import CharDataset, generate_corpus
+from arc_engine.integrations.hf import ArcCallback
+
+
+class CharWindows(Dataset):
+    """Fixed windows of a generated character corpus, as causal-LM examples (labels = inputs)."""
+
+    def __init__(self, seq_len: int, count: int) -> None:
+        self.text = CharDataset(generate_corpus(600), seq_len)
+        self.seq_len, self.count = seq_len, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = (index * 7919) % (self.text.tokens.numel() - self.seq_len)
+        window = self.text.tokens[start:start + self.seq_len]
+        return {"input_ids": window, "labels": window}
+
+
+def main() -> None:
+    parser = add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (ZeRO-1/2/3)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 through Accelerate (GPT2Block units; GPUs only)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true", help="fp16 autocast with Accelerate's GradScaler")
+    parser.add_argument("--output-dir", default="hf_trainer_out")
+    parser.add_argument("--result", default=None, help="write this rank's outcome to PATH.rank<N>.pt")
+    parser.add_argument("--no-arc", action="store_true", help="train without arc_engine")
+    args = parser.parse_args()
+    if args.fsdp and not torch.cuda.is_available():
+        parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")
+
+    config = None if args.no_arc else config_from_args(args)
+    dataset = CharWindows(seq_len=32, count=args.steps * args.batch_size * args.grad_accum * 4)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=dataset.text.vocab_size, n_positions=32, n_embd=32, n_layer=2,
+                                       n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                       eos_token_id=0))
+    training = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
+        warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+        seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
+        ddp_backend=None if torch.cuda.is_available() else "gloo", deepspeed=args.deepspeed, bf16=args.bf16, fp16=args.fp16,
+        ddp_find_unused_parameters=False, disable_tqdm=True,
+        fsdp=bool(args.fsdp),
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if args.fsdp else None)
+    callback = None if config is None else ArcCallback(config)
+    callbacks = [] if callback is None else [callback]
+    trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
+    trainer.train()
+
+    if args.result:
+        rank = training.process_index
+        params = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
+        outcome = {"params": params, "global_step": trainer.state.global_step,
+                   "log_history": json.loads(json.dumps(trainer.state.log_history)),
+                   "scheduler_last_epoch": trainer.lr_scheduler.last_epoch,
+                   "adapter": callback.arc.adapter.name if callback is not None else None}
+        path = Path(f"{args.result}.rank{rank}.pt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(outcome, path)
+    if torch.distributed.is_initialized():  # now, so no communication thread outlives the interpreter
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

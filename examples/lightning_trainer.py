@@ -1,0 +1,110 @@
+"""A PyTorch Lightning Trainer training a small GPT with arc_engine: one callback added, nothing else changed.
+
+    torchrun --nproc-per-node 2 examples/lightning_trainer.py --arc-config configs/demo.yaml
+    torchrun --nproc-per-node 8 examples/lightning_trainer.py --strategy deepspeed_stage_2   # CUDA GPUs only
+
+On CPU ranks (this repository's CI) it runs DDP over gloo (Lightning runs its DeepSpeed strategy on CUDA GPUs only).
+The model is arc_engine's demo GPT and the text is generated (no download). ``--no-arc`` runs the same training
+without arc_engine; ``--result PATH`` writes what each rank ended with, which the tests compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from arc_engine.config.cli_args import add_arc_args, config_from_args
+from arc_engine.demo.corpus import CharDataset, generate_corpus
+from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.integrations.lightning import ArcCallback
+
+SEQ_LEN = 16
+
+
+class CharWindows(Dataset):
+    """Fixed windows of a generated character corpus: (inputs, next-character targets)."""
+
+    def __init__(self, count: int) -> None:
+        self.text = CharDataset(generate_corpus(600), SEQ_LEN)
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (index * 7919) % (self.text.tokens.numel() - SEQ_LEN - 1)
+        window = self.text.tokens[start:start + SEQ_LEN + 1]
+        return window[:-1], window[1:]
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self, vocab_size: int, steps: int, lr: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(vocab_size=vocab_size, seq_len=SEQ_LEN, num_layers=2, d_model=32, num_heads=2))
+        self.steps, self.lr = steps, lr
+        self.lrs: list[float] = []  # the learning rate of every step the optimizer ran
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = self.model(inputs, targets)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=self.lr)
+        cosine = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, self.steps) / self.steps)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+
+def main() -> None:
+    parser = add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--strategy", default="ddp", help="ddp, or deepspeed_stage_1/2/3 (CUDA GPUs only)")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. 16-mixed on GPUs")
+    parser.add_argument("--result", default=None, help="write this rank's outcome to PATH.rank<N>.pt")
+    parser.add_argument("--no-arc", action="store_true", help="train without arc_engine")
+    args = parser.parse_args()
+
+    config = None if args.no_arc else config_from_args(args)
+    data = CharWindows(count=args.steps * args.batch_size * args.grad_accum * 8)
+    module = TinyGPT(data.text.vocab_size, args.steps, args.lr)
+    callback = None if config is None else ArcCallback(config)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's: Lightning checks devices x nodes against it
+    trainer = L.Trainer(accelerator="auto", devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
+                        strategy=args.strategy, precision=args.precision,
+                        max_steps=args.steps, accumulate_grad_batches=args.grad_accum, gradient_clip_val=1.0,
+                        callbacks=[] if callback is None else [callback], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
+                        deterministic=True)
+    trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False))
+
+    if args.result:
+        params = torch.cat([p.detach().float().flatten() for p in module.model.parameters()])
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        outcome = {"params": params, "global_step": trainer.global_step, "lrs": module.lrs,
+                   "scheduler_last_epoch": scheduler.last_epoch,
+                   "adapter": callback.arc.adapter.name if callback is not None else None}
+        path = Path(f"{args.result}.rank{trainer.global_rank}.pt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(outcome, path)
+    if torch.distributed.is_initialized():  # now, so no communication thread outlives the interpreter
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Hugging Face ``transformers.Trainer``: one callback, nothing else to change.
+
+    trainer = Trainer(model, args, train_dataset=train, callbacks=[ArcCallback("arc.yaml")])
+    trainer.train()
+
+At ``on_train_begin`` the callback finds what the Trainer prepared (``model_wrapped``: a DDP module, a DeepSpeed
+engine or an FSDP2 model; the optimizer Accelerate wraps, its ``GradScaler`` under fp16; the LR scheduler) and
+attaches arc_engine to it. It then keeps the Trainer honest, on every rank alike:
+
+- **the loss**: every micro-batch's training loss is recorded where the Trainer back-propagates it
+  (``accelerator.backward``), before any loss scaling and multiplied back by the gradient-accumulation steps the
+  Trainer divided it by, so what arc_engine judges is each micro-batch's loss and the step's is their mean: the
+  ``loss`` the Trainer logs. Evaluation never goes through ``backward``, so it is never recorded. Fault injection
+  (``faults``) acts on that loss.
+- **the step counter**: ``state.global_step`` counts the steps whose update was applied (:attr:`Arc.applied_steps`):
+  a skipped step does not advance it, a rollback takes it back to the restored state's count.
+- **the LR scheduler** steps only on applied steps (the Trainer already holds it back on a loss-scaler overflow),
+  and a rollback restores it with the model and optimizer (under DeepSpeed too: it lives outside the engine).
+- **the data**: the Trainer's loader cannot seek, so after a rollback training goes on with the next batches
+  (``recovery.skip_data: stream``; ``none``, replaying batches, is refused) and the events say so.
+- **the logs**: each training log the Trainer writes gains ``arc_skipped_steps``, ``arc_rollbacks`` and
+  ``arc_applied_steps``.
+- **a stop**: :class:`~arc_engine.ArcAbort` on any rank (the same step on every rank) ends training cleanly (no
+  checkpoint or evaluation of the failed state) and then the process with the abort's exit code
+  (``exit_on_abort=False``: ``trainer.train()`` raises the ``ArcAbort`` instead).
+- **the watchdog** does not count evaluation or checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from arc_engine.attach import Arc, attach
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.integrations.loops import end_with, stream_config
+from arc_engine.policy.decision import ArcAbort
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as error:  # pragma: no cover - the extra is not installed
+    raise ImportError("arc_engine.integrations.hf needs transformers (pip install 'arc-engine[hf]')") from error
+
+def _calling_trainer() -> Any | None:
+    """The ``Trainer`` whose callback handler is calling us (a few frames up the stack), if any."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class ArcCallback(TrainerCallback):
+    """arc_engine for a Hugging Face ``Trainer`` (DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 through Accelerate).
+
+    ``config``: an :class:`ArcConfig`, a YAML path or None (defaults). ``trainer``: only where the callback is
+    added to a Trainer after its construction from outside its own call stack (``trainer.add_callback``): the
+    Trainer it belongs to. ``group``: the decision group (default: the whole job). ``exit_on_abort``: end the
+    process with the abort's exit code (default) or let ``trainer.train()`` raise the ``ArcAbort``.
+    After ``on_train_begin``, :attr:`arc` is the attached :class:`~arc_engine.Arc`."""
+
+    def __init__(self, config: ArcConfig | str | Path | None = None, *, trainer: Any | None = None,
+                 group: dist.ProcessGroup | None = None, exit_on_abort: bool = True) -> None:
+        self.config = config
+        self.group = group
+        self.exit_on_abort = exit_on_abort
+        self.arc: Arc | None = None
+        self._trainer = trainer
+        self._abort: ArcAbort | None = None
+        self._step_offset = 0  # the Trainer's global_step when arc_engine attached (a resumed run's)
+        self._loss_sum: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ the Trainer's events
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer is None:
+            self._trainer = _calling_trainer()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer if self._trainer is not None else _calling_trainer()
+        if trainer is None:
+            raise RuntimeError("arc_engine ArcCallback: no Trainer found; pass it: ArcCallback(config, "
+                               "trainer=trainer)")
+        if self.arc is not None:
+            raise RuntimeError("arc_engine ArcCallback: trainer.train() ran twice with one callback; give each "
+                               "run a new ArcCallback")
+        self._trainer = trainer
+        config = self.config if isinstance(self.config, ArcConfig) else load_config(self.config)
+        config = stream_config(config)
+        model = trainer.model_wrapped
+        deepspeed = type(model).__module__.startswith("deepspeed.")
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
+                          lr_scheduler=trainer.lr_scheduler, grad_scaler=None if deepspeed else scaler)
+        self._step_offset = state.global_step - self.arc.applied_steps
+        self._wrap(trainer)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        loss_sum = getattr(self._trainer, "_tr_loss", None)  # the Trainer's running sum of logged losses
+        self._loss_sum = loss_sum.detach().clone() if isinstance(loss_sum, torch.Tensor) else None
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.arc is None:
+            return
+        # the Trainer adds 1 to global_step right after this event: leave it one short of the applied count
+        state.global_step = self._step_offset + self.arc.applied_steps - 1
+        logged = getattr(self._trainer, "_globalstep_last_logged", None)
+        if isinstance(logged, int) and logged > state.global_step + 1:  # a rollback: the next log counts from here
+            self._trainer._globalstep_last_logged = state.global_step + 1
+        loss_sum = getattr(self._trainer, "_tr_loss", None)
+        if not self.arc.last_step_applied and self._loss_sum is not None and isinstance(loss_sum, torch.Tensor):
+            loss_sum.copy_(self._loss_sum)  # the logged loss averages the applied steps only
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._abort is not None:  # nothing of the failed state is saved or evaluated
+            control.should_training_stop = True
+            control.should_save = False
+            control.should_evaluate = False
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.arc is not None:
+            self.arc.close()
+        if self._abort is not None:
+            end_with(self._abort, exit_on_abort=self.exit_on_abort)
+
+    # ------------------------------------------------------------------ what the callback wraps
+
+    def _wrap(self, trainer: Any) -> None:
+        """On these instances only (the classes are untouched): ``accelerator.backward`` records the loss and
+        catches a stop; the optimizer's ``step`` catches a stop; ``accelerator.optimizer_step_was_skipped`` is also
+        true for a step arc_engine did not apply (the Trainer then leaves its scheduler); the evaluation and
+        checkpoint saves pause the watchdog; ``log`` gains arc_engine's counters."""
+        arc = self.arc
+        assert arc is not None
+
+        def catching(fn: Any) -> Any:
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if self._abort is not None:
+                    return None
+                try:
+                    return fn(*args, **kwargs)
+                except ArcAbort as abort:
+                    self._abort = abort
+                    return None
+            return call
+
+        backward = trainer.accelerator.backward
+
+        @functools.wraps(backward)
+        def recording_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+            loss = arc.faults.on_loss(loss)
+            steps = getattr(trainer, "current_gradient_accumulation_steps", None) or \
+                trainer.args.gradient_accumulation_steps
+            arc.record_loss(loss.detach() * steps)
+            return backward(loss, **kwargs)
+
+        trainer.accelerator.backward = catching(recording_backward)
+        trainer.optimizer.step = catching(trainer.optimizer.step)
+
+        # the Trainer steps its scheduler unless accelerator.optimizer_step_was_skipped (a loss-scaler overflow):
+        # a step arc_engine did not apply counts as skipped too (a subclass for this instance: the property is the
+        # class's, and the scheduler's own step must stay out of its state_dict)
+        accelerator = trainer.accelerator
+        base = type(accelerator)
+        framework_skipped = base.optimizer_step_was_skipped
+
+        def step_was_skipped(instance: Any) -> bool:
+            return framework_skipped.fget(instance) or self._abort is not None or not arc.last_step_applied
+
+        accelerator.__class__ = type(base.__name__, (base,), {"__module__": base.__module__,
+                                                              "optimizer_step_was_skipped": property(step_was_skipped)})
+
+        if hasattr(trainer, "_evaluate"):
+            trainer._evaluate = _paused(arc, trainer._evaluate)
+        if hasattr(trainer, "_save_checkpoint"):
+            trainer._save_checkpoint = _paused(arc, trainer._save_checkpoint)
+
+        trainer_log = trainer.log
+
+        @functools.wraps(trainer_log)
+        def logging(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+            if "loss" in logs:  # a training log
+                logs = {**logs, "arc_skipped_steps": arc.skipped_steps, "arc_rollbacks": arc.rollbacks,
+                        "arc_applied_steps": arc.applied_steps}
+            return trainer_log(logs, *args, **kwargs)
+
+        trainer.log = logging
+
+
+def _paused(arc: Arc, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with arc.watchdog_paused():
+            return fn(*args, **kwargs)
+    return call
+
+
+__all__ = ["ArcCallback"]

@@ -1,0 +1,186 @@
+"""PyTorch Lightning: one callback, nothing else to change.
+
+    trainer = L.Trainer(strategy="ddp", max_steps=1000, callbacks=[ArcCallback("arc.yaml")])
+    trainer.fit(module, train_loader)
+
+At ``on_train_start`` the callback attaches arc_engine to what the strategy prepared (``trainer.strategy.model``: the
+DDP-wrapped module or the DeepSpeed engine; ``trainer.optimizers[0]``; the mixed-precision plugin's ``GradScaler``;
+the first LR scheduler) and keeps Lightning honest, on every rank alike:
+
+- **the loss**: each micro-batch's training loss is recorded as ``training_step`` returns it (before Lightning
+  divides it by ``accumulate_grad_batches``), after arc_engine's loss faults; validation never goes through
+  ``training_step``, so it is never recorded.
+- **the order**: Lightning's default precision runs the forward/backward closure inside ``optimizer.step()``, after
+  the optimizer's step pre-hooks, where arc_engine decides. The callback runs the closure first (once; the
+  optimizer then gets its result), so the decision sees this step's gradients.
+- **the step counter**: ``trainer.global_step`` counts applied steps (:attr:`Arc.applied_steps`): a skipped step
+  does not advance it, a rollback takes it back, so ``max_steps`` means applied steps.
+- **the LR scheduler** steps on applied steps only (``lr_scheduler_step`` is held back otherwise), and a rollback
+  restores it (under DeepSpeed too: Lightning steps it outside the engine).
+- **the data**: Lightning's loader cannot seek: after a rollback training goes on with the next batches
+  (``recovery.skip_data: stream``).
+- **a stop**: :class:`~arc_engine.ArcAbort` sets ``trainer.should_stop``; once ``fit`` has wound down the callback
+  ends the process with the abort's exit code (``exit_on_abort=False``: ``fit`` raises the ``ArcAbort``).
+- **the watchdog** does not count validation or checkpoint saves.
+
+Strategies: DDP (and a single device) and DeepSpeed ZeRO-1/2/3. Lightning's ``FSDPStrategy`` wraps with FSDP1, which
+arc_engine does not take (FSDP2 ``fully_shard`` models: ``ModelParallelStrategy``, through :func:`arc_engine.attach`).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from arc_engine.attach import Arc, attach
+from arc_engine.config import ArcConfig, load_config
+from arc_engine.integrations.loops import end_with, stream_config
+from arc_engine.policy.decision import ArcAbort
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as error:  # pragma: no cover - the extra is not installed
+    raise ImportError("arc_engine.integrations.lightning needs lightning (pip install 'arc-engine[lightning]')") \
+        from error
+
+def _step_progress(trainer: Any) -> Any:
+    """Lightning's count of optimizer steps, the one ``trainer.global_step`` reads (automatic optimization)."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+
+class ArcCallback(Callback):
+    """arc_engine for a Lightning ``Trainer`` (DDP or DeepSpeed strategies; automatic optimization).
+
+    ``config``: an :class:`ArcConfig`, a YAML path or None (defaults). ``group``: the decision group (default: the
+    whole job). ``exit_on_abort``: end the process with the abort's exit code once ``fit`` wound down (default) or
+    let ``fit`` raise the ``ArcAbort``. After ``on_train_start``, :attr:`arc` is the attached :class:`~arc_engine.Arc`.
+    """
+
+    def __init__(self, config: ArcConfig | str | Path | None = None, *, group: dist.ProcessGroup | None = None,
+                 exit_on_abort: bool = True) -> None:
+        self.config = config
+        self.group = group
+        self.exit_on_abort = exit_on_abort
+        self.arc: Arc | None = None
+        self._abort: ArcAbort | None = None
+        self._step_offset = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.arc is not None:
+            raise RuntimeError("arc_engine ArcCallback: fit ran twice with one callback; give each run a new one")
+        if not pl_module.automatic_optimization:
+            raise ValueError("arc_engine ArcCallback: manual optimization is not supported; attach arc_engine in "
+                             "your training_step with arc_engine.attach")
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"arc_engine ArcCallback: one optimizer is supported, this module has "
+                             f"{len(trainer.optimizers)}")
+        config = self.config if isinstance(self.config, ArcConfig) else load_config(self.config)
+        model = trainer.strategy.model
+        if type(model).__name__ == "FullyShardedDataParallel":
+            raise ValueError("arc_engine ArcCallback: Lightning's FSDPStrategy wraps the model with FSDP1, which "
+                             "arc_engine does not support; use DDP, DeepSpeed, or FSDP2 (fully_shard) with "
+                             "arc_engine.attach")
+        deepspeed = type(model).__module__.startswith("deepspeed.")
+        schedulers = trainer.lr_scheduler_configs
+        scheduler = schedulers[0].scheduler if schedulers else None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.arc = attach(model, None if deepspeed else trainer.optimizers[0], stream_config(config),
+                          group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
+        self._step_offset = trainer.global_step - self.arc.applied_steps
+        self._wrap(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.arc is not None:
+            _step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
+        if self._abort is not None:
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pause(True)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._pause(False)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.arc is not None:
+            self.arc.close()
+        if self._abort is not None:
+            end_with(self._abort, exit_on_abort=self.exit_on_abort)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.arc is not None and not isinstance(exception, SystemExit):
+            self.arc.close()
+
+    # ------------------------------------------------------------------ what the callback wraps
+
+    def _pause(self, paused: bool) -> None:
+        watchdog = self.arc.engine.watchdog if self.arc is not None else None
+        if watchdog is None:
+            return
+        if paused:
+            self._paused = watchdog.paused()
+            self._paused.__enter__()
+        elif getattr(self, "_paused", None) is not None:
+            self._paused.__exit__(None, None, None)
+            self._paused = None
+
+    def _wrap(self, trainer: Any, pl_module: Any) -> None:
+        """On the LightningModule instance only: ``training_step`` records the loss, ``optimizer_step`` runs the
+        closure before the step and turns a stop into ``should_stop``, ``lr_scheduler_step`` steps on applied steps;
+        the checkpoint save pauses the watchdog."""
+        arc = self.arc
+        assert arc is not None
+        training_step = pl_module.training_step
+
+        @functools.wraps(training_step)
+        def recording_training_step(*args: Any, **kwargs: Any) -> Any:
+            output = training_step(*args, **kwargs)
+            loss = output["loss"] if isinstance(output, dict) else output
+            if not isinstance(loss, torch.Tensor):
+                return output  # None: Lightning skips this batch's backward
+            loss = arc.faults.on_loss(loss)
+            arc.record_loss(loss.detach())
+            return {**output, "loss": loss} if isinstance(output, dict) else loss
+
+        optimizer_step = pl_module.optimizer_step
+
+        @functools.wraps(optimizer_step)
+        def closure_first(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            if self._abort is not None:
+                return None
+            if optimizer_closure is not None:
+                result = optimizer_closure()  # forward and backward now: the step's pre-hooks see its gradients
+                optimizer_closure = functools.partial(lambda value: value, result)
+            try:
+                return optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            except ArcAbort as abort:
+                self._abort = abort
+                trainer.should_stop = True
+                return None
+
+        scheduler_step = pl_module.lr_scheduler_step
+
+        @functools.wraps(scheduler_step)
+        def applied_only(scheduler: Any, metric: Any) -> Any:
+            if self._abort is not None or not arc.last_step_applied:
+                return None
+            return scheduler_step(scheduler, metric)
+
+        pl_module.training_step = recording_training_step
+        pl_module.optimizer_step = closure_first
+        pl_module.lr_scheduler_step = applied_only
+        save = trainer.save_checkpoint
+
+        @functools.wraps(save)
+        def paused_save(*args: Any, **kwargs: Any) -> Any:
+            with arc.watchdog_paused():
+                return save(*args, **kwargs)
+
+        trainer.save_checkpoint = paused_save
+
+
+__all__ = ["ArcCallback"]

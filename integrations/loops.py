@@ -1,0 +1,36 @@
+"""What the trainer callbacks (``hf.py``, ``lightning.py``) share: loops arc_engine does not own, whose loader cannot
+seek and whose stop must end the process with arc_engine's exit code."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import NoReturn
+
+from arc_engine.config import ArcConfig
+from arc_engine.policy.decision import ArcAbort
+
+log = logging.getLogger(__name__)
+
+
+def stream_config(config: ArcConfig) -> ArcConfig:
+    """``config`` for a loop whose loader cannot seek: rollbacks go on with the loader's next batches
+    (``recovery.skip_data: stream``). ValueError where it asks for the batches to be replayed (``none``)."""
+    recovery = config.recovery
+    if recovery.skip_data == "none":
+        raise ValueError("arc_engine: recovery.skip_data: none replays the batches since the snapshot, but this "
+                         "trainer's data loader cannot seek; use window or stream (the default here)")
+    if recovery.skip_data == "stream":
+        return config
+    return dataclasses.replace(config, recovery=dataclasses.replace(recovery, skip_data="stream"))
+
+
+def end_with(abort: ArcAbort, *, exit_on_abort: bool) -> NoReturn:
+    """After the trainer wound down from ``abort``: end the process with its exit code, or raise it."""
+    if not exit_on_abort:
+        raise abort
+    log.error("%s (exit code %d)", abort, abort.exit_code)
+    raise SystemExit(abort.exit_code)
+
+
+__all__ = ["end_with", "stream_config"]

@@ -1,0 +1,121 @@
+"""The Hugging Face Trainer with arc_engine's one callback (``examples/hf_trainer.py``), on 2 real gloo ranks under
+torchrun, with DDP and DeepSpeed ZeRO-2 and ZeRO-3: faults injected at (rank, step), then the Trainer's own counters,
+LR schedule, logs and parameters are checked against what arc_engine decided, on every rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_harness import free_port
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+FRAMEWORKS = {"ddp": ((), "DDP"),
+              "zero2": (("--deepspeed", str(ROOT / "examples" / "ds_zero2.json")), "DeepSpeed ZeRO-2"),
+              "zero3": (("--deepspeed", str(ROOT / "examples" / "ds_zero3.json")), "DeepSpeed ZeRO-3")}
+STEPS = 10
+NAN_STEP, SPIKE_STEP = 3, 6  # arc_engine's steps (0-based attempts)
+FAULTS = (f"--arc.faults.injections=[{{kind: nan_loss, rank: 0, step: {NAN_STEP}}}, "
+          f"{{kind: loss_scale, rank: -1, step: {SPIKE_STEP}, scale: 30.0}}]")
+RECOVERY = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
+            "--arc.detectors.loss_spike.action=rollback", "--arc.detectors.loss_spike.warmup_steps=3")
+
+
+def _train(tmp_path: Path, name: str, *args: str, expect: int = 0) -> dict[str, Any]:
+    """Run the example on 2 ranks; returns each rank's outcome and event log."""
+    out = tmp_path / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(EXAMPLE), "--steps", str(STEPS), "--output-dir", str(out / "trainer"),
+               "--result", str(out / "result"), f"--arc.run.run_dir={out}", "--arc.run.run_id=run",
+               "--arc.stats.interval=1", "--arc.sinks.all_ranks=true", "--arc.sinks.console.enabled=false", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
+    assert result.returncode == expect, (result.stdout + result.stderr)[-5000:]
+    ranks = [torch.load(out / f"result.rank{r}.pt") if (out / f"result.rank{r}.pt").exists() else None
+             for r in range(2)]
+    events = [[json.loads(line) for line in (out / "run" / f"events.jsonl.rank{r}").read_text().splitlines()]
+              if (out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(2)]
+    return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr}
+
+
+def _decisions(events: list[dict]) -> list[tuple]:
+    return [(e["step"], e["detector"], e["action"]) for e in events if e["kind"] in ("detection", "action")]
+
+
+def _train_logs(outcome: dict) -> list[dict]:
+    return [entry for entry in outcome["log_history"] if "loss" in entry]
+
+
+@pytest.mark.parametrize("framework", ["ddp", "zero2"])
+def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, framework: str) -> None:
+    extra, adapter = FRAMEWORKS[framework]
+    plain = _train(tmp_path, "plain", "--no-arc", *extra)
+    watched = _train(tmp_path, "arc", *extra)
+    for rank in range(2):
+        assert watched["ranks"][rank]["adapter"] == adapter
+        assert torch.equal(plain["ranks"][rank]["params"], watched["ranks"][rank]["params"]), rank
+        assert watched["ranks"][rank]["global_step"] == plain["ranks"][rank]["global_step"] == STEPS
+    assert torch.equal(watched["ranks"][0]["params"], watched["ranks"][1]["params"])
+    # the loss arc_engine judged is the loss the Trainer logged (the mean over ranks of each step's loss)
+    logged = [entry["loss"] for entry in _train_logs(watched["ranks"][0])]
+    assert len(logged) == STEPS and all(entry["arc_skipped_steps"] == 0 for entry in _train_logs(watched["ranks"][0]))
+
+
+@pytest.mark.parametrize("framework", ["ddp", "zero2", "zero3"])
+def test_a_nan_is_skipped_and_a_spike_rolled_back_with_the_trainers_counters_true(tmp_path: Path,
+                                                                                 framework: str) -> None:
+    """A NaN loss on rank 0 at step 3 is skipped and a 30x loss spike at step 6 rolled back (memory snapshot of
+    step 5), on both ranks alike. The Trainer's global_step counts applied steps only (it reaches max_steps after
+    STEPS + 2 attempts), its scheduler stepped once per applied step, every logged loss is finite and the learning
+    rate it logs at each global step is the clean run's at that step (the cosine never rises), and both ranks end
+    with the same finite parameters."""
+    extra, adapter = FRAMEWORKS[framework]
+    clean = _train(tmp_path, "clean", "--no-arc", *extra)
+    faulted = _train(tmp_path, "faulted", FAULTS, *RECOVERY, *extra)
+    assert _decisions(faulted["events"][0]) == _decisions(faulted["events"][1]), "ranks disagree"
+    decided = {(step, detector, action) for step, detector, action in _decisions(faulted["events"][0])}
+    assert (NAN_STEP, "non_finite", "skip") in decided and (SPIKE_STEP, "loss_spike", "rollback") in decided
+    rollback = next(e for e in faulted["events"][0] if e["detector"] == "recovery" and e["action"] == "rollback")
+    assert rollback["values"]["target_step"] == SPIKE_STEP - 1 and "cannot seek" in rollback["message"]
+    summary = next(e for e in faulted["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "summary")
+    clean_lr = {entry["step"]: entry["learning_rate"] for entry in _train_logs(clean["ranks"][0])}
+    for rank in range(2):
+        outcome = faulted["ranks"][rank]
+        assert outcome["adapter"] == adapter
+        assert outcome["global_step"] == STEPS and outcome["scheduler_last_epoch"] == STEPS, rank
+        logs = _train_logs(outcome)
+        assert all(math.isfinite(entry["loss"]) and entry["loss"] < 10 for entry in logs), logs
+        assert all(entry["learning_rate"] == clean_lr[entry["step"]] for entry in logs), logs
+        assert logs[-1]["arc_skipped_steps"] == 2 and logs[-1]["arc_rollbacks"] == 1, logs[-1]
+        assert logs[-1]["arc_applied_steps"] == STEPS
+        assert torch.isfinite(outcome["params"]).all()
+    assert torch.equal(faulted["ranks"][0]["params"], faulted["ranks"][1]["params"])
+    assert summary["values"]["steps"] == STEPS + 1  # arc's step: the rolled-back attempt was rewound
+
+
+def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_path: Path) -> None:
+    """NaN losses on rank 1 at steps 2 and 3, one skip allowed: every rank decides to stop at step 3, the first rank
+    to exit does so with exit code 3 (torchrun then ends the others and exits 1 itself), and the Trainer saves no
+    checkpoint of the failed state."""
+    nan = "--arc.faults.injections=[{kind: nan_loss, rank: 1, step: 2}, {kind: nan_loss, rank: 1, step: 3}]"
+    stopped = _train(tmp_path, "stopped", nan, "--arc.policy.max_consecutive_skips=1",
+                     "--arc.policy.on_persistent_failure=abort", expect=1)
+    assert "arc_engine stopped training at step 3" in stopped["output"], stopped["output"][-3000:]
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*3 ", stopped["output"], re.S), stopped["output"][-3000:]
+    for events in stopped["events"]:
+        assert any(e["action"] == "abort" for e in events if e["kind"] == "action"), events
+    assert not list((tmp_path / "stopped" / "trainer").glob("checkpoint-*"))

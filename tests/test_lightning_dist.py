@@ -1,0 +1,97 @@
+"""PyTorch Lightning with arc_engine's one callback (``examples/lightning_trainer.py``), on 2 real gloo ranks under
+torchrun with the DDP strategy (Lightning runs DeepSpeed on CUDA GPUs only): faults injected at (rank, step), then
+Lightning's step counter, LR schedule and parameters are checked against what arc_engine decided, on every rank."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_harness import free_port
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "lightning_trainer.py"
+STEPS = 10
+NAN_STEP, SPIKE_STEP = 3, 6
+
+
+def _train(tmp_path: Path, name: str, *args: str, expect: int = 0) -> dict[str, Any]:
+    out = tmp_path / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(EXAMPLE), "--steps", str(STEPS), "--result", str(out / "result"),
+               f"--arc.run.run_dir={out}", "--arc.run.run_id=run", "--arc.stats.interval=1",
+               "--arc.sinks.all_ranks=true", "--arc.sinks.console.enabled=false", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
+    assert result.returncode == expect, (result.stdout + result.stderr)[-5000:]
+    ranks = [torch.load(out / f"result.rank{r}.pt") if (out / f"result.rank{r}.pt").exists() else None
+             for r in range(2)]
+    events = [[json.loads(line) for line in (out / "run" / f"events.jsonl.rank{r}").read_text().splitlines()]
+              if (out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(2)]
+    return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr}
+
+
+def _decisions(events: list[dict]) -> list[tuple]:
+    return [(e["step"], e["detector"], e["action"]) for e in events if e["kind"] in ("detection", "action")]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, precision: str) -> None:
+    """fp32, and fp16 autocast with Lightning's GradScaler (on CPU ranks too): parameters and the learning rate of
+    every step bitwise as without the callback."""
+    plain = _train(tmp_path, "plain", "--no-arc", "--precision", precision)
+    watched = _train(tmp_path, "arc", "--precision", precision)
+    for rank in range(2):
+        assert watched["ranks"][rank]["adapter"] == "DDP"
+        assert torch.equal(plain["ranks"][rank]["params"], watched["ranks"][rank]["params"]), rank
+        assert watched["ranks"][rank]["global_step"] == plain["ranks"][rank]["global_step"] == STEPS
+        assert watched["ranks"][rank]["lrs"] == plain["ranks"][rank]["lrs"]
+    assert torch.equal(watched["ranks"][0]["params"], watched["ranks"][1]["params"])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_nan_is_skipped_and_a_spike_rolled_back_with_lightnings_counters_true(tmp_path: Path,
+                                                                                precision: str) -> None:
+    """A NaN loss on rank 0 at step 3 is skipped and a 30x loss spike at step 6 rolled back, on both ranks alike;
+    Lightning's global_step reaches max_steps counting applied steps only, its scheduler stepped once per applied
+    step, the learning rate never rises (the step after the skip reuses it; the rollback cuts it), and both ranks
+    end with the same finite parameters."""
+    faults = (f"--arc.faults.injections=[{{kind: nan_loss, rank: 0, step: {NAN_STEP}}}, "
+              f"{{kind: loss_scale, rank: -1, step: {SPIKE_STEP}, scale: 30.0}}]")
+    faulted = _train(tmp_path, "faulted", faults, "--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
+                     "--arc.detectors.loss_spike.action=rollback", "--arc.detectors.loss_spike.warmup_steps=3",
+                     "--precision", precision)
+    assert _decisions(faulted["events"][0]) == _decisions(faulted["events"][1]), "ranks disagree"
+    decided = set(_decisions(faulted["events"][0]))
+    assert (NAN_STEP, "non_finite", "skip") in decided and (SPIKE_STEP, "loss_spike", "rollback") in decided
+    for rank in range(2):
+        outcome = faulted["ranks"][rank]
+        assert outcome["global_step"] == STEPS and outcome["scheduler_last_epoch"] == STEPS, rank
+        lrs = outcome["lrs"]
+        assert len(lrs) == STEPS + 3  # the skip, the rolled-back step, the step the rollback undid
+        assert all(later <= earlier for earlier, later in itertools.pairwise(lrs)), lrs
+        assert lrs[NAN_STEP + 1] == lrs[NAN_STEP]  # no scheduler step for the skipped one
+        assert torch.isfinite(outcome["params"]).all()
+    assert torch.equal(faulted["ranks"][0]["params"], faulted["ranks"][1]["params"])
+
+
+def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_path: Path) -> None:
+    nan = "--arc.faults.injections=[{kind: nan_loss, rank: 1, step: 2}, {kind: nan_loss, rank: 1, step: 3}]"
+    stopped = _train(tmp_path, "stopped", nan, "--arc.policy.max_consecutive_skips=1",
+                     "--arc.policy.on_persistent_failure=abort", expect=1)
+    assert "arc_engine stopped training at step 3" in stopped["output"], stopped["output"][-3000:]
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*3 ", stopped["output"], re.S), stopped["output"][-3000:]
+    for events in stopped["events"]:
+        assert any(e["action"] == "abort" for e in events if e["kind"] == "action"), events
