@@ -68,7 +68,8 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
         seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-        ddp_backend=None if torch.cuda.is_available() else "gloo", deepspeed=args.deepspeed, bf16=args.bf16, fp16=args.fp16,
+        ddp_backend=None if torch.cuda.is_available() else "gloo", deepspeed=args.deepspeed, bf16=args.bf16,
+        fp16=args.fp16,
         ddp_find_unused_parameters=False, disable_tqdm=True,
         fsdp=bool(args.fsdp),
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if args.fsdp else None)

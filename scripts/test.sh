@@ -21,5 +21,5 @@ case "$LANE" in
   *) echo "scripts/test.sh: unknown ARC_LANE=${LANE}" >&2; exit 2 ;;
 esac
 VENV="${VENV:-$venv}"
-"$VENV/bin/ruff" check arc_engine integrations tests scripts launch
+"$VENV/bin/ruff" check arc_engine integrations tests scripts launch examples
 exec "$VENV/bin/python" -m pytest -q --durations=25 "${tests[@]}" "$@"
