@@ -50,7 +50,7 @@ GPT_ARGS = [
     "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
     "--no-rope-fusion", "--no-persist-layer-norm", "--distributed-backend", "gloo", "--use-distributed-optimizer",
-    "--no-check-for-nan-in-loss-and-grad", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
+    "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
 ]
 # arc_engine steps count from 0: step s is Megatron-LM's iteration s + 1
 NAN_LOSS_STEP, SPIKE_STEP = 4, 7
@@ -191,3 +191,48 @@ recovery:
     assert f"loading distributed checkpoint from {checkpoints} at iteration {tracked}" in output, output[-4000:]
     logged = sorted(int(it) for it, _, _ in ITERATION_LOG.findall(output))
     assert logged == list(range(tracked + 1, total + 1)), output[-4000:]
+
+
+def test_a_rollback_under_pretrain_relaunches_from_the_checkpoint_skipping_the_bad_iterations(tmp_path: Path) -> None:
+    """``pretrain()`` owns the iteration counter and the data, so the launcher rolls back the Megatron way: a 30x loss
+    spike at step 6 with ``loss_spike.action: rollback`` stops every rank with exit code 7 once the newest disk
+    checkpoint is committed, and ``relaunch.json`` and the printed flags name it and the iterations to skip. The same
+    command relaunched with those flags (``--load``, ``--iterations-to-skip``) resumes at the checkpoint's iteration,
+    skips the bad iterations' batches and trains to the end."""
+    checkpoints = tmp_path / "checkpoints"
+    config = tmp_path / "arc.yaml"
+    config.write_text(f"""\
+run: {{run_id: relaunch, run_dir: {tmp_path / 'runs'}}}
+stats: {{interval: 1}}
+recovery:
+  enabled: true
+  checkpoint_freq: 1
+  checkpoint: {{dir: {checkpoints}, every_steps: 2}}
+detectors:
+  loss_spike: {{warmup_steps: 3, action: rollback}}
+faults:
+  injections: [{{kind: loss_scale, rank: -1, step: {SPIKE_STEP}, scale: 30.0}}]
+""")
+    iterations = 9
+    args = [*GPT_ARGS, "--eval-iters", "0", "--eval-interval", "1000", "--tensor-model-parallel-size", "2"]
+    args[args.index("--train-iters") + 1] = str(iterations)
+    first = _torchrun(tmp_path, *args, "--arc-config", str(config))
+    output = first.stdout + first.stderr
+    assert first.returncode != 0 and re.search(r"Root Cause.*?exitcode\s*:\s*7 ", output, re.S), output[-4000:]
+    plan = json.loads((tmp_path / "runs" / "relaunch" / "relaunch.json").read_text())
+    target = plan["checkpoint_step"]
+    assert plan["failed_step"] == SPIKE_STEP and 0 < target <= SPIKE_STEP
+    assert plan["skip_steps"] == list(range(target, SPIKE_STEP + 1))
+    assert int((checkpoints / "latest_checkpointed_iteration.txt").read_text()) == target
+    flags = re.search(r"relaunch with: (.*)", output).group(1).split()
+    skipped = [step + 1 for step in plan["skip_steps"]]
+    assert flags == ["--load", str(checkpoints), "--iterations-to-skip", *map(str, skipped)], flags
+
+    # the relaunch: same command, no fault this time (a data-caused spike would be skipped with its batch)
+    config.write_text(config.read_text().split("faults:")[0])
+    second = _torchrun(tmp_path, *args, "--arc-config", str(config), *flags, "--no-load-rng", "--no-load-optim")
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    assert f"at iteration {target}" in output, output[-4000:]
+    logged = sorted(int(it) for it, _, _ in ITERATION_LOG.findall(output))
+    assert logged == [it for it in range(target + 1, iterations + 1) if it not in skipped], (logged, output[-3000:])

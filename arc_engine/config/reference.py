@@ -462,6 +462,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                  "failure escapes instead.", ">= 1"),
     "recovery.perturbation_scale": KeyDoc("Escape: Gaussian noise of this many times each parameter's RMS on the "
                                           "restored weights.", ">= 0"),
+    "recovery.rollback": KeyDoc("`in_process`: restore the state in the running job; `relaunch`: stop every rank "
+                                "(exit code 7) and write `relaunch.json` (the checkpoint to load, the batches to "
+                                "skip) for loops that own the iteration counter (Megatron-LM's `pretrain()`)."),
     "recovery.skip_ahead_steps": KeyDoc("Escape: batches skipped.", ">= 0"),
     "recovery.max_escapes": KeyDoc("Escapes in one recovery episode before training stops with exit code 4.",
                                    ">= 0"),

@@ -875,7 +875,11 @@ class RecoveryConfig:
     ``lr_recovery_steps`` healthy steps. ``skip_data``: ``window`` resumes the data after the batch that failed
     (the batches between the snapshot and the failure are not replayed), ``none`` replays them, ``stream`` is for
     loaders that cannot seek (the Hugging Face and Lightning trainers'): training goes on with the batches the
-    loader yields next, as ``window`` would, and an escape skips no batches.
+    loader yields next, as ``window`` would, and an escape skips no batches. ``rollback``: ``in_process`` restores
+    the state in the running job; ``relaunch`` (for loops that own the iteration counter and the data, like
+    Megatron-LM's ``pretrain()``) stops every rank with exit code 7 once the newest disk checkpoint is committed,
+    writing ``relaunch.json`` in the run directory: the checkpoint to load and the steps whose batches to skip
+    (per ``skip_data``); it needs the disk tier (``checkpoint.every_steps``).
     ``heal_clip_grad_norm``: while the learning rate is reduced, also scale gradients to at most this global norm
     (unset = no extra clipping). ``max_consecutive_rollbacks``: rollbacks without a verified-stable state in
     between before the next failure escapes instead: ``perturbation_scale`` x the RMS of each parameter (or
@@ -890,6 +894,7 @@ class RecoveryConfig:
     lr_reduction_factor: float = 0.5
     lr_recovery_steps: int = 100
     skip_data: Literal["window", "none", "stream"] = "window"
+    rollback: Literal["in_process", "relaunch"] = "in_process"
     heal_clip_grad_norm: float | None = None
     max_consecutive_rollbacks: int = 3
     perturbation_scale: float = 1.0e-3
@@ -911,6 +916,8 @@ class RecoveryConfig:
         require(self.perturbation_scale >= 0, "perturbation_scale", self.perturbation_scale, "must be >= 0")
         require(self.skip_ahead_steps >= 0, "skip_ahead_steps", self.skip_ahead_steps, "must be an integer >= 0")
         require(self.max_escapes >= 0, "max_escapes", self.max_escapes, "must be an integer >= 0")
+        require(self.rollback != "relaunch" or self.checkpoint.every_steps > 0, "rollback", self.rollback,
+                "relaunch needs the disk tier: set recovery.checkpoint.every_steps > 0")
 
 
 @dataclass(kw_only=True)

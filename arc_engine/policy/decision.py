@@ -19,6 +19,10 @@ EXIT_FAULTY_DEVICE = 5
 #: Exit code of a rank the hang watchdog ended (``watchdog.action: abort``): no step completed for ``abort_after``
 #: timeouts in a row; the ``hang`` event names the ranks that stopped.
 EXIT_HANG = 6
+#: Exit code of a run that rolls back by relaunching (``recovery.rollback: relaunch``, e.g. under Megatron-LM's
+#: ``pretrain()``, which owns the iteration counter and the data): relaunch loading the checkpoint and skipping the
+#: batches that ``relaunch.json`` in the run directory names.
+EXIT_RELAUNCH = 7
 
 
 class ArcAbort(RuntimeError):

@@ -21,8 +21,11 @@ optimizer step (:attr:`Recovery.lr_factor`, :meth:`Recovery.clip_coefficient`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -34,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import runtime
-from arc_engine.events import Action, Severity
-from arc_engine.policy.decision import Decision
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.policy.decision import EXIT_RELAUNCH, Decision
 from arc_engine.recovery import portable
 from arc_engine.recovery.checkpoint import CheckpointManager, CommitInfo, DiskFormat
 from arc_engine.recovery.controller import RecoveryController
@@ -57,6 +60,9 @@ if TYPE_CHECKING:
     from arc_engine.engine import ArcEngine
 
 log = logging.getLogger("arc_engine")
+
+#: What ``recovery.rollback: relaunch`` writes in the run directory before every rank stops with exit code 7.
+RELAUNCH_FILE = "relaunch.json"
 
 
 @dataclass
@@ -246,6 +252,8 @@ class Recovery:
         """Resolve a rollback, then verify or drop the candidate. Call on every rank with the agreed decision,
         before the optimizer applies anything. May start an async disk save (collective on the checkpoint group)."""
         decision = self.controller.resolve(decision, has_target=self.has_target())
+        if decision.action == Action.ROLLBACK and self.config.rollback == "relaunch":
+            decision = self._relaunch(decision)
         candidate, self.candidate = self.candidate, None
         if candidate is not None:
             candidate.fence()  # CUDA: the update is queued after the snapshot's copies (no host sync)
@@ -355,6 +363,35 @@ class Recovery:
                                  "lr_factor": self.controller.lr_factor, "rollbacks": self.controller.rollbacks,
                                  "escapes": self.controller.escapes})
         self.engine.rewind(step, data_position, applied)
+
+    def _relaunch(self, decision: Decision) -> Decision:
+        """``recovery.rollback: relaunch``: the rollback is a stop with :data:`EXIT_RELAUNCH` once the newest disk
+        checkpoint is committed (in-flight saves drained, the target agreed), and ``relaunch.json`` (written by the
+        group's first rank) says what the relaunch loads and which steps' batches it skips. Collective (every rank
+        calls it with the same decision)."""
+        info = self._agreed_disk_latest()
+        failed = self.engine.step
+        if info is None:
+            note = Finding("recovery", Action.ABORT, Severity.CRITICAL,
+                           "rollback by relaunch: no committed disk checkpoint to relaunch from "
+                           "(recovery.checkpoint.every_steps, recovery.checkpoint.dir): stopping (exit code 3)")
+            return dataclasses.replace(decision, action=Action.ABORT, findings=(*decision.findings, note))
+        skip = [] if self.config.skip_data == "none" else list(range(info.step, failed + 1))
+        plan = {"checkpoint_dir": str(info.path.parent), "checkpoint": str(info.path), "checkpoint_step": info.step,
+                "failed_step": failed, "skip_steps": skip, "exit_code": EXIT_RELAUNCH}
+        if self.group is None or dist.get_rank(self.group) == 0:
+            path = self.engine.run_dir / RELAUNCH_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(plan, indent=1) + "\n")
+            os.replace(tmp, path)
+        batches = f"skipping the batches of steps {skip[0]}..{skip[-1]}" if skip else "replaying the same batches"
+        note = Finding("recovery", Action.ABORT, Severity.ERROR,
+                       f"rollback by relaunch: every rank stops (exit code {EXIT_RELAUNCH}); relaunch loading the "
+                       f"checkpoint of step {info.step} ({info.path}) and {batches} ({RELAUNCH_FILE} in the run "
+                       "directory)", values=plan)
+        return dataclasses.replace(decision, action=Action.ABORT, exit_code=EXIT_RELAUNCH,
+                                   findings=(*decision.findings, note))
 
     def _agreed_disk_latest(self) -> CommitInfo | None:
         if self.checkpoints is None:

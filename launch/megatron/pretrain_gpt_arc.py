@@ -26,27 +26,34 @@ What it adds, and nothing else:
   stage, after arc_engine's loss faults (``faults.injections`` of kind ``nan_loss`` / ``loss_scale``) are applied to
   the loss Megatron-LM back-propagates (Megatron-LM's own ``lm loss`` report stays the unfaulted one);
 * **evaluation** runs with the hang watchdog paused (:meth:`arc_engine.Arc.watchdog_paused`), and its losses are
-  not recorded as training losses.
+  not recorded as training losses; so do checkpoint saves;
+* **Megatron-LM's NaN check** (``--check-for-nan-in-loss-and-grad``, fatal on a NaN) defaults to off: arc_engine
+  skips such a step on every rank;
+* **rollback by relaunch**: ``pretrain()`` owns the iteration counter and the data, so with ``recovery.enabled`` a
+  rollback stops every rank with exit code 7 once the newest disk checkpoint (Megatron-LM's format) is committed,
+  and prints the ``--load`` / ``--iterations-to-skip`` flags of the relaunch (also in ``relaunch.json``).
 
-Two functions of Megatron-LM's ``megatron.training.training`` module are replaced for this process, because no
+Four functions of Megatron-LM's ``megatron.training.training`` module are replaced for this process, because no
 public hook hands over the optimizer or marks evaluation: ``setup_model_and_optimizer`` (wrapped: it attaches
-arc_engine to what it returns) and ``evaluate`` (wrapped: the watchdog pause and the evaluation flag).
-``pretrain()`` looks both up in that module at call time. Nothing else of Megatron-LM is changed.
+arc_engine to what it returns), ``evaluate`` (wrapped: the watchdog pause and the evaluation flag),
+``save_checkpoint`` (the watchdog pause) and ``dummy_train_step`` (an ``--iterations-to-skip`` iteration moves
+arc_engine's step with Megatron-LM's iteration). ``pretrain()`` looks them up in that module at call time. Nothing
+else of Megatron-LM is changed.
 
 Megatron-LM's in-process restart is refused (``--inprocess-restart``: a restarted ``pretrain()`` would attach
 arc_engine a second time). ``--help`` is Megatron-LM's: 0.16's ``ft_integration.setup()`` answers it before the
 extra provider runs (Megatron-LM's flags only), and 0.19.2's parser fails on it (a ``%`` in one of its help
 strings); arc_engine's flags are documented with its configuration (``arc-engine show-config``).
 
-Leave Megatron-LM's own ``--check-for-nan-in-loss-and-grad`` as you like: it is fatal on a NaN where arc_engine
-skips the step, so with arc_engine you may turn it off (``--no-check-for-nan-in-loss-and-grad``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from functools import partial
@@ -54,6 +61,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import arc_engine
+from arc_engine.policy.decision import EXIT_RELAUNCH
 
 HERE = Path(__file__).resolve().parent
 
@@ -113,6 +121,9 @@ def arc_args_provider(inner: Any | None = None) -> Any:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if inner is not None:
             parser = inner(parser)
+        # arc_engine judges NaN/Inf losses and gradients job-wide and skips the step; Megatron-LM's own check is
+        # fatal on a NaN, so it is off by default here (its parser has no flag to turn it back on)
+        parser.set_defaults(check_for_nan_in_loss_and_grad=False)
         return arc_engine.add_arc_args(parser)
 
     return provider
@@ -136,8 +147,13 @@ class ArcHooks:
             if getattr(get_args(), "inprocess_restart", False):
                 raise SystemExit("pretrain_gpt_arc: --inprocess-restart is not supported with arc_engine")
             model, optimizer, scheduler = setup(*args, **kwargs)
-            self.arc = attach_megatron(model, optimizer, arc_engine.config_from_args(get_args()),
+            self.arc = attach_megatron(model, optimizer, relaunch_config(arc_engine.config_from_args(get_args())),
                                        lr_scheduler=scheduler, checkpoint_args=get_args)
+            # arc_engine's step s is Megatron-LM's iteration s + 1, also after a --load (whatever arc_engine resumed)
+            engine = self.arc.engine
+            start = int(getattr(get_args(), "iteration", 0) or 0)
+            if engine.step != start:
+                engine.rewind(start, engine.data_position - engine.step + start)
             return model, optimizer, scheduler
 
         return setup_model_and_optimizer
@@ -156,6 +172,30 @@ class ArcHooks:
                 self.evaluating = False
 
         return evaluate_paused
+
+    def wrap_save(self, save: Any) -> Any:
+        """``save_checkpoint`` under the watchdog's pause (a save can outlast the hang timeout)."""
+
+        def save_paused(*args: Any, **kwargs: Any) -> Any:
+            if self.arc is None:
+                return save(*args, **kwargs)
+            with self.arc.watchdog_paused():
+                return save(*args, **kwargs)
+
+        return save_paused
+
+    def wrap_skip(self, dummy_step: Any) -> Any:
+        """``dummy_train_step``, Megatron-LM's pass over an iteration of ``--iterations-to-skip``: arc_engine's step
+        counter moves with the iteration (no decision: nothing trains)."""
+
+        def skipped(*args: Any, **kwargs: Any) -> Any:
+            result = dummy_step(*args, **kwargs)
+            if self.arc is not None:
+                engine = self.arc.engine
+                engine.rewind(engine.step + 1, engine.data_position + 1)
+            return result
+
+        return skipped
 
     def wrap_forward_step(self, forward_step: Any) -> Any:
         """``forward_step`` whose loss function also records a training micro-batch's per-token loss."""
@@ -176,6 +216,29 @@ class ArcHooks:
             return output, loss_with_arc
 
         return step
+
+
+def relaunch_config(config: arc_engine.ArcConfig) -> arc_engine.ArcConfig:
+    """``pretrain()`` owns the iteration counter, the consumed samples and the data iterator, so a rollback here is
+    the Megatron way: ``recovery.rollback: relaunch`` (every rank stops with exit code 7 once the newest disk
+    checkpoint is committed; relaunch with ``--load`` and ``--iterations-to-skip``). Refused without the disk tier."""
+    recovery = config.recovery
+    if not recovery.enabled:
+        return config
+    if recovery.checkpoint.every_steps <= 0:
+        raise SystemExit("pretrain_gpt_arc: recovery.enabled rolls back by relaunching from a disk checkpoint under "
+                         "Megatron-LM's pretrain(); set recovery.checkpoint.every_steps (and recovery.checkpoint.dir)")
+    return dataclasses.replace(config, recovery=dataclasses.replace(recovery, rollback="relaunch"))
+
+
+def relaunch_flags(run_dir: Path) -> str:
+    """The Megatron-LM flags that carry out ``relaunch.json``: ``--load`` its checkpoint directory and
+    ``--iterations-to-skip`` the iterations of the steps it skips (arc_engine's step s is iteration s + 1)."""
+    plan = json.loads((run_dir / "relaunch.json").read_text())
+    flags = f"--load {plan['checkpoint_dir']}"
+    if plan["skip_steps"]:
+        flags += " --iterations-to-skip " + " ".join(str(step + 1) for step in plan["skip_steps"])
+    return flags
 
 
 def run_pretrain(steps: GPTSteps, forward_step: Any) -> None:
@@ -209,10 +272,17 @@ def main() -> None:
     hooks = ArcHooks()
     training.setup_model_and_optimizer = hooks.wrap_setup(training.setup_model_and_optimizer)
     training.evaluate = hooks.wrap_evaluate(training.evaluate)
+    training.save_checkpoint = hooks.wrap_save(training.save_checkpoint)
+    if hasattr(training, "dummy_train_step"):
+        training.dummy_train_step = hooks.wrap_skip(training.dummy_train_step)
     try:
         run_pretrain(steps, hooks.wrap_forward_step(steps.forward_step))
     except arc_engine.ArcAbort as abort:
         print(f"[arc_engine] {abort}", file=sys.stderr, flush=True)
+        if abort.exit_code == EXIT_RELAUNCH and hooks.arc is not None and os.environ.get("RANK", "0") == "0":
+            # the first rank wrote relaunch.json before it stopped
+            print(f"[arc_engine] relaunch with: {relaunch_flags(hooks.arc.engine.run_dir)}", file=sys.stderr,
+                  flush=True)
         sys.exit(abort.exit_code)
     finally:
         if hooks.arc is not None:
