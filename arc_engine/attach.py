@@ -105,6 +105,13 @@ class Arc:
         on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
         return self.engine.data_position
 
+    def batch_generator(self, seed: int = 0) -> torch.Generator:
+        """For loops that draw random batches (nanoGPT's ``get_batch``): a CPU generator seeded from ``seed``, this
+        step's :attr:`data_position` and this rank, so the batch of each data position is a fixed draw. Draw with
+        it (``torch.randint(n, (batch,), generator=arc.batch_generator())``) and a rollback skips or replays exactly
+        the batches ``recovery.skip_data`` says, and a resumed run draws what the first run would have. Local."""
+        return torch.Generator().manual_seed((seed * 1_000_003 + self.data_position) * 65_537 + runtime.global_rank())
+
     def measure_curvature(self, loss_fn: Callable[[], torch.Tensor]) -> dict[str, float]:
         """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
         rank of the decision group, with ``loss_fn`` computing this rank's loss on a held micro-batch through the

@@ -63,16 +63,22 @@ def _train_logs(outcome: dict) -> list[dict]:
 @pytest.mark.parametrize("framework", ["ddp", "zero2"])
 def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, framework: str) -> None:
     extra, adapter = FRAMEWORKS[framework]
-    plain = _train(tmp_path, "plain", "--no-arc", *extra)
-    watched = _train(tmp_path, "arc", *extra)
+    plain = _train(tmp_path, "plain", "--no-arc", "--grad-accum", "2", *extra)
+    watched = _train(tmp_path, "arc", "--grad-accum", "2", "--arc.sinks.metrics_interval=1", *extra)
     for rank in range(2):
         assert watched["ranks"][rank]["adapter"] == adapter
         assert torch.equal(plain["ranks"][rank]["params"], watched["ranks"][rank]["params"]), rank
         assert watched["ranks"][rank]["global_step"] == plain["ranks"][rank]["global_step"] == STEPS
     assert torch.equal(watched["ranks"][0]["params"], watched["ranks"][1]["params"])
-    # the loss arc_engine judged is the loss the Trainer logged (the mean over ranks of each step's loss)
-    logged = [entry["loss"] for entry in _train_logs(watched["ranks"][0])]
-    assert len(logged) == STEPS and all(entry["arc_skipped_steps"] == 0 for entry in _train_logs(watched["ranks"][0]))
+    # under gradient accumulation (2 micro-batches a step) the loss arc_engine judged is the loss the Trainer
+    # logged: the mean over ranks of each step's mean micro-batch loss (not divided by the accumulation steps)
+    logs = _train_logs(watched["ranks"][0])
+    assert len(logs) == STEPS and all(entry["arc_skipped_steps"] == 0 for entry in logs)
+    metrics = tmp_path / "arc" / "run" / "metrics.jsonl.rank0"
+    judged = {int(m["step"]): m["arc/loss_spike/loss"] for m in map(json.loads, metrics.read_text().splitlines())
+              if "arc/loss_spike/loss" in m}
+    assert all(math.isclose(judged[entry["step"] - 1], entry["loss"], rel_tol=1e-4) for entry in logs), \
+        (judged, [entry["loss"] for entry in logs])
 
 
 @pytest.mark.parametrize("framework", ["ddp", "zero2", "zero3"])

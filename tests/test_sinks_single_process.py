@@ -128,3 +128,21 @@ def test_record_loss_says_what_it_expects(tmp_path: Path) -> None:
         loss = model(*data.batch(0, 0, BATCH))
         with pytest.raises(TypeError, match=r"record_loss expects the loss as a torch\.Tensor .* got float"):
             arc.record_loss(float(loss))
+
+
+def test_the_batch_generator_draws_the_same_batch_for_the_same_data_position(tmp_path: Path) -> None:
+    """A loop that draws random batches (nanoGPT) draws them from ``arc.batch_generator()``: the draw is a function
+    of the data position (and seed), so a rewind to a position draws that position's batch again, and the counters a
+    loop of its own keeps (applied and skipped steps) move with the steps."""
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    with arc_engine.attach(model, optimizer, make_config(tmp_path)) as arc:
+        first = torch.randint(1000, (8,), generator=arc.batch_generator())
+        assert torch.equal(first, torch.randint(1000, (8,), generator=arc.batch_generator()))
+        assert not torch.equal(first, torch.randint(1000, (8,), generator=arc.batch_generator(seed=1)))
+        _train(arc, model, optimizer, data, 2)
+        assert arc.data_position == 2 and arc.applied_steps == 2 and arc.skipped_steps == 0
+        later = torch.randint(1000, (8,), generator=arc.batch_generator())
+        assert not torch.equal(first, later)
+        arc.engine.rewind(0, 0)  # what a rollback to the start does to the position
+        assert torch.equal(first, torch.randint(1000, (8,), generator=arc.batch_generator()))
