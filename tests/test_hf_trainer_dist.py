@@ -1,5 +1,5 @@
 """The Hugging Face Trainer with arc_engine's one callback (``examples/hf_trainer.py``), on 2 real gloo ranks under
-torchrun, with DDP and DeepSpeed ZeRO-2 and ZeRO-3: faults injected at (rank, step), then the Trainer's own counters,
+torchrun, with DDP and DeepSpeed ZeRO-1, 2 and 3: faults injected at (rank, step), then the Trainer's own counters,
 LR schedule, logs and parameters are checked against what arc_engine decided, on every rank."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 FRAMEWORKS = {"ddp": ((), "DDP"),
+              "zero1": (("--deepspeed", str(ROOT / "examples" / "ds_zero1.json")), "DeepSpeed ZeRO-1"),
               "zero2": (("--deepspeed", str(ROOT / "examples" / "ds_zero2.json")), "DeepSpeed ZeRO-2"),
               "zero3": (("--deepspeed", str(ROOT / "examples" / "ds_zero3.json")), "DeepSpeed ZeRO-3")}
 STEPS = 10
@@ -81,7 +82,7 @@ def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, fra
         (judged, [entry["loss"] for entry in logs])
 
 
-@pytest.mark.parametrize("framework", ["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("framework", ["ddp", "zero1", "zero2", "zero3"])
 def test_a_nan_is_skipped_and_a_spike_rolled_back_with_the_trainers_counters_true(tmp_path: Path,
                                                                                  framework: str) -> None:
     """A NaN loss on rank 0 at step 3 is skipped and a 30x loss spike at step 6 rolled back (memory snapshot of
