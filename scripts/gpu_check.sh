@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU check, in one go, on the lent GPU machine (docs/gpu.md). After scripts/gpu_wheels.sh ran here:
+#
+#   run(command="bash scripts/gpu_check.sh", carry=["gpu_wheels"], timeout_s=540)
+#
+# It installs gpu_wheels/ into a scratch folder with pip --target (nothing of that machine's Python changes; no
+# registry is needed), records the machine (nvidia-smi, torch, CUDA, the framework releases) and runs the CUDA tests
+# (pytest -m cuda: the trainer callbacks where only a GPU runs them). Everything it prints also goes under $OUT.
+# Without CUDA (this repository's machine) it runs the same steps and the tests skip. Exit status: the tests'.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+site="$(mktemp -d)/site"  # not under $OUT: what is there comes back
+log() { echo "[gpu_check] $*" | tee -a "$OUT/summary.txt"; }
+
+log "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+"$PY" -m pip install -q --disable-pip-version-check --no-index --find-links gpu_wheels --target "$site" --no-deps \
+  gpu_wheels/arc_engine-*.whl > "$OUT/install.txt" 2>&1 \
+  && "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links gpu_wheels --target "$site" \
+  pytest pytest-timeout pyyaml >> "$OUT/install.txt" 2>&1 || { log "install failed (install.txt)"; exit 3; }
+export PYTHONPATH="$site:$PWD"
+{ nvidia-smi 2>&1 || echo "no nvidia-smi"
+  "$PY" - <<'PYEOF'
+import importlib, sys
+import torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"available {torch.cuda.is_available()}, devices {torch.cuda.device_count()}")
+if torch.cuda.is_available():
+    print(f"device 0: {torch.cuda.get_device_name(0)}")
+for name in ("arc_engine", "transformers", "accelerate", "lightning", "deepspeed", "megatron.core"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} from {module.__file__}")
+    except Exception as error:  # what the machine lacks is part of the record
+        print(f"{name}: not importable ({type(error).__name__}: {error})")
+PYEOF
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+timeout "${CUDA_TESTS_TIMEOUT_S:-420}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
+  tests/test_cuda_trainers.py > "$OUT/cuda_tests.txt" 2>&1
+status=$?
+tail -n 30 "$OUT/cuda_tests.txt"
+log "cuda tests: exit $status ($(tail -n 1 "$OUT/cuda_tests.txt"))"
+exit $status
