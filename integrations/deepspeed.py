@@ -261,6 +261,7 @@ class ZeroStepHooks:
         else:
             self.stats = ZeroPartitionStats(engine, self.zero)
         self.skip_this_step = False
+        self.marked = False  # the ZeRO optimizer's overflow flag raised for a step arc_engine skipped
         self.recompute_target: Any = None  # a ZeroGradientTarget when detectors.sdc.recompute is on
         self._saved_lrs: list[Any] | None = None
         self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
@@ -331,7 +332,14 @@ class ZeroStepHooks:
                 self.recompute_target.end_step()
             if self.skip_this_step:  # DeepSpeed books it as skipped too: its own LR scheduler does not step
                 deepspeed_internals.mark_step_not_applied(self.zero)
+                self.marked = True
             self.engine.finish_step()
+
+    def unmark(self, *_: Any) -> None:
+        """At the next forward: lower the flag :meth:`post_step` raised (see ``mark_step_not_applied``)."""
+        if self.marked:
+            deepspeed_internals.mark_step_not_applied(self.zero, skipped=False)
+            self.marked = False
 
 
 #: what each feature of :data:`deepspeed_internals.FEATURES` turns off in the config when its internals are missing
@@ -453,7 +461,8 @@ class ZeroAdapter:
             engine.use_recompute(SDCRecompute(engine, sdc.recompute, gate, target, recompute_fn), target.record_stats)
         timed = engine.own_work.wrap
         handles = [self.torch_optimizer.register_step_pre_hook(timed("deepspeed.pre_step", hooks.pre_step)),
-                   self.torch_optimizer.register_step_post_hook(timed("deepspeed.post_step", hooks.post_step))]
+                   self.torch_optimizer.register_step_post_hook(timed("deepspeed.post_step", hooks.post_step)),
+                   self.ds_engine.module.register_forward_pre_hook(hooks.unmark)]
         return [*(h.remove for h in handles), local_grads.remove]
 
     def framework_skip_pending(self) -> bool:

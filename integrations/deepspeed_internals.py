@@ -238,13 +238,15 @@ def uses_dynamic_loss_scale(zero: Any) -> bool:
     return bool(getattr(zero, "dynamic_loss_scale", False))
 
 
-def mark_step_not_applied(zero: Any) -> None:
+def mark_step_not_applied(zero: Any, skipped: bool = True) -> None:
     """After the ZeRO optimizer stepped with the gradients arc_engine dropped: raise its ``overflow`` flag, which
-    ``DeepSpeedEngine._take_model_step`` reads right after ``optimizer.step()`` (ZeRO-1/2/3 set it afresh at every
-    step, before the loss scaler's update). DeepSpeed then books the step as one it skipped: no LR scheduler step,
-    ``skipped_steps`` counted, ``was_step_applied()`` False (and Accelerate's ``step_was_skipped`` True)."""
+    ``DeepSpeedEngine._take_model_step`` reads right after ``optimizer.step()``. DeepSpeed then books the step as one
+    it skipped: no LR scheduler step, ``skipped_steps`` counted, ``was_step_applied()`` False (and Accelerate's
+    ``step_was_skipped`` True). ``skipped=False`` lowers it again before the next step: from 0.19 ZeRO clears it at
+    every step, but before that it is set only under fp16 (its overflow check), and a stale True would make ZeRO drop
+    every later step."""
     if hasattr(zero, "overflow"):
-        setattr(zero, "overflow", True)  # noqa: B010 - the one write this function exists for (a checked writer)
+        setattr(zero, "overflow", skipped)  # noqa: B010 - the one write this function exists for (a checked writer)
 
 
 def offloads_optimizer(zero: Any) -> bool:
