@@ -368,9 +368,14 @@ class ZeroAdapter:
             from arc_engine.integrations.deepspeed_zero3 import check_supported
 
             check_supported(self.zero)
-        elif self.stage not in (1, 2) or not deepspeed_internals.is_zero12(self.zero):
+        elif self.stage not in (1, 2):
             raise ValueError(f"arc_engine's DeepSpeed integration supports ZeRO stages 1, 2 and 3; this engine runs "
                              f"stage {self.stage} (ZeRO-0 / plain DeepSpeed: not supported yet)")
+        elif not deepspeed_internals.is_zero12(self.zero):
+            raise ValueError(f"arc_engine's DeepSpeed integration reads the ZeRO-1/2 optimizer; this ZeRO-{self.stage} "
+                             f"engine steps a {type(self.zero).__name__} instead (DeepSpeed runs ZeRO-1 with bf16 "
+                             "through its BF16_Optimizer), which it does not read yet: use ZeRO-2 for bf16, or "
+                             "ZeRO-1 with fp32 or fp16")
         elif deepspeed_internals.offloads_optimizer(self.zero):
             raise ValueError("arc_engine's DeepSpeed integration does not support offload_optimizer yet")
         # what this release holds of what the integration reads: warns outside the tested range, raises only when

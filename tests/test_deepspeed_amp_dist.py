@@ -131,3 +131,36 @@ def test_deepspeed_bf16_is_bitwise_unchanged_and_a_nan_loss_is_skipped_on_every_
         assert action == "SKIP" and not overflow and ("non_finite", (0,), "ERROR") in findings, findings
         assert faulty["decisions"] == results[0]["faulted"]["decisions"], "ranks disagree"
         assert torch.isfinite(faulty["params"]).all()
+
+
+def _bf16_zero1_rank(rank: int, world: int, run_dir: Path) -> str:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    import deepspeed
+
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    model, _ = tiny_model_and_data()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+        "steps_per_print": 10_000})
+    try:
+        attach_deepspeed(engine, make_config(run_dir)).close()
+    except ValueError as refused:
+        return f"{type(engine.optimizer).__name__}: {refused}"
+    return f"{type(engine.optimizer).__name__}: attached"
+
+
+def test_bf16_under_zero1_attaches_or_is_refused_naming_deepspeeds_optimizer(tmp_path: Path) -> None:
+    """bf16 under ZeRO-1: where DeepSpeed steps its ZeRO-1/2 optimizer (0.18.0 and 0.19.8 on these CPU ranks)
+    arc_engine attaches; where it routes to another (its BF16_Optimizer), attach refuses naming that optimizer and
+    what to use instead, not calling the engine ZeRO-0 as it used to."""
+    (message,) = run_ranks(_bf16_zero1_rank, 1, tmp_path, timeout_s=200)
+    optimizer, outcome = message.split(": ", 1)
+    if optimizer == "DeepSpeedZeroOptimizer":
+        assert outcome == "attached", message
+    else:
+        assert f"ZeRO-1 engine steps a {optimizer}" in outcome and "use ZeRO-2 for bf16" in outcome, message
+        assert "ZeRO-0" not in outcome, message
