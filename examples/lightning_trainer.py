@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -101,10 +102,22 @@ def main() -> None:
         path = Path(f"{args.result}.rank{trainer.global_rank}.pt")
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(outcome, path)
-    if torch.distributed.is_initialized():  # now, so no communication thread outlives the interpreter
-        torch.distributed.barrier()
+
+
+def leave(code: int) -> None:
+    """End the process with ``code`` (arc_engine's exit code after a stop) without the interpreter's teardown, where
+    torch 2.13's CPU collectives now and then abort a finished process ("terminate called without an active
+    exception", seen with and without arc_engine), once the process group is gone and the output flushed."""
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # ArcCallback's stop (arc_engine's exit code), or a usage error
+        leave(stop.code if isinstance(stop.code, int) else 1)
+    leave(0)

@@ -47,10 +47,10 @@ def test_megatron_objects_are_read_and_written_only_through_the_internals_module
     assert private_reads == [] and writes == [] and calls == [], (private_reads, writes, calls)
 
 
-def test_the_launcher_replaces_only_the_two_documented_megatron_lm_functions() -> None:
-    """``pretrain_gpt_arc.py`` wraps ``setup_model_and_optimizer`` and ``evaluate`` of Megatron-LM's training module
-    (its docstring and docs/megatron.md say why) and assigns nothing else of Megatron's; ``gpt_steps.py`` only marks
-    its own dataset provider as ``pretrain_gpt.py`` does."""
+def test_the_launcher_replaces_only_the_four_documented_megatron_lm_functions() -> None:
+    """``pretrain_gpt_arc.py`` wraps ``setup_model_and_optimizer``, ``evaluate``, ``save_checkpoint`` and
+    ``dummy_train_step`` of Megatron-LM's training module (its docstring and docs/megatron.md say why) and assigns
+    nothing else of Megatron's; ``gpt_steps.py`` only marks its own dataset provider as ``pretrain_gpt.py`` does."""
     def writes(path: Path) -> list[str]:
         tree = ast.parse(path.read_text())
         found = [ast.unparse(target) for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AugAssign)
@@ -60,7 +60,8 @@ def test_the_launcher_replaces_only_the_two_documented_megatron_lm_functions() -
                   and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")]
         return found
 
-    assert sorted(writes(LAUNCHER)) == ["steps.datasets_provider.is_distributed", "training.evaluate",
+    assert sorted(writes(LAUNCHER)) == ["steps.datasets_provider.is_distributed", "training.dummy_train_step",
+                                        "training.evaluate", "training.save_checkpoint",
                                         "training.setup_model_and_optimizer"]
     assert writes(LAUNCHER.parent / "gpt_steps.py") == ["train_valid_test_datasets_provider.is_distributed"]
 
