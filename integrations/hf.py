@@ -46,6 +46,7 @@ try:
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("arc_engine.integrations.hf needs transformers (pip install 'arc-engine[hf]')") from error
 
+
 def _calling_trainer() -> Any | None:
     """The ``Trainer`` whose callback handler is calling us (a few frames up the stack), if any."""
     frame = sys._getframe(1)

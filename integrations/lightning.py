@@ -47,6 +47,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("arc_engine.integrations.lightning needs lightning (pip install 'arc-engine[lightning]')") \
         from error
 
+
 def _step_progress(trainer: Any) -> Any:
     """Lightning's count of optimizer steps, the one ``trainer.global_step`` reads (automatic optimization)."""
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
