@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-from pathlib import Path
 
 import torch
+from _outcome import run, save_outcome
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -80,32 +78,10 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
 
-    if args.result:
-        rank = training.process_index
-        params = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
-        outcome = {"params": params, "global_step": trainer.state.global_step,
-                   "log_history": json.loads(json.dumps(trainer.state.log_history)),
-                   "scheduler_last_epoch": trainer.lr_scheduler.last_epoch,
-                   "adapter": callback.arc.adapter.name if callback is not None else None}
-        path = Path(f"{args.result}.rank{rank}.pt")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(outcome, path)
-
-
-def leave(code: int) -> None:
-    """End the process with ``code`` (arc_engine's exit code after a stop) without the interpreter's teardown, where
-    torch 2.13's CPU collectives now and then abort a finished process ("terminate called without an active
-    exception", seen with and without arc_engine), once the process group is gone and the output flushed."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    save_outcome(args.result, training.process_index, trainer.model.parameters(), callback,
+                 global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),
+                 scheduler_last_epoch=trainer.lr_scheduler.last_epoch)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as stop:  # ArcCallback's stop (arc_engine's exit code), or a usage error
-        leave(stop.code if isinstance(stop.code, int) else 1)
-    leave(0)
+    run(main)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from pathlib import Path
 
 import lightning as L
 import torch
+from _outcome import run, save_outcome
 from torch.utils.data import DataLoader, Dataset
 
 from arc_engine.config.cli_args import add_arc_args, config_from_args
@@ -93,31 +92,10 @@ def main() -> None:
                         deterministic=True)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False))
 
-    if args.result:
-        params = torch.cat([p.detach().float().flatten() for p in module.model.parameters()])
-        scheduler = trainer.lr_scheduler_configs[0].scheduler
-        outcome = {"params": params, "global_step": trainer.global_step, "lrs": module.lrs,
-                   "scheduler_last_epoch": scheduler.last_epoch,
-                   "adapter": callback.arc.adapter.name if callback is not None else None}
-        path = Path(f"{args.result}.rank{trainer.global_rank}.pt")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(outcome, path)
-
-
-def leave(code: int) -> None:
-    """End the process with ``code`` (arc_engine's exit code after a stop) without the interpreter's teardown, where
-    torch 2.13's CPU collectives now and then abort a finished process ("terminate called without an active
-    exception", seen with and without arc_engine), once the process group is gone and the output flushed."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    save_outcome(args.result, trainer.global_rank, module.model.parameters(), callback,
+                 global_step=trainer.global_step, lrs=module.lrs,
+                 scheduler_last_epoch=trainer.lr_scheduler_configs[0].scheduler.last_epoch)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as stop:  # ArcCallback's stop (arc_engine's exit code), or a usage error
-        leave(stop.code if isinstance(stop.code, int) else 1)
-    leave(0)
+    run(main)

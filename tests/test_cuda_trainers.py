@@ -6,41 +6,24 @@ is wrong, and a NaN loss skipped with the trainer's step counter counting applie
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_harness import free_port
+from tests.trainer_runs import run_example
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, NAN_STEP = 8, 3
 NAN = f"--arc.faults.injections=[{{kind: nan_loss, rank: 0, step: {NAN_STEP}}}]"
 
 
 def _run(tmp_path: Path, example: str, name: str, *args: str) -> dict[str, Any]:
-    out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(free_port()), str(ROOT / "examples" / example), "--steps", str(STEPS), "--result",
-               str(out / "result"), f"--arc.run.run_dir={out}", "--arc.run.run_id=run", "--arc.stats.interval=1",
-               "--arc.sinks.console.enabled=false", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    if example == "hf_trainer.py":
-        command += ["--output-dir", str(out / "trainer")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    events = out / "run" / "events.jsonl"
-    return {"outcome": torch.load(out / "result.rank0.pt"),
-            "events": [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []}
+    run = run_example(tmp_path, example, name, STEPS, *args, nproc=1)
+    return {"outcome": run["ranks"][0], "events": run["events"][0]}
 
 
 #: one rank: Accelerate and Lightning may leave the model unwrapped or wrap it in a one-rank DDP

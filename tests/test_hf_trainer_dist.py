@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_harness import free_port
+from tests.trainer_runs import decisions, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 FRAMEWORKS = {"ddp": ((), "DDP"),
               "zero1": (("--deepspeed", str(ROOT / "examples" / "ds_zero1.json")), "DeepSpeed ZeRO-1"),
               "zero2": (("--deepspeed", str(ROOT / "examples" / "ds_zero2.json")), "DeepSpeed ZeRO-2"),
@@ -37,24 +33,7 @@ RECOVERY = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
 
 
 def _train(tmp_path: Path, name: str, *args: str, expect: int = 0) -> dict[str, Any]:
-    """Run the example on 2 ranks; returns each rank's outcome and event log."""
-    out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(EXAMPLE), "--steps", str(STEPS), "--output-dir", str(out / "trainer"),
-               "--result", str(out / "result"), f"--arc.run.run_dir={out}", "--arc.run.run_id=run",
-               "--arc.stats.interval=1", "--arc.sinks.all_ranks=true", "--arc.sinks.console.enabled=false", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
-    assert result.returncode == expect, (result.stdout + result.stderr)[-5000:]
-    ranks = [torch.load(out / f"result.rank{r}.pt") if (out / f"result.rank{r}.pt").exists() else None
-             for r in range(2)]
-    events = [[json.loads(line) for line in (out / "run" / f"events.jsonl.rank{r}").read_text().splitlines()]
-              if (out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(2)]
-    return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr}
-
-
-def _decisions(events: list[dict]) -> list[tuple]:
-    return [(e["step"], e["detector"], e["action"]) for e in events if e["kind"] in ("detection", "action")]
+    return run_example(tmp_path, "hf_trainer.py", name, STEPS, *args, expect=expect)
 
 
 def _train_logs(outcome: dict) -> list[dict]:
@@ -75,7 +54,7 @@ def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, fra
     # logged: the mean over ranks of each step's mean micro-batch loss (not divided by the accumulation steps)
     logs = _train_logs(watched["ranks"][0])
     assert len(logs) == STEPS and all(entry["arc_skipped_steps"] == 0 for entry in logs)
-    metrics = tmp_path / "arc" / "run" / "metrics.jsonl.rank0"
+    metrics = watched["dir"] / "run" / "metrics.jsonl.rank0"
     judged = {int(m["step"]): m["arc/loss_spike/loss"] for m in map(json.loads, metrics.read_text().splitlines())
               if "arc/loss_spike/loss" in m}
     assert all(math.isclose(judged[entry["step"] - 1], entry["loss"], rel_tol=1e-4) for entry in logs), \
@@ -93,8 +72,8 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_the_trainers_counters_tru
     extra, adapter = FRAMEWORKS[framework]
     clean = _train(tmp_path, "clean", "--no-arc", *extra)
     faulted = _train(tmp_path, "faulted", FAULTS, *RECOVERY, *extra)
-    assert _decisions(faulted["events"][0]) == _decisions(faulted["events"][1]), "ranks disagree"
-    decided = {(step, detector, action) for step, detector, action in _decisions(faulted["events"][0])}
+    assert decisions(faulted["events"][0]) == decisions(faulted["events"][1]), "ranks disagree"
+    decided = {(step, detector, action) for step, detector, action in decisions(faulted["events"][0])}
     assert (NAN_STEP, "non_finite", "skip") in decided and (SPIKE_STEP, "loss_spike", "rollback") in decided
     rollback = next(e for e in faulted["events"][0] if e["detector"] == "recovery" and e["action"] == "rollback")
     assert rollback["values"]["target_step"] == SPIKE_STEP - 1 and "cannot seek" in rollback["message"]

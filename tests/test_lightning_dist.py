@@ -5,46 +5,24 @@ Lightning's step counter, LR schedule and parameters are checked against what ar
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_harness import free_port
+from tests.trainer_runs import decisions, run_example
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "lightning_trainer.py"
 STEPS = 10
 NAN_STEP, SPIKE_STEP = 3, 6
 
 
 def _train(tmp_path: Path, name: str, *args: str, expect: int = 0) -> dict[str, Any]:
-    out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(EXAMPLE), "--steps", str(STEPS), "--result", str(out / "result"),
-               f"--arc.run.run_dir={out}", "--arc.run.run_id=run", "--arc.stats.interval=1",
-               "--arc.sinks.all_ranks=true", "--arc.sinks.console.enabled=false", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
-    assert result.returncode == expect, (result.stdout + result.stderr)[-5000:]
-    ranks = [torch.load(out / f"result.rank{r}.pt") if (out / f"result.rank{r}.pt").exists() else None
-             for r in range(2)]
-    events = [[json.loads(line) for line in (out / "run" / f"events.jsonl.rank{r}").read_text().splitlines()]
-              if (out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(2)]
-    return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr}
-
-
-def _decisions(events: list[dict]) -> list[tuple]:
-    return [(e["step"], e["detector"], e["action"]) for e in events if e["kind"] in ("detection", "action")]
+    return run_example(tmp_path, "lightning_trainer.py", name, STEPS, *args, expect=expect)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
@@ -73,8 +51,8 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_lightnings_counters_true(
     faulted = _train(tmp_path, "faulted", faults, "--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
                      "--arc.detectors.loss_spike.action=rollback", "--arc.detectors.loss_spike.warmup_steps=3",
                      "--precision", precision)
-    assert _decisions(faulted["events"][0]) == _decisions(faulted["events"][1]), "ranks disagree"
-    decided = set(_decisions(faulted["events"][0]))
+    assert decisions(faulted["events"][0]) == decisions(faulted["events"][1]), "ranks disagree"
+    decided = set(decisions(faulted["events"][0]))
     assert (NAN_STEP, "non_finite", "skip") in decided and (SPIKE_STEP, "loss_spike", "rollback") in decided
     for rank in range(2):
         outcome = faulted["ranks"][rank]

@@ -1,0 +1,43 @@
+"""Running an example trainer script (``examples/``) under torchrun for the trainer callbacks' tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.dist_harness import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_example(tmp_path: Path, example: str, name: str, steps: int, *args: str, nproc: int = 2,
+                expect: int = 0) -> dict[str, Any]:
+    """``examples/<example>`` on ``nproc`` ranks for ``steps`` steps, arc_engine's run under ``tmp_path/name`` with
+    every rank's event log; asserts the exit status. Returns each rank's outcome (``--result``; None where a rank
+    wrote none), each rank's events and the output."""
+    out = tmp_path / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), str(ROOT / "examples" / example), "--steps", str(steps), "--result",
+               str(out / "result"), f"--arc.run.run_dir={out}", "--arc.run.run_id=run", "--arc.stats.interval=1",
+               "--arc.sinks.all_ranks=true", "--arc.sinks.console.enabled=false", *args]
+    if example == "hf_trainer.py":
+        command += ["--output-dir", str(out / "trainer")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env, check=False)
+    assert result.returncode == expect, (result.stdout + result.stderr)[-5000:]
+    ranks = [torch.load(path) if (path := out / f"result.rank{r}.pt").exists() else None for r in range(nproc)]
+    events = [[json.loads(line) for line in path.read_text().splitlines()]
+              if (path := out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(nproc)]
+    return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr, "dir": out}
+
+
+def decisions(events: list[dict]) -> list[tuple]:
+    """(step, detector, action) of every detection and action event, in order."""
+    return [(e["step"], e["detector"], e["action"]) for e in events if e["kind"] in ("detection", "action")]
