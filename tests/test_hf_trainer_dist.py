@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.trainer_runs import decisions, run_example
+from tests.trainer_runs import (
+    PERSISTENT_FAULT,
+    assert_stopped_at_step_3_with_exit_code_3,
+    decisions,
+    run_example,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -97,11 +101,6 @@ def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_p
     """NaN losses on rank 1 at steps 2 and 3, one skip allowed: every rank decides to stop at step 3, the first rank
     to exit does so with exit code 3 (torchrun then ends the others and exits 1 itself), and the Trainer saves no
     checkpoint of the failed state."""
-    nan = "--arc.faults.injections=[{kind: nan_loss, rank: 1, step: 2}, {kind: nan_loss, rank: 1, step: 3}]"
-    stopped = _train(tmp_path, "stopped", nan, "--arc.policy.max_consecutive_skips=1",
-                     "--arc.policy.on_persistent_failure=abort", expect=1)
-    assert "arc_engine stopped training at step 3" in stopped["output"], stopped["output"][-3000:]
-    assert re.search(r"Root Cause.*?exitcode\s*:\s*3 ", stopped["output"], re.S), stopped["output"][-3000:]
-    for events in stopped["events"]:
-        assert any(e["action"] == "abort" for e in events if e["kind"] == "action"), events
+    stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, expect=1)
+    assert_stopped_at_step_3_with_exit_code_3(stopped)
     assert not list((tmp_path / "stopped" / "trainer").glob("checkpoint-*"))

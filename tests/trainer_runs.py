@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,21 @@ def run_example(tmp_path: Path, example: str, name: str, steps: int, *args: str,
     events = [[json.loads(line) for line in path.read_text().splitlines()]
               if (path := out / "run" / f"events.jsonl.rank{r}").exists() else [] for r in range(nproc)]
     return {"ranks": ranks, "events": events, "output": result.stdout + result.stderr, "dir": out}
+
+
+#: NaN losses on rank 1 at steps 2 and 3 with one skip allowed, escalating to an abort: every rank stops at step 3
+PERSISTENT_FAULT = ("--arc.faults.injections=[{kind: nan_loss, rank: 1, step: 2}, {kind: nan_loss, rank: 1, step: 3}]",
+                    "--arc.policy.max_consecutive_skips=1", "--arc.policy.on_persistent_failure=abort")
+
+
+def assert_stopped_at_step_3_with_exit_code_3(run: dict[str, Any]) -> None:
+    """What :data:`PERSISTENT_FAULT` must end in: the abort on every rank's event log, and the first rank to exit
+    exiting with code 3 (torchrun then ends the others and exits 1 itself)."""
+    output = run["output"]
+    assert "arc_engine stopped training at step 3" in output, output[-3000:]
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*3 ", output, re.S), output[-3000:]
+    for events in run["events"]:
+        assert any(e["action"] == "abort" for e in events if e["kind"] == "action"), events
 
 
 def decisions(events: list[dict]) -> list[tuple]:
