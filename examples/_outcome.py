@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -9,6 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def add_example_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every example takes: the run's length and batch, and what the tests need (``--result``,
+    ``--no-arc``)."""
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--result", default=None, help="write this rank's outcome to PATH.rank<N>.pt")
+    parser.add_argument("--no-arc", action="store_true", help="train without arc_engine")
+    return parser
 
 
 def save_outcome(result: str | None, rank: int, params: Any, callback: Any, **outcome: Any) -> None:

@@ -15,7 +15,7 @@ import argparse
 import json
 
 import torch
-from _outcome import run, save_outcome
+from _outcome import add_example_args, run, save_outcome
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -41,18 +41,12 @@ class CharWindows(Dataset):
 
 
 def main() -> None:
-    parser = add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (ZeRO-1/2/3)")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 through Accelerate (GPT2Block units; GPUs only)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast with Accelerate's GradScaler")
     parser.add_argument("--output-dir", default="hf_trainer_out")
-    parser.add_argument("--result", default=None, help="write this rank's outcome to PATH.rank<N>.pt")
-    parser.add_argument("--no-arc", action="store_true", help="train without arc_engine")
     args = parser.parse_args()
     if args.fsdp and not torch.cuda.is_available():
         parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")

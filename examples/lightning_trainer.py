@@ -16,7 +16,7 @@ import os
 
 import lightning as L
 import torch
-from _outcome import run, save_outcome
+from _outcome import add_example_args, run, save_outcome
 from torch.utils.data import DataLoader, Dataset
 
 from arc_engine.config.cli_args import add_arc_args, config_from_args
@@ -68,15 +68,9 @@ class TinyGPT(L.LightningModule):
 
 
 def main() -> None:
-    parser = add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--strategy", default="ddp", help="ddp, or deepspeed_stage_1/2/3 (CUDA GPUs only)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. 16-mixed on GPUs")
-    parser.add_argument("--result", default=None, help="write this rank's outcome to PATH.rank<N>.pt")
-    parser.add_argument("--no-arc", action="store_true", help="train without arc_engine")
     args = parser.parse_args()
 
     config = None if args.no_arc else config_from_args(args)

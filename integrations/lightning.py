@@ -69,6 +69,7 @@ class ArcCallback(Callback):
         self.arc: Arc | None = None
         self._abort: ArcAbort | None = None
         self._step_offset = 0
+        self._paused: Any = None  # the watchdog's pause during validation
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None:
@@ -101,10 +102,14 @@ class ArcCallback(Callback):
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._pause(True)
+        if self.arc is not None and self._paused is None:  # Arc.watchdog_paused(), held across the two events
+            self._paused = self.arc.watchdog_paused()
+            self._paused.__enter__()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._pause(False)
+        if self._paused is not None:
+            self._paused.__exit__(None, None, None)
+            self._paused = None
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None:
@@ -117,17 +122,6 @@ class ArcCallback(Callback):
             self.arc.close()
 
     # ------------------------------------------------------------------ what the callback wraps
-
-    def _pause(self, paused: bool) -> None:
-        watchdog = self.arc.engine.watchdog if self.arc is not None else None
-        if watchdog is None:
-            return
-        if paused:
-            self._paused = watchdog.paused()
-            self._paused.__enter__()
-        elif getattr(self, "_paused", None) is not None:
-            self._paused.__exit__(None, None, None)
-            self._paused = None
 
     def _wrap(self, trainer: Any, pl_module: Any) -> None:
         """On the LightningModule instance only: ``training_step`` records the loss, ``optimizer_step`` runs the
