@@ -43,7 +43,16 @@ from arc_engine.recovery.state import TrainState
 from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
 from arc_engine.sinks.wandb_sink import active_wandb_run
-from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names, stats_device
+from arc_engine.stats import (
+    AgreedStats,
+    Reduce,
+    StatBuffer,
+    StatLayout,
+    StatsPipeline,
+    model_device,
+    names,
+    stats_device,
+)
 from arc_engine.stats.timing import ComputeProbe, SectionClock
 from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, ProgressBoard
 
@@ -85,7 +94,7 @@ class ArcEngine:
         self.layout = StatLayout()
         for name, size, reduce in names.adapter_statistics(len(self.group_names), shard_reduce):
             self.layout.add(name, size, reduce)
-        device = stats_device(group, config.stats.device)
+        device = stats_device(group, config.stats.device, model_device(self.params))
         # stats.own_work: the engine's entry points and the families' producers timed as pieces (unchanged when off)
         self.own_work = OwnWork(config.stats.own_work, device)
         self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)

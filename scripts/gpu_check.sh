@@ -5,7 +5,8 @@
 #
 # It installs gpu_wheels/ into a scratch folder with pip --target (nothing of that machine's Python changes; no
 # registry is needed), records the machine (nvidia-smi, torch, CUDA, the framework releases) and runs the CUDA tests
-# (pytest -m cuda: the trainer callbacks where only a GPU runs them). Everything it prints also goes under $OUT.
+# (pytest -m cuda: arc_engine's own CUDA paths, then the trainer callbacks where only a GPU runs them). Everything
+# it prints also goes under $OUT.
 # Without CUDA (this repository's machine) it runs the same steps and the tests skip. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ PYEOF
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 timeout "${CUDA_TESTS_TIMEOUT_S:-420}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
-  tests/test_cuda_trainers.py > "$OUT/cuda_tests.txt" 2>&1
+  tests/test_cuda_paths.py tests/test_cuda_trainers.py > "$OUT/cuda_tests.txt" 2>&1
 status=$?
 tail -n 30 "$OUT/cuda_tests.txt"
 log "cuda tests: exit $status ($(tail -n 1 "$OUT/cuda_tests.txt"))"

@@ -27,10 +27,10 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
-           collective_timeout_s: float) -> None:
+           collective_timeout_s: float, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world, *args)
         # Serialise to bytes: tensors sent as-is would travel as shared-memory handles that die with the rank.
@@ -49,12 +49,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
         os._exit(0)
 
 
-def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s: float) -> tuple[list[Any], Any]:
+def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s: float,
+           backend: str = "gloo") -> tuple[list[Any], Any]:
     """Spawn ``world`` ranks running ``fn`` through :func:`_entry`; their processes and the result queue."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s, backend))
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -62,13 +63,14 @@ def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
-              collective_timeout_s: float = 60.0) -> list[Any]:
+              collective_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return results ordered by rank.
+    ``backend``: the process group's (``nccl`` in the CUDA tests).
 
     Raises AssertionError naming the rank when any rank raised or the ranks did not finish in time.
     ``fn`` and ``args`` must be picklable (module-level function).
     """
-    procs, queue = _start(fn, world, args, collective_timeout_s)
+    procs, queue = _start(fn, world, args, collective_timeout_s, backend)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:

@@ -43,7 +43,7 @@ from arc_engine.monitors.family import (
     StepView,
     periodic_family_enabled,
 )
-from arc_engine.monitors.spectra import head_spectra, split_qkv_rows
+from arc_engine.monitors.spectra import HEAD_QUANTITIES, SUMMARIES, head_spectra_t, split_qkv_rows
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
 
@@ -56,15 +56,23 @@ LAYER_FIELDS = (("dwq", "entropy"), ("dwk", "entropy"), ("dwq", "stable_rank"), 
                 ("delta2", "stable_rank"))
 
 
-def _summary_value(spectra: dict[str, dict[str, float]], quantity: str, summary: str) -> float:
-    if summary == "norm_sq":
-        return spectra[quantity]["norm"] ** 2
-    return spectra[quantity][summary]
+def _layer_values(heads_hqs: np.ndarray) -> np.ndarray:
+    """The :data:`LAYER_FIELDS` of each head, ``[heads, fields]``, from :func:`head_spectra_t` values
+    ``[heads, quantities, summaries]``."""
+    columns = []
+    for quantity, summary in LAYER_FIELDS:
+        row = HEAD_QUANTITIES.index(quantity)
+        if summary == "norm_sq":
+            columns.append(heads_hqs[:, row, SUMMARIES.index("norm")] ** 2)
+        else:
+            columns.append(heads_hqs[:, row, SUMMARIES.index(summary)])
+    return np.stack(columns, axis=1)
 
 
 class QKSpectraProducer:
-    """Writes this rank's heads every δ steps (see module docstring). Local; the SVDs run on the weights' device,
-    the results travel to the buffer in one copy per slot.
+    """Writes this rank's heads every δ steps (see module docstring). Local; the SVDs run on the weights' device
+    and their summaries come to the host in one copy per measurement (the family's one periodic host read), then
+    travel to the buffer in one copy per slot.
 
     A head is measured only over an increment of exactly δ steps of the current timeline (after a rollback or a
     resume the first measurement only records W) and only when its weights moved: a window of skipped steps has
@@ -83,38 +91,59 @@ class QKSpectraProducer:
         entropy = np.zeros((num_layers, num_heads))
         sums = np.zeros((num_layers, len(LAYER_FIELDS)))
         measured = np.zeros(num_layers)
-        for shard in self.shards:
-            weight = shard.weight.detach()
-            if shard.gather is not None:  # a query group split over TP ranks: gather its rows (periodic only)
-                pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
-                dist.all_gather(pieces, weight.contiguous(), group=shard.gather)
-                weight = torch.cat(pieces)
-            if not bool(torch.isfinite(weight).all()):  # diverged weights: no spectrum, and no baseline after
-                self.previous.pop(shard.layer, None)     # (a periodic host sync, beside the SVDs')
+        pending = [(shard, *self._measure(shard, view.step)) for shard in self.shards]
+        # one host read for every shard: [finite flag, then the heads' summaries] per shard
+        flat = [torch.cat([finite.double().reshape(1), heads.reshape(-1)]) for _, finite, heads in pending]
+        host = torch.cat(flat).cpu().numpy() if flat else np.zeros(0)
+        offset = 0
+        for shard, _, heads in pending:
+            finite, values = host[offset] > 0, host[offset + 1:offset + 1 + heads.numel()]
+            offset += 1 + heads.numel()
+            if not finite:  # diverged weights: no spectrum, and no baseline after
+                self.previous.pop(shard.layer, None)
                 continue
-            q, k = split_qkv_rows(weight, shard.num_query_groups, shard.heads_per_group, shard.head_dim)
-            first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
-            q = q[first:last]
-            previous = self.previous.get(shard.layer)
-            if previous is not None and view.step - previous[0] == self.every:
-                _, q_prev, k_prev = previous
-                try:
-                    heads = [head_spectra(q[h], k[(first + h) // shard.heads_per_group], q_prev[h],
-                                          k_prev[(first + h) // shard.heads_per_group]) for h in range(q.shape[0])]
-                except torch.linalg.LinAlgError:  # an SVD that does not converge (overflowing updates)
-                    heads = []
-                norms = [spectra["delta2"]["norm"] for spectra in heads] or [math.nan]
-                if all(math.isfinite(n) and n > 0.0 for n in norms):  # else: no update (skipped steps), or NaN
-                    for h, spectra in enumerate(heads):
-                        entropy[shard.layer, shard.first_head + h] = spectra["delta2"]["entropy"]
-                        sums[shard.layer] += [_summary_value(spectra, *f) for f in LAYER_FIELDS]
-                        measured[shard.layer] += 1
-            self.previous[shard.layer] = (view.step, q.float().clone(), k.float().clone())
+            if heads.numel() == 0:
+                continue
+            heads_hqs = values.reshape(heads.shape)
+            norms = heads_hqs[:, HEAD_QUANTITIES.index("delta2"), SUMMARIES.index("norm")]
+            if np.all(np.isfinite(norms) & (norms > 0.0)):  # else: no update (skipped steps), or NaN
+                delta2 = heads_hqs[:, HEAD_QUANTITIES.index("delta2"), SUMMARIES.index("entropy")]
+                entropy[shard.layer, shard.first_head:shard.first_head + len(delta2)] = delta2
+                sums[shard.layer] += _layer_values(heads_hqs).sum(axis=0)
+                measured[shard.layer] += len(delta2)
         if measured.any():
             device = buffer.device
             buffer.view(HEAD_ENTROPY).add_(torch.from_numpy(entropy.reshape(-1)).to(device))
             buffer.view(LAYER_SUMS).add_(torch.from_numpy(sums.reshape(-1)).to(device))
             buffer.view(MEASURED).add_(torch.from_numpy(measured).to(device))
+
+    def _measure(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(finite flag, ``[heads, quantities, summaries]`` of :func:`head_spectra_t`, empty when there is no
+        increment of exactly δ steps) of one shard, on its device; the shard's W_q, W_k become the next
+        measurement's reference. Non-finite weights are measured as zeros and dropped once the flag is read."""
+        weight = shard.weight.detach()
+        if shard.gather is not None:  # a query group split over TP ranks: gather its rows (periodic only)
+            pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
+            dist.all_gather(pieces, weight.contiguous(), group=shard.gather)
+            weight = torch.cat(pieces)
+        finite = torch.isfinite(weight).all()
+        weight = torch.where(finite, weight, torch.zeros_like(weight))
+        q, k = split_qkv_rows(weight, shard.num_query_groups, shard.heads_per_group, shard.head_dim)
+        first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
+        q = q[first:last]
+        heads = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64, device=weight.device)
+        previous = self.previous.get(shard.layer)
+        if previous is not None and step - previous[0] == self.every:
+            _, q_prev, k_prev = previous
+            group = [(first + h) // shard.heads_per_group for h in range(q.shape[0])]
+            try:
+                heads = torch.stack([head_spectra_t(q[h], k[group[h]], q_prev[h], k_prev[group[h]])
+                                     for h in range(q.shape[0])])
+            except torch.linalg.LinAlgError:  # an SVD that does not converge (overflowing updates)
+                heads = torch.full((q.shape[0], len(HEAD_QUANTITIES), len(SUMMARIES)), math.nan,
+                                   dtype=torch.float64, device=weight.device)
+        self.previous[shard.layer] = (step, q.float().clone(), k.float().clone())
+        return finite, heads
 
 
 class QKSpectraMonitor:

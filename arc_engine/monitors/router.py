@@ -56,15 +56,15 @@ _HEADER = _WEIGHT_SLOTS + 2  # + tokens, Σ H
 
 
 def _unit_rows(weight_nd: torch.Tensor) -> torch.Tensor:
-    """The rows of a ``[n, d]`` router weight normalised to unit length, in float64; every row must be nonzero."""
+    """The rows of a ``[n, d]`` router weight normalised to unit length, in float64. An all-zero row has no
+    direction: its row is NaN, and so is every similarity it enters (checking on the host would be a device sync
+    in every measurement)."""
     if weight_nd.dim() != 2 or weight_nd.shape[0] < 2:
         raise ValueError(f"router weight must be [num_experts, hidden] with num_experts >= 2, got "
                          f"{tuple(weight_nd.shape)}")
     weight = weight_nd.detach().double()
     norms_n = weight.norm(dim=1, keepdim=True)
-    if bool((norms_n == 0).any()):
-        raise ValueError("router weight has an all-zero expert row: its cosine similarity is undefined")
-    return weight / norms_n
+    return weight / torch.where(norms_n == 0, torch.nan, norms_n)
 
 
 def router_similarity(weight_nd: torch.Tensor) -> float:
@@ -148,7 +148,9 @@ def routing_entropy_sums(logits_tn: torch.Tensor, num_bins: int = NUM_ENTROPY_BI
     entropy_t = per_token_entropy(logits_tn)
     max_entropy = math.log(logits_tn.shape[1])
     bins_t = (entropy_t * (num_bins / max_entropy)).floor().clamp_(0, num_bins - 1).long()
-    histogram_b = torch.bincount(bins_t, minlength=num_bins).double()
+    # scatter_add, not bincount: bincount sizes its output from the data, a device sync on CUDA
+    histogram_b = torch.zeros(num_bins, dtype=torch.float64, device=logits_tn.device)
+    histogram_b.scatter_add_(0, bins_t, torch.ones_like(entropy_t, dtype=torch.float64))
     header = torch.stack([entropy_t.new_tensor(float(entropy_t.numel())), entropy_t.sum()])
     return torch.cat([header, histogram_b])
 

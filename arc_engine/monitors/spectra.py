@@ -19,28 +19,35 @@ taken at t − δ, so that Δ₁ = Δ₂ + Δ₃ holds exactly.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 #: The Rényi order of the spectral distribution p_i = σ_i^α / Σ σ_j^α (the paper's α = 2: energy fractions).
 ALPHA = 2.0
 
 
+#: The summaries of :func:`spectral_summary`, in the order of :func:`spectral_summary_t`'s values.
+SUMMARIES = ("entropy", "effective_rank", "stable_rank", "norm")
+#: The spectra of :func:`head_spectra`, in the order of :func:`head_spectra_t`'s rows.
+HEAD_QUANTITIES = ("dwq", "dwk", "delta1", "delta2", "delta3")
+
+
+def spectral_summary_t(sigma: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
+    """:func:`spectral_summary` as a ``[4]`` float64 tensor on ``sigma``'s device, in :data:`SUMMARIES` order, with
+    no host synchronisation."""
+    sigma = sigma.detach().double().abs()
+    energy = sigma.square().sum()
+    weights = sigma.pow(alpha)
+    p = weights / weights.sum()
+    entropy = -torch.special.xlogy(p, p).sum()  # 0 log 0 = 0
+    values = torch.stack([entropy, entropy.exp(), energy / sigma.max().square(), energy.sqrt()])
+    return torch.where(energy == 0, torch.zeros_like(values), values)
+
+
 def spectral_summary(sigma: torch.Tensor, alpha: float = ALPHA) -> dict[str, float]:
     """Summaries of a singular spectrum ``sigma`` (any order, non-negative): ``entropy`` H of p_i = σ_i^α / Σ σ^α,
     ``effective_rank`` exp(H), ``stable_rank`` Σσ² / max σ², ``norm`` (Frobenius, sqrt Σσ²). A zero spectrum gives
     entropy 0, effective and stable rank 0, norm 0."""
-    sigma = sigma.detach().double().abs()
-    energy = float(sigma.square().sum())
-    if energy == 0.0:
-        return {"entropy": 0.0, "effective_rank": 0.0, "stable_rank": 0.0, "norm": 0.0}
-    weights = sigma.pow(alpha)
-    p = weights / weights.sum()
-    p = p[p > 0]
-    entropy = float(-(p * p.log()).sum())
-    return {"entropy": entropy, "effective_rank": math.exp(entropy),
-            "stable_rank": energy / float(sigma.max().square()), "norm": math.sqrt(energy)}
+    return dict(zip(SUMMARIES, spectral_summary_t(sigma, alpha).tolist(), strict=True))
 
 
 def core_singular_values(a_dr: torch.Tensor, b_dr: torch.Tensor) -> torch.Tensor:
@@ -72,15 +79,23 @@ def qk_increment_factors(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.
             "delta3": (dq, dk)}
 
 
+def head_spectra_t(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.Tensor, wk_prev: torch.Tensor,
+                   alpha: float = ALPHA) -> torch.Tensor:
+    """:func:`head_spectra` as a ``[5, 4]`` float64 tensor on the weights' device (rows :data:`HEAD_QUANTITIES`,
+    columns :data:`SUMMARIES`); no host read of its own (on CUDA the SVDs check their convergence)."""
+    factors = qk_increment_factors(wq_t, wk_t, wq_prev, wk_prev)
+    return torch.stack([spectral_summary_t(torch.linalg.svdvals((wq_t - wq_prev).double()), alpha),
+                        spectral_summary_t(torch.linalg.svdvals((wk_t - wk_prev).double()), alpha),
+                        *(spectral_summary_t(core_singular_values(*factors[name]), alpha)
+                          for name in HEAD_QUANTITIES[2:])])
+
+
 def head_spectra(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.Tensor, wk_prev: torch.Tensor,
                  alpha: float = ALPHA) -> dict[str, dict[str, float]]:
     """Spectral summaries of one head's ΔW_q, ΔW_k and Δ₁, Δ₂, Δ₃ (inputs ``[d, d_k]``), each from at most a
     2 d_k x 2 d_k core."""
-    out = {"dwq": spectral_summary(torch.linalg.svdvals((wq_t - wq_prev).double()), alpha),
-           "dwk": spectral_summary(torch.linalg.svdvals((wk_t - wk_prev).double()), alpha)}
-    for name, (a, b) in qk_increment_factors(wq_t, wk_t, wq_prev, wk_prev).items():
-        out[name] = spectral_summary(core_singular_values(a, b), alpha)
-    return out
+    rows = head_spectra_t(wq_t, wk_t, wq_prev, wk_prev, alpha).tolist()
+    return {name: dict(zip(SUMMARIES, row, strict=True)) for name, row in zip(HEAD_QUANTITIES, rows, strict=True)}
 
 
 def split_qkv_rows(weight: torch.Tensor, num_query_groups: int, heads_per_group: int, head_dim: int

@@ -2,7 +2,7 @@
 
 from arc_engine.stats import names
 from arc_engine.stats.layout import Reduce, StatBuffer, StatLayout, StatSpec
-from arc_engine.stats.pipeline import AgreedStats, StatsPipeline, group_ranks, stats_device
+from arc_engine.stats.pipeline import AgreedStats, StatsPipeline, group_ranks, model_device, stats_device
 
 __all__ = [
     "AgreedStats",
@@ -12,6 +12,7 @@ __all__ = [
     "StatSpec",
     "StatsPipeline",
     "group_ranks",
+    "model_device",
     "names",
     "stats_device",
 ]

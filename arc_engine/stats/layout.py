@@ -158,17 +158,18 @@ class StatBuffer:
         """Overwrite slot ``name`` with ``value`` (a scalar broadcasts to the slot's size)."""
         slot = self.view(name)
         if isinstance(value, torch.Tensor):
-            slot.copy_(value.detach().reshape(-1))
+            slot.copy_(value.detach().reshape(-1))  # copy_ moves it to the buffer's device
         else:
             slot.fill_(float(value))
 
     def add(self, name: str, value: torch.Tensor) -> None:
         """Accumulate ``value`` into slot ``name`` (e.g. one DDP bucket's contribution)."""
-        self.view(name).add_(value.detach().to(torch.float64).reshape(-1))
+        self.view(name).add_(value.detach().to(self.values.device, torch.float64).reshape(-1))
 
     def index_add(self, name: str, index: torch.Tensor, value: torch.Tensor) -> None:
         """``slot[index[i]] += value[i]``: scatter per-parameter values into per-group entries."""
-        self.view(name).index_add_(0, index, value.detach().to(torch.float64))
+        device = self.values.device
+        self.view(name).index_add_(0, index.to(device), value.detach().to(device, torch.float64))
 
     def reset(self) -> None:
         self.values.zero_()

@@ -12,7 +12,7 @@ every rank of the group joins that second collective at the same point.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,21 +35,30 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-def stats_device(group: dist.ProcessGroup | None, preference: str = "auto") -> torch.device:
+def stats_device(group: dist.ProcessGroup | None, preference: str = "auto",
+                 model_device: torch.device | None = None) -> torch.device:
     """The device the statistics buffer should live on for ``group``'s backend.
 
-    ``auto``: CUDA (the current device) when the group's backend includes NCCL and CUDA is available,
-    otherwise CPU. Never touches CUDA unless it is selected.
+    ``auto``: a CUDA device when the group's backend includes NCCL and CUDA is available -- the model's
+    (``model_device``, when it is a CUDA device), else the current one -- otherwise CPU. ``cuda``: the same CUDA
+    device, required. Never touches CUDA unless it is selected.
     """
     if preference == "cpu":
         return torch.device("cpu")
-    if preference == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("stats.device = 'cuda' but CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
-    if dist_ready() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("stats.device = 'cuda' but CUDA is not available")
+    wants_cuda = preference == "cuda" or (
+        dist_ready() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available())
+    if not wants_cuda:
+        return torch.device("cpu")
+    if model_device is not None and model_device.type == "cuda" and model_device.index is not None:
+        return model_device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def model_device(params: Sequence[torch.Tensor]) -> torch.device | None:
+    """The device of the first parameter (None without parameters): where the model's statistics are made."""
+    return params[0].device if params else None
 
 
 class AgreedStats:

@@ -1,0 +1,123 @@
+"""arc_engine's own CUDA paths (``-m cuda``; skipped without CUDA, never required by CI; run by
+``scripts/gpu_check.sh``). One GPU: NCCL at world size 1 for DDP and FSDP2, two ranks sharing the GPU over gloo for
+the multi-rank paths (NCCL refuses two ranks on one device).
+
+Each asserts what the CPU tests cannot: parameters bitwise identical with and without arc_engine on CUDA kernels;
+at most one CUDA synchronisation by arc_engine per monitored step and none on the others, as the device reports them
+(``torch.cuda.set_sync_debug_mode``); the statistics on the model's CUDA device under NCCL and a CUDA loss taken by
+a CPU (gloo) buffer; a NaN skipped on every rank; a rollback restored from CUDA snapshots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import arc_engine
+from tests.dist_harness import run_ranks
+from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(400),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+STEPS = 8
+AGREE = "arc_engine/stats/pipeline.py"
+
+
+def _train(rank: int, wrap: str, config: Any, steps: int, counter: Any = None) -> dict[str, Any]:
+    """The tiny GPT on cuda:0 under ``wrap`` (``ddp`` or ``fsdp2``), with arc_engine when ``config`` is given."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from arc_engine.integrations.fsdp import attach_fsdp
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    model, data = tiny_model_and_data()
+    model = model.to(device)
+    if wrap == "ddp":
+        model = DistributedDataParallel(model, device_ids=[0])
+        optimizer = make_optimizer(model.module)
+        arc = arc_engine.attach(model, optimizer, config) if config is not None else None
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = make_optimizer(model)
+        arc = attach_fsdp(model, optimizer, config) if config is not None else None
+    monitored, actions = [], []
+    for step in range(steps):
+        if counter is not None:
+            counter.begin(step)
+        inputs, targets = (t.to(device) for t in data.batch(step, rank, BATCH))
+        loss = model(inputs, targets)
+        if arc is not None:
+            loss = arc.faults.on_loss(loss)
+            arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if arc is not None and arc.engine.last_decision is not None and arc.engine.last_decision.step == step:
+            monitored.append(step)
+            actions.append(arc.engine.last_decision.action.name)
+    torch.cuda.synchronize()
+    params = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().flatten().cpu()
+                        for p in model.parameters()])
+    out = {"params": params, "monitored": monitored, "actions": actions}
+    if arc is not None:
+        out["stats_device"] = str(arc.engine.pipeline.device)
+        out["rollbacks"] = arc.rollbacks
+        arc.close()
+    return out
+
+
+def _nccl_one_rank(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    from arc_engine.testing.host_syncs import CudaSyncCounter
+
+    out = {}
+    for wrap in ("ddp", "fsdp2"):
+        plain = _train(rank, wrap, None, STEPS)
+        counter = CudaSyncCounter()
+        with counter:
+            watched = _train(rank, wrap, make_config(run_dir / wrap, "stats.interval=2"), STEPS, counter)
+        syncs = {step: counter.by_step.get(step, []) for step in range(STEPS)}
+        out[wrap] = {"identical": torch.equal(plain["params"], watched["params"]),
+                     "monitored": watched["monitored"], "stats_device": watched["stats_device"], "syncs": syncs}
+    return out
+
+
+def test_nccl_ddp_and_fsdp2_bitwise_unchanged_one_sync_per_monitored_step(tmp_path: Path) -> None:
+    result = run_ranks(_nccl_one_rank, 1, tmp_path, backend="nccl", timeout_s=300)[0]
+    for wrap, run in result.items():
+        assert run["identical"], wrap
+        assert run["stats_device"] == "cuda:0", run
+        for step, sites in run["syncs"].items():
+            others = [site for site in sites if not (site.startswith(AGREE) and "(agree)" in site)]
+            expected = 1 if step in run["monitored"] else 0
+            assert len(sites) - len(others) <= expected and not others, (wrap, step, sites)
+
+
+def _gloo_two_ranks(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    nan = "faults.injections=[{kind: nan_loss, rank: 1, step: 3}]"
+    skipped = _train(rank, "ddp", make_config(run_dir / "skip", "stats.interval=1", nan), 6)
+    on_cpu = _train(rank, "ddp", make_config(run_dir / "cpu", "stats.interval=1", "stats.device=cpu"), 3)
+    rollback = _train(rank, "ddp", make_config(
+        run_dir / "rollback", "stats.interval=1", "recovery.enabled=true", "recovery.checkpoint_freq=2",
+        "policy.max_consecutive_skips=1", "policy.on_persistent_failure=rollback",
+        "faults.injections=[{kind: nan_loss, rank: 1, step: 5}, {kind: nan_loss, rank: 1, step: 6}]"), 10)
+    return {"skip_actions": skipped["actions"], "skip_finite": bool(torch.isfinite(skipped["params"]).all()),
+            "cpu_device": on_cpu["stats_device"], "cpu_monitored": on_cpu["monitored"],
+            "rollbacks": rollback["rollbacks"],
+            "rollback_finite": bool(torch.isfinite(rollback["params"]).all())}
+
+
+def test_two_ranks_on_one_gpu_over_gloo_skip_roll_back_and_take_cuda_losses(tmp_path: Path) -> None:
+    results = run_ranks(_gloo_two_ranks, 2, tmp_path, timeout_s=300)
+    assert results[0]["skip_actions"] == results[1]["skip_actions"]
+    assert results[0]["skip_actions"][3] == "SKIP" and results[0]["skip_finite"], results[0]
+    for result in results:
+        assert result["cpu_device"] == "cpu" and result["cpu_monitored"] == [0, 1, 2], result
+        assert result["rollbacks"] and result["rollback_finite"], result
