@@ -23,6 +23,7 @@ is SKIP, and raises :class:`arc_engine.ArcAbort` on every rank when it is ABORT.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from arc_engine import compat, runtime
-from arc_engine.config import ArcConfig, load_config
+from arc_engine.config import EXIT_BAD_CONFIG, ArcConfig, ArcSetupError, load_config
 from arc_engine.engine import ArcEngine
+from arc_engine.events import Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.state import TrainState
@@ -239,7 +241,10 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
                                        required_group=adapter.recompute_group)
     engine.start()
     if config.recovery.enabled:
-        engine.enable_recovery(adapter.train_state())  # may resume: counters move
+        try:
+            engine.enable_recovery(adapter.train_state())  # may resume: counters move
+        except ArcSetupError as err:
+            _end_setup(engine, err)
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine),
                              recomputing=lambda: engine.recomputing)
     error: ValueError | None = None
@@ -264,6 +269,18 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
                                     config.stats.interval * straggler.compute_every)
     _mark_attached(adapter.module, True)
     return Arc(engine, injector, removers, adapter)
+
+
+def _end_setup(engine: ArcEngine, err: ArcSetupError) -> None:
+    """End every rank of a job that cannot start (the error was agreed, so every rank is here): one line on the
+    decision group's first rank, an error event, the engine closed (watchdog stopped), ``SystemExit(2)``."""
+    message = f"arc_engine: cannot start: {err}"
+    engine.emit_action(engine.step, "setup_failed", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
+                       detector="setup")
+    engine.close()
+    if engine.rank == engine.pipeline.leader:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_CONFIG)
 
 
 _ATTACHED = "_arc_engine_attached"

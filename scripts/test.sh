@@ -14,10 +14,12 @@ case "$LANE" in
                 tests/test_deepspeed_zero3_recovery_dist.py tests/test_deepspeed_internals.py
                 tests/test_megatron_dist.py tests/test_megatron_recovery_dist.py tests/test_megatron_recompute_dist.py
                 tests/test_megatron_separability_dist.py tests/test_megatron_qk_separability_dist.py
-                tests/test_megatron_internals.py tests/test_megatron_amp_dist.py tests/test_megatron_lm_launcher.py) ;;
+                tests/test_megatron_internals.py tests/test_megatron_amp_dist.py tests/test_megatron_lm_launcher.py
+                tests/test_host_syncs_dist.py) ;;
   floor) venv=.venv-floor
          tests=(tests/test_ddp_dist.py tests/test_fsdp_dist.py tests/test_amp_dist.py tests/test_checkpoint_dist.py
-                tests/test_deepspeed_dist.py tests/test_deepspeed_internals.py tests/test_deepspeed_amp_dist.py) ;;
+                tests/test_deepspeed_dist.py tests/test_deepspeed_internals.py tests/test_deepspeed_amp_dist.py
+                tests/test_host_syncs_dist.py) ;;
   *) echo "scripts/test.sh: unknown ARC_LANE=${LANE}" >&2; exit 2 ;;
 esac
 VENV="${VENV:-$venv}"

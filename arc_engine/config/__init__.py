@@ -1,7 +1,7 @@
 """Typed configuration: schema, YAML loader, command-line glue."""
 
 from arc_engine.config.cli_args import EXIT_BAD_CONFIG, add_arc_args, config_from_args, pop_arc_args
-from arc_engine.config.errors import ConfigError
+from arc_engine.config.errors import ArcSetupError, ConfigError
 from arc_engine.config.loader import from_dict, load_config, to_dict
 from arc_engine.config.schema import (
     ArcConfig,
@@ -23,6 +23,7 @@ from arc_engine.config.schema import (
 __all__ = [
     "EXIT_BAD_CONFIG",
     "ArcConfig",
+    "ArcSetupError",
     "ConfigError",
     "ConsoleSinkConfig",
     "DetectorsConfig",

@@ -31,6 +31,12 @@ class ConfigError(ValueError):
         return ConfigError(key, self.value, self.allowed, source or self.source)
 
 
+class ArcSetupError(ValueError):
+    """The job cannot start with this configuration on this machine, found at attach: e.g. a checkpoint directory
+    that cannot be written. Raised on every rank of the decision group at once (the check is agreed); ``attach``
+    turns it into one line on the group's first rank and exit code 2, as a bad config ends a launch."""
+
+
 def require(condition: bool, key: str, value: Any, allowed: str) -> None:
     """Raise :class:`ConfigError` for ``key`` unless ``condition`` holds (used in ``__post_init__``)."""
     if not condition:

@@ -48,6 +48,7 @@ from arc_engine.recovery.commit import (
     CheckpointError,
     CommitInfo,
     apply_retention,
+    await_rank_reports,
     commit_checkpoint,
     file_checksum,
     gather_rank_reports,
@@ -271,6 +272,7 @@ class CheckpointManager:
             cleanup = ""
             if self.rank == 0:  # the partial shards and the ranks' checksum reports go; the previous commit stays
                 try:
+                    await_rank_reports(job.step_dir, self.world_size, deadline)  # no rank writes there after
                     remove_checkpoint(job.step_dir)
                     cleanup = "; its files were removed"
                 except OSError as clean_err:
@@ -300,6 +302,8 @@ class CheckpointManager:
             job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata), *self._common_files()}
             checksums = {name: file_checksum(job.step_dir / name) for name in self._own_files(job.expected_files)}
         except BaseException as err:
+            # rank 0 removes a failed save's directory only after every report arrived (or its deadline passed;
+            # a report later than that is removed by the next commit's retention)
             job.step_dir.mkdir(parents=True, exist_ok=True)
             write_rank_report(job.step_dir, self.rank, save_id, None, error=f"{type(err).__name__}: {err}")
             raise

@@ -126,31 +126,42 @@ def write_rank_report(step_dir: Path, rank: int, save_id: str | None, files: dic
                                                     "error": error})
 
 
-def gather_rank_reports(step_dir: Path, world_size: int, save_id: str | None, deadline: float) -> dict[str, str]:
-    """Rank 0: poll (bounded by the ``time.monotonic()`` ``deadline``) until every rank's report is on disk; return
-    the union of their checksums. Raises CheckpointError naming the directory when a rank reported an error, a
-    report belongs to another save, or ranks are still missing at the deadline. Reads files only, no collectives."""
-    checksums: dict[str, str] = {}
-    missing = set(range(world_size))
+def await_rank_reports(step_dir: Path, world_size: int, deadline: float) -> dict[int, dict[str, Any]]:
+    """Rank 0: poll (bounded by the ``time.monotonic()`` ``deadline``) until every rank's report is on disk; the
+    reports that arrived, by rank. Waiting for all of them, a failed save's directory is removed only once no rank
+    will write into it any more (else a late rank's report would outlive the removal). Reads files only."""
+    reports: dict[int, dict[str, Any]] = {}
     pause_s = 0.01
-    while missing:
-        for rank in sorted(missing):
+    while len(reports) < world_size:
+        for rank in range(world_size):
             path = step_dir / report_name(rank)
-            if not path.exists():
-                continue
-            report = json.loads(path.read_text())
-            if report.get("error"):
-                raise CheckpointError(f"{path}: rank {rank} failed to write its shard: {report['error']}")
-            if report.get("save_id") != save_id:
-                raise CheckpointError(f"{path}: report of another save ({report.get('save_id')} != {save_id})")
-            checksums.update(report["files"])
-            missing.discard(rank)
-        if missing:
+            if rank not in reports and path.exists():
+                reports[rank] = json.loads(path.read_text())
+        if len(reports) < world_size:
             if time.monotonic() > deadline:
-                raise CheckpointError(f"{step_dir}: timed out waiting for the shard reports of ranks "
-                                      f"{sorted(missing)}; checkpoint not committed")
+                break
             time.sleep(pause_s)
             pause_s = min(pause_s * 2, 0.5)
+    return reports
+
+
+def gather_rank_reports(step_dir: Path, world_size: int, save_id: str | None, deadline: float) -> dict[str, str]:
+    """Rank 0: every rank's report (:func:`await_rank_reports`); the union of their checksums. Raises
+    CheckpointError naming the directory when a rank reported an error, a report belongs to another save, or ranks
+    are still missing at the deadline. Reads files only, no collectives."""
+    reports = await_rank_reports(step_dir, world_size, deadline)
+    checksums: dict[str, str] = {}
+    for rank, report in sorted(reports.items()):
+        path = step_dir / report_name(rank)
+        if report.get("error"):
+            raise CheckpointError(f"{path}: rank {rank} failed to write its shard: {report['error']}")
+        if report.get("save_id") != save_id:
+            raise CheckpointError(f"{path}: report of another save ({report.get('save_id')} != {save_id})")
+        checksums.update(report["files"])
+    missing = sorted(set(range(world_size)) - set(reports))
+    if missing:
+        raise CheckpointError(f"{step_dir}: timed out waiting for the shard reports of ranks {missing}; "
+                              "checkpoint not committed")
     return checksums
 
 

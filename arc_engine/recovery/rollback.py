@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import runtime
+from arc_engine.config.errors import ArcSetupError
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.policy.decision import EXIT_RELAUNCH, Decision
 from arc_engine.recovery import portable
@@ -168,8 +169,8 @@ class Recovery:
                                         "rollbacks use the memory tier only", {"dir": str(root), "reason": reason},
                                         detector="checkpoint")
                 return False
-            raise ValueError(f"arc_engine: {reason}; fix its permissions, choose another directory, or set "
-                             "recovery.checkpoint.on_error: continue to train without disk checkpoints")
+            raise ArcSetupError(f"{reason}; fix its permissions, choose another directory, or set "
+                                "recovery.checkpoint.on_error: continue to train without disk checkpoints")
         if self.group is None:
             return True
         seen = False
