@@ -204,6 +204,8 @@ class ArcEngine:
             self.watchdog = HangWatchdog(watchdog, runtime.global_rank(), self.run_dir,
                                          self._watchdog_report, lambda: self.iteration, board=board,
                                          world_size=world, on_abort=self.reporter.close).start()
+            if world > 1:
+                self.watchdog.watch_for_lost_peers()
         self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self

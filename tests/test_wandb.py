@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from arc_engine.config import load_config
 from arc_engine.events import Event, Severity
@@ -26,6 +27,7 @@ from arc_engine.watchdog import (
     HangWatchdog,
     ProgressBoard,
     hang_timeout,
+    is_peer_failure,
     stuck_ranks,
 )
 from tests.dist_harness import run_ranks
@@ -195,6 +197,33 @@ def test_stuck_ranks_are_the_ones_behind() -> None:
     assert stuck_ranks({0: 9, 2: 9}, 3) == [1]  # rank 1 never published (dead from the start)
     assert stuck_ranks({0: 9, 1: 9}, 2) == []  # level: nobody is ahead
     assert stuck_ranks({}, 2) == []
+
+
+def test_the_roll_call_names_the_ranks_that_do_not_answer_and_peer_failures_are_recognised() -> None:
+    store = torch.distributed.HashStore()
+    board = ProgressBoard(store, "run", 8)
+    for rank in (2, 3, 4, 6, 7):  # the other survivors answered; ranks 1 and 5 are gone
+        board.roll_call(rank, wait_s=0.0)
+    assert board.roll_call(0, wait_s=0.3) == [1, 5]
+    everyone = ProgressBoard(torch.distributed.HashStore(), "run", 2)
+    everyone.roll_call(1, wait_s=0.0)
+    assert everyone.roll_call(0, wait_s=5.0) == []
+
+    class Unreachable:
+        def set(self, *args: object) -> None:
+            raise ConnectionError("store gone")
+
+    assert ProgressBoard(Unreachable(), "run", 2).roll_call(0, wait_s=1.0) is None
+    gloo = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:9630: Connection reset by peer. GLHF!")
+    assert is_peer_failure(gloo) and not is_peer_failure(ValueError("Connection reset by peer"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise RuntimeError("the step failed") from inner
+    except RuntimeError as outer:
+        assert is_peer_failure(outer)
+    assert not is_peer_failure(RuntimeError("CUDA out of memory"))
 
 
 def test_watchdog_abort_names_the_rank_behind_and_exits_after_abort_after_timeouts(tmp_path: Path) -> None:

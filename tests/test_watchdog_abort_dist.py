@@ -1,10 +1,13 @@
 """A hang ends (watchdog.action: abort): one rank of 2 sleeps far past the timeout; both processes exit with the
-watchdog's exit code and the hang event names the sleeping rank, not the one that noticed."""
+watchdog's exit code and the hang event names the sleeping rank, not the one that noticed. A rank killed mid-step
+(no torchrun agent): the survivor's collective fails, and its last event names the lost rank before it exits with
+the same code."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +18,27 @@ from tests.dist_harness import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_a_rank_asleep_past_the_timeout_ends_the_job_with_exit_6_naming_it(tmp_path: Path) -> None:
+def _two_workers(run_dir: Path, mode: str) -> tuple[list[int | None], list[str]]:
+    """tests/hang_worker.py as two plain processes (no torchrun); their exit codes and outputs."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.hang_worker", str(tmp_path)], cwd=REPO_ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.hang_worker", str(run_dir), mode], cwd=REPO_ROOT,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     outputs = []
     try:
-        for proc in procs:  # rank 1 sleeps 600 s: returning at all within this bound is the watchdog's doing
+        for proc in procs:  # returning at all within this bound is the watchdog's doing
             outputs.append(proc.communicate(timeout=240)[0])
     finally:
         for proc in procs:
             proc.kill()
-    assert [proc.returncode for proc in procs] == [EXIT_HANG, EXIT_HANG], outputs
+    return [proc.returncode for proc in procs], outputs
+
+
+def test_a_rank_asleep_past_the_timeout_ends_the_job_with_exit_6_naming_it(tmp_path: Path) -> None:
+    codes, outputs = _two_workers(tmp_path, "stall")  # rank 1 sleeps 600 s
+    assert codes == [EXIT_HANG, EXIT_HANG], outputs
     events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
     hangs = [e for e in events if e["detector"] == "hang"]
     assert hangs and all(e["values"]["stuck_ranks"] == [1] for e in hangs), hangs
@@ -37,3 +46,13 @@ def test_a_rank_asleep_past_the_timeout_ends_the_job_with_exit_6_naming_it(tmp_p
     assert hangs[0]["severity"] == "critical" and "stopped: rank(s) [1]" in hangs[0]["message"]
     assert (tmp_path / "test" / "stacks" / "rank1-iter5.txt").exists()  # the sleeper's stack: where it sleeps
     assert "_stall" in (tmp_path / "test" / "stacks" / "rank1-iter5.txt").read_text()
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor_which_ends_with_exit_6(tmp_path: Path) -> None:
+    codes, outputs = _two_workers(tmp_path, "kill")  # rank 1: SIGKILL between its forward and its backward
+    assert codes == [EXIT_HANG, -signal.SIGKILL], outputs
+    events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
+    last = events[-1]  # the survivor's last word names the rank it lost
+    assert last["detector"] == "hang" and last["severity"] == "critical", last
+    assert last["values"]["lost_ranks"] == [1] and last["values"]["exit_code"] == EXIT_HANG, last
+    assert "lost: rank(s) [1]" in last["message"] and "Connection" in last["values"]["error"], last
