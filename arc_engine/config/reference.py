@@ -481,9 +481,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "recovery.checkpoint.format": KeyDoc("Files inside a checkpoint: `auto` (the framework's own where arc_engine "
                                          "writes it: megatron-core `dist_checkpointing`; else DCP), `dcp` "
                                          "(arc_engine's DCP layout), `megatron`."),
-    "recovery.checkpoint.on_error": KeyDoc("A checkpoint directory that is not writable at attach: `raise` (a "
-                                           "one-line error on every rank) or `continue` (an error event, no disk "
-                                           "tier for the run)."),
+    "recovery.checkpoint.on_error": KeyDoc("A checkpoint directory that is not writable at attach: `raise` (every "
+                                           "rank exits with code 2 after one line) or `continue` (an error event, "
+                                           "no disk tier for the run)."),
     # watchdog
     "watchdog.enabled": KeyDoc("A thread per rank that reports a hang when no step completes in time."),
     "watchdog.warmup_steps": KeyDoc("Completed steps before the timeout is derived from step times.", ">= 1"),

@@ -842,9 +842,9 @@ class CheckpointConfig:
     ``resume``: on attach, load the newest committed checkpoint if there is one. ``format``: the files inside a
     checkpoint: ``auto`` is the framework's own where arc_engine writes one (megatron-core: ``dist_checkpointing``,
     which Megatron users load with their tools), else arc_engine's DCP layout; ``dcp`` and ``megatron`` force one.
-    ``on_error``: a directory that is not writable at attach is a one-line error on every rank (``raise``), or an
-    error event and no disk tier for the run (``continue``). A save that fails later is always an error event
-    (every sink, W&B alert included) naming the checkpoint and the reason; its files are removed.
+    ``on_error``: a directory that is not writable at attach ends the job with exit code 2 and one line
+    (``raise``), or an error event and no disk tier for the run (``continue``). A save that fails later is always an
+    error event (every sink, W&B alert included) naming the checkpoint and the reason; its files are removed.
     """
 
     enabled: bool = True
