@@ -41,7 +41,7 @@ from arc_engine.faults import FaultInjector
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce
-from arc_engine.stats.timing import ComputeProbe, local_compute_modules
+from arc_engine.stats.timing import ComputeProbe, is_compiled, local_compute_modules
 
 
 @dataclass
@@ -261,7 +261,13 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         engine.add_event_source(injector.system_events)
     removers.append(register_step_start(engine, adapter.module, getattr(adapter, "before_step_start", None)))
     straggler = config.detectors.straggler
-    if straggler.enabled and straggler.compute_every:  # after the fault hooks: a slowed module's delay is timed
+    compiled = straggler.enabled and straggler.compute_every and is_compiled([adapter.module])
+    if compiled:  # the probe adds and removes module hooks every few steps: a compiled forward may ignore them
+        engine.emit_action(engine.step, "compute_probe_off", Severity.WARNING,
+                           "detectors.straggler: the model runs through torch.compile, which ignores module hooks "
+                           "added after compilation: the compute probe is off (forward sections are still timed; "
+                           "set detectors.straggler.compute_every: 0 to silence this)", {}, detector="straggler")
+    if straggler.enabled and straggler.compute_every and not compiled:  # after the fault hooks (a slowed module)
         limit = straggler.compute_modules
         compute = getattr(adapter, "compute_modules", None)
         modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)

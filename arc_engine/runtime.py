@@ -28,6 +28,19 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
 
+def local_world_size() -> int:
+    """Ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``; 1 when not set)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (0 when the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 def hostname() -> str:
     return socket.gethostname()
 

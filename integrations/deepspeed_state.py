@@ -77,6 +77,12 @@ class ZeroTrainState:
     def live_tensors(self) -> list[torch.Tensor]:
         return [t.detach() for _, t in self._model_tensors() + self._partition_state()]
 
+    def forward_written(self) -> list[int]:
+        """Indices in :meth:`live_tensors` of what a forward pass may write (the module's buffers): a CUDA snapshot
+        copies only these ahead of the forward, the rest on a side stream (``recovery.snapshot.capture``)."""
+        buffers = {id(buffer) for buffer in self.ds_engine.module.buffers()}
+        return [index for index, (_, tensor) in enumerate(self._model_tensors()) if id(tensor) in buffers]
+
     def extra_state(self) -> dict[str, Any]:
         return {"param_groups": group_hyperparameters(self.torch_optimizer),
                 "lr_schedulers": [scheduler.state_dict() for scheduler in self._schedulers()],

@@ -35,20 +35,29 @@ class MegatronTrainState:
         self.members = mi.members(optimizer)
 
     def live_tensors(self) -> list[torch.Tensor]:
-        tensors: list[torch.Tensor] = []
+        return [tensor for tensor, _ in self._tensors()]
+
+    def forward_written(self) -> list[int]:
+        """Indices in :meth:`live_tensors` of what a forward pass may write (the chunks' buffers): a CUDA snapshot
+        copies only these ahead of the forward, the rest on a side stream (``recovery.snapshot.capture``)."""
+        return [index for index, (_, is_buffer) in enumerate(self._tensors()) if is_buffer]
+
+    def _tensors(self) -> list[tuple[torch.Tensor, bool]]:
+        """(tensor, is a module buffer) of every state tensor, each once, in a fixed order."""
+        tensors: list[tuple[torch.Tensor, bool]] = []
         seen: set[int] = set()
 
-        def add(tensor: torch.Tensor) -> None:
+        def add(tensor: torch.Tensor, is_buffer: bool = False) -> None:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                tensors.append(tensor.detach())
+                tensors.append((tensor.detach(), is_buffer))
 
         for chunk in self.chunks:
             module = mi.unwrap_chunk(chunk)
             for param in module.parameters():
                 add(param)
             for buffer in module.buffers():
-                add(buffer)
+                add(buffer, True)
         for member in self.members:
             inner = mi.inner_optimizer(member)
             if inner is None:

@@ -76,7 +76,7 @@ def wait_for_zero3_gathers() -> None:
             setattr(comm, name, waiting(getattr(comm, name)))
 
 
-def ds_engine(rank: int, world: int, stage: int, clip: float = CLIP):
+def ds_engine(rank: int, world: int, stage: int, clip: float = CLIP, overlap_comm: bool | None = None):
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
@@ -86,7 +86,8 @@ def ds_engine(rank: int, world: int, stage: int, clip: float = CLIP):
         wait_for_zero3_gathers()
     model, data = tiny_model_and_data()
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage},
+    zero = {"stage": stage} if overlap_comm is None else {"stage": stage, "overlap_comm": overlap_comm}
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": zero,
               "gradient_clipping": clip, "steps_per_print": 10_000}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, data
@@ -165,22 +166,24 @@ def master_weights(engine) -> torch.Tensor:
     return torch.cat([f.detach().flatten().clone() for f in flats])
 
 
-def _bitwise_rank(rank: int, world: int, stage: int, run_dir: Path) -> bool:
+def _bitwise_rank(rank: int, world: int, stage: int, run_dir: Path, overlap_comm: bool | None = None) -> bool:
     import arc_engine
 
-    engine, data = ds_engine(rank, world, stage)
+    engine, data = ds_engine(rank, world, stage, overlap_comm=overlap_comm)
     train(engine, data, None, rank, 4)
     plain = master_weights(engine)
-    engine, data = ds_engine(rank, world, stage)
+    engine, data = ds_engine(rank, world, stage, overlap_comm=overlap_comm)
     arc = arc_engine.attach(engine, None, make_config(run_dir, "stats.optimizer_stats_every=1", EXACT_UPDATE_RMS))
     train(engine, data, arc, rank, 4)
     arc.close()
     return torch.equal(plain, master_weights(engine))
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path, stage: int) -> None:
-    assert run_ranks(_bitwise_rank, 2, stage, tmp_path) == [True, True]
+@pytest.mark.parametrize("stage, overlap_comm", [(1, None), (2, None), (2, True), (3, None)],
+                         ids=["zero1", "zero2", "zero2-overlap_comm", "zero3"])  # ZeRO-3 overlaps by default
+def test_parameters_bitwise_identical_with_and_without_arc(tmp_path: Path, stage: int, overlap_comm: bool | None
+                                                           ) -> None:
+    assert run_ranks(_bitwise_rank, 2, stage, tmp_path, overlap_comm) == [True, True]
 
 
 def _faults_rank(rank: int, world: int, run_dir: Path) -> list[dict]:

@@ -353,3 +353,61 @@ def test_only_the_module_buffers_are_copied_before_the_forward_on_cuda() -> None
     assert snapshot.copied is None
     snapshot.fence()
     snapshot.wait()
+
+
+def test_deepspeed_and_megatron_states_name_their_module_buffers_as_what_the_forward_writes() -> None:
+    """A CUDA snapshot copies only these ahead of the forward (the rest on a side stream after the update is
+    fenced): without ``forward_written`` every copy would be queued before the forward on the compute stream."""
+    from types import SimpleNamespace
+
+    from arc_engine.integrations.deepspeed_state import Zero3TrainState, ZeroTrainState
+    from arc_engine.integrations.megatron_state import MegatronTrainState
+
+    module = torch.nn.BatchNorm1d(3)  # parameters: weight, bias; buffers: running mean, running var, batch count
+    partitions = [("fp32_0", torch.zeros(6)), ("state_0_exp_avg", torch.zeros(6))]
+    for kind, buffers in ((ZeroTrainState, [2, 3, 4]), (Zero3TrainState, [0, 1, 2])):
+        state = object.__new__(kind)
+        state.ds_engine = SimpleNamespace(module=module)
+        state._partition_state = lambda: partitions
+        live = state.live_tensors()
+        assert state.forward_written() == buffers, kind
+        assert [live[i].data_ptr() for i in buffers] == [b.data_ptr() for b in module.buffers()]
+    megatron = object.__new__(MegatronTrainState)
+    megatron.chunks, megatron.members = [torch.nn.Sequential(module)], []
+    assert megatron.forward_written() == [2, 3, 4]
+
+
+def test_the_rings_default_budget_is_sized_from_the_state_and_a_state_that_does_not_fit_is_an_event(tmp_path) -> None:
+    import arc_engine
+    from arc_engine.recovery.snapshot import ring_budget_bytes
+    from arc_engine.sinks import read_jsonl
+    from tests.training import make_config
+
+    gib = 2**30
+    assert ring_budget_bytes(None, 3 * gib, 0, 8) == 6 * gib  # two snapshots when the host's memory is unknown
+    assert ring_budget_bytes(None, 3 * gib, 512 * gib, 8) == 6 * gib  # 16 GB per rank allowed: two fit
+    assert ring_budget_bytes(None, 30 * gib, 512 * gib, 8) == 16 * gib  # capped at a quarter of the host's share
+    assert ring_budget_bytes(64.0, 3 * gib, 512 * gib, 8) == 64 * 2**20  # a configured budget is the budget
+    model, data = tiny_model_and_data()
+    optimizer = make_optimizer(model)
+    auto = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint_freq=1")
+    with arc_engine.attach(model, optimizer, auto) as arc:
+        for _ in range(3):
+            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            arc.record_loss(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert arc.engine.recovery.ring.capacity == 2  # sized at the first snapshot: room for two
+    tight = make_config(tmp_path / "tight", "recovery.enabled=true", "recovery.checkpoint_freq=1",
+                        "recovery.memory_ring_mb=0.01")
+    with arc_engine.attach(model, optimizer, tight) as arc:
+        for _ in range(3):
+            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            arc.record_loss(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert arc.engine.recovery.ring.capacity == 0
+    off = [e for e in read_jsonl(tmp_path / "tight" / "test" / "events.jsonl") if e.get("action") == "memory_ring_off"]
+    assert len(off) == 1 and off[0]["severity"] == "warning" and "does not fit" in off[0]["message"], off

@@ -292,3 +292,25 @@ def test_a_clean_run_flags_no_straggler_and_raises_no_r_metric_alert(tmp_path: P
     for result in results:
         assert result["findings"] == {} and result["detections"] == {}
         assert result["lambdas"] == [0.0] * 60
+
+
+def test_a_compiled_model_turns_the_compute_probe_off_with_an_event_and_still_trains(tmp_path) -> None:
+    """torch.compile ignores module hooks added after compilation, and the probe adds and removes them every few
+    steps: on a compiled model it is off, said by a warning event, and the rest of the step's statistics stay."""
+    from arc_engine.sinks import read_jsonl
+    from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+
+    model, data = tiny_model_and_data()
+    compiled = torch.compile(model, backend="eager")
+    optimizer = make_optimizer(model)
+    with arc_engine.attach(compiled, optimizer, make_config(tmp_path, "stats.interval=1")) as arc:
+        assert arc.engine.probe is None
+        for step in range(3):
+            loss = compiled(*data.batch(step, 0, BATCH))
+            arc.record_loss(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert arc.engine.last_decision.step == 2 and arc.engine.last_stats.total("grad_sq").sum() > 0
+    off = [e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e.get("action") == "compute_probe_off"]
+    assert len(off) == 1 and off[0]["severity"] == "warning" and "torch.compile" in off[0]["message"], off

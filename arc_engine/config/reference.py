@@ -448,8 +448,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "recovery.enabled": KeyDoc("The ARC loop: verified-stable snapshots, rollback, heal, escape, resume."),
     "recovery.checkpoint_freq": KeyDoc("Healthy steps between snapshots; a snapshot becomes verified-stable when "
                                        "the next step is healthy.", ">= 1"),
-    "recovery.memory_ring_mb": KeyDoc("Host memory per rank for verified-stable snapshots (0: disk tier only).",
-                                      ">= 0"),
+    "recovery.memory_ring_mb": KeyDoc("Host memory per rank for verified-stable snapshots (0: disk tier only; "
+                                      "unset: room for two snapshots of the largest rank, within a quarter of "
+                                      "the host's memory shared by its ranks). A state that does not fit is a "
+                                      "`memory_ring_off` warning event.", ">= 0, or unset"),
     "recovery.lr_reduction_factor": KeyDoc("Learning rate x this factor per rollback (compounding).", "(0, 1]"),
     "recovery.lr_recovery_steps": KeyDoc("Healthy steps over which the learning rate returns linearly to the "
                                          "schedule; also the length of a recovery episode.", ">= 1"),

@@ -870,27 +870,27 @@ class RecoveryConfig:
 
     ``checkpoint_freq``: consecutive healthy steps after which the state is snapshotted; the snapshot becomes
     verified-stable when the next monitored step is healthy too. ``memory_ring_mb``: host memory per rank for
-    verified-stable snapshots (0 = disk tier only). ``lr_reduction_factor``: the learning rate is multiplied by it
-    at each rollback (compounding over consecutive rollbacks) and returns linearly to the scheduled value over
-    ``lr_recovery_steps`` healthy steps. ``skip_data``: ``window`` resumes the data after the batch that failed
-    (the batches between the snapshot and the failure are not replayed), ``none`` replays them, ``stream`` is for
-    loaders that cannot seek (the Hugging Face and Lightning trainers'): training goes on with the batches the
-    loader yields next, as ``window`` would, and an escape skips no batches. ``rollback``: ``in_process`` restores
-    the state in the running job; ``relaunch`` (for loops that own the iteration counter and the data, like
-    Megatron-LM's ``pretrain()``) stops every rank with exit code 7 once the newest disk checkpoint is committed,
-    writing ``relaunch.json`` in the run directory: the checkpoint to load and the steps whose batches to skip
-    (per ``skip_data``); it needs the disk tier (``checkpoint.every_steps``).
-    ``heal_clip_grad_norm``: while the learning rate is reduced, also scale gradients to at most this global norm
-    (unset = no extra clipping). ``max_consecutive_rollbacks``: rollbacks without a verified-stable state in
-    between before the next failure escapes instead: ``perturbation_scale`` x the RMS of each parameter (or
-    shard) of Gaussian noise on the restored weights and ``skip_ahead_steps`` batches skipped. ``max_escapes``:
-    escapes in one recovery episode before training stops with exit code 4. An episode ends after
-    ``lr_recovery_steps`` healthy steps.
+    verified-stable snapshots (0 = disk tier only; unset = sized from the state: room for two snapshots of the
+    largest rank, within a quarter of this host's memory shared by its ranks). ``lr_reduction_factor``: the learning
+    rate is multiplied by it at each rollback (compounding over consecutive rollbacks) and returns linearly to the
+    scheduled value over ``lr_recovery_steps`` healthy steps. ``skip_data``: ``window`` resumes the data after the
+    batch that failed (the batches between the snapshot and the failure are not replayed), ``none`` replays them,
+    ``stream`` is for loaders that cannot seek (the Hugging Face and Lightning trainers'): training goes on with the
+    batches the loader yields next, as ``window`` would, and an escape skips no batches. ``rollback``:
+    ``in_process`` restores the state in the running job; ``relaunch`` (for loops that own the iteration counter and
+    the data, like Megatron-LM's ``pretrain()``) stops every rank with exit code 7 once the newest disk checkpoint
+    is committed, writing ``relaunch.json`` in the run directory: the checkpoint to load and the steps whose batches
+    to skip (per ``skip_data``); it needs the disk tier (``checkpoint.every_steps``). ``heal_clip_grad_norm``: while
+    the learning rate is reduced, also scale gradients to at most this global norm (unset = no extra clipping).
+    ``max_consecutive_rollbacks``: rollbacks without a verified-stable state in between before the next failure
+    escapes instead: ``perturbation_scale`` x the RMS of each parameter (or shard) of Gaussian noise on the restored
+    weights and ``skip_ahead_steps`` batches skipped. ``max_escapes``: escapes in one recovery episode before
+    training stops with exit code 4. An episode ends after ``lr_recovery_steps`` healthy steps.
     """
 
     enabled: bool = False
     checkpoint_freq: int = 20
-    memory_ring_mb: float = 1024.0
+    memory_ring_mb: float | None = None
     lr_reduction_factor: float = 0.5
     lr_recovery_steps: int = 100
     skip_data: Literal["window", "none", "stream"] = "window"
@@ -905,7 +905,8 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         require(self.checkpoint_freq >= 1, "checkpoint_freq", self.checkpoint_freq, "must be an integer >= 1")
-        require(self.memory_ring_mb >= 0, "memory_ring_mb", self.memory_ring_mb, "must be >= 0 (0 = disk only)")
+        require(self.memory_ring_mb is None or self.memory_ring_mb >= 0, "memory_ring_mb", self.memory_ring_mb,
+                "must be >= 0 (0 = disk only), or unset (sized from the state)")
         require(0 < self.lr_reduction_factor <= 1, "lr_reduction_factor", self.lr_reduction_factor,
                 "must be in (0, 1]")
         require(self.lr_recovery_steps >= 1, "lr_recovery_steps", self.lr_recovery_steps, "must be an integer >= 1")

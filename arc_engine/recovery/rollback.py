@@ -49,6 +49,7 @@ from arc_engine.recovery.snapshot import (
     capture,
     from_snapshot,
     restore,
+    ring_budget_bytes,
     ring_capacity,
     rng_state,
     set_rng_state,
@@ -236,12 +237,19 @@ class Recovery:
         largest = torch.tensor([float(local_bytes)], dtype=torch.float64)
         if self.group is not None:
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.ring = SnapshotRing(ring_capacity(self.config.memory_ring_mb * 2**20, int(largest.item())),
-                                 busy=self._saving_from)
+        largest_bytes = int(largest.item())
+        budget = ring_budget_bytes(self.config.memory_ring_mb, largest_bytes, runtime.host_memory_bytes(),
+                                   runtime.local_world_size())
+        self.ring = SnapshotRing(ring_capacity(budget, largest_bytes), busy=self._saving_from)
         self._ring_sized = True
-        if self.ring.capacity == 0:
-            log.warning("arc_engine: a snapshot (%.1f MB on the largest rank) exceeds recovery.memory_ring_mb = %s:"
-                        " rollbacks will load from disk", largest.item() / 2**20, self.config.memory_ring_mb)
+        if self.ring.capacity == 0 and self.config.memory_ring_mb != 0:  # (0: the disk tier was asked for)
+            # the budget is agreed (the largest rank's size, the same setting): every rank emits the same event
+            where = "the disk tier" if self.config.checkpoint.every_steps else "nothing (no disk tier configured)"
+            self.engine.emit_action(
+                self.engine.step, "memory_ring_off", Severity.WARNING,
+                f"a snapshot ({largest_bytes / 2**20:.1f} MB on the largest rank) does not fit the memory ring's "
+                f"{budget / 2**20:.1f} MB (recovery.memory_ring_mb = {self.config.memory_ring_mb}): rollbacks "
+                f"restore from {where}", {"snapshot_mb": largest_bytes / 2**20, "budget_mb": budget / 2**20})
 
     # ------------------------------------------------------------------ decision
 

@@ -285,6 +285,23 @@ class SnapshotRing:
         return len(self._ring)
 
 
+#: snapshots an unset ``recovery.memory_ring_mb`` makes room for, and the share of host memory it may take
+AUTO_RING_SNAPSHOTS, AUTO_RING_HOST_SHARE = 2, 0.25
+
+
+def ring_budget_bytes(configured_mb: float | None, largest_snapshot_bytes: int, host_bytes: int,
+                      ranks_on_host: int) -> float:
+    """The ring's byte budget: ``configured_mb``, or when unset room for :data:`AUTO_RING_SNAPSHOTS` snapshots of the
+    largest rank within :data:`AUTO_RING_HOST_SHARE` of the host's memory split over its ranks (no limit when the
+    host's memory is unknown). Pure."""
+    if configured_mb is not None:
+        return configured_mb * 2**20
+    wanted = float(AUTO_RING_SNAPSHOTS * largest_snapshot_bytes)
+    if host_bytes <= 0:
+        return wanted
+    return min(wanted, AUTO_RING_HOST_SHARE * host_bytes / max(1, ranks_on_host))
+
+
 def ring_capacity(budget_bytes: float, largest_snapshot_bytes: int) -> int:
     """How many snapshots of the largest rank fit in ``budget_bytes`` (0: the ring is off, disk tier only)."""
     if largest_snapshot_bytes <= 0:

@@ -151,6 +151,13 @@ class ComputeProbe:
         self._handles = []
 
 
+def is_compiled(roots: list[torch.nn.Module]) -> bool:
+    """Whether any module under ``roots`` runs through ``torch.compile`` (a compiled wrapper, or ``Module.compile()``):
+    hooks added to its modules after compilation may be ignored (dynamo does not guard on them by default)."""
+    return any(type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+               for root in roots for module in root.modules())
+
+
 def local_compute_modules(roots: list[torch.nn.Module], limit: int,
                           communicates: Callable[[torch.nn.Module], bool] = lambda module: False
                           ) -> list[torch.nn.Module]:
