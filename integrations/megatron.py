@@ -337,6 +337,11 @@ class MegatronAdapter:
                              f"use auto or dcp (tested range {mi.TESTED_MEGATRON_CORE_RANGE.text()})")
         if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
             self.parts.matrices = self._weight_matrices()
+        if config.recovery.enabled and overlaps_param_gather(self.chunks):
+            raise ValueError("arc_engine.attach_megatron: recovery.enabled with overlap_param_gather: a snapshot at a "
+                             "step's start would read the bf16 parameters while their all-gather from the previous "
+                             "update may still be in flight; turn overlap_param_gather off, or recovery.enabled off "
+                             "(detection and the agreed skip work with it)")
         sdc = config.detectors.sdc
         refusal = mi.recompute_refusal(self.chunks, self.optimizer) if sdc.enabled and sdc.recompute.enabled \
             else None
@@ -499,6 +504,12 @@ CONFIG_OFF: dict[str, tuple[str, ...]] = {
     "attention_spectra": ("detectors.qk_spectra.enabled",),
     "router_observation": ("detectors.router.enabled",),
 }
+
+
+def overlaps_param_gather(chunks: list[Any]) -> bool:
+    """Whether megatron DDP overlaps the parameter all-gather with the next forward (``overlap_param_gather``):
+    the parameters are then not final at a step's start."""
+    return any(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False) for chunk in chunks)
 
 
 def _matrix_order(name: str) -> tuple[int, int, str]:

@@ -325,3 +325,21 @@ def test_the_reference_script_takes_megatron_flags_and_arc_flags() -> None:
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
             args.num_experts, args.use_distributed_optimizer, args.bf16) == (2, 2, 2, 4, True, True)
     assert arc_engine.config_from_args(args, exit_on_error=False).stats.interval == 3
+
+
+def test_recovery_is_refused_with_overlap_param_gather_and_allowed_without() -> None:
+    """A snapshot at a step's start reads the bf16 parameters; with ``overlap_param_gather`` their all-gather from
+    the previous update may still be in flight then."""
+    from types import SimpleNamespace
+
+    from arc_engine.config import load_config
+    from arc_engine.integrations.megatron import MegatronAdapter, overlaps_param_gather
+
+    overlapping = [SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=True))]
+    assert overlaps_param_gather(overlapping) and not overlaps_param_gather([SimpleNamespace()])
+    adapter = object.__new__(MegatronAdapter)
+    adapter.chunks = overlapping
+    adapter.capabilities = SimpleNamespace(off={})
+    config = load_config(None, ["recovery.enabled=true"])
+    with pytest.raises(ValueError, match=r"recovery\.enabled with overlap_param_gather"):
+        adapter.check_config(config)
