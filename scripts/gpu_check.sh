@@ -5,9 +5,10 @@
 #
 # It installs gpu_wheels/ into a scratch folder with pip --target (nothing of that machine's Python changes; no
 # registry is needed), records the machine (nvidia-smi, torch, CUDA, the framework releases) and runs the CUDA tests
-# (pytest -m cuda: arc_engine's own CUDA paths, then the trainer callbacks where only a GPU runs them). Everything
-# it prints also goes under $OUT.
-# Without CUDA (this repository's machine) it runs the same steps and the tests skip. Exit status: the tests'.
+# (pytest -m cuda: arc_engine's own CUDA paths, then the trainer callbacks where only a GPU runs them), then the
+# overhead benchmark (scripts/bench_gpu_overhead.py: a ~1B-parameter GPT in bf16, with and without arc_engine in one
+# process). Everything it prints also goes under $OUT. Without CUDA (this repository's machine) it runs the same
+# steps: the tests skip and the benchmark makes a small CPU dry run. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -39,9 +40,16 @@ for name in ("arc_engine", "transformers", "accelerate", "lightning", "deepspeed
 PYEOF
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout "${CUDA_TESTS_TIMEOUT_S:-420}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
+timeout "${CUDA_TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
   tests/test_cuda_paths.py tests/test_cuda_trainers.py > "$OUT/cuda_tests.txt" 2>&1
 status=$?
 tail -n 30 "$OUT/cuda_tests.txt"
 log "cuda tests: exit $status ($(tail -n 1 "$OUT/cuda_tests.txt"))"
+# the overhead benchmark: a ~1B-parameter GPT in bf16, default configuration against none (a small dry run on CPU)
+bench_args=(--out "$OUT/bench_gpu.json")
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || bench_args+=(--tiny --blocks 2)
+timeout "${BENCH_TIMEOUT_S:-150}" "$PY" scripts/bench_gpu_overhead.py "${bench_args[@]}" > "$OUT/bench_gpu.txt" 2>&1
+bench_status=$?
+tail -n 5 "$OUT/bench_gpu.txt"
+log "overhead benchmark: exit $bench_status ($(grep '^\[bench_gpu\]' "$OUT/bench_gpu.txt" | tail -n 1))"
 exit $status
