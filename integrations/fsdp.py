@@ -17,6 +17,10 @@ over ranks is the exact global value. On monitored steps:
   local shard (the last micro-batch's, i.e. the accumulated gradient) is kept per parameter and written to
   the step's buffer by an optimizer pre-hook.
 
+When a sharded parameter holds a gradient at the optimizer step but its post-accumulate-grad hook did not run
+(compiled autograd runs no such Python hooks), its reduced norm is read from ``param.grad`` in the optimizer
+pre-hook and its local norm is taken to be that reduced one; a ``hooks_missed`` warning event says so, once.
+
 With ``pre_reduce_stats=False`` the local slots come from the reduced shard: a NaN then names every rank whose
 shard holds it, not the rank that produced it. Plain ``register_hook`` never fires on FSDP2's sharded
 parameters, so ``nan_grad`` / ``inf_grad`` / ``grad_scale`` fault injection is refused here.
@@ -40,6 +44,7 @@ from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
+from arc_engine.events import Severity
 from arc_engine.integrations.torch_amp import ScalerWatch
 from arc_engine.integrations.torch_optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
@@ -60,6 +65,10 @@ class FSDPGradStats:
     def __init__(self, engine: ArcEngine, groups: ParamGroupIndex, params: Sequence[DTensor], *,
                  pre_reduce: bool, scaler: ScalerWatch | None = None) -> None:
         self.engine, self.pre_reduce, self.active = engine, pre_reduce, True
+        self.params = list(params)
+        self._reduced_seen: set[int] = set()  # this step's parameters whose reduced-gradient hook ran
+        self._local_seen: set[int] = set()
+        self.missed_hooks_reported = False
         self.scaler = scaler  # the (Sharded)GradScaler whose scale the backward's gradients carry
         self.position = {id(p): i for i, p in enumerate(params)}
         device = engine.pipeline.device
@@ -107,6 +116,7 @@ class FSDPGradStats:
         """Autograd accumulated this rank's unsharded gradient of parameter ``i``, before FSDP reduces it."""
         if not self.monitored():
             return
+        self._local_seen.add(i)
         norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.local_cur_norm_p.device)
         current = self._cur_grad.get(i)
         new = current is None or current() is not param.grad
@@ -130,6 +140,7 @@ class FSDPGradStats:
         if not self.monitored():
             return
         i = self.position[id(param)]
+        self._reduced_seen.add(i)
         self.reduced_norm_p[i] = torch.linalg.vector_norm(param.grad.to_local(), dtype=torch.float32).to(
             self.reduced_norm_p.device)
 
@@ -139,8 +150,13 @@ class FSDPGradStats:
         buffer, then reset them."""
         if not self.monitored():
             return
+        missed = self._read_missed_gradients()
+        unseen = [i for i in missed if i not in self._local_seen]
         if self.pre_reduce:
             local_norm_p = torch.hypot(self.local_done_norm_p, self.local_cur_norm_p)
+            if unseen:  # no local hook either: the reduced norm stands in for the local one
+                index = torch.tensor(unseen, device=local_norm_p.device)
+                local_norm_p.index_copy_(0, index, self.reduced_norm_p.index_select(0, index))
         else:
             local_norm_p = self.reduced_norm_p
         inverse = self.scaler.inverse_scale(self.engine.step) if self.scaler is not None else None
@@ -157,6 +173,27 @@ class FSDPGradStats:
         self._flush_sketch(inverse)
         torch._foreach_zero_([self.reduced_norm_p, self.local_done_norm_p, self.local_cur_norm_p])
         self._cur_grad.clear()
+        self._reduced_seen.clear()
+        self._local_seen.clear()
+
+    def _read_missed_gradients(self) -> list[int]:
+        """The parameters holding a gradient whose reduced-gradient hook did not run this step: their reduced norms
+        read from ``param.grad`` now (device-side), a warning event the first time. Host bookkeeping only."""
+        missed = [i for i, param in enumerate(self.params) if i not in self._reduced_seen and param.grad is not None]
+        for i in missed:
+            grad = self.params[i].grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            self.reduced_norm_p[i] = torch.linalg.vector_norm(local, dtype=torch.float32).to(
+                self.reduced_norm_p.device)
+        if missed and not self.missed_hooks_reported:
+            self.missed_hooks_reported = True
+            self.engine.emit_action(
+                self.engine.step, "hooks_missed", Severity.WARNING,
+                f"FSDP2: {len(missed)} of {len(self.params)} sharded parameters hold a gradient whose hooks did not "
+                "run (compiled autograd runs no Python tensor hooks): their reduced norms are read from param.grad "
+                "at the optimizer step and stand in for their local ones, so a NaN there names every rank whose "
+                "shard holds it", {"parameters": len(missed)}, detector="fsdp")
+        return missed
 
     def _flush_sketch(self, inverse: torch.Tensor | None) -> None:
         """Add this step's local-gradient sketch (or, exact, the local gradient at its elements' places), times

@@ -301,3 +301,30 @@ def test_a_stall_fault_under_fsdp2_fires_the_watchdog(tmp_path: Path) -> None:
     assert stacks == ["rank0-iter8.txt", "rank1-iter8.txt"], stacks
     events = read_jsonl(tmp_path / "test" / "events.jsonl")
     assert [e["severity"] for e in events if e["detector"] == "hang"] == ["critical", "info"]
+
+
+def _hooks_never_run(rank: int, world: int, steps: int, config: ArcConfig, hookless_config: ArcConfig
+                     ) -> dict[str, Any]:
+    """As compiled autograd runs: no Python tensor hook of arc_engine's fires (their bodies are no-ops here)."""
+    from arc_engine.integrations import fsdp
+
+    plain = train_fsdp(rank, steps, config)
+    fsdp.FSDPGradStats.on_reduced_grad = lambda self, param: None
+    fsdp.FSDPGradStats.on_local_grad = lambda self, i, param: None
+    hookless = train_fsdp(rank, steps, hookless_config)
+    return {"plain": plain["stats"], "hookless": hookless["stats"], "decisions": hookless["decisions"]}
+
+
+def test_gradients_whose_hooks_never_ran_are_read_at_the_optimizer_step_with_an_event(tmp_path: Path) -> None:
+    config, hookless = make_config(tmp_path, "stats.interval=1"), make_config(tmp_path / "hookless", "stats.interval=1")
+    for result in run_ranks(_hooks_never_run, 2, 3, config, hookless):
+        for plain, hookless in zip(result["plain"], result["hookless"], strict=True):
+            np.testing.assert_allclose(hookless[names.GRAD_SQ], plain[names.GRAD_SQ], rtol=1e-6)
+            # the local statistics fall back to the reduced shards' norms: every rank's is its shard's
+            assert np.all(hookless["local_sq_rg"] > 0) and not np.allclose(hookless["local_sq_rg"],
+                                                                           plain["local_sq_rg"])
+        assert [action for _, action, _ in result["decisions"]] == ["NONE"] * 3
+    assert not [e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e.get("action") == "hooks_missed"]
+    missed = [e for e in read_jsonl(tmp_path / "hookless" / "test" / "events.jsonl")
+              if e.get("action") == "hooks_missed"]
+    assert missed and missed[0]["severity"] == "warning" and "compiled autograd" in missed[0]["message"], missed
