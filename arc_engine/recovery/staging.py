@@ -116,7 +116,7 @@ class HostStager:
 
     def __init__(self) -> None:
         self._buffers: dict[KeyPath, torch.Tensor] = {}
-        self._device_copies = False
+        self._copy_devices: set[torch.device] = set()  # CUDA devices this call copied from
         self._stable: frozenset[int] = frozenset()
 
     @property
@@ -125,11 +125,16 @@ class HostStager:
 
     def stage(self, state_dict: dict[str, Any], skipped: frozenset[KeyPath] = frozenset(),
               stable: frozenset[int] = frozenset()) -> dict[str, Any]:
-        previous, self._buffers, self._device_copies = self._buffers, {}, False
+        previous, self._buffers, self._copy_devices = self._buffers, {}, set()
         self._stable = stable
         staged = self._copy(state_dict, (), previous, skipped)
-        if self._device_copies:
-            torch.cuda.synchronize()  # the device-to-host copies into pinned buffers were non-blocking
+        # The device-to-host copies into pinned buffers were non-blocking and the writer reads the buffers: wait for
+        # the copies only (an event on each source device's current stream, where they were queued), not for the
+        # whole device. The save's one host wait (a disk save is periodic).
+        for device in self._copy_devices:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(device))
+            copied.synchronize()
         return staged
 
     def _copy(self, obj: Any, path: KeyPath, previous: dict[KeyPath, torch.Tensor], skipped: frozenset[KeyPath]) -> Any:
@@ -152,7 +157,8 @@ class HostStager:
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
         buffer.copy_(source.detach(), non_blocking=source.is_cuda)
-        self._device_copies = self._device_copies or source.is_cuda
+        if source.is_cuda:
+            self._copy_devices.add(source.device)
         self._buffers[path] = buffer
         return buffer
 
