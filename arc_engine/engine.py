@@ -26,6 +26,7 @@ from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.diagnostics import curvature
 from arc_engine.events import Action, Event, Finding, Severity
+from arc_engine.lost_peers import LostPeerWatch
 from arc_engine.monitors import Monitor, missing_stats
 from arc_engine.monitors.family import (
     HOOKS,
@@ -165,6 +166,7 @@ class ArcEngine:
         self.framework_skipped_steps = 0
         self._closed = False
         self.watchdog: HangWatchdog | None = None
+        self.lost_peers: LostPeerWatch | None = None
         for piece in ("on_step_start", "record_loss", "decide", "finish_step", "skip_by_framework"):
             setattr(self, piece, self.own_work.wrap(piece, getattr(self, piece)))
 
@@ -204,8 +206,8 @@ class ArcEngine:
             self.watchdog = HangWatchdog(watchdog, runtime.global_rank(), self.run_dir,
                                          self._watchdog_report, lambda: self.iteration, board=board,
                                          world_size=world, on_abort=self.reporter.close).start()
-            if world > 1:
-                self.watchdog.watch_for_lost_peers()
+            if world > 1:  # a rank lost mid-step is named by the survivors (arc_engine.lost_peers)
+                self.lost_peers = LostPeerWatch(self.watchdog).install()
         self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
@@ -679,6 +681,8 @@ class ArcEngine:
             self.probe.close()
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.lost_peers is not None:
+            self.lost_peers.remove()
         if self.recovery is not None:
             self.recovery.close()
         summary = self.summary()

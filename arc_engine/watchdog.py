@@ -21,13 +21,10 @@ others (the lowest progress) are the ones that stopped; the ranks ahead of them 
 collective. A dead rank stops publishing and is behind too. Equal progress everywhere: no rank is ahead (a dead
 collective, or every rank stuck alike).
 
-**A rank lost mid-step** (SIGKILL, a node gone) under gloo does not hang its peers: their next collective with it
-fails (``Connection reset by peer``) and the exception ends the training loop. While the engine is attached, such
-an unhandled exception (a torch distributed error, or a peer-connection error) makes every survivor answer a roll
-call in the same store (:meth:`ProgressBoard.roll_call`, bounded): the ranks that do not answer are the lost ones.
-Each survivor reports a critical ``hang`` event naming them (``lost_ranks``), flushes, and exits with
-:data:`~arc_engine.policy.decision.EXIT_HANG`. Under NCCL the survivors block in the collective instead, and the
-hang path below names the rank behind.
+**A rank lost mid-step** (SIGKILL, a node gone) under gloo does not hang its peers: their collective with it fails
+and ends the training loop, or the launcher ends them; :mod:`arc_engine.lost_peers` then names the lost ranks by a
+roll call on this board (:meth:`ProgressBoard.roll_call`). Under NCCL the survivors block in the collective instead,
+and the hang path below names the rank behind.
 
 **Ending a hang** (``action: abort``): after ``abort_after`` timeouts in a row without a completed step, the
 watchdog reports a critical ``hang`` event with ``"abort": true``, flushes the sinks (bounded) and exits the
@@ -132,23 +129,6 @@ class ProgressBoard:
         return self._silent(first, middle) + self._silent(middle, stop)
 
 
-#: text of the errors a collective raises when a peer's connection is gone (gloo; NCCL raises DistBackendError)
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
-
-
-def is_peer_failure(err: BaseException | None) -> bool:
-    """Whether ``err`` (or an exception it was raised from) is a failed collective: a torch distributed error or a
-    peer-connection error. Pure."""
-    seen = 0
-    while err is not None and seen < 8:
-        if type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistError"):
-            return True
-        if isinstance(err, (RuntimeError, ConnectionError)) and any(text in str(err) for text in _PEER_GONE):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
-
-
 def stuck_ranks(progress: dict[int, int], world_size: int) -> list[int]:
     """The ranks behind the others: the lowest progress, or none published. Empty when every rank is level
     (nobody is ahead, so nobody is waiting for a particular rank). Pure."""
@@ -247,47 +227,12 @@ class HangWatchdog:
                 self._pauses -= 1
                 self._last_beat = self.clock()
 
-    def watch_for_lost_peers(self) -> None:
-        """Until :meth:`stop`: an unhandled exception that is a failed collective (:func:`is_peer_failure`) ends
-        the process through :meth:`peer_lost` after the usual traceback (``sys.excepthook``, chained)."""
-        previous = sys.excepthook
-
-        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-            previous(kind, value, tb)
-            if not self._stop.is_set() and is_peer_failure(value):
-                self.peer_lost(value)
-
-        self._excepthooks = (previous, hook)
-        sys.excepthook = hook
-
-    def peer_lost(self, err: BaseException) -> None:
-        """A collective failed on this rank: name the ranks that do not answer the roll call, report a critical
-        ``hang`` event, and with ``action: abort`` flush (bounded) and exit with :data:`EXIT_HANG` (``alert``: the
-        process ends as the exception ends it)."""
-        abort = self.config.action == "abort"
-        wait_s = min(10.0, max(2.0, self.timeout_s / 2))
-        lost = self.board.roll_call(self.rank, wait_s) if self.board is not None else None
-        if lost:
-            who = f"lost: rank(s) {lost} (no answer to the roll call within {wait_s:.0f} s)"
-        elif lost is None:
-            who = "the job's store is unreachable (without a torchrun agent rank 0 holds it: rank 0 is likely lost)"
-        else:
-            who = "every rank answered the roll call (a network fault rather than a lost rank)"
-        cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        ending = f"; aborting with exit code {EXIT_HANG}" if abort else ""
-        message = f"a collective failed on rank {self.rank} after {self.completed_steps} steps; {who}{ending} ({cause})"
-        log.error("arc_engine: %s", message)
-        self._safe_report("hang", message, {"lost_ranks": lost, "completed_steps": self.completed_steps,
-                                            "abort": abort, "exit_code": EXIT_HANG if abort else None,
-                                            "error": cause})
-        if abort:
-            self._abort()
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def stop(self) -> None:
-        """Stop the thread (waits at most a second; it is a daemon) and the lost-peer watch."""
-        previous, hook = getattr(self, "_excepthooks", (None, None))
-        if hook is not None and sys.excepthook is hook:  # another hook chained after ours stays
-            sys.excepthook = previous
+        """Stop the thread (waits at most a second; it is a daemon)."""
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(1.0)
@@ -329,11 +274,15 @@ class HangWatchdog:
 
     def _abort(self) -> None:
         """Flush what can be flushed (bounded: a sink may hang too), then end the process."""
+        self.flush()
+        self.exit(EXIT_HANG)
+
+    def flush(self) -> None:
+        """Flush the sinks (``on_abort``), waiting at most 10 s: a sink may hang too."""
         if self.on_abort is not None:
             flusher = threading.Thread(target=self._safe_on_abort, name="arc-hang-abort-flush", daemon=True)
             flusher.start()
             flusher.join(10.0)
-        self.exit(EXIT_HANG)
 
     def _safe_on_abort(self) -> None:
         try:
@@ -372,6 +321,10 @@ class HangWatchdog:
                                             "progress": {str(k): v for k, v in sorted(progress.items())},
                                             "abort": abort, "exit_code": EXIT_HANG if abort else None,
                                             "stack_dump": str(self.last_dump) if self.last_dump else None})
+
+    def report_safely(self, kind: str, message: str, values: dict) -> None:
+        """``report``, never raising (the watchdog must outlive any sink)."""
+        self._safe_report(kind, message, values)
 
     def _safe_report(self, kind: str, message: str, values: dict) -> None:
         try:

@@ -18,6 +18,7 @@ import torch
 
 from arc_engine.config import load_config
 from arc_engine.events import Event, Severity
+from arc_engine.lost_peers import is_peer_failure
 from arc_engine.policy.decision import EXIT_HANG
 from arc_engine.sinks.alerts import AlertLimiter, alert_level, alert_title, redact, summary_title
 from arc_engine.watchdog import (
@@ -27,7 +28,6 @@ from arc_engine.watchdog import (
     HangWatchdog,
     ProgressBoard,
     hang_timeout,
-    is_peer_failure,
     stuck_ranks,
 )
 from tests.dist_harness import run_ranks

@@ -56,3 +56,16 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor_which_ends_with_exit_6(
     assert last["detector"] == "hang" and last["severity"] == "critical", last
     assert last["values"]["lost_ranks"] == [1] and last["values"]["exit_code"] == EXIT_HANG, last
     assert "lost: rank(s) [1]" in last["message"] and "Connection" in last["values"]["error"], last
+
+
+def test_under_torchrun_a_rank_killed_mid_step_is_named_by_the_survivor_the_agent_ends(tmp_path: Path) -> None:
+    """torchrun's agent sees the dead worker and sends SIGTERM to the others, often before their collective fails:
+    the survivor's SIGTERM handler names the lost rank before the signal's default action ends it."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "tests.hang_worker", str(tmp_path), "kill"], cwd=REPO_ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0, result.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
+    last = events[-1]
+    assert last["detector"] == "hang" and last["values"]["lost_ranks"] == [1], (last, result.stderr[-2000:])
+    assert "lost: rank(s) [1]" in last["message"], last
