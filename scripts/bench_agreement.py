@@ -45,7 +45,7 @@ from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsP
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 SIMULATED_RANKS = (2, 8, 64, 512, 4096, 16384)
-REAL_RANKS = (2, 4)
+REAL_RANKS = (2, 4, 8)
 
 
 def gather_bytes_per_rank(num_ranks: int, layout_size: int) -> int:
