@@ -106,6 +106,7 @@ class ArcEngine:
         self.partition_parts: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         self.local_events = 0  # this rank's system events so far (hang reports), for the families that count them
         self.families: list[tuple[MonitorFamily, FamilyContext]] = []
+        self._max_dues: list[Callable[[int], bool] | None] = []  # per MAX statistic: its steps (None: every one)
         self.monitors: list[Monitor] = []
         self.producers: list[Producer] = []
         for family in families():
@@ -116,6 +117,8 @@ class ArcEngine:
             self.families.append((family, context))
             for decl in family.statistics(context):
                 self.layout.add(decl.name, decl.size, decl.reduce, decl.group_size())
+                if decl.reduce is Reduce.MAX:
+                    self._max_dues.append(decl.due)
             self.monitors.extend(family.monitors(context))
             for producer in family.producers(context):
                 if producer.hook not in HOOKS:
@@ -422,7 +425,11 @@ class ArcEngine:
         if self.watchdog is not None:  # a peer's hang report shows this rank as waiting for the others
             self.watchdog.reached(AGREEING)
         with self.own_work.section("agree"):
-            return self.pipeline.agree(self.buffer)
+            return self.pipeline.agree(self.buffer, reduce_max=self._max_due())
+
+    def _max_due(self) -> bool:
+        """Whether this step's agreement reduces the MAX slots (any of them due; agreed: a function of the step)."""
+        return any(due is None or due(self.step) for due in self._max_dues)
 
     def _regather(self) -> AgreedStats:
         """Collective: after a correction of the reduced gradient, re-record the reduced statistics (keeping the

@@ -83,8 +83,12 @@ class WeightGuardFamily(FamilyBase):
     name = "weight_guard"
     config_class = WeightGuardConfig
 
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        return [StatDecl("weight_abs_max", 1, Reduce.MAX)]
+        due = None if self.every == 1 else (lambda step: step % self.every == 0)
+        return [StatDecl("weight_abs_max", 1, Reduce.MAX, due=due)]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", write_weight_abs_max)]
@@ -100,14 +104,14 @@ def write_yaml(path: Path, section: dict[str, Any]) -> Path:
     return path
 
 
-def _train(rank: int, world: int, config_path: Path) -> dict[str, Any]:
-    register_family(WeightGuardFamily())
+def _train(rank: int, world: int, config_path: Path, every: int = 1) -> dict[str, Any]:
+    register_family(WeightGuardFamily(every))
     model, data = tiny_model_and_data()
     ddp = DistributedDataParallel(model)
     optimizer = make_optimizer(model)
     config = load_config(config_path)
     arc = arc_engine.attach(ddp, optimizer, config)
-    actions = []
+    actions, lasts = [], []
     for step in range(CORRUPT_STEP + 3):
         loss = ddp(*data.batch(step, rank, BATCH))
         arc.record_loss(loss)
@@ -116,13 +120,14 @@ def _train(rank: int, world: int, config_path: Path) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         decision = arc.engine.last_decision
         actions.append((decision.action.name, tuple(f.detector for f in decision.findings)))
+        lasts.append(next(m for m in arc.engine.monitors if m.name == "weight_guard").last)
         if step == CORRUPT_STEP and rank == 1:
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0] = 500.0  # this replica alone is corrupted
     guard = next(m for m in arc.engine.monitors if m.name == "weight_guard")
     out = {"actions": actions, "threshold": config.detectors.plugins["weight_guard"].threshold,
            "collectives": arc.engine.pipeline.collectives, "steps": len(actions), "flags": guard.flags,
-           "state": arc.engine.monitor_state_dict()["weight_guard"]}
+           "state": arc.engine.monitor_state_dict()["weight_guard"], "lasts": lasts}
     arc.close()
     return out
 
@@ -138,6 +143,19 @@ def test_a_family_defined_in_a_test_file_runs_on_two_ranks(tmp_path: Path) -> No
         assert result["actions"] == results[0]["actions"]
         assert result["collectives"] == 2 * result["steps"]  # its MAX slot adds the MAX all-reduce
         assert result["flags"] == 2 and result["state"] == {"flags": 2}
+
+
+def test_a_max_statistic_due_every_other_step_adds_its_collective_on_those_steps_only(tmp_path: Path) -> None:
+    """``StatDecl(due=...)``: the MAX all-reduce runs on the due steps only (the other steps keep one collective)
+    and the slot reads NaN between them, so a periodic fixed-size statistic costs nothing on the others."""
+    path = write_yaml(tmp_path / "arc.yaml", {"threshold": 100.0, "action": "skip"})
+    results = run_ranks(_train, 2, path, 2)
+    for result in results:
+        due = [step for step in range(result["steps"]) if step % 2 == 0]  # 0, 2, 4, 6, 8
+        assert result["collectives"] == result["steps"] + len(due)
+        assert [step for step, last in enumerate(result["lasts"]) if last == last] == due  # NaN elsewhere
+        flagged = [step for step, (_, detectors) in enumerate(result["actions"]) if "weight_guard" in detectors]
+        assert flagged == [CORRUPT_STEP + 2]  # the first due step after rank 1's corruption, seen by every rank
 
 
 def test_a_plugin_section_is_validated_like_a_built_in(tmp_path: Path) -> None:

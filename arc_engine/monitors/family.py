@@ -38,12 +38,17 @@ class StatDecl:
     """One statistic a family needs: a slot of ``size`` float64 numbers combined across ranks by ``reduce``.
     ``group``: for a SUM over the shards of a smaller group than the decision group (e.g. the tensor-parallel
     group), when every copy of that group holds the same shards: the agreed value is one copy's sum. None: each
-    element is counted once across the decision group (shards, or replicated values on their owner)."""
+    element is counted once across the decision group (shards, or replicated values on their owner).
+    ``due`` (MAX slots only): the optimizer steps on which the slot is reduced (a function of the step, so every rank
+    agrees); None: every monitored step. When no MAX slot is due, the MAX all-reduce is not made (the step keeps its
+    one collective) and the MAX slots read NaN: periodic fixed-size statistics cost a second collective on their
+    steps only."""
 
     name: str
     size: int
     reduce: Reduce
     group: dist.ProcessGroup | None = None
+    due: Callable[[int], bool] | None = None
 
     def group_size(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None and dist.is_initialized() else 0

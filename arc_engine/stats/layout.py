@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -150,6 +151,8 @@ class StatBuffer:
         self.layout = layout
         self.device = device
         self.values = torch.zeros(layout.size, dtype=torch.float64, device=device)
+        self._max_block = layout.block(Reduce.MAX)
+        self.reset()
 
     def view(self, name: str) -> torch.Tensor:
         return self.values[self.layout[name].span]
@@ -172,4 +175,7 @@ class StatBuffer:
         self.view(name).index_add_(0, index.to(device), value.detach().to(device, torch.float64))
 
     def reset(self) -> None:
+        """Zeros, and -inf in the MAX slots (the identity of MAX: a rank that writes nothing there changes nothing)."""
         self.values.zero_()
+        if self._max_block.stop > self._max_block.start:
+            self.values[self._max_block].fill_(-math.inf)

@@ -189,8 +189,9 @@ class StatsPipeline:
                 copies[spec.span] = self.num_ranks // spec.group_size
         return None if bool((copies == 1).all()) else copies
 
-    def agree(self, buffer: StatBuffer) -> AgreedStats:
-        """The agreed statistics of this step. Collective over ``group`` (see the class docstring)."""
+    def agree(self, buffer: StatBuffer, *, reduce_max: bool = True) -> AgreedStats:
+        """The agreed statistics of this step. Collective over ``group`` (see the class docstring).
+        ``reduce_max=False`` (the same on every rank): the MAX block is not reduced and its totals read NaN."""
         layout = self.layout
         sum_block, max_block = layout.block(Reduce.SUM, Reduce.REPLICATED), layout.block(Reduce.MAX)
         reduced_size = max_block.stop
@@ -205,7 +206,7 @@ class StatsPipeline:
             if sum_block.stop > sum_block.start:
                 self._all_reduce(packed[sum_block], dist.ReduceOp.SUM)
                 self.collectives += 1
-            if max_block.stop > max_block.start:
+            if max_block.stop > max_block.start and reduce_max:
                 self._all_reduce(packed[max_block], dist.ReduceOp.MAX)
                 self.collectives += 1
         host = packed.detach().to("cpu", copy=True).numpy()
@@ -214,6 +215,8 @@ class StatsPipeline:
         totals[:reduced_size] = host[:reduced_size]
         if self._copies is not None:
             totals /= self._copies
+        if not reduce_max:
+            totals[max_block] = np.nan
         local_device = packed[reduced_size:]
         return AgreedStats(layout, totals, host[reduced_size:], self.ranks, self.my_row,
                            lambda: self._fetch_detail(local_device, host[reduced_size:]))
