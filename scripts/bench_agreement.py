@@ -1,7 +1,7 @@
 """Cost of one monitored step's agreement against the number of ranks: the old all-gather and the new fixed-size
 all-reduce, side by side.
 
-    .venv/bin/python scripts/bench_agreement.py              # simulated 2 .. 16,384 ranks, then real gloo runs (2, 4)
+    .venv/bin/python scripts/bench_agreement.py              # simulated 2 .. 16,384 ranks, then real gloo runs (2, 4, 8)
     .venv/bin/python scripts/bench_agreement.py --no-real    # simulated only
 
 The statistics layout is the engine's own with the SDC detector on (two parameter groups, a 256-number sketch).
@@ -16,7 +16,7 @@ The statistics layout is the engine's own with the SDC detector on (two paramete
   host work alone. The old scheme is modelled as the engine did it before this change: one host copy of the N x L
   matrix, column sums over the N rows for every agreed value, the non-finite scan of every rank's row and the SDC
   monitor's per-rank local norms on every step, then the same monitors.
-* **real gloo**: 2 and 4 processes on this machine, each step a real collective; median wall time per step of the
+* **real gloo**: 2, 4 and 8 processes on this machine, each step a real collective; median wall time per step of the
   whole agreement (collective included) for both schemes.
 
 The last line reads ``agreement scaling 8 -> 16384 ranks: bytes xA, host time xB`` for the new scheme (the bar:
@@ -212,7 +212,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=200, help="timed evaluations per simulated size")
     parser.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the agreement on 2 and 4 real gloo ranks (default on)")
+                        help="also run the agreement on 2, 4 and 8 real gloo ranks (default on)")
     parser.add_argument("--real-steps", type=int, default=200)
     args = parser.parse_args()
     if args.repeats < 1 or args.real_steps < 1:
