@@ -381,7 +381,7 @@ def test_the_rings_default_budget_is_sized_from_the_state_and_a_state_that_does_
     import arc_engine
     from arc_engine.recovery.snapshot import ring_budget_bytes
     from arc_engine.sinks import read_jsonl
-    from tests.training import make_config
+    from tests.training import make_config, optimizer_steps
 
     gib = 2**30
     assert ring_budget_bytes(None, 3 * gib, 0, 8) == 6 * gib  # two snapshots when the host's memory is unknown
@@ -392,22 +392,12 @@ def test_the_rings_default_budget_is_sized_from_the_state_and_a_state_that_does_
     optimizer = make_optimizer(model)
     auto = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint_freq=1")
     with arc_engine.attach(model, optimizer, auto) as arc:
-        for _ in range(3):
-            loss = model(*data.batch(arc.data_position, 0, BATCH))
-            arc.record_loss(loss)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        optimizer_steps(model, optimizer, data, arc, 0, 3)
         assert arc.engine.recovery.ring.capacity == 2  # sized at the first snapshot: room for two
     tight = make_config(tmp_path / "tight", "recovery.enabled=true", "recovery.checkpoint_freq=1",
                         "recovery.memory_ring_mb=0.01")
     with arc_engine.attach(model, optimizer, tight) as arc:
-        for _ in range(3):
-            loss = model(*data.batch(arc.data_position, 0, BATCH))
-            arc.record_loss(loss)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        optimizer_steps(model, optimizer, data, arc, 0, 3)
         assert arc.engine.recovery.ring.capacity == 0
     off = [e for e in read_jsonl(tmp_path / "tight" / "test" / "events.jsonl") if e.get("action") == "memory_ring_off"]
     assert len(off) == 1 and off[0]["severity"] == "warning" and "does not fit" in off[0]["message"], off
