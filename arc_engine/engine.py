@@ -279,7 +279,8 @@ class ArcEngine:
             self.local_events += source()
 
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
-        """From the watchdog thread: a hang (critical) or its end (info), through this rank's sinks."""
+        """From the watchdog thread: a hang or a lost rank (critical), or a hang's end or the job stopped by its
+        launcher (info), through this rank's sinks."""
         severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
         self.local_events += int(kind == "hang")
         self.reporter.emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message,

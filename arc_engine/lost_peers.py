@@ -126,7 +126,9 @@ class LostPeerWatch:
         ending = f"; aborting with exit code {EXIT_HANG}" if abort else ""
         message = f"{what} after {watchdog.completed_steps} steps; {who}{ending} ({cause})"
         log.error("arc_engine: %s", message)
-        watchdog.report_safely("hang", message, {"lost_ranks": lost, "completed_steps": watchdog.completed_steps,
+        # a SIGTERM every rank answered is a job being stopped (a cancellation, a preemption): not a critical event
+        kind = "terminated" if lost == [] and cause == "SIGTERM" else "hang"
+        watchdog.report_safely(kind, message, {"lost_ranks": lost, "completed_steps": watchdog.completed_steps,
                                                  "abort": abort, "exit_code": EXIT_HANG if abort else None,
                                                  "error": cause})
         self._reporting = False

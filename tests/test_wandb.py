@@ -226,6 +226,22 @@ def test_the_roll_call_names_the_ranks_that_do_not_answer_and_peer_failures_are_
     assert not is_peer_failure(RuntimeError("CUDA out of memory"))
 
 
+def test_a_sigterm_every_rank_answers_is_a_stopped_job_and_a_lost_rank_is_critical() -> None:
+    from types import SimpleNamespace
+
+    from arc_engine.lost_peers import LostPeerWatch
+
+    reports: list[tuple[str, str, dict]] = []
+    for silent in ([], [1]):
+        board = SimpleNamespace(roll_call=lambda rank, wait_s, silent=silent: silent)
+        watchdog = SimpleNamespace(rank=0, completed_steps=7, timeout_s=4.0, board=board,
+                                   report_safely=lambda *r: reports.append(r))
+        LostPeerWatch(watchdog)._report("rank 0 was sent SIGTERM (its launcher ends it)", "SIGTERM", abort=False)
+    (stopped, message, values), (lost, lost_message, lost_values) = reports
+    assert stopped == "terminated" and "every rank answered" in message and values["lost_ranks"] == []
+    assert lost == "hang" and "lost: rank(s) [1]" in lost_message and lost_values["lost_ranks"] == [1]
+
+
 def test_watchdog_abort_names_the_rank_behind_and_exits_after_abort_after_timeouts(tmp_path: Path) -> None:
     config = load_config(None, ["watchdog.warmup_steps=1", "watchdog.safety_factor=2", "watchdog.min_timeout_s=1",
                                 "watchdog.initial_timeout_s=30", "watchdog.action=abort",
