@@ -1,8 +1,8 @@
 """Cost of one monitored step's agreement against the number of ranks: the old all-gather and the new fixed-size
 all-reduce, side by side.
 
-    .venv/bin/python scripts/bench_agreement.py              # simulated 2 .. 16,384 ranks, then real gloo runs (2, 4, 8)
-    .venv/bin/python scripts/bench_agreement.py --no-real    # simulated only
+    .venv/bin/python scripts/bench_agreement.py            # simulated 2 .. 16,384 ranks, then real gloo (2, 4, 8)
+    .venv/bin/python scripts/bench_agreement.py --no-real  # simulated only
 
 The statistics layout is the engine's own with the SDC detector on (two parameter groups, a 256-number sketch).
 
