@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -137,6 +138,7 @@ def main() -> int:
                  "sites": sorted(set(counter.report().splitlines()))[:20]}
     summary = arc.summary()
     arc.close()
+    shutil.rmtree(run_dir, ignore_errors=True)  # the run's events: nothing the result needs
     result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "parameters": params, "layers": args.layers, "d_model": args.d_model,
               "seq_len": args.seq_len, "micro_batch": args.micro_batch, "blocks": args.blocks,
