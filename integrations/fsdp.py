@@ -179,6 +179,8 @@ class FSDPGradStats:
     def _read_missed_gradients(self) -> list[int]:
         """The parameters holding a gradient whose reduced-gradient hook did not run this step: their reduced norms
         read from ``param.grad`` now (device-side), a warning event the first time. Host bookkeeping only."""
+        if len(self._reduced_seen) == len(self.params):  # every hook ran (the usual step): no walk over parameters
+            return []
         missed = [i for i, param in enumerate(self.params) if i not in self._reduced_seen and param.grad is not None]
         for i in missed:
             grad = self.params[i].grad
