@@ -667,7 +667,7 @@ class ArcEngine:
                    "skipped_steps": self.policy.skipped_steps,
                    "framework_skipped_steps": self.framework_skipped_steps, "detections": dict(self.event_counts),
                    "collectives": self.pipeline.collectives, "detail_fetches": self.pipeline.detail_fetches,
-                   "run_dir": str(self.run_dir)}
+                   "follow_ups": self.pipeline.follow_ups, "run_dir": str(self.run_dir)}
         if self.recovery is not None:
             summary["recovery"] = self.recovery.summary()
         if self.own_work.enabled:

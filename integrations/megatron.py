@@ -195,7 +195,8 @@ class MegatronAdapter:
         where = {"replica": -1 if parallel_state.get_expert_model_parallel_world_size() > 1
                  else parallel_state.get_data_parallel_rank(),
                  "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
-                 "pipeline_stage": parallel_state.get_pipeline_model_parallel_rank()}
+                 "pipeline_stage": parallel_state.get_pipeline_model_parallel_rank(),
+                 "pipeline_stages": parallel_state.get_pipeline_model_parallel_world_size()}
         if not layers:
             return ModelParts(model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1],
                               **where)

@@ -18,6 +18,10 @@ The statistics layout is the engine's own with the SDC detector on (two paramete
   monitor's per-rank local norms on every step, then the same monitors.
 * **real gloo**: 2, 4 and 8 processes on this machine, each step a real collective; median wall time per step of the
   whole agreement (collective included) for both schemes.
+* **report step**: the bytes each rank receives on a straggler report step (every ``detectors.straggler.every``
+  monitored steps; the consistency detail's MAX slot rides the same reduction when due): the agreement with its MAX
+  block, then the report's fixed-size follow-up (:func:`report_step_bytes`). It used to be an all-gather of every
+  rank's buffer, the old column.
 
 The last line reads ``agreement scaling 8 -> 16384 ranks: bytes xA, host time xB`` for the new scheme (the bar:
 both within 2x). The figures and the command go in docs/agreement.md.
@@ -59,8 +63,9 @@ def allreduce_bytes_per_rank(num_ranks: int, reduced_size: int) -> float:
 
 
 def reduced_size(layout: StatLayout) -> int:
-    """Entries that travel in the new scheme: the SUM, REPLICATED and MAX blocks (the detail stays home)."""
-    return layout.block(Reduce.SUM, Reduce.REPLICATED, Reduce.MAX).stop
+    """Entries that travel on an ordinary monitored step: the SUM and REPLICATED blocks (the MAX slots of the
+    built-in families are due on periodic steps only; the detail stays home)."""
+    return layout.block(Reduce.SUM, Reduce.REPLICATED).stop
 
 
 def scaling_line(rows: dict[int, dict[str, float]], low: int = 8, high: int = 16384) -> str:
@@ -78,12 +83,14 @@ class SimulatedPipeline(StatsPipeline):
         super().__init__(layout, None, torch.device("cpu"))
         self.ranks = tuple(range(num_ranks))
         self.num_ranks = num_ranks
+        self.reduced_sizes: list[int] = []  # the size of each all-reduce made, in order
 
     def start(self) -> StatBuffer:
         self.layout.freeze()
         return StatBuffer(self.layout, self.device)
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        self.reduced_sizes.append(tensor.numel())
         if op == dist.ReduceOp.SUM:
             tensor.mul_(float(self.num_ranks))
 
@@ -117,8 +124,29 @@ def warm_monitors(engine: ArcEngine, stats: AgreedStats, steps: int = 40) -> Non
             monitor.commit(step, True)
 
 
-def evaluate_all(engine: ArcEngine, stats: AgreedStats) -> int:
-    return sum(len(monitor.evaluate(0, stats)) for monitor in engine.monitors)
+def evaluate_all(engine: ArcEngine, stats: AgreedStats, step: int = 0) -> int:
+    return sum(len(monitor.evaluate(step, stats)) for monitor in engine.monitors)
+
+
+def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
+    """Bytes each rank receives on a healthy straggler report step of ``num_ranks`` ranks, and the sizes of its
+    all-reduces: every rank's report the same (so nobody is slow), the agreement with the MAX block due, then the
+    report's follow-up."""
+    from arc_engine.monitors.straggler import SECTION_TIMES, STAGE_TIMES, report_due
+
+    engine = make_engine()
+    pipeline = SimulatedPipeline(engine.layout, num_ranks)
+    buffer = pipeline.start()
+    fill_healthy(buffer, num_ranks)
+    section = engine.config.detectors.straggler
+    step = next(s for s in range(1, 10_000) if report_due(s, engine.config.stats.interval, section.every))
+    buffer.put(SECTION_TIMES, torch.tensor([0.1, 0.5, 20.0, np.nan, 0.0, -1.0, 0.0, 0.0, 0.1, np.inf, 0.0]))
+    buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5]))
+    engine.step = step
+    stats = pipeline.agree(buffer, reduce_max=engine._max_due())
+    assert evaluate_all(engine, stats, step) == 0, "the simulated report step must be healthy"
+    sizes = list(pipeline.reduced_sizes)
+    return sum(allreduce_bytes_per_rank(num_ranks, size) for size in sizes), sizes
 
 
 def old_host_work(engine: ArcEngine, gathered: torch.Tensor, num_ranks: int) -> int:
@@ -147,16 +175,17 @@ def simulate(num_ranks: int, repeats: int) -> dict[str, float]:
     pipeline = SimulatedPipeline(engine.layout, num_ranks)
     buffer = pipeline.start()
     fill_healthy(buffer, num_ranks)
-    warm_monitors(engine, pipeline.agree(buffer))
-    assert evaluate_all(engine, pipeline.agree(buffer)) == 0, "the simulated step must be healthy"
+    warm_monitors(engine, pipeline.agree(buffer, reduce_max=False))
+    assert evaluate_all(engine, pipeline.agree(buffer, reduce_max=False)) == 0, "the simulated step must be healthy"
     before = pipeline.collectives
-    new_us = median_us(lambda: evaluate_all(engine, pipeline.agree(buffer)), repeats)
+    new_us = median_us(lambda: evaluate_all(engine, pipeline.agree(buffer, reduce_max=False)), repeats)
     per_step = (pipeline.collectives - before) / repeats
     gathered = buffer.values.repeat(num_ranks)  # the all-gather's result, as the old scheme received it
     old_us = median_us(lambda: old_host_work(engine, gathered, num_ranks), max(3, repeats // 4))
     return {"old_bytes": gather_bytes_per_rank(num_ranks, engine.layout.size),
             "new_bytes": allreduce_bytes_per_rank(num_ranks, reduced_size(engine.layout)),
-            "old_host_us": old_us, "new_host_us": new_us, "collectives_per_step": per_step}
+            "old_host_us": old_us, "new_host_us": new_us, "collectives_per_step": per_step,
+            "report_bytes": report_step_bytes(num_ranks)[0]}
 
 
 # ---------------------------------------------------------------------------------------------- real gloo ranks
@@ -170,13 +199,13 @@ def _real_rank(rank: int, world: int, port: int, steps: int, queue: object) -> N
         pipeline = StatsPipeline(engine.layout, None, torch.device("cpu"))
         buffer = pipeline.start()
         fill_healthy(buffer, world)
-        warm_monitors(engine, pipeline.agree(buffer))
+        warm_monitors(engine, pipeline.agree(buffer, reduce_max=False))
         gathered = torch.empty(world * engine.layout.size, dtype=torch.float64)
         new_times, old_times = [], []
         for _ in range(steps):  # alternate, so machine noise hits both alike
             dist.barrier()
             start = time.perf_counter()
-            evaluate_all(engine, pipeline.agree(buffer))
+            evaluate_all(engine, pipeline.agree(buffer, reduce_max=False))
             new_times.append(time.perf_counter() - start)
             dist.barrier()
             start = time.perf_counter()
@@ -223,13 +252,13 @@ def main() -> int:
     print(f"layout: {engine.layout.size} float64 per rank, {reduced_size(engine.layout)} reduced "
           f"(SDC on, 2 parameter groups, sketch {engine.layout[names.GRAD_SKETCH_LOCAL].size})")
     print(f"{'ranks':>6} | {'old bytes/rank':>14} | {'new bytes/rank':>14} | {'old host us':>11} | "
-          f"{'new host us':>11} | new collectives")
+          f"{'new host us':>11} | new collectives | report step bytes/rank")
     rows: dict[int, dict[str, float]] = {}
     for num_ranks in SIMULATED_RANKS:
         row = rows[num_ranks] = simulate(num_ranks, args.repeats)
         print(f"{num_ranks:>6} | {row['old_bytes']:>14,.0f} | {row['new_bytes']:>14,.0f} | "
               f"{row['old_host_us']:>11,.1f} | {row['new_host_us']:>11,.1f} | "
-              f"{row['collectives_per_step']:.0f} per step")
+              f"{row['collectives_per_step']:.0f} per step     | {row['report_bytes']:>14,.0f}")
     if args.real:
         print("real gloo ranks on this machine, median wall time per step (collective included):")
         for world in REAL_RANKS:

@@ -47,8 +47,14 @@ def test_the_engines_layout_reduces_a_fixed_block(bench) -> None:
     engine = bench.make_engine()
     engine.layout.freeze()
     layout = engine.layout
-    travelling = sum(spec.size for spec in layout.specs() if spec.reduce is not Reduce.DETAIL)
+    travelling = sum(spec.size for spec in layout.specs() if spec.reduce in (Reduce.SUM, Reduce.REPLICATED))
     assert bench.reduced_size(layout) == travelling  # the detail (the sketch itself) never travels
     assert layout[names.GRAD_SKETCH_LOCAL].reduce is Reduce.DETAIL
     assert bench.reduced_size(layout) < layout.size
     assert bench.simulate(16384, repeats=2)["collectives_per_step"] == 1
+    # a straggler report step: the agreement (SUM, then the MAX block due), then one fixed-size follow-up; the
+    # same sizes whatever the number of ranks
+    small, sizes = bench.report_step_bytes(8)
+    large, same = bench.report_step_bytes(16384)
+    assert len(sizes) == 3 and sizes == same and sizes[-1] == 2 * 64 + 3
+    assert large / small < 2.0

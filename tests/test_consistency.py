@@ -20,16 +20,19 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.monitors.consistency import (
     DIRECTION_SUM,
+    EXTREMES,
     POSITION,
     ConsistencyFamily,
     ConsistencyMonitor,
+    ExtremesProducer,
     direction_consistency,
     exact_direction_consistency,
+    extremes_detail,
     farthest_rank,
     farthest_rank_within,
     position_sketch_size,
 )
-from arc_engine.monitors.family import FamilyContext, ModelParts
+from arc_engine.monitors.family import FamilyContext, ModelParts, StepView
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, WorkerMoments, dispersion
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
@@ -116,12 +119,14 @@ def family_layout(config: Any) -> tuple[StatLayout, ConsistencyMonitor]:
 
 
 def rank_buffers(layout: StatLayout, monitor: ConsistencyMonitor, losses: list[float],
-                 grads: list[list[torch.Tensor]]) -> np.ndarray:
-    """What each rank's buffer holds before the all-reduce: its loss, its local norms per group, its sketch, and
-    the monitor's own slots (``before_agreement``)."""
+                 grads: list[list[torch.Tensor]], step: int = 0) -> np.ndarray:
+    """What each rank's buffer holds before the all-reduce: its loss, its local norms per group, its sketch, the
+    extremes on detail steps (the family's producer, rank i on row i) and the monitor's own slots
+    (``before_agreement``)."""
     rows = []
-    for loss, rank_grads in zip(losses, grads, strict=True):
+    for rank, (loss, rank_grads) in enumerate(zip(losses, grads, strict=True)):
         buffer = StatBuffer(layout, torch.device("cpu"))
+        buffer.reset()
         buffer.put(names.LOSS, loss)
         buffer.put(names.LOSS_COUNT, 1.0)
         buffer.put(names.LOSS_RANKS, 1.0)
@@ -129,6 +134,8 @@ def rank_buffers(layout: StatLayout, monitor: ConsistencyMonitor, losses: list[f
         if names.GRAD_SKETCH_LOCAL in layout:
             add_gradient_sketch(buffer.view(names.GRAD_SKETCH_LOCAL), rank_grads,
                                 [BUCKET_SKETCH_INDEX + i for i in range(len(rank_grads))])
+        if EXTREMES in layout:
+            ExtremesProducer(1, monitor.config.detail_every, 0, rank).write(buffer, StepView(step))
         monitor.before_agreement(buffer)
         rows.append(buffer.values.numpy().copy())
     return np.stack(rows)
@@ -144,15 +151,23 @@ def test_the_monitor_gives_the_definitions_on_every_rank_buffer() -> None:
     for step in (1, 2):  # detail_every=1: every monitored step but the first
         grads = [[s + 0.8 * torch.randn(s.shape, generator=rng) for s in shared] for _ in range(4)]
         losses = [2.0 + 0.1 * float(torch.randn((), generator=rng)) for _ in range(4)]
-        stats = AgreedStats.from_rows(layout, rank_buffers(layout, monitor, losses, grads))
+        stats = AgreedStats.from_rows(layout, rank_buffers(layout, monitor, losses, grads, step))
         assert monitor.evaluate(step, stats) == []
         values = monitor.metrics()
         norms = np.array([math.sqrt(sum(float(g.double().square().sum()) for g in rank)) for rank in grads])
         assert values["loss_std"] == pytest.approx(np.std(losses), rel=1e-9)
-        assert values["loss_range"] == pytest.approx(max(losses) - min(losses), rel=1e-9)
+        # the ranges come through rank keys: the extreme values rounded to float32
+        assert values["loss_range"] == pytest.approx(max(losses) - min(losses), rel=1e-5)
         assert values["grad_norm_std"] == pytest.approx(np.std(norms), rel=1e-9)
         assert values["grad_norm_mean"] == pytest.approx(norms.mean(), rel=1e-12)
-        assert values["grad_norm_range"] == pytest.approx(np.ptp(norms), rel=1e-9)
+        assert values["grad_norm_range"] == pytest.approx(np.ptp(norms), rel=1e-5)
+        farthest = max((abs(norms[r] - np.delete(norms, r).mean()) / np.delete(norms, r).mean(), r)
+                       for r in (int(norms.argmax()), int(norms.argmin())))[1]
+        assert values["farthest_rank"] == farthest
+        per_rank = monitor.rank_metrics()  # the extreme ranks' values, for ranks.jsonl
+        assert per_rank["grad_norm"] == {int(norms.argmin()): pytest.approx(norms.min(), rel=1e-6),
+                                         int(norms.argmax()): pytest.approx(norms.max(), rel=1e-6)}
+        assert set(per_rank["loss"]) == {int(np.argmin(losses)), int(np.argmax(losses))}
         exact = exact_direction_consistency(np.stack([torch.cat(rank).double().numpy() for rank in grads]))
         assert abs(values["direction"] - exact) <= DIRECTION_ERROR_BOUND
         monitor.commit(step, True)
@@ -169,7 +184,7 @@ def test_a_lasting_jump_of_the_norm_spread_alarms_once_and_names_the_rank() -> N
     for step in range(16):
         scale = [1.0, 1.0, 4.0 if step >= 9 or step == 6 else 1.0, 1.0]  # step 6: a one-step outlier
         grads = [[s * (1.0 + 0.05 * float(torch.randn((), generator=rng))) * torch.ones(100)] for s in scale]
-        stats = AgreedStats.from_rows(layout, rank_buffers(layout, monitor, [1.0, 1.1, 1.0, 0.9], grads))
+        stats = AgreedStats.from_rows(layout, rank_buffers(layout, monitor, [1.0, 1.1, 1.0, 0.9], grads, step))
         findings = monitor.evaluate(step, stats)
         if findings:
             alarms[step] = findings
@@ -369,3 +384,28 @@ def test_fsdp2_direction_consistency_from_the_unsharded_local_gradients(tmp_path
     assert 0.0 < np.mean(truth) < 0.95  # ranks on their own data
     for got, want in zip(directions, truth, strict=True):
         assert got == pytest.approx(want, abs=1e-6 if exact else DIRECTION_ERROR_BOUND)
+
+
+def test_the_extremes_name_the_rank_farthest_from_the_others_mean_per_position() -> None:
+    """Two positions of three replicas each (global ranks 0-2 and 3-5); position 1's rank 4 holds 3x its peers'
+    norm; the loss extremes are over the ranks that recorded one (rank 5 did not). Pure: keys as the MAX reduction
+    leaves them."""
+    from arc_engine.stats.rank_keys import rank_key
+
+    norms = {0: 1.0, 1: 1.1, 2: 0.9, 3: 2.0, 4: 6.0, 5: 2.1}
+    losses = {0: 1.5, 1: 1.4, 2: 1.6, 3: 1.5, 4: 1.45}
+    keys = np.full(6, -math.inf)
+    keys[0], keys[1] = max(rank_key(v, r) for r, v in losses.items()), max(rank_key(-v, r) for r, v in losses.items())
+    moments = np.zeros((2, 4))
+    for position, members in enumerate(((0, 1, 2), (3, 4, 5))):
+        keys[2 + 2 * position] = max(rank_key(norms[r], r) for r in members)
+        keys[3 + 2 * position] = max(rank_key(-norms[r], r) for r in members)
+        moments[position] = [sum(norms[r] for r in members), 0.0, len(members), 0.0]  # shift 0
+    values, per_rank = extremes_detail(keys, moments)
+    assert values["farthest_rank"] == 4.0 and values["farthest_distance"] == pytest.approx(6.0 / 2.05 - 1, rel=1e-6)
+    assert values["loss_range"] == pytest.approx(0.2, rel=1e-5)
+    assert values["grad_norm_range"] == pytest.approx(6.0 - 0.9, rel=1e-6)
+    assert set(per_rank["loss"]) == {1, 2} and set(per_rank["grad_norm"]) == {1, 2, 3, 4}
+    empty, nobody = extremes_detail(np.full(6, -math.inf), np.zeros((2, 4)))
+    assert empty["farthest_rank"] == -1.0 and math.isnan(empty["loss_range"]) and nobody == {"loss": {},
+                                                                                             "grad_norm": {}}

@@ -5,8 +5,9 @@ default configuration and with every family on.
 :class:`~arc_engine.testing.host_syncs.HostSyncCounter` records each host read (``item``, ``tolist``, ``bool``,
 ``.cpu()``, ``nonzero``, a boolean mask...) made by arc_engine's own code. The one expected read is the agreed
 statistics' copy to the host (``StatPipeline.agree``). Periodic work is counted apart: at most one read per
-family on the steps it is due -- the straggler family's per-rank detail fetch (every ``detectors.straggler.every``
-monitored steps) and the QK spectra's summaries (every ``detectors.qk_spectra.every`` steps).
+family on the steps it is due -- the straggler family's fixed-size follow-up reduction (every
+``detectors.straggler.every`` monitored steps; more only when a rank is slow) and the QK spectra's summaries
+(every ``detectors.qk_spectra.every`` steps).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(420)
 STEPS = 8
 AGREE = "arc_engine/stats/pipeline.py"
 #: periodic host reads: a call-site fragment -> (the family's period in steps, here, every step monitored)
-PERIODIC = {"(_fetch_detail)": 4, "arc_engine/monitors/qk_spectra.py": 2}
+PERIODIC = {"(_follow_up)": 4, "arc_engine/monitors/qk_spectra.py": 2}
 #: every family that runs on a plain data-parallel model, on; every step monitored
 EVERY_FAMILY = ("stats.interval=1", "detectors.weight_health.enabled=true", "detectors.weight_health.every=2",
                 "detectors.dynamics.enabled=true", "detectors.dynamics.every=2", "detectors.conformal.enabled=true",

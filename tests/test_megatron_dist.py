@@ -428,7 +428,8 @@ def test_pp2_dp2_straggler_names_a_slow_pipeline_stage_and_not_the_stage_that_wa
     """PP=2 x DP=2 (stage 0: ranks 0, 1; stage 1: ranks 2, 3; replica 1: ranks 1, 3). Rank 1's first attention
     layer takes 0.15 s longer from step 10. Stage 0 records no loss (no forward section); its compute is scored
     against the other stage-0 rank: at the report of step 15 rank 1 is named as a slow model-parallel peer of replica
-    1, and rank 3, the stage after it, is not."""
+    1, and rank 3, the stage after it, is not (its forward section starts after it received the activations: not a
+    candidate, it is counted as the waiting peer)."""
     config = _straggler_config(tmp_path, [{"rank": 1, "step": 10, "steps": 10}])
     results = run_ranks(_straggler, 4, config, ["--pipeline-model-parallel-size", "2"], 16, timeout_s=380)
     assert [(r["replica"], r["stage"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
@@ -437,7 +438,7 @@ def test_pp2_dp2_straggler_names_a_slow_pipeline_stage_and_not_the_stage_that_wa
         (finding,) = result["findings"].values()
         assert finding["kinds"] == {"1": "model-parallel peer"}, finding
         assert "replica 1: rank 1 (tensor-parallel rank 0, pipeline stage 0" in finding["message"]
-        assert "its peers 3 only wait for it" in finding["message"]
+        assert "its other rank only waits for it" in finding["message"]
 
 
 # ------------------------------------------------------------------ weight health over TP shards and PP stages

@@ -40,12 +40,18 @@ def _agree_rank(rank: int, world: int) -> dict:
     stats = pipeline.agree(buffer)
     before_detail = {"collectives": pipeline.collectives, "fetched": stats.detail_fetched,
                      "host_copies": pipeline.host_copies}
+    # follow-ups: each rank's contribution, made from its own buffer, reduced at a fixed size
+    total = stats.follow_up(lambda row: row[layout["detail"].span] + 1.0, Reduce.SUM)
+    largest = stats.follow_up(lambda row: np.array([row[layout["detail"].span][0], -row[layout["detail"].span][0]]),
+                              Reduce.MAX)
+    follow_ups = pipeline.follow_ups
     detail = stats.per_rank("detail")
     sharded_rows = stats.per_rank("sharded")
     return {"sharded": stats.total("sharded"), "largest": stats.total("largest"),
             "replicated": stats.total("replicated"), "local": stats.local("detail"), "detail": detail,
             "sharded_rows": sharded_rows, "before_detail": before_detail, "detail_fetches": pipeline.detail_fetches,
-            "ranks": stats.ranks, "my_row": stats.my_row}
+            "ranks": stats.ranks, "my_row": stats.my_row, "total": total, "largest_rank": largest,
+            "follow_ups": follow_ups}
 
 
 def test_agreement_gives_exact_global_values_and_fetches_per_rank_detail_only_on_demand() -> None:
@@ -63,6 +69,9 @@ def test_agreement_gives_exact_global_values_and_fetches_per_rank_detail_only_on
         np.testing.assert_array_equal(result["detail"], [[r, 10.0 * r] for r in range(world)])
         np.testing.assert_array_equal(result["sharded_rows"].sum(axis=0), expected)  # rows: before the reduction
         assert result["detail_fetches"] == 1  # two per_rank() calls, one all-gather
+        np.testing.assert_array_equal(result["total"], [3.0 + world, 30.0 + world])  # Σ (r + 1), Σ (10 r + 1)
+        np.testing.assert_array_equal(result["largest_rank"], [world - 1, 0.0])
+        assert result["follow_ups"] == 2
         assert result["ranks"] == (0, 1, 2) and result["my_row"] == rank
 
 

@@ -1,4 +1,5 @@
-"""Straggler scores: the pure scores, the monitor on simulated ranks' reports, and 4 real gloo ranks under DDP where
+"""Straggler scores: the pure scores, the monitor on simulated ranks (each with its own producer, their buffers
+reduced as the pipeline would: the fixed-size follow-up reductions included), and 4 real gloo ranks under DDP where
 one rank sleeps in its forward pass (it is named, once, by every rank, and counts as a system event of the R-Metric)
 while a clean run flags nobody."""
 
@@ -17,13 +18,16 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.monitors.family import FamilyContext, StepView
 from arc_engine.monitors.straggler import (
+    NAMED_SLOTS,
     PEER,
     RANK,
     REPLICA_SLOW,
     SECTION_TIMES,
+    STAGE_TIMES,
     StragglerFamily,
     StragglerMonitor,
     StragglerProducer,
+    Verdict,
     attribute,
     performance_scores,
     report_due,
@@ -60,59 +64,101 @@ def test_the_clock_times_the_forward_section_and_the_iteration() -> None:
     assert math.isnan(forward) and iteration >= first[0]  # this step recorded no loss yet
 
 
-def _row(forward: float, compute: float = math.nan, replica: int = -1, tp: int = 0, stage: int = 0) -> list[float]:
-    """One rank's report slot: forward median, iteration median, 5 forward times, compute median, its samples, who."""
-    return [forward, 0.5, 5, compute, 0 if math.isnan(compute) else 5, replica, tp, stage]
+class Simulated:
+    """``ranks`` simulated ranks, each with its own producer; every step each writes its buffer (forward and compute
+    times from ``times(step, rank)``, an identity from ``who(rank)``) and the monitor of rank 0 judges the stacked
+    buffers, reduced as the pipeline would (the follow-up reductions over every row)."""
 
+    def __init__(self, ranks: int, who: Any = lambda rank: (-1, 0, 0), stages: int = 1, *overrides: str) -> None:
+        config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
+                                    "detectors.straggler.min_delay_s=0.01", *overrides])
+        ctx = FamilyContext(config, config.detectors.straggler, ["g"], Reduce.SUM)
+        self.layout = StatLayout()
+        for decl in StragglerFamily().statistics(ctx):
+            self.layout.add(decl.name, decl.size * (stages if decl.name == STAGE_TIMES else 1), decl.reduce)
+        self.layout.freeze()
+        self.monitor = StragglerMonitor(config.detectors.straggler, 1)
+        self.producers = [StragglerProducer(5, 1, who(rank), rank, stages) for rank in range(ranks)]
+        self.buffers = [StatBuffer(self.layout, torch.device("cpu")) for _ in range(ranks)]
 
-def _layout() -> tuple[StatLayout, StragglerMonitor, StragglerProducer]:
-    config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
-                                "detectors.straggler.min_delay_s=0.01"])
-    ctx = FamilyContext(config, config.detectors.straggler, ["g"], Reduce.SUM)
-    layout = StatLayout()
-    for decl in StragglerFamily().statistics(ctx):
-        layout.add(decl.name, decl.size, decl.reduce)
-    layout.freeze()
-    (monitor,) = StragglerFamily().monitors(ctx)
-    return layout, monitor, StragglerProducer(5, 1)
+    def run(self, steps: int, times: Any) -> dict[int, list[Any]]:
+        findings = {}
+        for step in range(1, steps + 1):
+            for rank, (producer, buffer) in enumerate(zip(self.producers, self.buffers, strict=True)):
+                forward, compute = times(step, rank)
+                buffer.reset()
+                producer.write(buffer, StepView(step, [], (forward, 0.5), 0, compute=(compute,)))
+            rows = np.stack([buffer.values.numpy() for buffer in self.buffers])
+            stats = AgreedStats.from_rows(self.layout, rows, ranks=tuple(range(len(rows))))
+            found = self.monitor.evaluate(step, stats)
+            if found:
+                findings[step] = found
+            self.monitor.commit(step, True)
+        return findings
 
 
 def test_a_slow_rank_is_named_once_after_the_warmup_report_and_survives_a_restore() -> None:
-    """Ranks' forward medians 0.10 s, rank 2 at 0.30 s from step 10: reports at steps 5, 10, 15, 20; the first is the
-    warm-up; the finding comes at 10 (relative score 1/3 < 0.7) and not again at 15 while rank 2 stays slow; rank 2
-    recovers by 20 and is dropped."""
-    layout, monitor, _ = _layout()
-    findings = {}
-    for step in range(1, 21):
-        rows = np.zeros((4, layout.size))
-        if report_due(step, 1, 5):
-            slow = 0.30 if 10 <= step < 20 else 0.10
-            rows[:, layout[SECTION_TIMES].span] = [_row(0.10), _row(0.101), _row(slow), _row(0.099)]
-        found = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1, 2, 3)))
-        if found:
-            findings[step] = found
-        monitor.commit(step, True)
+    """Ranks' forward times 0.10 s, rank 2 at 0.30 s from step 6 (its window of steps 6-10): reports at steps 5, 10,
+    15, 20; the first is the warm-up; the finding comes at 10 (relative score 1/3 < 0.7) and not again at 15 while
+    rank 2 stays slow; rank 2 recovers by 20 and is dropped."""
+    sim = Simulated(4)
+    base = [0.10, 0.101, 0.10, 0.099]
+    findings = sim.run(20, lambda step, rank: (0.30 if rank == 2 and 6 <= step <= 15 else base[rank], math.nan))
     assert list(findings) == [10]
     (finding,) = findings[10]
     assert finding.detector == "straggler" and finding.ranks == (2,) and "rank 2 forward 0.3 s" in finding.message
+    assert finding.values["unnamed_slow_ranks"] == 0 and finding.values["kinds"] == {2: RANK}
+    monitor = sim.monitor
     assert monitor.metrics()["stragglers"] == 0.0 and monitor.events == 1 and monitor.reports == 4
-    assert monitor.best is not None and monitor.best[2] == pytest.approx(0.10)
+    assert sim.producers[2].best_forward == pytest.approx(0.10)  # each rank keeps its own best
     restored = StragglerMonitor(monitor.config, 1)
     restored.load_state_dict(monitor.state_dict())
-    assert restored.best.tolist() == monitor.best.tolist() and restored.reports == 4 and restored.events == 1
+    assert restored.reports == 4 and restored.events == 1 and restored.stragglers == monitor.stragglers
+
+
+def test_the_individual_score_is_the_ranks_own_best_and_a_restore_keeps_only_its_own() -> None:
+    """Every rank slows down by 50% at once (relative scores stay 1): only the individual score (each rank's best
+    over its current median) sees it. A restore from another rank's state (a checkpoint's shared copy) does not take
+    that rank's best."""
+    sim = Simulated(2, lambda rank: (-1, 0, 0), 1, "detectors.straggler.individual_threshold=0.8")
+    findings = sim.run(15, lambda step, rank: (0.15 if step > 10 else 0.10, math.nan))
+    assert list(findings) == [15] and findings[15][0].ranks == (0, 1)
+    assert findings[15][0].values["individual_score_min"] == pytest.approx(0.10 / 0.15, rel=1e-6)
+    own, other = StragglerProducer(5, 1, rank=1), StragglerProducer(5, 1, rank=1)
+    own.load_state_dict(sim.producers[1].state_dict())
+    other.load_state_dict(sim.producers[0].state_dict())
+    assert own.best_forward == pytest.approx(0.10) and other.best_forward == math.inf
 
 
 def test_the_producer_writes_window_medians_on_report_steps_only() -> None:
-    layout, _, producer = _layout()
-    buffer = StatBuffer(layout, torch.device("cpu"))
+    sim = Simulated(1)
+    producer, buffer = StragglerProducer(5, 1, (3, 1, 0), 7), sim.buffers[0]
     for step in range(1, 6):
         buffer.reset()
         producer.write(buffer, StepView(step, [], (0.01 * step, 0.5), 0))
         producer.write(buffer, StepView(step, [], (9.0, 9.0), 0))  # a recomputed step agrees twice: counted once
         values = buffer.view(SECTION_TIMES).tolist()
-        expected = [0.03, 0.5, 5.0, math.nan, 0.0, -1.0, 0.0, 0.0] if step == 5 else [0.0] * 8
-        assert np.array_equal(values, expected, equal_nan=True), values
-    assert not producer.forward  # the next window starts empty
+        stage = buffer.view(STAGE_TIMES).tolist()
+        if step == 5:
+            assert np.array_equal(values, [0.03, 0.5, 5.0, math.nan, 0.0, 3.0, 1.0, 0.0, math.inf, math.inf, 7.0],
+                                  equal_nan=True), values
+            assert stage == [-0.03, 0.03, -math.inf, -math.inf, 0.5]  # no compute sample: MAX's identity
+        else:
+            assert values == [0.0] * 11 and stage == [-math.inf] * 5
+    assert not producer.forward and producer.best_forward == pytest.approx(0.03)  # the next window starts empty
+
+
+def test_many_slow_ranks_fill_their_slots_and_the_rest_are_counted() -> None:
+    """NAMED_SLOTS + 3 ranks of 2 x NAMED_SLOTS + 8 slow: ranks r and r + NAMED_SLOTS share a slot, the slower is named
+    and the other counted; the reductions' sizes do not depend on the number of ranks."""
+    ranks = 2 * NAMED_SLOTS + 8
+    slow = {**{r: 0.30 for r in range(NAMED_SLOTS)}, **{NAMED_SLOTS + r: 0.40 for r in range(3)}}
+    sim = Simulated(ranks)
+    findings = sim.run(10, lambda step, rank: (slow.get(rank, 0.10) if step > 5 else 0.10, math.nan))
+    (finding,) = findings[10]
+    expected = {*range(3, NAMED_SLOTS), *range(NAMED_SLOTS, NAMED_SLOTS + 3)}
+    assert set(finding.ranks) == expected and finding.values["unnamed_slow_ranks"] == 3
+    assert "3 more slow rank(s) not named" in finding.message
 
 
 def test_scores_compare_the_ranks_of_one_pipeline_stage() -> None:
@@ -122,44 +168,42 @@ def test_scores_compare_the_ranks_of_one_pipeline_stage() -> None:
 
 
 def test_attribution_tells_a_slow_peer_from_a_slow_replica() -> None:
-    """Replicas {0, 1} and {2, 3}, plus rank 4 alone (no replica known)."""
-    replicas = np.array([0, 0, 1, 1, -1])
-    known = np.ones(5, dtype=bool)
-    no = np.zeros(5, dtype=bool)
+    """Replicas {0, 1} and {2, 3} of 2 ranks each, plus rank 4 alone (no replica known)."""
+    replicas = {0: 0, 1: 0, 2: 1, 3: 1, 4: -1}
 
-    def flags(*rows: int) -> np.ndarray:
-        out = no.copy()
-        out[list(rows)] = True
-        return out
+    def slow(rank: int, computing: bool) -> Verdict:
+        return Verdict(rank, replicas[rank], 0, 0, 0.3, 0.2, 0.5, 0.5 if computing else 1.0, math.nan,
+                       not computing, computing)
+
+    def ranks(result: list) -> list:
+        return [(kind, [v.rank for v in named], waiting, others) for kind, named, waiting, others in result]
 
     # rank 2 computes slowly; rank 3's forward is as long (it waits in the tensor-parallel all-reduce)
-    assert attribute(flags(2, 3), flags(2), known, replicas) == [(PEER, [2], [3])]
+    assert ranks(attribute([slow(2, True), slow(3, False)], {1: (2, 1, 2)})) == [(PEER, [2], [3], 0)]
+    # the waiting peer need not be a candidate: it is counted
+    assert ranks(attribute([slow(2, True)], {1: (2, 1, 2)})) == [(PEER, [2], [], 1)]
     # both ranks of replica 1 compute slowly: the replica
-    assert attribute(flags(2, 3), flags(2, 3), known, replicas) == [(REPLICA_SLOW, [2, 3], [])]
+    assert ranks(attribute([slow(2, True), slow(3, True)], {1: (2, 2, 2)})) == [(REPLICA_SLOW, [2, 3], [], 0)]
     # replica 1's forward is slow, nobody's compute: the replica (the delay is outside compute)
-    assert attribute(flags(2, 3), no, known, replicas) == [(REPLICA_SLOW, [2, 3], [])]
+    assert ranks(attribute([slow(2, False), slow(3, False)], {1: (2, 0, 2)})) == [(REPLICA_SLOW, [2, 3], [], 0)]
     # a rank without a replica stands alone, next to a slow peer elsewhere
-    assert attribute(flags(0, 4), flags(1, 4), known, replicas) == [(PEER, [1], [0]), (RANK, [4], [])]
+    assert ranks(attribute([slow(0, False), slow(1, True), slow(4, True)], {0: (2, 1, 2)})) == \
+        [(PEER, [1], [0], 0), (RANK, [4], [], 0)]
 
 
 def test_under_tp2_dp2_a_slow_tensor_parallel_rank_is_named_and_its_waiting_peer_is_not() -> None:
     """Simulated reports of 4 ranks, TP=2 x DP=2 (replica 0: ranks 0, 1; replica 1: ranks 2, 3). From step 10 rank 2
     computes 0.2 s longer and rank 3's forward waits as long; from step 15 rank 3 computes slowly too."""
-    layout, monitor, _ = _layout()
-    findings = {}
-    for step in range(1, 21):
-        rows = np.zeros((4, layout.size))
-        if report_due(step, 1, 5):
-            extra2 = 0.2 if step >= 10 else 0.0
-            extra3 = 0.2 if step >= 15 else 0.0
-            wait = max(extra2, extra3)
-            rows[:, layout[SECTION_TIMES].span] = [_row(0.10, 0.05, 0, 0), _row(0.10, 0.05, 0, 1),
-                                                   _row(0.10 + wait, 0.05 + extra2, 1, 0),
-                                                   _row(0.10 + wait, 0.05 + extra3, 1, 1)]
-        found = monitor.evaluate(step, AgreedStats.from_rows(layout, rows, ranks=(0, 1, 2, 3)))
-        if found:
-            findings[step] = found
-        monitor.commit(step, True)
+    sim = Simulated(4, lambda rank: (rank // 2, rank % 2, 0))
+
+    def times(step: int, rank: int) -> tuple[float, float]:
+        extra2 = 0.2 if step > 5 else 0.0
+        extra3 = 0.2 if step > 10 else 0.0
+        wait = max(extra2, extra3) if rank >= 2 else 0.0
+        return 0.10 + wait, 0.05 + (extra2 if rank == 2 else extra3 if rank == 3 else 0.0)
+
+    findings = sim.run(20, times)
+    monitor = sim.monitor
     assert list(findings) == [10, 15]
     (peer,), (replica,) = findings[10], findings[15]
     assert peer.ranks == (2,) and peer.values["kinds"] == {2: PEER}
@@ -273,18 +317,20 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
     summary = arc.summary()
     arc.close()
     return {"findings": findings, "lambdas": lambdas, "detail_fetches": arc.engine.pipeline.detail_fetches,
+            "follow_ups": arc.engine.pipeline.follow_ups,
             "detections": summary["detections"]}
 
 
 def test_a_rank_sleeping_in_its_forward_is_named_and_counts_towards_lambda(tmp_path: Path) -> None:
     """Rank 2 sleeps 150 ms in each forward from step 20: the report at step 30 names it on every rank, once (the
     reports at 40 and 50 see the same straggler); the R-Metric's λ counts the event from the next step on. A clean
-    run (below) names nobody. The per-rank fetch happens on report steps only."""
+    run (below) names nobody. Only fixed-size reductions travel, on report steps only."""
     results = run_ranks(_train, 4, tmp_path, 2)
     for result in results:
         assert result["findings"] == {30: ["straggler", 2]}, result["findings"]
         assert result["lambdas"][:31] == [0.0] * 31 and result["lambdas"][31:] == [1.0] * 29
-        assert result["detail_fetches"] == 5  # steps 10, 20, 30, 40, 50
+        # no all-gather: one fixed-size follow-up per report (steps 10-50), one more with a slow rank (30, 40, 50)
+        assert result["detail_fetches"] == 0 and result["follow_ups"] == 5 + 3
 
 
 def test_a_clean_run_flags_no_straggler_and_raises_no_r_metric_alert(tmp_path: Path) -> None:

@@ -158,9 +158,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                      "numbers on every monitored step (small models and tests); 0: "
                                                      "always the sketch. `detectors.sdc.sketch_size` wins when set.",
                                                      ">= 0"),
-    "detectors.consistency.detail_every": KeyDoc("Monitored steps between fetches of every rank's loss and local "
-                                                 "norm (ranges, the farthest rank); 0: on alarms only. One "
-                                                 "all-gather of the statistics buffer each time.", ">= 0"),
+    "detectors.consistency.detail_every": KeyDoc("Monitored steps between readings of the ranges of the ranks' "
+                                                 "loss and local norm and of the rank farthest from its peers; 0: "
+                                                 "on alarms only. One MAX reduction of 2 + 2 x positions numbers on "
+                                                 "those steps (the extreme ranks), not a per-rank gather.", ">= 0"),
     "detectors.consistency.action": KeyDoc("What an alarm gets."),
     "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "
                                               "score) and per-layer gradient CV and histogram entropy (ARC paper; "
@@ -312,8 +313,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.straggler.enabled": KeyDoc("Per-rank straggler scores from each rank's forward-section time "
                                           "(first forward pre-hook to first recorded loss), as "
                                           "nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."),
-    "detectors.straggler.every": KeyDoc("Monitored steps per report: each rank's window median is fetched (one "
-                                        "all-gather of the statistics buffer) and every rank scored.", ">= 3"),
+    "detectors.straggler.every": KeyDoc("Monitored steps per report: every rank scores its window medians "
+                                        "against its stage's fastest (fixed-size reductions on that step only, "
+                                        "no per-rank gather).", ">= 3"),
     "detectors.straggler.relative_threshold": KeyDoc("A rank whose fastest-rank-median / own-median (forward or "
                                                      "compute, among the ranks of its pipeline stage) falls below "
                                                      "this is a straggler.", "in (0, 1)"),

@@ -267,14 +267,15 @@ class StragglerConfig:
     first forward pass, from the first forward pre-hook to the first ``record_loss``) on every monitored step, and
     every ``compute_every`` monitored steps its local compute (the summed forward time of up to ``compute_modules``
     modules that make no collective, so no wait on a peer is in it) -- host clock on CPU, CUDA events on CUDA (read
-    when complete, no sync). Every ``every`` monitored steps the ranks' window medians are fetched (the one periodic
-    per-rank fetch) and every rank scores every rank against the ranks of its pipeline stage: relative = fastest
-    rank's median / the rank's median, individual = the rank's best forward median so far / its median (1 = as fast
-    as it gets). A rank is slow when its relative score (forward or compute) is below ``relative_threshold`` (or its
-    individual score below ``individual_threshold``, 0 = off) and it is at least ``min_delay_s`` slower than the
-    reference; after ``warmup_reports`` reports. Under model parallelism the slow ranks of a replica are told apart:
-    a model-parallel peer that computes slowly (its peers only wait for it) or a whole slow replica. The event names
-    the ranks; stragglers also count as system events of the R-Metric."""
+    when complete, no sync). Every ``every`` monitored steps each rank scores itself against the ranks of its
+    pipeline stage (their fastest median comes through a MAX reduction on that step): relative = fastest rank's
+    median / the rank's median, individual = the rank's best median so far / its median (1 = as fast as it gets);
+    the slow ranks and their details come through fixed-size follow-up reductions (no per-rank gather). A rank is
+    slow when its relative score (forward or compute) is below ``relative_threshold`` (or its individual score below
+    ``individual_threshold``, 0 = off) and it is at least ``min_delay_s`` slower than the reference; after
+    ``warmup_reports`` reports. Under model parallelism the slow ranks of a replica are told apart: a model-parallel
+    peer that computes slowly (its peers only wait for it) or a whole slow replica. The event names the ranks;
+    stragglers also count as system events of the R-Metric."""
 
     enabled: bool = True
     every: int = 20
@@ -352,8 +353,9 @@ class ConsistencyConfig:
     coefficient of variation) and, every ``direction_every`` monitored steps, the gradient-direction consistency
     C_dir (mean pairwise cosine of the local gradients, from a ``sketch_size``-number signed chunk-sum sketch per rank
     summed through the step's one all-reduce; exact, from the whole local gradient, under DDP and FSDP2 when the model
-    has at most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and each rank's
-    values are fetched every ``detail_every`` monitored steps and on an alarm. Alarm: after ``warmup_steps`` accepted
+    has at most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and the rank
+    farthest from its peers come every ``detail_every`` monitored steps through a fixed-size MAX reduction (the
+    extreme ranks); every rank's values are fetched on an alarm. Alarm: after ``warmup_steps`` accepted
     steps, the gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard
     deviations and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust
     standard deviations and at least ``min_direction_drop``, on ``persist`` consecutive measurements (once per
@@ -658,8 +660,9 @@ class ConsoleSinkConfig:
 class JsonlSinkConfig:
     """Append-only JSON-lines logs in the run directory: one event (or metrics record) per line.
 
-    ``ranks_file``: the per-rank statistics, on the steps a monitor gathered them (e.g. ``detectors.consistency``'s
-    ``detail_every`` steps): each rank's loss and local gradient norm, for ``arc-engine report``'s per-rank panels.
+    ``ranks_file``: the per-rank statistics, on the steps a monitor has them (``detectors.consistency``: the extreme
+    ranks' loss and local gradient norm every ``detail_every`` steps, every rank's on an alarm), for
+    ``arc-engine report``'s per-rank panels.
     ``ranks_max``: per statistic, the values of at most this many ranks: every rank in a group no larger, else the
     ranks farthest from the median (so the line stays small on thousands of ranks).
     """

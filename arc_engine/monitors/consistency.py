@@ -14,8 +14,12 @@ All three come through the step's one all-reduce with a size independent of the 
 its shifted loss and local-norm moments (:mod:`arc_engine.monitors.worker_spread`, shared with the R-Metric) and
 its unit sketch ŝ_i = s_i / ‖s_i‖ into SUM slots; then
 Σ_{i,j} cos(s_i, s_j) = ‖Σ_i ŝ_i‖², so C_dir = (‖Σ ŝ_i‖² − n) / (n (n − 1)) (:func:`direction_consistency`).
-The ranges (max − min) need every rank's value: they are read, with the rank farthest from its peers, by one
-per-rank fetch every ``detail_every`` steps and on an alarm -- never on a healthy step in between.
+Every ``detail_every`` monitored steps the ranges (max − min) and the rank farthest from its peers come through a
+MAX slot reduced on those steps only (:data:`EXTREMES`: the largest and smallest loss and, per position, local norm,
+each packed with the rank holding it, :mod:`arc_engine.stats.rank_keys`): the farthest rank is the one of those
+extremes farthest from the mean of the others (the mean from the SUM moments). Its size is fixed: nothing per rank
+travels on a healthy step. An alarm (a fault being diagnosed) fetches every rank's values once, on that step: the
+finding names the rank farthest from the median of the others and carries every rank's loss and norm.
 
 The alarm: CV_grad above its run's robust baseline (the median of the last ``window`` accepted values plus
 ``factor`` robust standard deviations, and at least ``min_cv_ratio`` times the median), or C_dir below its baseline by
@@ -35,19 +39,83 @@ from typing import Any
 import numpy as np
 import torch
 
+from arc_engine import runtime
 from arc_engine.config.schema import ConsistencyConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, worker_positions
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
 from arc_engine.monitors.loss_spike import robust_baseline
-from arc_engine.monitors.worker_spread import Spread, WorkerMoments
+from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
+from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
 
 #: [positions x (k' + 1)] SUM, per model-parallel position: Σ_i ŝ_i (its ranks' unit gradient sketches, folded to
 #: k' = :func:`position_sketch_size` numbers) and the number of ranks with a non-zero sketch.
 DIRECTION_SUM = "consistency_direction"
 #: [1] DETAIL: this rank's model-parallel position (under model parallelism only; per-rank fetches group by it).
 POSITION = "consistency_position"
+#: [2 + 2 x positions] MAX, reduced on detail steps only: rank keys of the largest loss and of the negated smallest
+#: (over the ranks that recorded one), then per position of the largest and the negated smallest local norm.
+EXTREMES = "consistency_extremes"
+
+
+def detail_due(step: int, interval: int, every: int) -> bool:
+    """Whether monitored step ``step`` is a detail step (every ``every`` monitored steps, not the first; never when
+    ``every`` is 0). Pure."""
+    monitored = step // interval
+    return bool(every) and monitored > 0 and monitored % every == 0
+
+
+class ExtremesProducer:
+    """Writes this rank's loss and local norm as rank keys into :data:`EXTREMES` on detail steps (device-side)."""
+
+    def __init__(self, interval: int, every: int, position: int, rank: int) -> None:
+        check_rank(rank)
+        self.interval, self.every, self.position, self.rank = interval, every, position, rank
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        if not detail_due(view.step, self.interval, self.every):
+            return
+        loss = buffer.view(names.LOSS)[:1]
+        loss = torch.where(buffer.view(names.LOSS_COUNT)[:1] > 0, loss, torch.full_like(loss, math.nan))
+        norm = buffer.view(names.GRAD_SQ_LOCAL).sum().sqrt().reshape(1)
+        slot = buffer.view(EXTREMES)
+        row = 2 + 2 * self.position
+        for index, value in ((0, loss), (1, -loss), (row, norm), (row + 1, -norm)):
+            slot[index:index + 1].copy_(rank_key_t(value, self.rank))
+
+
+def extremes_detail(keys: np.ndarray, moments: np.ndarray) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
+    """From the agreed :data:`EXTREMES` keys and :data:`GRAD_NORM_MOMENTS` rows (``[positions, 4]``): the ranges,
+    the farthest rank (of each position's largest and smallest norm, the one farthest from the mean of the others,
+    relative to it; -1 when no position has two ranks) and the extreme ranks' values. Pure."""
+    (loss_high, loss_high_rank), (loss_low, loss_low_rank) = split_key(keys[0]), split_key(keys[1])
+    loss_low = -loss_low
+    per_rank: dict[str, dict[int, float]] = {"loss": {}, "grad_norm": {}}
+    if loss_high_rank >= 0:
+        per_rank["loss"] = {loss_low_rank: loss_low, loss_high_rank: loss_high}
+    highest, lowest, farthest, distance = -math.inf, math.inf, -1, -math.inf
+    for position, row in enumerate(moments.reshape(-1, 4)):
+        (high, high_rank), (low, low_rank) = split_key(keys[2 + 2 * position]), split_key(keys[3 + 2 * position])
+        if high_rank < 0:
+            continue
+        low = -low
+        per_rank["grad_norm"].update({low_rank: low, high_rank: high})
+        highest, lowest = max(highest, high), min(lowest, low)
+        count = float(row[2])
+        if count < 2:
+            continue
+        total = float(row[0]) + float(row[3])  # Σ (x − c) + Σ c = Σ x
+        for value, rank in ((high, high_rank), (low, low_rank)):
+            others = (total - value) / (count - 1)
+            away = abs(value - others) / abs(others) if others else abs(value - others)
+            if away > distance:
+                farthest, distance = rank, away
+    values = {"loss_range": loss_high - loss_low if loss_high_rank >= 0 else math.nan,
+              "grad_norm_range": highest - lowest if math.isfinite(highest) else math.nan,
+              "farthest_rank": float(farthest), "farthest_distance": distance if farthest >= 0 else math.nan}
+    return values, per_rank
 
 
 def position_sketch_size(sketch_size: int, positions: int) -> int:
@@ -180,10 +248,13 @@ class ConsistencyMonitor:
         if not all(math.isfinite(v) for v in (mean_loss, loss_std, mean_norm, norm_std)):
             return []  # a non-finite loss or gradient: the non-finite detector's case
         reasons = self._alarms(cv, direction)
-        monitored = step // self.interval
-        detail_due = self.config.detail_every and monitored > 0 and monitored % self.config.detail_every == 0
-        if not reasons and not detail_due:
+        if not reasons:
+            if detail_due(step, self.interval, self.config.detail_every):  # fixed-size: the extremes
+                detail, self._rank_values = extremes_detail(stats.total(EXTREMES), stats.total(GRAD_NORM_MOMENTS))
+                detail.pop("farthest_distance")
+                self._values.update(detail)
             return []
+        # an alarm: every rank's values, once, on this step (a fault being diagnosed)
         per_rank_loss = stats.per_rank(names.LOSS)[:, 0]
         recorded = stats.per_rank(names.LOSS_COUNT)[:, 0] > 0
         per_rank_norm = np.sqrt(stats.per_rank(names.GRAD_SQ_LOCAL).sum(axis=1))
@@ -198,8 +269,6 @@ class ConsistencyMonitor:
         row, distance = farthest_rank_within(per_rank_norm, groups)
         rank = stats.ranks[row] if row >= 0 else -1  # the global rank of that row of the decision group
         self._values["farthest_rank"] = float(rank)
-        if not reasons:
-            return []
         self._flagged = True
         values = {**self._values, "per_rank_grad_norm": per_rank_norm.tolist(), "per_rank_loss": per_rank_loss.tolist(),
                   "distance_from_peers": distance}
@@ -309,12 +378,24 @@ class ConsistencyFamily(FamilyBase):
         decls = WorkerMoments(positions, position).statistics()
         if positions > 1:
             decls.append(StatDecl(POSITION, 1, Reduce.DETAIL))
+        every, interval = ctx.section.detail_every, ctx.config.stats.interval
+        if every:
+            decls.append(StatDecl(EXTREMES, 2 + 2 * positions, Reduce.MAX,
+                                  due=lambda step: detail_due(step, interval, every)))
         size = sketch_size(ctx)
         if size:
             folded = position_sketch_size(size, positions)
             decls += [StatDecl(names.GRAD_SKETCH_LOCAL, size, Reduce.DETAIL),
                       StatDecl(DIRECTION_SUM, positions * (folded + 1), Reduce.SUM)]
         return decls
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        if not ctx.section.detail_every:
+            return []
+        _, position = worker_positions(ctx.parts) or (1, 0)
+        producer = ExtremesProducer(ctx.config.stats.interval, ctx.section.detail_every, position,
+                                    runtime.global_rank())
+        return [Producer("before_agreement", producer.write)]
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         positions, position = worker_positions(ctx.parts) or (1, 0)

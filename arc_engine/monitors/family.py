@@ -116,6 +116,7 @@ class ModelParts:
     replica: int = -1
     tensor_rank: int = 0
     pipeline_stage: int = 0
+    pipeline_stages: int = 1  # the number of pipeline stages (per-stage statistics have a row per stage)
     #: the whole model's weight matrices where ranks hold different ones (pipeline stages): ``(name, this rank's
     #: parameter or None, whether this rank measures its effective rank)``, the same names in the same order on
     #: every rank; each rank's parts come from :attr:`StepView.partition_parts` (for ``detectors.weight_health``)

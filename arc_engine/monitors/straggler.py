@@ -1,5 +1,5 @@
 """``detectors.straggler``: per-rank performance scores, as nvidia-resiliency-ext reports them, and which rank of a
-model-parallel replica is the slow one.
+model-parallel replica is the slow one -- with collectives whose size does not grow with the number of ranks.
 
 A synchronous step is as slow as its slowest rank, and every rank's whole step is equally long (the fast ones wait
 in the gradient reduction), so the step time cannot tell which rank is slow. Each rank measures two sections
@@ -11,14 +11,11 @@ in the gradient reduction), so the step time cannot tell which rank is slow. Eac
 * its **compute** (every ``compute_every`` monitored steps): the summed forward time of modules that make no
   collective, which no peer's slowness lengthens.
 
-Every ``every`` monitored steps each rank puts its window medians, and who it is (replica, tensor-parallel rank,
-pipeline stage), into its per-rank slot and the ranks' values are fetched (the family's one periodic per-rank
-collective: between reports nothing travels). Every rank then scores every rank against the ranks of its pipeline
-stage (they do the same work; :func:`performance_scores`):
+Every ``every`` monitored steps (a report) each rank takes its window medians. Scores (:func:`judge`):
 
-* relative score = the fastest rank's median / the rank's median (1: the fastest), of the forward section and of
-  the compute;
-* individual score = the rank's best forward median so far / its median (1: as fast as it ever was).
+* relative score = the fastest median among the ranks of its pipeline stage (they do the same work) / the rank's
+  (1: the fastest), of the forward section and of the compute;
+* individual score = the rank's best median so far / its median (1: as fast as it ever was; kept by the rank).
 
 A rank is slow when a relative score falls below ``relative_threshold`` (or its individual score below
 ``individual_threshold``) while it is at least ``min_delay_s`` slower than that reference. Within a replica (the
@@ -27,31 +24,58 @@ ranks that wait on each other inside the forward pass, :func:`attribute`):
 * some but not all of its ranks compute slowly: those are **slow model-parallel peers** (tensor-parallel or
   pipeline); their peers' long forward sections are waits and the peers are not named;
 * all of its ranks compute slowly, or its forward sections are slow with no rank's compute slow (an input, host or
-  network delay): a **slow replica**, every slow rank named.
+  network delay): a **slow replica**, its slow ranks named.
 
-Without replicas (DDP, ZeRO, FSDP2) each rank stands alone. The event names each new straggler once; stragglers are
-also system events of the R-Metric (its λ).
+Without replicas (DDP, ZeRO, FSDP2) each rank stands alone.
+
+**What travels, O(1) in ranks.** Nothing between reports. On a report step: the step's agreement reduces a MAX slot
+of ``5 x stages`` numbers (each stage's fastest and slowest forward and compute medians, and the slowest iteration
+median); then every rank judges *itself* against its stage's fastest, exactly, and one follow-up MAX of
+``2 x NAMED_SLOTS + 3`` numbers carries the candidates: each slow rank's badness packed with its rank
+(:mod:`arc_engine.stats.rank_keys`) in slot ``rank mod NAMED_SLOTS`` (compute-slow ranks in one half, forward-only
+ones in the other; a slot keeps its worst rank) and the lowest scores. Only when a slot holds a rank: a SUM of the
+named ranks' details (times, scores, who they are) and the count of slow ranks; and, under model parallelism, a SUM of
+the named ranks' replicas' member counts (how many compute slowly) for the attribution. Up to ``NAMED_SLOTS`` ranks
+of each kind are named per report; slow ranks that shared a slot with a worse one are counted in the event
+(``unnamed_slow_ranks``). The event names each new straggler once; stragglers are also system events of the R-Metric
+(its λ).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from arc_engine import runtime
 from arc_engine.config.schema import StragglerConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
+from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
 
-#: [8] DETAIL, written on report steps only: this rank's median forward seconds over the report's window, its median
-#: iteration seconds, its number of forward times in the window, its median compute seconds, its number of compute
-#: samples, its replica (-1: not known), its tensor-parallel rank and its pipeline stage.
+#: [11] this rank's own (never reduced nor gathered), written on report steps: its median forward seconds over the
+#: report's window, its median iteration seconds, its number of forward times in the window, its median compute
+#: seconds, its number of compute samples, its replica (-1: not known), its tensor-parallel rank, its pipeline stage,
+#: its best forward and compute medians of the earlier reports (inf: none yet) and its global rank.
 SECTION_TIMES = "straggler_times"
-FORWARD, ITERATION, FORWARD_COUNT, COMPUTE, COMPUTE_COUNT, REPLICA, TENSOR_RANK, STAGE = range(8)
+(FORWARD, ITERATION, FORWARD_COUNT, COMPUTE, COMPUTE_COUNT, REPLICA, TENSOR_RANK, STAGE, BEST_FORWARD, BEST_COMPUTE,
+ GLOBAL_RANK) = range(11)
+#: [stages x 5] MAX, reduced on report steps only: per pipeline stage -fastest and slowest forward median, -fastest
+#: and slowest compute median, slowest iteration median (-inf: no rank of the stage has one).
+STAGE_TIMES = "straggler_stage_times"
+STAGE_COLUMNS = 5
+#: candidate slots per kind (compute-slow, forward-only slow) of the follow-up reduction: a report names at most this
+#: many ranks of each kind; a slow rank shares slot ``rank mod NAMED_SLOTS`` with others and the worst one is named
+NAMED_SLOTS = 64
+#: per named rank in the details reduction: forward, compute, replica, tensor-parallel rank, stage, relative score,
+#: compute score, individual score, computes slowly (0/1)
+_DETAILS = 9
 
 #: what :func:`attribute` calls a replica's slow ranks
 RANK, PEER, REPLICA_SLOW = "rank", "model-parallel peer", "replica"
@@ -59,9 +83,9 @@ RANK, PEER, REPLICA_SLOW = "rank", "model-parallel peer", "replica"
 
 def performance_scores(times: np.ndarray, best: np.ndarray, stages: np.ndarray | None = None
                        ) -> tuple[np.ndarray, np.ndarray]:
-    """(relative, individual) scores per rank: the fastest time among the ranks of the same ``stages`` entry (all
-    ranks when None) over each rank's, and each rank's ``best`` time over its current one. NaN where a time is
-    missing (NaN or not positive). Pure."""
+    """(relative, individual) scores per rank, for tools that hold every rank's times (a simulation, a report): the
+    fastest time among the ranks of the same ``stages`` entry (all ranks when None) over each rank's, and each rank's
+    ``best`` time over its current one. NaN where a time is missing (NaN or not positive). Pure."""
     valid = np.isfinite(times) & (times > 0)
     relative = np.full(times.shape, math.nan)
     individual = np.full(times.shape, math.nan)
@@ -74,41 +98,122 @@ def performance_scores(times: np.ndarray, best: np.ndarray, stages: np.ndarray |
     return relative, individual
 
 
-def fastest_of_stage(times: np.ndarray, stages: np.ndarray) -> np.ndarray:
-    """Per rank, the fastest valid time among the ranks of its stage (NaN where none). Pure."""
-    valid = np.isfinite(times) & (times > 0)
-    fastest = np.full(times.shape, math.nan)
-    for stage in np.unique(stages[valid]):
-        fastest[stages == stage] = times[valid & (stages == stage)].min()
-    return fastest
+def _ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator for two positive finite times, else NaN."""
+    if math.isfinite(numerator) and math.isfinite(denominator) and numerator > 0 and denominator > 0:
+        return numerator / denominator
+    return math.nan
 
 
-def attribute(forward_slow: np.ndarray, compute_slow: np.ndarray, compute_known: np.ndarray,
-              replicas: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
-    """Who is slow, per replica with a slow rank: ``(kind, named rows, waiting rows)``, rows in order. The ranks of
-    a replica (same ``replicas`` value >= 0) wait on each other inside the forward pass: when some but not all of
-    them compute slowly, those are slow model-parallel peers (``PEER``) and the replica's other ranks wait for them;
-    when all do, or none does while forward sections are slow, the replica is slow (``REPLICA_SLOW``, every slow rank
-    named; when ``compute_known`` is False for its ranks, which rank is slow inside it cannot be told). A rank
-    without a replica (-1) or alone in its replica stands alone (``RANK``). Pure."""
-    result: list[tuple[str, list[int], list[int]]] = []
-    slow = forward_slow | compute_slow
-    # one grouping of the rows by replica (a report over thousands of ranks stays linear in them)
-    values, inverse, counts = np.unique(replicas, return_inverse=True, return_counts=True)
-    order = np.argsort(inverse, kind="stable")
-    groups = np.split(order, np.cumsum(counts)[:-1])
-    alone = [row for row in np.flatnonzero(slow) if replicas[row] < 0 or counts[inverse[row]] == 1]
-    result.extend((RANK, [int(row)], []) for row in alone)
-    for index in sorted({int(inverse[row]) for row in np.flatnonzero(slow)}):
-        members = groups[index]
-        if values[index] < 0 or len(members) == 1:
-            continue
-        computing = [int(row) for row in members if compute_slow[row]]
-        if computing and len(computing) < len(members):
-            result.append((PEER, computing, [int(row) for row in members if not compute_slow[row]]))
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's report as it judges itself (:func:`judge`), or as the details reduction brings it to every rank."""
+
+    rank: int
+    replica: int
+    tensor_rank: int
+    stage: int
+    forward: float
+    compute: float
+    relative: float
+    relative_compute: float
+    individual: float
+    forward_slow: bool = False
+    compute_slow: bool = False
+
+    @property
+    def slow(self) -> bool:
+        return self.forward_slow or self.compute_slow
+
+    @property
+    def compute_known(self) -> bool:
+        return math.isfinite(self.relative_compute)
+
+    def badness(self) -> float:
+        """How many times slower than its reference (>= 1): the slow section's, or the individual one's."""
+        scores = (self.relative_compute if self.compute_slow else self.relative, self.individual)
+        inverse = [1.0 / s for s in scores if math.isfinite(s) and s > 0]
+        return max(inverse, default=1.0)
+
+    def details(self) -> list[float]:
+        return [self.forward, self.compute, float(self.replica), float(self.tensor_rank), float(self.stage),
+                self.relative, self.relative_compute, self.individual, float(self.compute_slow)]
+
+    @classmethod
+    def from_details(cls, rank: int, values: np.ndarray, forward_slow: bool) -> Verdict:
+        """The verdict :meth:`details` described (``forward_slow``: the candidate's half says it)."""
+        forward, compute, replica, tensor_rank, stage, relative, relative_compute, individual, computing = values
+        return cls(rank, int(replica), int(tensor_rank), int(stage), float(forward), float(compute), float(relative),
+                   float(relative_compute), float(individual), forward_slow, bool(computing))
+
+
+def judge(row: np.ndarray, stage_rows: np.ndarray, config: StragglerConfig, warm: bool) -> Verdict:
+    """One rank's verdict on itself from its own report ``row`` (:data:`SECTION_TIMES`) and the agreed per-stage times
+    ``stage_rows`` (:data:`STAGE_TIMES`, ``[stages, 5]``); nobody is slow before ``warm``. Pure."""
+    stage = int(row[STAGE])
+    fastest, _, fastest_compute, _, _ = stage_rows[min(max(stage, 0), len(stage_rows) - 1)]
+    fastest, fastest_compute = -fastest, -fastest_compute
+    forward, compute = float(row[FORWARD]), float(row[COMPUTE])
+    relative, relative_compute = _ratio(fastest, forward), _ratio(fastest_compute, compute)
+    # the individual score of the rank's compute where it is measured (a coupled forward pass slows every rank
+    # waiting for a slow one), else of its forward section
+    compute_known = math.isfinite(relative_compute)
+    own_time, own_best = (compute, row[BEST_COMPUTE]) if compute_known else (forward, row[BEST_FORWARD])
+    individual = _ratio(min(own_best, own_time), own_time) if math.isfinite(own_best) else math.nan
+    delay = config.min_delay_s
+    forward_slow = math.isfinite(relative) and relative < config.relative_threshold and forward - fastest >= delay
+    compute_slow = compute_known and relative_compute < config.relative_threshold and \
+        compute - fastest_compute >= delay
+    if config.individual_threshold and math.isfinite(individual) and individual < config.individual_threshold and \
+            own_time - own_best >= delay:
+        compute_slow |= compute_known
+        forward_slow |= not compute_known
+    if not warm:
+        forward_slow = compute_slow = False
+    return Verdict(int(row[GLOBAL_RANK]), int(row[REPLICA]), int(row[TENSOR_RANK]), stage, forward, compute, relative,
+                   relative_compute, individual, forward_slow, compute_slow)
+
+
+def candidate_keys(verdict: Verdict) -> np.ndarray:
+    """This rank's part of the candidates reduction (MAX, ``2 x NAMED_SLOTS + 3``): its rank key in its slot when
+    it is slow, and its negated scores (the lowest score of the job comes back). Pure."""
+    out = np.full(2 * NAMED_SLOTS + 3, -math.inf)
+    if verdict.slow:
+        slot = verdict.rank % NAMED_SLOTS + (0 if verdict.compute_slow else NAMED_SLOTS)
+        out[slot] = rank_key(verdict.badness(), verdict.rank)
+    for index, score in enumerate((verdict.relative, verdict.relative_compute, verdict.individual)):
+        if math.isfinite(score):
+            out[2 * NAMED_SLOTS + index] = -score
+    return out
+
+
+def attribute(named: list[Verdict], members: dict[int, tuple[int, int, int]]
+              ) -> list[tuple[str, list[Verdict], list[int], int]]:
+    """Who is slow, per replica with a named rank: ``(kind, named, waiting peers named, other waiting peers)``, in
+    rank order. ``members[replica]`` = (its ranks, those computing slowly, those whose compute is timed). The ranks
+    of a replica wait on each other inside the forward pass: when some but not all of them compute slowly, those are
+    slow model-parallel peers (``PEER``) and the replica's other ranks wait for them (the slow-forward ones among
+    the candidates are listed, the rest counted); when all do, or none does while forward sections are slow, the
+    replica is slow (``REPLICA_SLOW``, its named ranks). A rank without a replica (-1) or alone in its replica
+    stands alone (``RANK``). Pure."""
+    result: list[tuple[str, list[Verdict], list[int], int]] = []
+    by_replica: dict[int, list[Verdict]] = {}
+    for verdict in sorted(named, key=lambda v: v.rank):
+        size = members.get(verdict.replica, (1, 0, 0))[0]
+        if verdict.replica < 0 or size <= 1:
+            result.append((RANK, [verdict], [], 0))
         else:
-            result.append((REPLICA_SLOW, [int(row) for row in members if slow[row]], []))
-    return sorted(result, key=lambda item: item[1][0])
+            by_replica.setdefault(verdict.replica, []).append(verdict)
+    for replica, verdicts in by_replica.items():
+        size, computing, _ = members[replica]
+        if 0 < computing < size:
+            culprits = [v for v in verdicts if v.compute_slow]
+            waiting = [v.rank for v in verdicts if not v.compute_slow]
+            if culprits:
+                result.append((PEER, culprits, waiting, size - computing - len(waiting)))
+        else:
+            result.append((REPLICA_SLOW, verdicts, [], 0))
+    return sorted(result, key=lambda item: item[1][0].rank)
 
 
 def report_due(step: int, interval: int, every: int) -> bool:
@@ -123,17 +228,21 @@ def _median(values: deque[float]) -> float:
 
 
 class StragglerProducer:
-    """Keeps this rank's forward, iteration and compute times of the window (host floats) and writes their medians,
-    and who this rank is (``identity``: replica, tensor-parallel rank, pipeline stage), on report steps."""
+    """Keeps this rank's forward, iteration and compute times of the window and its best medians (host floats);
+    on report steps writes its report (:data:`SECTION_TIMES`, with who it is: ``identity`` = replica,
+    tensor-parallel rank, pipeline stage; and ``rank``) and its stage's row of :data:`STAGE_TIMES`."""
 
-    def __init__(self, every: int, interval: int, identity: tuple[int, int, int] = (-1, 0, 0)) -> None:
+    def __init__(self, every: int, interval: int, identity: tuple[int, int, int] = (-1, 0, 0), rank: int = 0,
+                 stages: int = 1) -> None:
+        check_rank(rank)
         self.every, self.interval = every, interval
-        self.identity = identity
+        self.identity, self.rank, self.stages = identity, rank, stages
         self.forward: deque[float] = deque(maxlen=every)
         self.iteration: deque[float] = deque(maxlen=every)
         self.compute: deque[float] = deque(maxlen=every)
+        self.best_forward = self.best_compute = math.inf
         self._last_step = -1
-        self._report: tuple[float, ...] | None = None  # this step's medians, on a report step
+        self._report: tuple[float, ...] | None = None  # this step's report, on a report step
 
     def write(self, buffer: StatBuffer, view: StepView) -> None:
         if view.step != self._last_step:  # once per step (a recomputed step agrees twice: same report)
@@ -146,141 +255,172 @@ class StragglerProducer:
             self.compute.extend(value for value in view.compute if math.isfinite(value))
             self._report = None
             if report_due(view.step, self.interval, self.every):
-                self._report = (_median(self.forward), _median(self.iteration), float(len(self.forward)),
-                                _median(self.compute), float(len(self.compute)), *map(float, self.identity))
+                forward, compute = _median(self.forward), _median(self.compute)
+                self._report = (forward, _median(self.iteration), float(len(self.forward)), compute,
+                                float(len(self.compute)), *map(float, self.identity), self.best_forward,
+                                self.best_compute, float(self.rank))
+                if forward > 0:
+                    self.best_forward = min(self.best_forward, forward)
+                if compute > 0:
+                    self.best_compute = min(self.best_compute, compute)
                 self.forward.clear()
                 self.iteration.clear()
                 self.compute.clear()
         if self._report is not None:
+            report = self._report
             slot = buffer.view(SECTION_TIMES)  # fills (kernels on CUDA), no host-to-device copy
-            for index, value in enumerate(self._report):
+            for index, value in enumerate(report):
                 slot[index].fill_(value)
+            row = min(max(int(report[STAGE]), 0), self.stages - 1) * STAGE_COLUMNS
+            stage = buffer.view(STAGE_TIMES)
+            for index, value in enumerate((-report[FORWARD], report[FORWARD], -report[COMPUTE], report[COMPUTE],
+                                           report[ITERATION])):
+                if math.isfinite(value):
+                    stage[row + index].fill_(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "best_forward": self.best_forward, "best_compute": self.best_compute}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The bests of this rank's own state; another rank's (a checkpoint's shared copy) are not this rank's."""
+        if int(state.get("rank", -1)) == self.rank:
+            self.best_forward, self.best_compute = float(state["best_forward"]), float(state["best_compute"])
 
 
 class StragglerMonitor:
-    """Scores every rank on report steps and tells which ranks are slow (see the module docstring); names the
-    ranks that become stragglers."""
+    """Judges every rank on report steps, each rank itself, and tells which ranks are slow (see the module
+    docstring); names the ranks that become stragglers."""
 
     name = "straggler"
 
-    def __init__(self, config: StragglerConfig, interval: int) -> None:
+    def __init__(self, config: StragglerConfig, interval: int, producer: StragglerProducer | None = None) -> None:
         self.config = config
         self.interval = interval
-        #: per row of the decision group: the best forward median so far, and the best compute median
-        self.best: np.ndarray | None = None
-        self.best_compute: np.ndarray | None = None
+        self.producer = producer  # this rank's (its best medians travel with the monitor's state)
         self.reports = 0
         self.stragglers: frozenset[int] = frozenset()  # global ranks flagged at the last report
         self.events = 0
-        self._pending: tuple[np.ndarray, np.ndarray, frozenset[int]] | None = None
+        self._pending: frozenset[int] | None = None
         self._values: dict[str, float] = {}
 
     def required_stats(self) -> tuple[str, ...]:
-        return (SECTION_TIMES,)
-
-    def _best(self, stored: np.ndarray | None, rows: int) -> np.ndarray:
-        return stored if stored is not None and len(stored) == rows else np.full(rows, math.inf)
+        return (SECTION_TIMES, STAGE_TIMES)
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
         self._pending = None
         if not report_due(step, self.interval, self.config.every):
             return []
-        rows = stats.per_rank(SECTION_TIMES)  # collective, on a report step every rank shares
-        forward, iteration, compute = rows[:, FORWARD], rows[:, ITERATION], rows[:, COMPUTE]
-        stages, replicas = rows[:, STAGE].astype(np.int64), rows[:, REPLICA].astype(np.int64)
-        best, best_compute = self._best(self.best, len(forward)), self._best(self.best_compute, len(forward))
-        relative, individual = performance_scores(forward, best, stages)
-        relative_compute, individual_compute = performance_scores(compute, best_compute, stages)
-        # the individual score of a rank's compute where it is measured (a coupled forward pass slows every rank
-        # waiting for a slow one), else of its forward section
-        compute_known = np.isfinite(relative_compute)
-        own = np.where(compute_known, individual_compute, individual)
-        own_best, own_time = np.where(compute_known, best_compute, best), np.where(compute_known, compute, forward)
-        valid = np.isfinite(relative) | compute_known
-        if not valid.any():
-            return []
-        config = self.config
-        fastest, fastest_compute = fastest_of_stage(forward, stages), fastest_of_stage(compute, stages)
+        stage_rows = stats.total(STAGE_TIMES).reshape(-1, STAGE_COLUMNS)
+        if not np.isfinite(stage_rows[:, [0, 2]]).any():
+            return []  # no rank timed anything in this window
+        config, warm = self.config, self.reports >= self.config.warmup_reports
+
+        def verdict_of(row: np.ndarray) -> Verdict:
+            return judge(row[stats.layout[SECTION_TIMES].span], stage_rows, config, warm)
+
+        # one MAX of fixed size: every rank's key in its slot when it is slow, and the lowest scores
+        candidates = stats.follow_up(lambda row: candidate_keys(verdict_of(row)), Reduce.MAX)
+        lowest = -candidates[2 * NAMED_SLOTS:]
+        winners = [(slot, split_key(key)[1]) for slot, key in enumerate(candidates[:2 * NAMED_SLOTS])
+                   if math.isfinite(key)]
+        named_verdicts, unnamed = self._named(stats, verdict_of, winners)
+        verdicts = attribute(*named_verdicts) if named_verdicts[0] else []
+        named = frozenset(v.rank for _, slow, _, _ in verdicts for v in slow)
+        self._pending = named
         with np.errstate(invalid="ignore"):
-            forward_slow = np.isfinite(relative) & (relative < config.relative_threshold) & \
-                (forward - fastest >= config.min_delay_s)
-            compute_slow = compute_known & (relative_compute < config.relative_threshold) & \
-                (compute - fastest_compute >= config.min_delay_s)
-            if config.individual_threshold:
-                slowed = np.isfinite(own) & (own < config.individual_threshold) & \
-                    (own_time - own_best >= config.min_delay_s)
-                compute_slow |= slowed & compute_known
-                forward_slow |= slowed & ~compute_known
-        if self.reports < config.warmup_reports:
-            forward_slow[:] = compute_slow[:] = False
-        verdicts = attribute(forward_slow, compute_slow, compute_known, replicas)
-        named = frozenset(int(stats.ranks[row]) for _, slow, _ in verdicts for row in slow)
-        improved, improved_compute = best.copy(), best_compute.copy()
-        known = np.isfinite(relative)
-        improved[known] = np.minimum(best[known], forward[known])
-        improved_compute[compute_known] = np.minimum(best_compute[compute_known], compute[compute_known])
-        self._pending = (improved, improved_compute, named)
-        finite = np.isfinite(forward)
-        self._values = {"forward_fastest_s": float(forward[finite].min()) if finite.any() else math.nan,
-                        "forward_slowest_s": float(forward[finite].max()) if finite.any() else math.nan,
-                        "compute_fastest_s": float(compute[compute_known].min()) if compute_known.any()
-                        else math.nan,
-                        "compute_slowest_s": float(compute[compute_known].max()) if compute_known.any()
-                        else math.nan,
-                        "relative_score_min": float(np.nanmin(relative)) if known.any() else math.nan,
-                        "compute_score_min": float(np.nanmin(relative_compute)) if compute_known.any() else math.nan,
-                        "individual_score_min": float(np.nanmin(own)) if np.isfinite(own).any() else math.nan,
-                        "iteration_median_s": float(np.nanmedian(iteration)) if np.isfinite(iteration).any()
-                        else math.nan,
-                        "stragglers": float(len(named))}
+            self._values = {"forward_fastest_s": _extreme(-stage_rows[:, 0], min),
+                            "forward_slowest_s": _extreme(stage_rows[:, 1], max),
+                            "compute_fastest_s": _extreme(-stage_rows[:, 2], min),
+                            "compute_slowest_s": _extreme(stage_rows[:, 3], max),
+                            "relative_score_min": _finite(lowest[0]), "compute_score_min": _finite(lowest[1]),
+                            "individual_score_min": _finite(lowest[2]),
+                            "iteration_slowest_s": _extreme(stage_rows[:, 4], max),
+                            "stragglers": float(len(named))}
         new = named - self.stragglers
         if not new:
             return []
-        parts, kinds = [], {}
-        for kind, slow, waiting in verdicts:
-            for row in slow:
-                kinds[int(stats.ranks[row])] = kind
-            parts.append(self._describe(kind, slow, waiting, rows, relative, relative_compute, compute_slow, own,
-                                        stats.ranks))
+        parts = [self._describe(kind, slow, waiting, others) for kind, slow, waiting, others in verdicts]
         shown = parts[:8]
         more = f"; and {len(parts) - 8} more" if len(parts) > 8 else ""
-        slow_rows = [row for _, slow, _ in verdicts for row in slow]
-        values = {**self._values, "ranks": sorted(named), "kinds": {rank: kinds[rank] for rank in sorted(kinds)[:64]},
-                  "forward_s": {int(stats.ranks[row]): float(forward[row]) for row in slow_rows[:64]},
-                  "compute_s": {int(stats.ranks[row]): float(compute[row]) for row in slow_rows[:64]},
-                  "relative_score": {int(stats.ranks[row]): float(relative[row]) for row in slow_rows[:64]}}
+        if unnamed:
+            more += f"; {unnamed} more slow rank(s) not named (they share a slot with a slower rank)"
+        slow_verdicts = [v for _, slow, _, _ in verdicts for v in slow]
+        values = {**self._values, "ranks": sorted(named), "unnamed_slow_ranks": unnamed,
+                  "kinds": {v.rank: kind for kind, slow, _, _ in verdicts for v in slow},
+                  "forward_s": {v.rank: v.forward for v in slow_verdicts},
+                  "compute_s": {v.rank: v.compute for v in slow_verdicts},
+                  "relative_score": {v.rank: v.relative for v in slow_verdicts}}
         return [Finding(self.name, Action.parse(config.action), Severity.WARNING,
                         f"stragglers: {'; '.join(shown)}{more} (medians over {config.every} monitored steps)",
                         ranks=tuple(sorted(new)), values=values)]
 
     @staticmethod
-    def _describe(kind: str, slow: list[int], waiting: list[int], rows: np.ndarray, relative: np.ndarray,
-                  relative_compute: np.ndarray, compute_slow: np.ndarray, own: np.ndarray,
-                  ranks: tuple[int, ...]) -> str:
-        def who(row: int) -> str:
-            return f"rank {ranks[row]}"
+    def _named(stats: AgreedStats, verdict_of: Callable[[np.ndarray], Verdict], winners: list[tuple[int, int]]
+               ) -> tuple[tuple[list[Verdict], dict[int, tuple[int, int, int]]], int]:
+        """The candidates' verdicts and their replicas' member counts (``attribute``'s arguments), and the number of
+        slow ranks left unnamed: one SUM of the candidates' details, and one of their replicas' counts when any has
+        a replica (collectives every rank reaches alike: ``winners`` is agreed)."""
+        if not winners:
+            return ([], {}), 0
+        ranks = [rank for _, rank in winners]
 
-        def times(row: int) -> str:
-            text = f"forward {rows[row, FORWARD]:.4g} s"
-            if math.isfinite(rows[row, COMPUTE]):
-                text += f", compute {rows[row, COMPUTE]:.4g} s"
-            return text
+        def details(row: np.ndarray) -> np.ndarray:
+            verdict = verdict_of(row)
+            out = np.zeros(len(ranks) * _DETAILS + 1)
+            if verdict.rank in ranks:
+                index = ranks.index(verdict.rank)
+                out[index * _DETAILS:(index + 1) * _DETAILS] = verdict.details()
+            out[-1] = float(verdict.slow)
+            return out
+
+        summed = stats.follow_up(details, Reduce.SUM)
+        # a candidate is slow: in the compute half computing slowly, in the other its forward section only
+        named = [Verdict.from_details(rank, summed[i * _DETAILS:(i + 1) * _DETAILS], slot >= NAMED_SLOTS)
+                 for i, (slot, rank) in enumerate(winners)]
+        unnamed = round(summed[-1]) - len(named)
+        replicas = sorted({v.replica for v in named if v.replica >= 0})
+        if not replicas:
+            return (named, {}), unnamed
+
+        def counts(row: np.ndarray) -> np.ndarray:
+            verdict = verdict_of(row)
+            out = np.zeros(3 * len(replicas))
+            if verdict.replica in replicas:
+                index = 3 * replicas.index(verdict.replica)
+                out[index:index + 3] = (1.0, float(verdict.compute_slow), float(verdict.compute_known))
+            return out
+
+        totals = stats.follow_up(counts, Reduce.SUM).reshape(-1, 3)
+        members = {replica: (round(row[0]), round(row[1]), round(row[2])) for replica, row in zip(replicas, totals,
+                                                                                                  strict=True)}
+        return (named, members), unnamed
+
+    @staticmethod
+    def _describe(kind: str, slow: list[Verdict], waiting: list[int], others: int) -> str:
+        def times(v: Verdict) -> str:
+            timed = [f"{what} {seconds:.4g} s" for what, seconds in (("forward", v.forward), ("compute", v.compute))
+                     if math.isfinite(seconds)]
+            return ", ".join(timed) or "not timed"
 
         if kind == RANK:
-            (row,) = slow
-            return f"{who(row)} {times(row)} (relative score {relative[row]:.2f}, compute score " \
-                   f"{relative_compute[row]:.2f}, individual {own[row]:.2f})"
-        replica = int(rows[slow[0], REPLICA])
+            (v,) = slow
+            return f"rank {v.rank} {times(v)} (relative score {v.relative:.2f}, compute score " \
+                   f"{v.relative_compute:.2f}, individual {v.individual:.2f})"
+        replica = slow[0].replica
         if kind == PEER:
-            described = ", ".join(f"{who(row)} (tensor-parallel rank {int(rows[row, TENSOR_RANK])}, pipeline stage "
-                                  f"{int(rows[row, STAGE])}: {times(row)}, compute score {relative_compute[row]:.2f})"
-                                  for row in slow)
-            return f"slow model-parallel peer in replica {replica}: {described}; its peers " \
-                   f"{', '.join(str(ranks[row]) for row in waiting)} only wait for it"
-        members = ", ".join(f"{who(row)} {times(row)}" for row in slow)
-        if not all(math.isfinite(rows[row, COMPUTE]) for row in slow):
+            described = ", ".join(f"rank {v.rank} (tensor-parallel rank {v.tensor_rank}, pipeline stage {v.stage}: "
+                                  f"{times(v)}, compute score {v.relative_compute:.2f})" for v in slow)
+            if waiting:  # the waiting peers that were candidates (their forward sections slow) by rank
+                peers = "its peers " + ", ".join(str(rank) for rank in waiting) + \
+                    (f" and {others} more" if others else "") + " only wait for it"
+            else:
+                peers = "its other rank only waits for it" if others == 1 else \
+                    f"its {others} other ranks only wait for it"
+            return f"slow model-parallel peer in replica {replica}: {described}; {peers}"
+        members = ", ".join(f"rank {v.rank} {times(v)}" for v in slow)
+        if not all(v.compute_known for v in slow):
             where = "compute not timed, so which of its ranks is slow cannot be told"
-        elif all(compute_slow[row] for row in slow):
+        elif all(v.compute_slow for v in slow):
             where = "every rank computes slowly"
         else:
             where = "no rank's compute is slow: an input, host or network delay"
@@ -289,7 +429,7 @@ class StragglerMonitor:
     def commit(self, step: int, applied: bool) -> None:
         if self._pending is None:
             return
-        self.best, self.best_compute, named = self._pending
+        named = self._pending
         self.events += len(named - self.stragglers)
         self.stragglers = named
         self.reports += 1
@@ -299,32 +439,57 @@ class StragglerMonitor:
         return {**self._values, "events": float(self.events)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": None if self.best is None else self.best.tolist(),
-                "best_compute": None if self.best_compute is None else self.best_compute.tolist(),
-                "reports": self.reports, "stragglers": sorted(self.stragglers), "events": self.events}
+        state: dict[str, Any] = {"reports": self.reports, "stragglers": sorted(self.stragglers), "events": self.events}
+        if self.producer is not None:
+            state["own"] = self.producer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = None if state["best"] is None else np.asarray(state["best"], dtype=np.float64)
-        compute = state.get("best_compute")
-        self.best_compute = None if compute is None else np.asarray(compute, dtype=np.float64)
         self.reports = int(state["reports"])
         self.stragglers = frozenset(int(r) for r in state["stragglers"])
         self.events = int(state["events"])
+        if self.producer is not None and "own" in state:
+            self.producer.load_state_dict(state["own"])
+
+
+def _finite(value: float) -> float:
+    return float(value) if math.isfinite(value) else math.nan
+
+
+def _extreme(values: np.ndarray, pick: Callable[..., float]) -> float:
+    finite = values[np.isfinite(values)]
+    return float(pick(finite)) if finite.size else math.nan
 
 
 class StragglerFamily(FamilyBase):
-    """``detectors.straggler``: the ranks' forward-time medians, fetched every ``every`` monitored steps."""
+    """``detectors.straggler``: the ranks' window medians, judged every ``every`` monitored steps (fixed-size
+    reductions on report steps only)."""
 
     name = "straggler"
 
+    @staticmethod
+    def _stages(ctx: FamilyContext) -> int:
+        return max(1, ctx.parts.pipeline_stages) if ctx.parts is not None else 1
+
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        return [StatDecl(SECTION_TIMES, 8, Reduce.DETAIL)]
+        every, interval = ctx.section.every, ctx.config.stats.interval
+        return [StatDecl(SECTION_TIMES, 11, Reduce.DETAIL),
+                StatDecl(STAGE_TIMES, STAGE_COLUMNS * self._stages(ctx), Reduce.MAX,
+                         due=lambda step: report_due(step, interval, every))]
+
+    def __init__(self) -> None:
+        self._shared: tuple[FamilyContext, StragglerProducer] | None = None  # the monitor reads its producer's bests
+
+    def _producer(self, ctx: FamilyContext) -> StragglerProducer:
+        if self._shared is None or self._shared[0] is not ctx:
+            parts = ctx.parts
+            identity = (parts.replica, parts.tensor_rank, parts.pipeline_stage) if parts is not None else (-1, 0, 0)
+            self._shared = (ctx, StragglerProducer(ctx.section.every, ctx.config.stats.interval, identity,
+                                                   runtime.global_rank(), self._stages(ctx)))
+        return self._shared[1]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
-        parts = ctx.parts
-        identity = (parts.replica, parts.tensor_rank, parts.pipeline_stage) if parts is not None else (-1, 0, 0)
-        producer = StragglerProducer(ctx.section.every, ctx.config.stats.interval, identity)
-        return [Producer("before_agreement", producer.write)]
+        return [Producer("before_agreement", self._producer(ctx).write)]
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [StragglerMonitor(ctx.section, ctx.config.stats.interval)]
+        return [StragglerMonitor(ctx.section, ctx.config.stats.interval, self._producer(ctx))]

@@ -5,9 +5,11 @@ Each rank fills a :class:`~arc_engine.stats.layout.StatBuffer`; :meth:`StatsPipe
 once. The bytes moved and the host work depend on the layout's size, not on the number of ranks, so a monitored
 step costs the same on 8 ranks and on 16,384 (``scripts/bench_agreement.py``; ``docs/agreement.md``).
 
-Which rank holds what is fetched only when a monitor asks (:meth:`AgreedStats.per_rank`): one all-gather of every
-rank's buffer, on a step that raised a finding. Monitors ask for it only on a branch taken from agreed values, so
-every rank of the group joins that second collective at the same point.
+Two more collectives, each only when a monitor asks, on a branch taken from agreed values (so every rank of the
+group joins it at the same point): :meth:`AgreedStats.follow_up`, a second fixed-size reduction on a periodic step
+(its size is the monitor's, not the number of ranks': who is slowest, through :mod:`arc_engine.stats.rank_keys`);
+and :meth:`AgreedStats.per_rank`, one all-gather of every rank's buffer, on a step that raised a finding (a fault
+being diagnosed, never a healthy or periodic step).
 """
 
 from __future__ import annotations
@@ -65,19 +67,22 @@ class AgreedStats:
     """One monitored step's statistics as every rank of the decision group agreed on them (host arrays).
 
     :meth:`total` is the agreed value of a SUM, MAX or REPLICATED slot: identical on every rank, no communication.
-    :meth:`local` is this rank's own value of any slot. :meth:`per_rank` is every rank's value of any slot; the
-    first call is a collective over the decision group (one all-gather, then cached), so call it only on a branch
-    that every rank takes -- one decided from agreed values, such as "a finding was raised".
+    :meth:`local` is this rank's own value of any slot. :meth:`follow_up` reduces one more fixed-size array made from
+    each rank's own values; :meth:`per_rank` is every rank's value of any slot (the first call is one all-gather,
+    then cached). Both are collectives over the decision group: call them only on a branch that every rank takes --
+    one decided from agreed values or from the step number.
     """
 
     def __init__(self, layout: StatLayout, totals: np.ndarray, local: np.ndarray, ranks: tuple[int, ...],
-                 my_row: int, fetch: Callable[[], np.ndarray] | None = None) -> None:
+                 my_row: int, fetch: Callable[[], np.ndarray] | None = None,
+                 reduce: Callable[[np.ndarray, Reduce], np.ndarray] | None = None) -> None:
         self.layout = layout
         self._totals = totals
         self._local = local
         self.ranks = ranks
         self.my_row = my_row
         self._fetch = fetch
+        self._reduce = reduce
         self._rows: np.ndarray | None = None
 
     @classmethod
@@ -124,6 +129,18 @@ class AgreedStats:
         """This rank's own value of slot ``name`` (``[size]``), as it was before the reduction."""
         return self._local[self.layout[name].span].copy()
 
+    def follow_up(self, contribution: Callable[[np.ndarray], np.ndarray], op: Reduce) -> np.ndarray:
+        """``contribution(this rank's buffer)`` (a host array of the same size on every rank, made only from the
+        buffer and agreed values) reduced by ``op`` (SUM or MAX) over the decision group. Collective: one all-reduce
+        of the contribution's size, whatever the number of ranks."""
+        if op not in (Reduce.SUM, Reduce.MAX):
+            raise ValueError(f"a follow-up reduces by SUM or MAX, not {op}")
+        if self._reduce is None:  # built from rows (tests, tools): every row's contribution, reduced here
+            assert self._rows is not None
+            parts = np.stack([np.asarray(contribution(row), dtype=np.float64) for row in self._rows])
+            return parts.sum(axis=0) if op is Reduce.SUM else parts.max(axis=0)
+        return self._reduce(np.asarray(contribution(self._local.copy()), dtype=np.float64), op)
+
     def per_rank(self, name: str) -> np.ndarray:
         """``[num_ranks, size]`` values of slot ``name``, one row per rank of the decision group. Collective on
         the first call of a step (see the class docstring)."""
@@ -154,6 +171,7 @@ class StatsPipeline:
         self._copies: np.ndarray | None = None
         self.collectives = 0     # per-step reductions (one, or two with MAX slots)
         self.detail_fetches = 0  # rare per-rank all-gathers
+        self.follow_ups = 0      # periodic fixed-size reductions a monitor asked for
         self.host_copies = 0
 
     @property
@@ -219,7 +237,16 @@ class StatsPipeline:
             totals[max_block] = np.nan
         local_device = packed[reduced_size:]
         return AgreedStats(layout, totals, host[reduced_size:], self.ranks, self.my_row,
-                           lambda: self._fetch_detail(local_device, host[reduced_size:]))
+                           lambda: self._fetch_detail(local_device, host[reduced_size:]), self._follow_up)
+
+    def _follow_up(self, values: np.ndarray, op: Reduce) -> np.ndarray:
+        """``values`` reduced over the group (SUM or MAX), back on the host. Collective."""
+        if self.num_ranks == 1:
+            return values.copy()
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._all_reduce(tensor, dist.ReduceOp.SUM if op is Reduce.SUM else dist.ReduceOp.MAX)
+        self.follow_ups += 1
+        return tensor.to("cpu", copy=True).numpy()
 
     def _fetch_detail(self, local_device: torch.Tensor, local_host: np.ndarray) -> np.ndarray:
         """Every rank's whole buffer as it was before the reduction (``[num_ranks * size]``). Collective."""
