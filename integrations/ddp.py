@@ -375,7 +375,8 @@ class TorchAdapter(ScalerSkipsHooks):
 
     def train_state(self) -> TorchTrainState:
         return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
-                               grad_scaler=self.scaler.scaler if self.scaler is not None else None)
+                               grad_scaler=self.scaler.scaler if self.scaler is not None else None,
+                               replicated=self.is_ddp, replica_group=self.data_parallel_group)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration

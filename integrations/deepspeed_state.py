@@ -77,6 +77,13 @@ class ZeroTrainState:
     def live_tensors(self) -> list[torch.Tensor]:
         return [t.detach() for _, t in self._model_tensors() + self._partition_state()]
 
+    def replicated(self) -> tuple[Any, list[int]] | None:
+        """(the data-parallel group, the indices in :meth:`live_tensors` of the bit16 parameters): ZeRO-1/2 keeps
+        them whole and identical on every rank, so a snapshot keeps one copy per group."""
+        params = {id(param) for param in self.ds_engine.module.parameters()}
+        return deepspeed_internals.data_parallel_group(self.zero), \
+            [index for index, (_, tensor) in enumerate(self._model_tensors()) if id(tensor) in params]
+
     def forward_written(self) -> list[int]:
         """Indices in :meth:`live_tensors` of what a forward pass may write (the module's buffers): a CUDA snapshot
         copies only these ahead of the forward, the rest on a side stream (``recovery.snapshot.capture``)."""

@@ -67,6 +67,9 @@ class MegatronGradientTarget:
 
     per_micro_batch = False
     loss_factor = 1.0
+    #: ``post_reduction`` all-reduces some deltas across correction groups (tensor-parallel duplicates, the tied
+    #: embedding across pipeline stages): every parameter gets an entry
+    dense_corrections = True
 
     def __init__(self, engine: ArcEngine, chunks: list[Any], optimizer: Any, params: list[torch.nn.Parameter],
                  group_of_p: list[int], record_stats: Callable[[], None]) -> None:

@@ -240,6 +240,12 @@ class LocalGate:
         self.withheld_count += flag.double()
         return flag
 
+    def would_withhold_t(self, slot: int, norm_sq: torch.Tensor) -> torch.Tensor:
+        """:meth:`would_withhold` of a 0-dim device tensor, as a 0-dim bool tensor (no host sync)."""
+        self._grow(slot + 1)
+        return gate_flags(norm_sq.to(self.device, torch.float64), self.reference_sq[slot], self.seen[slot],
+                          self.factor, self.warmup)
+
     def would_withhold(self, slot: int, norm_sq: float) -> bool:
         """The gate's verdict on one more observation of ``slot``, without recording it (host values)."""
         if not math.isfinite(norm_sq):

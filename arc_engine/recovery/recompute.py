@@ -47,7 +47,7 @@ import torch.distributed as dist
 from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.sdc_local import LocalGate
-from arc_engine.stats import AgreedStats, names
+from arc_engine.stats import AgreedStats, StatBuffer, names
 from arc_engine.stats.grad_stats import accumulate_grad_stats
 
 if TYPE_CHECKING:
@@ -107,6 +107,8 @@ class GradientTarget(Protocol):
     loss_factor: float               # what the framework multiplies a micro-batch loss by before backward
     per_micro_batch: bool            # the gate judges each micro-batch (ZeRO) or the accumulated gradient (DDP)
     group_of_p: list[int]            # optimizer parameter group of each of ``params``
+    # Optional ``dense_corrections = True``: ``apply`` needs an entry (zeros) for every parameter of a correction,
+    # not only those some rank of its group has a share of (Megatron: its post-reduction all-reduces across groups)
 
     def slot_params(self, slot: int) -> list[int]:
         """Indices into ``params`` of a gate slot."""
@@ -175,6 +177,28 @@ class Recomputed:
     failed: bool = False  # recompute_fn raised: nothing above is usable
     loss: float | None = None  # the mean micro-batch loss of the recomputation (None: no loss recorded)
     loss_count: int = 0
+    #: while recomputing: Σ squared norms and "some observation would be withheld", on the gate's device (read once,
+    #: at the end of the recomputation, into ``energy`` and ``healthy``)
+    energy_t: torch.Tensor | None = None
+    withheld_t: torch.Tensor | None = None
+
+
+#: the largest staging buffer of a gradient correction, in fp32 numbers (64 MB): a larger parameter gets its own
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``indices`` in order, cut into runs whose ``sizes`` add up to at most ``limit`` (a larger one alone).
+    Pure."""
+    chunks: list[list[int]] = []
+    total = limit + 1
+    for index, size in zip(indices, sizes, strict=True):
+        if total + size > limit:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(index)
+        total += size
+    return chunks
 
 
 def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
@@ -250,6 +274,8 @@ class SDCRecompute:
         self.my_row = list(engine.pipeline.ranks).index(engine.rank)
         self._rng: torch.Tensor | None = None
         self._own: Recomputed | None = None   # this rank's recomputation on the current step
+        #: its pre-reduction gradient statistics, taken before a correction reused its gradients' memory
+        self._own_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.calls = 0                         # forward/backward passes run by recompute_fn on this rank
         self.quarantined: dict[int, dict[str, Any]] = {}
 
@@ -259,6 +285,7 @@ class SDCRecompute:
         """At the step's first forward (every rank): remember the RNG state the step starts from."""
         self._rng = self.target.rng_state()
         self._own = None
+        self._own_stats = None
         self.gate.reset_step()
 
     def needs_resolution(self, stats: AgreedStats) -> bool:
@@ -325,6 +352,7 @@ class SDCRecompute:
             return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
                             "recomputation of the step failed on some rank: the gradient was left as reduced", (),
                             {"classification": "failed"})]
+        self._own_stats = self._grad_stats(self._own)  # the correction reduces into these gradients' memory
         self._correct({i: g for i, g in enumerate(self._own.total_p) if g is not None}, replace=True)
         return [Finding("sdc_recompute", Action.WARN, Severity.WARNING,
                         "update-RMS jump with no rank standing out: the step was recomputed on every rank", (),
@@ -340,13 +368,22 @@ class SDCRecompute:
             buffer.put(names.LOSS, self._own.loss)
             buffer.put(names.LOSS_COUNT, float(self._own.loss_count))
             buffer.put(names.LOSS_RANKS, 1.0)
-        for slot in (names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL):
-            buffer.view(slot).zero_()
-        present = [(g, self.target.group_of_p[i]) for i, g in enumerate(self._own.total_p) if g is not None]
+        own = self._own_stats if self._own_stats is not None else self._grad_stats(self._own)
+        for slot, values in zip((names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL), own, strict=True):
+            buffer.view(slot).copy_(values)
+
+    def _grad_stats(self, result: Recomputed) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-reduction gradient statistics (squared norm and non-finite count per parameter group) of a
+        recomputation's whole local gradient, on the statistics buffer's device."""
+        buffer = self.engine.buffer
+        assert buffer is not None
+        scratch = StatBuffer(buffer.layout, buffer.device)
+        present = [(g, self.target.group_of_p[i]) for i, g in enumerate(result.total_p) if g is not None]
         if present:
             index = torch.tensor([group for _, group in present], dtype=torch.long, device=buffer.device)
-            accumulate_grad_stats(buffer, [g for g, _ in present], index, names.GRAD_SQ_LOCAL,
+            accumulate_grad_stats(scratch, [g for g, _ in present], index, names.GRAD_SQ_LOCAL,
                                   names.GRAD_NONFINITE_LOCAL)
+        return scratch.view(names.GRAD_SQ_LOCAL).clone(), scratch.view(names.GRAD_NONFINITE_LOCAL).clone()
 
     # ------------------------------------------------------------------ pieces
 
@@ -378,9 +415,17 @@ class SDCRecompute:
             self.target.set_rng_state(saved)
         # the losses the training loop's own record_loss calls gave (the scale it records), else the yielded ones
         losses = recorded or yielded
-        if losses:
-            result.loss, result.loss_count = float(torch.stack(losses).mean()), len(losses)
         self._judge(result, withheld)
+        # one host read for the whole recomputation: its mean loss, its energy and the gate's verdict
+        device = self.gate.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        mean_loss = torch.stack(losses).mean().to(device, torch.float64) if losses else zero
+        energy = result.energy_t if result.energy_t is not None else zero
+        withheld_any = result.withheld_t.double() if result.withheld_t is not None else zero
+        loss, result.energy, withheld_flag = torch.stack([mean_loss, energy, withheld_any]).tolist()
+        result.healthy = withheld_flag == 0.0
+        if losses:
+            result.loss, result.loss_count = loss, len(losses)
         return result
 
     @torch.no_grad()
@@ -399,9 +444,11 @@ class SDCRecompute:
                     self._observe(result, index, torch.linalg.vector_norm(grad, dtype=torch.float64).square())
 
     def _observe(self, result: Recomputed, slot: int, norm_sq: torch.Tensor) -> None:
-        value = float(norm_sq)
-        result.energy += value
-        result.healthy = result.healthy and not self.gate.would_withhold(slot, value)
+        """Count one withheld observation's squared norm and the gate's verdict on it, on the device (no sync)."""
+        norm_sq = norm_sq.to(self.gate.device, torch.float64)
+        flag = self.gate.would_withhold_t(slot, norm_sq)
+        result.energy_t = norm_sq if result.energy_t is None else result.energy_t + norm_sq
+        result.withheld_t = flag if result.withheld_t is None else result.withheld_t | flag
 
     def _judge(self, result: Recomputed, withheld: dict[int, int]) -> None:
         if self.target.per_micro_batch:
@@ -464,28 +511,52 @@ class SDCRecompute:
 
     def _correct(self, shares: dict[int, torch.Tensor], *, replace: bool) -> None:
         """Collective: for each of the framework's reductions, all-reduce every rank's shares (zeros elsewhere)
-        over its group and scale them like the reduction, then hand them to the target (every rank)."""
+        over its group and scale them like the reduction, then hand them to the target (every rank).
+
+        Memory stays bounded: an addition (``replace`` False) reduces only the parameters some rank has a share of
+        (the withheld slots', agreed by one small all-reduce of flags over the correction's group; every parameter
+        for a target with ``dense_corrections``), and the reduction runs through a staging
+        buffer of at most :data:`CHUNK_ELEMENTS` numbers, its results written back into the shares' own fp32
+        memory where they have it -- never a flat fp32 copy of the whole model."""
         params = self.target.params
         reduced: list[torch.Tensor | None] = [None] * len(params)
         for correction in self.target.correction_groups():
+            communicate = dist.is_initialized() and dist.get_world_size(correction.group) > 1  # None: default group
             indices = list(correction.indices)
-            if not indices:
-                continue
-            sizes = [params[i].numel() for i in indices]
-            device = params[indices[0]].device
-            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-            pieces = list(flat.split(sizes))
-            for piece, index in zip(pieces, indices, strict=True):
-                share = shares.get(index)
-                if share is not None:
-                    piece.copy_(share.reshape(-1))
-            if dist.is_initialized() and dist.get_world_size(correction.group) > 1:  # None: the default group
-                dist.all_reduce(flat, group=correction.group)
-            flat.mul_(correction.scale)
-            for piece, index in zip(pieces, indices, strict=True):
-                reduced[index] = piece.view_as(params[index])
+            if not replace and indices and not getattr(self.target, "dense_corrections", False):
+                indices = self._shared_indices(indices, shares, correction.group, communicate)
+            for chunk in _chunks(indices, [params[i].numel() for i in indices], CHUNK_ELEMENTS):
+                sizes = [params[i].numel() for i in chunk]
+                flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[chunk[0]].device)
+                pieces = list(flat.split(sizes))
+                for piece, index in zip(pieces, chunk, strict=True):
+                    share = shares.get(index)
+                    if share is not None:
+                        piece.copy_(share.reshape(-1))
+                if communicate:
+                    dist.all_reduce(flat, group=correction.group)
+                flat.mul_(correction.scale)
+                for piece, index in zip(pieces, chunk, strict=True):
+                    share = shares.get(index)
+                    own = share is not None and share.dtype == torch.float32 and share.is_contiguous() and \
+                        share.device == piece.device
+                    out = share if own else torch.empty(params[index].shape, dtype=torch.float32, device=piece.device)
+                    out.view(-1).copy_(piece)  # type: ignore[union-attr]
+                    reduced[index] = out.view_as(params[index])  # type: ignore[union-attr]
         # Every rank applies every entry (zeros where nobody had a share): the same call on every rank.
         self.target.apply(reduced, replace)
+
+    def _shared_indices(self, indices: list[int], shares: dict[int, torch.Tensor], group: Any, communicate: bool
+                        ) -> list[int]:
+        """Those of a correction's ``indices`` that some rank of its reduction ``group`` (whose ranks hold the same
+        parameters) has a share of: one MAX all-reduce of a flag per parameter over the group (``communicate``
+        False: this rank alone)."""
+        # on the parameters' device, where the correction's own all-reduce runs over the same group
+        flags = torch.tensor([float(index in shares) for index in indices], dtype=torch.float32,
+                             device=self.target.params[indices[0]].device)
+        if communicate:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return [index for index, flag in zip(indices, flags.tolist(), strict=True) if flag > 0]
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.engine.pipeline.num_ranks > 1:

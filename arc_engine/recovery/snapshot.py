@@ -6,6 +6,12 @@ gives them: parameters or their local shards, buffers, optimizer state), the bac
 picklable state the caller adds (data position, arc_engine's detector state). Restoring copies every tensor back
 *in place*, so every alias a framework keeps (DDP buckets, ZeRO flat buffers, FSDP2 shards) sees the old values,
 and the continuation retraces the original run bit for bit.
+
+Replicated state is kept once per replica group, not once per rank: a state that says which of its tensors are
+identical on every rank of a process group (``replicated()``: DDP's parameters and optimizer state, ZeRO-1/2's
+bit16 parameters) has each rank copy only its share of each such tensor (an even cut of its elements); a restore
+puts the shares back together with all-gathers over that group, through a staging buffer of bounded size
+(:func:`restore` is then collective over the group -- restores are agreed, every rank makes them together).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from arc_engine.recovery.staging import DTensor, with_local
 from arc_engine.recovery.state import TrainState
@@ -94,6 +101,60 @@ class Snapshot:
             event.synchronize()
 
 
+# torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: the largest staging buffer a restore of replicated state all-gathers into, in elements
+RESTORE_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Replication:
+    """Which live tensors are identical on every rank of ``group`` (``size`` ranks, this one ``rank`` among them):
+    each rank snapshots only its share of them."""
+
+    group: Any
+    indices: frozenset[int]
+    rank: int
+    size: int
+
+
+def replication(state: TrainState, live: list[torch.Tensor]) -> Replication | None:
+    """The state's replicated tensors (its optional ``replicated() -> (group, indices) | None``), contiguous ones
+    only; None when it has none or the group has one rank."""
+    declared = getattr(state, "replicated", None)
+    spec = declared() if declared is not None else None
+    if spec is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group, indices = spec
+    size = dist.get_world_size(group)
+    chosen = frozenset(i for i in indices if 0 <= i < len(live) and live[i].is_contiguous() and live[i].numel())
+    if size <= 1 or not chosen:
+        return None
+    return Replication(group, chosen, dist.get_rank(group), size)
+
+
+def share_bounds(numel: int, size: int, rank: int) -> tuple[int, int, int]:
+    """(start, stop, padded length) of rank ``rank``'s share of ``numel`` elements cut evenly over ``size`` ranks:
+    every share is ``ceil(numel / size)`` long but the last ones, which may be shorter or empty. Pure."""
+    padded = -(-numel // size)
+    start = min(rank * padded, numel)
+    return start, min(start + padded, numel), padded
+
+
+def snapshot_sources(live: list[torch.Tensor], rep: Replication | None) -> list[torch.Tensor]:
+    """What a snapshot copies of each live tensor: the tensor, or this rank's share of a replicated one (a view)."""
+    if rep is None:
+        return live
+    sources = []
+    for index, tensor in enumerate(live):
+        if index in rep.indices:
+            start, stop, _ = share_bounds(tensor.numel(), rep.size, rep.rank)
+            tensor = tensor.reshape(-1)[start:stop]
+        sources.append(tensor)
+    return sources
+
+
 def host_buffers(live: list[torch.Tensor]) -> list[torch.Tensor]:
     """Host tensors shaped like ``live`` to capture into: pinned when the state is on a CUDA device (so the copies
     run at full bandwidth), pageable otherwise."""
@@ -102,8 +163,10 @@ def host_buffers(live: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def state_bytes(state: TrainState) -> int:
-    """Bytes a snapshot of ``state``'s tensors holds (nothing is copied)."""
-    return sum(t.numel() * t.element_size() for t in state.live_tensors())
+    """Bytes a snapshot of ``state``'s tensors holds on this rank (its shares of replicated tensors; nothing is
+    copied)."""
+    live = state.live_tensors()
+    return sum(t.numel() * t.element_size() for t in snapshot_sources(live, replication(state, live)))
 
 
 @torch.no_grad()
@@ -121,7 +184,8 @@ def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
     copies: list[torch.Tensor] = []
     copied = None
     if tensors:
-        live = state.live_tensors()
+        whole = state.live_tensors()
+        live = snapshot_sources(whole, replication(state, whole))
         copies = into if into is not None and _signature(into) == _signature(live) else host_buffers(live)
         if any(t.is_cuda for t in live):
             copied = _copy_from_cuda(copies, live, _forward_written(state, len(live)))
@@ -178,20 +242,62 @@ def restore(snapshot: Snapshot, state: TrainState) -> dict[str, Any]:
     """Put ``snapshot`` back in place: every state tensor, the framework state, the RNG. Returns a copy of its
     ``extra``; the snapshot itself stays intact. Local, but for ``state.load_extra_state`` (collective for some
     backends: call on every rank together). Raises RuntimeError when the live state no longer has the
-    snapshot's structure (e.g. the optimizer re-created its state tensors with other shapes)."""
+    snapshot's structure (e.g. the optimizer re-created its state tensors with other shapes). With replicated
+    tensors (see the module docstring) it is collective over their group."""
     if not snapshot.has_tensors:
         raise RuntimeError(f"arc_engine: the snapshot of step {snapshot.step} holds no tensors (taken for a disk "
                            "save only) and cannot be restored")
     snapshot.wait()
     live = state.live_tensors()
-    if _signature(live) != _signature(snapshot.tensors):
+    rep = replication(state, live)
+    if _signature(snapshot_sources(live, rep)) != _signature(snapshot.tensors):
         raise RuntimeError(f"arc_engine: cannot restore the snapshot of step {snapshot.step}: the live training "
                            f"state has {len(live)} tensors, the snapshot {len(snapshot.tensors)} (or shapes differ)")
-    for target, saved in zip(live, snapshot.tensors, strict=True):
-        target.copy_(saved, non_blocking=False)
+    for index, (target, saved) in enumerate(zip(live, snapshot.tensors, strict=True)):
+        if rep is None or index not in rep.indices:
+            target.copy_(saved, non_blocking=False)
+    if rep is not None:
+        _restore_replicated(live, snapshot.tensors, rep)
     state.load_extra_state(copy.deepcopy(snapshot.framework))
     set_rng_state(snapshot.rng)
     return copy.deepcopy(snapshot.extra)
+
+
+def _restore_replicated(live: list[torch.Tensor], shares: list[torch.Tensor], rep: Replication) -> None:
+    """Each replicated live tensor from every rank's share: per (device, dtype), runs of tensors whose padded shares
+    fit :data:`RESTORE_CHUNK_ELEMENTS` over the group, one all-gather each. Collective over ``rep.group``; every
+    rank walks the same tensors in the same order."""
+    runs: list[list[int]] = []
+    open_runs: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}  # (run, its padded length)
+    per_rank_limit = max(1, RESTORE_CHUNK_ELEMENTS // rep.size)
+    for index in sorted(rep.indices):
+        tensor = live[index]
+        padded = share_bounds(tensor.numel(), rep.size, rep.rank)[2]
+        run, length = open_runs.get((tensor.device, tensor.dtype), (None, 0))
+        if run is None or length + padded > per_rank_limit:
+            run, length = [], 0
+            runs.append(run)
+        run.append(index)
+        open_runs[(tensor.device, tensor.dtype)] = (run, length + padded)
+    on_device = "nccl" in str(dist.get_backend(rep.group))  # else (gloo) the all-gather runs on host tensors
+    for run in runs:
+        first = live[run[0]]
+        device = first.device if on_device else torch.device("cpu")
+        padded = [share_bounds(live[i].numel(), rep.size, rep.rank)[2] for i in run]
+        mine = torch.zeros(sum(padded), dtype=first.dtype, device=device)
+        offset = 0
+        for index, length in zip(run, padded, strict=True):
+            share = shares[index]
+            mine[offset:offset + share.numel()].copy_(share)
+            offset += length
+        gathered = torch.empty(rep.size * mine.numel(), dtype=first.dtype, device=device)
+        _all_gather_flat(gathered, mine, group=rep.group)
+        rows = gathered.view(rep.size, -1)
+        offset = 0
+        for index, length in zip(run, padded, strict=True):
+            target = live[index]
+            target.view(-1).copy_(rows[:, offset:offset + length].reshape(-1)[:target.numel()])
+            offset += length
 
 
 def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:

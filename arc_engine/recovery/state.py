@@ -105,14 +105,20 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def add_relative_noise(tensors: list[torch.Tensor], scale: float, seed: int) -> None:
-    """``t += scale * rms(t) * N(0, 1)`` for each tensor, noise drawn on the CPU from ``seed`` (device-independent,
-    so replicas on any device get the same numbers)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """``t += scale * rms(t) * N(0, 1)`` for each tensor: the noise drawn on the tensor's own device from a generator
+    seeded with ``seed`` (one per device, tensors in order), the RMS kept on the device -- no host sync, no
+    host-to-device copy. Replicas calling it with the same seed on the same kind of device (a job's GPUs are one
+    model) get the same numbers."""
+    generators: dict[torch.device, torch.Generator] = {}
     for tensor in tensors:
-        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        generator = generators.get(tensor.device)
+        if generator is None:
+            generator = generators[tensor.device] = torch.Generator(device=tensor.device).manual_seed(seed)
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32, device=tensor.device)
         rms = tensor.detach().float().pow(2).mean().sqrt()
-        tensor.add_((noise.to(tensor.device) * (scale * rms)).to(tensor.dtype))
+        tensor.add_((noise * (scale * rms)).to(tensor.dtype))
 
 
 class TorchTrainState:
@@ -126,12 +132,15 @@ class TorchTrainState:
     reshardable = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any | None = None, *, rank: int = 0, grad_scaler: Any | None = None) -> None:
+                 lr_scheduler: Any | None = None, *, rank: int = 0, grad_scaler: Any | None = None,
+                 replicated: bool = False, replica_group: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.rank = rank
         self.grad_scaler = grad_scaler  # a torch.amp GradScaler: its scale and growth tracker roll back too
+        #: DDP: parameters and optimizer state are identical on every rank of ``replica_group`` (None: the default)
+        self._replicated, self._replica_group = replicated, replica_group
 
     def live_tensors(self) -> list[torch.Tensor]:
         tensors = [local_tensor(p) for p in self.model.parameters()]
@@ -141,6 +150,16 @@ class TorchTrainState:
                 state = self.optimizer.state.get(param, {})
                 tensors += [local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
         return [t.detach() for t in tensors]
+
+    def replicated(self) -> tuple[Any, list[int]] | None:
+        """Under DDP: (the data-parallel group, the indices in :meth:`live_tensors` of the parameters and the
+        optimizer state), identical on its ranks, so a snapshot keeps one copy per group. None otherwise."""
+        if not self._replicated:
+            return None
+        params = sum(1 for _ in self.model.parameters())
+        buffers = sum(1 for _ in self.model.buffers())
+        total = len(self.live_tensors())
+        return self._replica_group, [*range(params), *range(params + buffers, total)]
 
     def forward_written(self) -> range:
         """Indices in :meth:`live_tensors` of what a forward pass may write: the module buffers."""
