@@ -5,7 +5,8 @@
 #
 # It installs gpu_wheels/ into a scratch folder with pip --target (nothing of that machine's Python changes; no
 # registry is needed), records the machine (nvidia-smi, torch, CUDA, the framework releases) and runs the CUDA tests
-# (pytest -m cuda: arc_engine's own CUDA paths, then the trainer callbacks where only a GPU runs them), then the
+# (pytest -m cuda: arc_engine's own CUDA paths, the trainer callbacks where only a GPU runs them, DeepSpeed and
+# megatron-core on CUDA), then the
 # overhead benchmark (scripts/bench_gpu_overhead.py: a ~1B-parameter GPT in bf16, with and without arc_engine in one
 # process). Everything it prints also goes under $OUT. Without CUDA (this repository's machine) it runs the same
 # steps: the tests skip and the benchmark makes a small CPU dry run. Exit status: the tests'.
@@ -22,6 +23,21 @@ log "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u
   gpu_wheels/arc_engine-*.whl > "$OUT/install.txt" 2>&1 \
   && "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links gpu_wheels --target "$site" \
   pytest pytest-timeout pyyaml >> "$OUT/install.txt" 2>&1 || { log "install failed (install.txt)"; exit 3; }
+# the frameworks of tests/test_cuda_frameworks.py (their tests skip without them), and each dependency of theirs
+# that this machine's own Python cannot import (module:wheels)
+"$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$site" \
+  gpu_wheels/deepspeed-*.whl gpu_wheels/megatron_core-*.whl >> "$OUT/install.txt" 2>&1 \
+  || log "framework install failed (install.txt): their CUDA tests will skip"
+for pair in hjson:hjson msgpack:msgpack ninja:ninja psutil:psutil cpuinfo:py_cpuinfo einops:einops tqdm:tqdm \
+    "pydantic:pydantic pydantic_core annotated_types typing_inspection typing_extensions"; do
+  module="${pair%%:*}"
+  "$PY" -c "import $module" > /dev/null 2>&1 && continue
+  for wheel in ${pair#*:}; do
+    ls gpu_wheels/"$wheel"-*.whl > /dev/null 2>&1 || continue
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$site" \
+      gpu_wheels/"$wheel"-*.whl >> "$OUT/install.txt" 2>&1 || log "could not install $wheel"
+  done
+done
 export PYTHONPATH="$site:$PWD"
 { nvidia-smi 2>&1 || echo "no nvidia-smi"
   "$PY" - <<'PYEOF'
@@ -40,8 +56,8 @@ for name in ("arc_engine", "transformers", "accelerate", "lightning", "deepspeed
 PYEOF
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout "${CUDA_TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
-  tests/test_cuda_paths.py tests/test_cuda_trainers.py > "$OUT/cuda_tests.txt" 2>&1
+timeout "${CUDA_TESTS_TIMEOUT_S:-330}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="-ra" \
+  tests/test_cuda_paths.py tests/test_cuda_trainers.py tests/test_cuda_frameworks.py > "$OUT/cuda_tests.txt" 2>&1
 status=$?
 tail -n 30 "$OUT/cuda_tests.txt"
 log "cuda tests: exit $status ($(tail -n 1 "$OUT/cuda_tests.txt"))"

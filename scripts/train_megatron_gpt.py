@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--sequence-parallel", action="store_true", help="required by TP > 1 with MoE")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="the DistributedOptimizer's parameter all-gather overlapped with the next forward "
+                            "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
     group.add_argument("--check-for-nan-in-grad", action="store_true",
                        help="megatron DDP raises on a NaN gradient (Megatron-LM's default; off here)")
     group = parser.add_argument_group("model")
@@ -174,6 +177,7 @@ def build_model_and_optimizer(args: argparse.Namespace) -> TrainState:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,  # Megatron-LM accumulates and reduces them in fp32
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=args.check_for_nan_in_grad,
     )

@@ -115,6 +115,41 @@ def test_tp2_dp2_bf16_nan_is_skipped_on_all_ranks_and_clean_training_is_bitwise_
         assert result["skipped"] == 1 and result["detections"] == {"non_finite": 1}, rank
 
 
+# ------------------------------------------------------------------ DP=2, DistributedOptimizer, overlapped gathers
+
+def _overlapped(rank: int, world: int, config_ok: str, config_nan: str) -> dict[str, Any]:
+    flags = [*SMALL, "--use-distributed-optimizer", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"]
+    script, args, state = _build([*flags, "--no-arc"])
+    for step in range(5):
+        script.train_step(state, args, step)
+    reference = _params(state)
+    script, args, state = _build([*flags, "--arc-config", config_ok])
+    for _ in range(5):
+        script.train_step(state, args, state.arc.data_position)
+    with_arc = _params(state)
+    overlapping = state.model[0].ddp_config.overlap_param_gather
+    state.arc.close()
+    script, args, state = _build([*flags, "--arc-config", config_nan])
+    updates = [script.train_step(state, args, state.arc.data_position)[1] for _ in range(5)]
+    summary = state.arc.summary()
+    state.arc.close()
+    return {"identical": torch.equal(reference, with_arc), "overlapping": overlapping, "updates": updates,
+            "finite": bool(torch.isfinite(_params(state)).all()), "skipped": summary["skipped_steps"]}
+
+
+@pytest.mark.timeout(400)
+def test_overlapped_param_gather_is_bitwise_unchanged_and_a_nan_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """DP=2, bf16, the DistributedOptimizer with overlapped gradient reduction and parameter all-gather (the
+    gathers run in the next forward's pre-hooks): no fault, the parameters are bitwise those of the run without
+    arc_engine; a NaN loss on rank 1 at step 2 is skipped by both ranks (the skipped update gathers nothing new)."""
+    ok = _arc_yaml(tmp_path / "ok.yaml", "ok")
+    nan = _arc_yaml(tmp_path / "nan.yaml", "nan", injections=[{"kind": "nan_loss", "rank": 1, "step": 2}])
+    for result in run_ranks(_overlapped, 2, ok, nan, timeout_s=380):
+        assert result["overlapping"] and result["identical"], result
+        assert result["updates"] == [True, True, False, True, True] and result["finite"], result
+        assert result["skipped"] == 1, result
+
+
 # ------------------------------------------------------------------ a release past the tested range
 
 def _untested_release(rank: int, world: int, config: str) -> dict[str, Any]:
