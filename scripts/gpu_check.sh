@@ -29,6 +29,7 @@ log "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u
   gpu_wheels/deepspeed-*.whl gpu_wheels/megatron_core-*.whl >> "$OUT/install.txt" 2>&1 \
   || log "framework install failed (install.txt): their CUDA tests will skip"
 for pair in hjson:hjson msgpack:msgpack ninja:ninja psutil:psutil cpuinfo:py_cpuinfo einops:einops tqdm:tqdm \
+    pynvml:nvidia_ml_py \
     "pydantic:pydantic pydantic_core annotated_types typing_inspection typing_extensions"; do
   module="${pair%%:*}"
   "$PY" -c "import $module" > /dev/null 2>&1 && continue

@@ -22,7 +22,7 @@ quiet "$py" -m pip download -q --disable-pip-version-check -d "$dest" --only-bin
 quiet "$py" -m pip download -q --disable-pip-version-check -d "$dest" --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --abi cp312 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  "megatron-core==${MEGATRON_CORE_VERSION:-0.19.2}" einops hjson msgpack ninja psutil py-cpuinfo tqdm
+  "megatron-core==${MEGATRON_CORE_VERSION:-0.19.2}" einops hjson msgpack ninja psutil py-cpuinfo tqdm nvidia-ml-py
 # pydantic with the pydantic-core its release pins (pure dependencies, no torch)
 quiet "$py" -m pip download -q --disable-pip-version-check -d "$dest" --only-binary=:all: --python-version 3.12 \
   --implementation cp --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \

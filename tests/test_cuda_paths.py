@@ -121,3 +121,82 @@ def test_two_ranks_on_one_gpu_over_gloo_skip_roll_back_and_take_cuda_losses(tmp_
     for result in results:
         assert result["cpu_device"] == "cpu" and result["cpu_monitored"] == [0, 1, 2], result
         assert result["rollbacks"] and result["rollback_finite"], result
+
+
+# ------------------------------------------------------------------ one process, no process group
+
+
+def test_snapshot_copies_are_ordered_before_the_update_that_follows_at_once() -> None:
+    """A snapshot's device-to-host copies run on a side stream; the optimizer's update is queued right after
+    (``Snapshot.fence``: a device-side wait, no host sync). Large tensors make the copies long, so an update that
+    did not wait for them would land in the host copies: the copies must equal the state before the update, bit for
+    bit, and no CUDA synchronisation is made by the capture."""
+    from arc_engine.recovery.snapshot import capture
+    from arc_engine.recovery.state import TorchTrainState
+    from arc_engine.testing.host_syncs import CudaSyncCounter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(4))).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs = torch.randn(256, 4096, device="cuda")
+
+    def step() -> None:
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # optimizer state exists
+    state = TorchTrainState(model, optimizer)
+    before = [t.clone() for t in state.live_tensors()]  # on the current stream, ordered before the capture
+    counter = CudaSyncCounter()
+    with counter:
+        counter.begin(0)
+        snapshot = capture(1, state)
+        snapshot.fence()
+        step()  # writes every parameter and moment right away
+    assert snapshot.copied, "a CUDA snapshot records its copies' events"
+    assert not counter.by_step.get(0), counter.by_step
+    snapshot.wait()
+    for saved, reference in zip(snapshot.tensors, before, strict=True):
+        assert torch.equal(saved, reference.cpu())
+    assert not all(torch.equal(live, ref) for live, ref in zip(state.live_tensors(), before, strict=True))
+
+
+def test_the_section_clock_times_with_cuda_events_read_without_a_sync() -> None:
+    """The forward section and the iteration measured by CUDA events, read a step late once complete (NaN
+    before): no synchronisation by arc_engine, and the times those of the GPU's work (a second of matrix
+    products is not a microsecond)."""
+    from arc_engine.stats.timing import SectionClock
+    from arc_engine.testing.host_syncs import CudaSyncCounter
+
+    clock = SectionClock(torch.device("cuda", 0))
+    a = torch.randn(4096, 4096, device="cuda")
+    counter = CudaSyncCounter()
+    with counter:
+        counter.begin(0)
+        for _ in range(2):
+            clock.start()
+            for _ in range(20):
+                a = (a @ a).tanh()
+            clock.loss()
+            for _ in range(20):
+                a = (a @ a).tanh()
+        clock.start()
+        unread = clock.times()
+    assert not counter.by_step.get(0), counter.by_step
+    torch.cuda.synchronize()  # the test's own: the events are complete
+    forward, iteration = clock.times()
+    assert 0.0 < forward < iteration, (forward, iteration)
+    assert all(t != t or t > 0 for t in unread)  # NaN (not complete yet) or a real time, never a sync
+
+
+def test_nvml_polls_this_gpu_and_counts_nothing_on_a_healthy_one() -> None:
+    """The R-Metric's hardware events: NVML finds the GPU by its PCI address and a poll of a healthy GPU counts
+    no event (skipped without nvidia-ml-py)."""
+    pytest.importorskip("pynvml")
+    from arc_engine.monitors.hardware_events import HardwareEvents
+
+    events = HardwareEvents(torch.device("cuda", 0), True)
+    assert events.active
+    assert events.poll() == 0 and events.poll() == 0
+    assert events.active  # no NVML error turned it off
