@@ -67,6 +67,9 @@ class FSDPGradStats:
         self.engine, self.pre_reduce, self.active = engine, pre_reduce, True
         self.params = list(params)
         self._reduced_seen: set[int] = set()  # this step's parameters whose reduced-gradient hook ran
+        #: CUDA streams the gradient hooks ran on this step (FSDP2 calls the reduced-gradient hooks on its
+        #: post-reduce stream): the optimizer pre-hook orders its reads after their work
+        self._hook_streams: dict[int, Any] = {}
         self._local_seen: set[int] = set()
         self.missed_hooks_reported = False
         self.scaler = scaler  # the (Sharded)GradScaler whose scale the backward's gradients carry
@@ -117,6 +120,7 @@ class FSDPGradStats:
         if not self.monitored():
             return
         self._local_seen.add(i)
+        self._note_stream(param.grad)
         norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.local_cur_norm_p.device)
         current = self._cur_grad.get(i)
         new = current is None or current() is not param.grad
@@ -141,8 +145,25 @@ class FSDPGradStats:
             return
         i = self.position[id(param)]
         self._reduced_seen.add(i)
+        self._note_stream(param.grad)
         self.reduced_norm_p[i] = torch.linalg.vector_norm(param.grad.to_local(), dtype=torch.float32).to(
             self.reduced_norm_p.device)
+
+    def _note_stream(self, grad: torch.Tensor) -> None:
+        """Remember the CUDA stream this hook's kernels go to (a no-op on CPU)."""
+        if grad.is_cuda:
+            stream = torch.cuda.current_stream(grad.device)
+            self._hook_streams.setdefault(stream.cuda_stream, stream)
+
+    def _wait_for_hooks(self) -> None:
+        """Make the current stream wait for the work the hooks queued on other streams (device-side, no host
+        sync): the norms are complete before they are read, whether or not the framework waited at the end of its
+        backward."""
+        for stream in self._hook_streams.values():
+            current = torch.cuda.current_stream(stream.device)
+            if stream.cuda_stream != current.cuda_stream:
+                current.wait_stream(stream)
+        self._hook_streams.clear()
 
     @torch.no_grad()
     def flush(self, *unused: object) -> None:
@@ -150,6 +171,7 @@ class FSDPGradStats:
         buffer, then reset them."""
         if not self.monitored():
             return
+        self._wait_for_hooks()
         missed = self._read_missed_gradients()
         unseen = [i for i in missed if i not in self._local_seen]
         if self.pre_reduce:

@@ -48,7 +48,7 @@ def _train(rank: int, wrap: str, config: Any, steps: int, counter: Any = None) -
         fully_shard(model)
         optimizer = make_optimizer(model)
         arc = attach_fsdp(model, optimizer, config) if config is not None else None
-    monitored, actions = [], []
+    monitored, actions, grad_errors = [], [], []
     for step in range(steps):
         if counter is not None:
             counter.begin(step)
@@ -58,15 +58,21 @@ def _train(rank: int, wrap: str, config: Any, steps: int, counter: Any = None) -
             loss = arc.faults.on_loss(loss)
             arc.record_loss(loss)
         loss.backward()
+        # the reduced gradient's squared norm as the optimizer will see it (FSDP2: its hooks ran on the
+        # post-reduce stream; the agreed value must be complete, not a stale or partial read)
+        grad_sq = sum(float((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).double().square().sum())
+                      for p in model.parameters() if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if arc is not None and arc.engine.last_decision is not None and arc.engine.last_decision.step == step:
             monitored.append(step)
             actions.append(arc.engine.last_decision.action.name)
+            agreed = float(arc.engine.last_stats.total("grad_sq").sum())
+            grad_errors.append(abs(agreed - grad_sq) / grad_sq if grad_sq else agreed)
     torch.cuda.synchronize()
     params = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().flatten().cpu()
                         for p in model.parameters()])
-    out = {"params": params, "monitored": monitored, "actions": actions}
+    out = {"params": params, "monitored": monitored, "actions": actions, "grad_errors": grad_errors}
     if arc is not None:
         out["stats_device"] = str(arc.engine.pipeline.device)
         out["rollbacks"] = arc.rollbacks
@@ -85,7 +91,8 @@ def _nccl_one_rank(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
             watched = _train(rank, wrap, make_config(run_dir / wrap, "stats.interval=2"), STEPS, counter)
         syncs = {step: counter.by_step.get(step, []) for step in range(STEPS)}
         out[wrap] = {"identical": torch.equal(plain["params"], watched["params"]),
-                     "monitored": watched["monitored"], "stats_device": watched["stats_device"], "syncs": syncs}
+                     "monitored": watched["monitored"], "stats_device": watched["stats_device"], "syncs": syncs,
+                     "grad_errors": watched["grad_errors"]}
     return out
 
 
@@ -94,6 +101,8 @@ def test_nccl_ddp_and_fsdp2_bitwise_unchanged_one_sync_per_monitored_step(tmp_pa
     for wrap, run in result.items():
         assert run["identical"], wrap
         assert run["stats_device"] == "cuda:0", run
+        # the agreed reduced-gradient norm is the one the optimizer saw (single precision per parameter)
+        assert run["grad_errors"] and max(run["grad_errors"]) < 1e-5, (wrap, run["grad_errors"])
         for step, sites in run["syncs"].items():
             others = [site for site in sites if not (site.startswith(AGREE) and "(agree)" in site)]
             expected = 1 if step in run["monitored"] else 0

@@ -317,13 +317,20 @@ def _train_zero2(rank: int, world: int, run_dir: Path, steps: int, spec: dict[st
     if spec is not None:
         injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.iteration)
         injector.install(engine.module)
-    findings, snapshots = {}, {}
+    from arc_engine.testing.host_syncs import HostSyncCounter
+
+    findings, snapshots, reads = {}, {}, []
     while arc.step < steps:
         step = arc.step
-        loss = engine(*data.batch(arc.data_position, rank, BATCH))
-        arc.record_loss(loss)
-        engine.backward(loss)
-        engine.step()
+        counter = HostSyncCounter()
+        with counter:  # the host reads arc_engine makes in this step (the recomputation's, on the fault step)
+            counter.begin(step)
+            loss = engine(*data.batch(arc.data_position, rank, BATCH))
+            arc.record_loss(loss)
+            engine.backward(loss)
+            engine.step()
+        if spec is not None and step == spec["steps"][0]:
+            reads = [site for site in counter.by_step.get(step, []) if "recompute.py" in site]
         snapshots[step] = torch.cat([p.detach().flatten() for p in engine.module.parameters()]).clone()
         decision = arc.engine.last_decision
         if decision is not None and decision.step == step and decision.findings:
@@ -334,7 +341,7 @@ def _train_zero2(rank: int, world: int, run_dir: Path, steps: int, spec: dict[st
     key_bias = slice(model.blocks[0].attn.qkv.bias.numel() // 3, 2 * model.blocks[0].attn.qkv.bias.numel() // 3)
     return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "snapshots": snapshots,
             "key_bias": key_bias, "eval_loss": float(model(*data.batch(10_000, 0, 16)).detach()),
-            "calls": arc.engine.sdc_recompute.calls, "findings": findings,
+            "calls": arc.engine.sdc_recompute.calls, "findings": findings, "recompute_reads": reads,
             "fired": [f["step"] for f in injector.fired] if injector else []}
 
 
@@ -351,6 +358,11 @@ def test_transient_flip_under_zero2_is_recomputed_on_the_suspect_only(tmp_path: 
     assert all(r["calls"] == 0 and r["findings"] == {} for r in clean)
     for clean_rank, faulty_rank in zip(clean, faulty, strict=True):
         assert_matches_clean(clean_rank, faulty_rank, 30)
+    # the recomputation judges every (parameter, micro-batch) on the device: a fixed handful of host reads per
+    # recomputation (its summary, the verdicts, the correction's flags), none per parameter
+    for result in faulty:
+        assert len(result["recompute_reads"]) <= 4, result["recompute_reads"]
+        assert not [s for s in result["recompute_reads"] if "(_observe)" in s or "(apply)" in s or "(_judge)" in s]
 
 
 def test_update_rms_jump_with_nothing_withheld_recomputes_every_rank_once(tmp_path: Path) -> None:

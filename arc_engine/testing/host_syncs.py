@@ -28,6 +28,21 @@ from torch.overrides import TorchFunctionMode
 import arc_engine
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(arc_engine.__file__))
+
+
+def _integrations_dir() -> str:
+    """Where ``arc_engine.integrations`` lives: inside the package when installed, the repository's top-level
+    ``integrations/`` in a development checkout (the adapters' code is arc_engine's code either way)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("arc_engine.integrations")
+    if spec is None or not spec.submodule_search_locations:
+        return os.path.join(_PACKAGE_DIR, "integrations")
+    return os.path.abspath(list(spec.submodule_search_locations)[0])
+
+
+#: the folders whose code is arc_engine's
+_COUNTED = tuple(dict.fromkeys((_PACKAGE_DIR + os.sep, _integrations_dir() + os.sep)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: arc_engine folders whose code is not part of a training step (tests' helpers, the demo's own model and loop)
 _NOT_COUNTED = tuple(os.path.join(_PACKAGE_DIR, sub) + os.sep for sub in ("testing", "demo"))
@@ -73,7 +88,7 @@ def _arc_caller(frame: Any = None) -> str | None:
         if path.startswith(_TORCH_DIR + os.sep) or path == __file__ or path == os.path.abspath(warnings.__file__):
             frame = frame.f_back
             continue
-        if not path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_NOT_COUNTED):
+        if not path.startswith(_COUNTED) or path.startswith(_NOT_COUNTED):
             return None
         relative = os.path.relpath(path, os.path.dirname(_PACKAGE_DIR))
         if (relative, frame.f_code.co_name) in _HOST_RESIDENT_READS:
