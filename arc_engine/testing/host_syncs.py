@@ -38,7 +38,7 @@ def _integrations_dir() -> str:
     spec = importlib.util.find_spec("arc_engine.integrations")
     if spec is None or not spec.submodule_search_locations:
         return os.path.join(_PACKAGE_DIR, "integrations")
-    return os.path.abspath(list(spec.submodule_search_locations)[0])
+    return os.path.abspath(next(iter(spec.submodule_search_locations)))
 
 
 #: the folders whose code is arc_engine's
