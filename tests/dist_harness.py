@@ -62,6 +62,20 @@ def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s
     return procs, queue
 
 
+def _reap(procs: list[Any], grace_s: float) -> None:
+    """Join the ranks for at most ``grace_s`` in all, then kill whichever is still alive -- also when the wait is
+    interrupted (pytest-timeout raising in the middle of it): a rank left behind would keep pytest from exiting."""
+    deadline = time.monotonic() + grace_s
+    try:
+        for proc in procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
               collective_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return results ordered by rank.
@@ -85,10 +99,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         raise AssertionError(f"ranks did not all report within {timeout_s}s (got {sorted(results)}, "
                              f"errors {sorted(errors)}): {err!r}{reported}") from None
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        _reap(procs, 30.0)
     if errors:
         rank = min(errors)
         others = "".join(f"\nrank {r} also failed: {errors[r].splitlines()[0]}" for r in sorted(errors) if r != rank)
@@ -101,13 +112,12 @@ def run_ranks_to_exit(fn: Callable[..., Any], world: int, *args: Any, timeout_s:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that are expected to die (e.g. SIGKILL
     themselves); return their exit codes by rank (None: still running at ``timeout_s``, then killed)."""
     procs, _ = _start(fn, world, args, collective_timeout_s)
-    deadline = time.monotonic() + timeout_s
     codes: list[int | None] = []
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        codes.append(proc.exitcode)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
+    try:
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            codes.append(proc.exitcode)
+    finally:
+        _reap(procs, 0.0)
     return codes
