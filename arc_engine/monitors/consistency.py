@@ -43,7 +43,15 @@ from arc_engine import runtime
 from arc_engine.config.schema import ConsistencyConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    Producer,
+    StatDecl,
+    StepView,
+    periodic_due,
+    worker_positions,
+)
 from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
@@ -62,8 +70,7 @@ EXTREMES = "consistency_extremes"
 def detail_due(step: int, interval: int, every: int) -> bool:
     """Whether monitored step ``step`` is a detail step (every ``every`` monitored steps, not the first; never when
     ``every`` is 0). Pure."""
-    monitored = step // interval
-    return bool(every) and monitored > 0 and monitored % every == 0
+    return periodic_due(step, interval, every)
 
 
 class ExtremesProducer:

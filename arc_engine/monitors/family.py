@@ -263,6 +263,14 @@ def periodic_family_enabled(ctx: FamilyContext, name: str, described: bool) -> b
     return on
 
 
+def periodic_due(step: int, interval: int, every: int) -> bool:
+    """Whether optimizer step ``step`` (a monitored one, every ``interval`` steps) is one of a periodic family's
+    steps: every ``every`` monitored steps, not the first; never when ``every`` is 0. A function of the step, so every
+    rank agrees (``StatDecl(due=...)``, a branch that makes a follow-up reduction). Pure."""
+    monitored = step // interval
+    return bool(every) and monitored > 0 and monitored % every == 0
+
+
 def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     """``stats.optimizer_stats_every``: whether monitored step ``step`` is one of the periodic optimizer-statistics
     steps (every ``interval x every`` optimizer steps; never when 0)."""
@@ -271,5 +279,5 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
 
 
 __all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "MonitorFamily", "Producer",
-           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_family_enabled", "section_of",
-           "worker_positions"]
+           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_due", "periodic_family_enabled",
+           "section_of", "worker_positions"]

@@ -55,7 +55,7 @@ from arc_engine import runtime
 from arc_engine.config.schema import StragglerConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_due
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
 
@@ -219,8 +219,7 @@ def attribute(named: list[Verdict], members: dict[int, tuple[int, int, int]]
 def report_due(step: int, interval: int, every: int) -> bool:
     """Whether optimizer step ``step`` (a monitored one) closes a report window: every ``every`` monitored steps,
     not the first."""
-    monitored = step // interval
-    return monitored > 0 and monitored % every == 0
+    return periodic_due(step, interval, every)
 
 
 def _median(values: deque[float]) -> float:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.sdc_local import LocalGate
+from arc_engine.recovery.staging import bounded_runs
 from arc_engine.stats import AgreedStats, StatBuffer, names
 from arc_engine.stats.grad_stats import accumulate_grad_stats
 
@@ -185,20 +186,6 @@ class Recomputed:
 
 #: the largest staging buffer of a gradient correction, in fp32 numbers (64 MB): a larger parameter gets its own
 CHUNK_ELEMENTS = 1 << 24
-
-
-def _chunks(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
-    """``indices`` in order, cut into runs whose ``sizes`` add up to at most ``limit`` (a larger one alone).
-    Pure."""
-    chunks: list[list[int]] = []
-    total = limit + 1
-    for index, size in zip(indices, sizes, strict=True):
-        if total + size > limit:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(index)
-        total += size
-    return chunks
 
 
 def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
@@ -525,7 +512,7 @@ class SDCRecompute:
             indices = list(correction.indices)
             if not replace and indices and not getattr(self.target, "dense_corrections", False):
                 indices = self._shared_indices(indices, shares, correction.group, communicate)
-            for chunk in _chunks(indices, [params[i].numel() for i in indices], CHUNK_ELEMENTS):
+            for chunk in bounded_runs(indices, [params[i].numel() for i in indices], CHUNK_ELEMENTS):
                 sizes = [params[i].numel() for i in chunk]
                 flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[chunk[0]].device)
                 pieces = list(flat.split(sizes))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from arc_engine.recovery.staging import DTensor, with_local
+from arc_engine.recovery.staging import DTensor, bounded_runs, with_local
 from arc_engine.recovery.state import TrainState
 
 
@@ -267,18 +267,13 @@ def _restore_replicated(live: list[torch.Tensor], shares: list[torch.Tensor], re
     """Each replicated live tensor from every rank's share: per (device, dtype), runs of tensors whose padded shares
     fit :data:`RESTORE_CHUNK_ELEMENTS` over the group, one all-gather each. Collective over ``rep.group``; every
     rank walks the same tensors in the same order."""
-    runs: list[list[int]] = []
-    open_runs: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}  # (run, its padded length)
-    per_rank_limit = max(1, RESTORE_CHUNK_ELEMENTS // rep.size)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # one staging buffer holds one dtype
     for index in sorted(rep.indices):
-        tensor = live[index]
-        padded = share_bounds(tensor.numel(), rep.size, rep.rank)[2]
-        run, length = open_runs.get((tensor.device, tensor.dtype), (None, 0))
-        if run is None or length + padded > per_rank_limit:
-            run, length = [], 0
-            runs.append(run)
-        run.append(index)
-        open_runs[(tensor.device, tensor.dtype)] = (run, length + padded)
+        by_kind.setdefault((live[index].device, live[index].dtype), []).append(index)
+    per_rank_limit = max(1, RESTORE_CHUNK_ELEMENTS // rep.size)
+    runs = [run for indices in by_kind.values()
+            for run in bounded_runs(indices, [share_bounds(live[i].numel(), rep.size, 0)[2] for i in indices],
+                                    per_rank_limit)]
     on_device = "nccl" in str(dist.get_backend(rep.group))  # else (gloo) the all-gather runs on host tensors
     for run in runs:
         first = live[run[0]]

@@ -20,6 +20,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
+
+def bounded_runs(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``indices`` in order, cut into runs whose ``sizes`` add up to at most ``limit`` (a larger one alone): the
+    tensors that go through one bounded staging buffer together. Pure."""
+    runs: list[list[int]] = []
+    total = limit + 1
+    for index, size in zip(indices, sizes, strict=True):
+        if total + size > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(index)
+        total += size
+    return runs
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch < 2.5
