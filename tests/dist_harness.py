@@ -1,18 +1,25 @@
 """Run a function on N real processes joined by a gloo process group; collect each rank's result.
 
 Every wait is bounded: the process group has a collective timeout, and the parent kills every rank and fails
-the test if the ranks do not all report within ``timeout_s``.
+the test if the ranks do not all report within ``timeout_s``. A rank killed by a signal it did not send itself (a
+native crash inside gloo or the allocator, no Python error to report) is rerun once from clean directories, with a
+warning naming the rank and the signal; a second crash fails the test.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
+import queue as queue_module
+import shutil
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +36,7 @@ def free_port() -> int:
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
            collective_timeout_s: float, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    faulthandler.enable()  # a native crash prints this rank's Python stack to the test's captured stderr
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
@@ -62,18 +70,28 @@ def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s
     return procs, queue
 
 
-def _reap(procs: list[Any], grace_s: float) -> None:
+def _reap(procs: list[Any], grace_s: float) -> set[int]:
     """Join the ranks for at most ``grace_s`` in all, then kill whichever is still alive -- also when the wait is
-    interrupted (pytest-timeout raising in the middle of it): a rank left behind would keep pytest from exiting."""
+    interrupted (pytest-timeout raising in the middle of it): a rank left behind would keep pytest from exiting.
+    Returns the ranks it killed."""
     deadline = time.monotonic() + grace_s
+    killed: set[int] = set()
     try:
         for proc in procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        for proc in procs:
+        for rank, proc in enumerate(procs):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+                killed.add(rank)
+    return killed
+
+
+def _crashed(procs: list[Any], killed: set[int], reported: set[int]) -> dict[int, int]:
+    """The ranks that died of a signal without reporting and without being killed here: ``{rank: signal}``."""
+    return {rank: -proc.exitcode for rank, proc in enumerate(procs)
+            if rank not in killed and rank not in reported and proc.exitcode is not None and proc.exitcode < 0}
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0,
@@ -82,22 +100,53 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     ``backend``: the process group's (``nccl`` in the CUDA tests).
 
     Raises AssertionError naming the rank when any rank raised or the ranks did not finish in time.
-    ``fn`` and ``args`` must be picklable (module-level function).
+    ``fn`` and ``args`` must be picklable (module-level function). A native crash of a rank (see the module's
+    docstring) reruns the whole group once; the directories among ``args`` that the first run created are removed
+    first, so the rerun starts from what the test gave.
     """
+    fresh = [arg for arg in args if isinstance(arg, Path) and not arg.exists()]
+    try:
+        return _run_once(fn, world, args, timeout_s, collective_timeout_s, backend)
+    except _NativeCrash as crash:
+        warnings.warn(f"rerunning {getattr(fn, '__name__', fn)} once: {crash}", stacklevel=2)
+        for path in fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        return _run_once(fn, world, args, timeout_s, collective_timeout_s, backend, rerun=True)
+
+
+class _NativeCrash(AssertionError):
+    """A rank died of a signal it did not raise in Python."""
+
+
+def _run_once(fn: Callable[..., Any], world: int, args: tuple, timeout_s: float, collective_timeout_s: float,
+              backend: str, rerun: bool = False) -> list[Any]:
     procs, queue = _start(fn, world, args, collective_timeout_s, backend)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout_s)
+        while len(results) + len(errors) < world:
+            try:
+                rank, status, payload = queue.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue_module.Empty:
+                silent = [proc for r, proc in enumerate(procs) if r not in results and r not in errors]
+                if time.monotonic() >= deadline:
+                    raise
+                if all(proc.exitcode is not None for proc in silent):  # dead without a word: nothing will come
+                    rank, status, payload = queue.get(timeout=2.0)  # (unless still in the pipe)
+                else:
+                    continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
     except Exception as err:
+        killed = _reap(procs, 30.0)
+        crashed = _crashed(procs, killed, set(results) | set(errors))
         reported = "".join(f"\nrank {r} failed:\n{errors[r]}" for r in sorted(errors))  # what a hung peer hides
-        raise AssertionError(f"ranks did not all report within {timeout_s}s (got {sorted(results)}, "
-                             f"errors {sorted(errors)}): {err!r}{reported}") from None
+        message = (f"ranks did not all report within {timeout_s}s (got {sorted(results)}, errors {sorted(errors)}, "
+                   f"killed after the wait {sorted(killed)}, died of a signal {crashed}): {err!r}{reported}")
+        raise (_NativeCrash if crashed and not rerun else AssertionError)(message) from None
     finally:
         _reap(procs, 30.0)
     if errors:
