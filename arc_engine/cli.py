@@ -1,5 +1,5 @@
 """``arc-engine``: validate a config, print the defaults, run the demo, resend undelivered W&B alerts, run the
-fault-injection campaign, write a run's report.
+fault-injection campaign, write a run's report, export a run's data ledger.
 
 Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts) or a campaign job failed, 2 bad config or usage, 3
 (EXIT_ABORT) the demo was stopped by arc_engine.
@@ -77,6 +77,45 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_ledger(args: argparse.Namespace) -> int:
+    """Print a run's data ledger summary and its bad-data positions in the asked form (``--format``)."""
+    import json
+
+    from arc_engine.data_ledger import (
+        LEDGER_FILE,
+        SKIP_BATCHES_FILE,
+        describe,
+        megatron_iterations,
+        read_ledger,
+        skip_batches,
+    )
+
+    path = args.run_dir / LEDGER_FILE if args.run_dir.is_dir() else args.run_dir
+    if not path.is_file():
+        print(f"arc-engine data-ledger: {path}: no such file", file=sys.stderr)
+        return 2
+    try:
+        entries = read_ledger(path)
+    except (OSError, ValueError) as err:
+        print(f"arc-engine data-ledger: {err}", file=sys.stderr)
+        return 2
+    if args.format == "megatron":
+        iterations = megatron_iterations(entries)
+        print("--iterations-to-skip " + " ".join(map(str, iterations)) if iterations else "")
+    elif args.format == "skip-batches":
+        out = args.out or path.with_name(SKIP_BATCHES_FILE)
+        out.write_text(json.dumps(skip_batches(entries), indent=1) + "\n", encoding="utf-8")
+        print(f"{out}")
+    else:
+        print(f"{path}: {describe(entries)}")
+        for entry in entries:
+            span = str(entry["first"]) if entry["first"] == entry["last"] else f"{entry['first']}..{entry['last']}"
+            ranks = f" ranks {entry['ranks']}" if entry.get("ranks") else ""
+            bad = " bad data" if entry.get("bad_data") else ""
+            print(f"  data {span}  step {entry['step']}  {entry['action']}{bad}{ranks}  {entry.get('reason', '')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     resend.add_argument("--run-id", default=None, help="the arc run id (default: run.run_id, else the file's "
                         "directory name)")
     add_arc_args(resend)
+    ledger = sub.add_parser("data-ledger", help="a run's skipped and suspect data positions (data_ledger.jsonl), "
+                            "or its bad-data batches for Megatron-LM or a skip_batches.json", allow_abbrev=False)
+    ledger.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="an arc_engine run directory (or the file)")
+    ledger.add_argument("--format", choices=("summary", "megatron", "skip-batches"), default="summary",
+                        help="megatron: print --iterations-to-skip ...; skip-batches: write skip_batches.json")
+    ledger.add_argument("--out", type=Path, default=None, help="skip-batches: the file (default: beside the ledger)")
     return parser
 
 
@@ -118,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         return _resend(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "data-ledger":
+        return _data_ledger(args)
     if args.command == "validate-config":
         args.arc_overrides = args.overrides
         return _validate(args)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
+from arc_engine.data_ledger import LEDGER_FILE, DataLedger, read_ledger
 from arc_engine.diagnostics import curvature
 from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.lost_peers import LostPeerWatch
@@ -143,6 +144,7 @@ class ArcEngine:
         self.step = 0            # optimizer steps of the training state (goes back on a rollback)
         self.iteration = 0       # step attempts, monotonic (faults and wall-clock reports use it)
         self.data_position = 0   # index of the next batch to train on, one per optimizer step
+        self.ledger = DataLedger()  # the skipped and suspect data positions (arc_engine.data_ledger)
         self.applied_steps = 0   # steps whose update reached the parameters since the start (rewound on rollback)
         self.unapplied_steps = 0  # steps closed without their update (skips of any origin, a rollback's step)
         self._last_applied = True  # whether the last closed step's update was applied
@@ -197,6 +199,7 @@ class ArcEngine:
                 log.warning("arc_engine: monitor %s disabled: statistics %s are not produced", monitor.name, lacking)
                 self.monitors.remove(monitor)
         self.buffer = self.pipeline.start()
+        self._open_ledger()
         self.reporter.open(self.run_id, self.run_dir, leader=self.rank == self.pipeline.leader,
                            wandb_owner=wandb_owner, locations=self.locations)
         if self.config.watchdog.enabled:
@@ -214,6 +217,22 @@ class ArcEngine:
         self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
                             f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
         return self
+
+    def _open_ledger(self) -> None:
+        """Collective: the group's first rank reads the run directory's data ledger (a relaunch continues it) and
+        shares it; it writes the new entries."""
+        leader = self.rank == self.pipeline.leader
+        path = self.run_dir / LEDGER_FILE
+        entries: list[Any] = [[]]
+        if leader:
+            try:
+                entries[0] = read_ledger(path)
+            except (OSError, ValueError) as err:  # bad input loses nothing: start a new ledger beside it
+                log.warning("arc_engine: the data ledger %s is unreadable (%s): not honoured", path, err)
+        if self.pipeline.num_ranks > 1:
+            dist.broadcast_object_list(entries, group_src=0, group=self.group)
+        self.ledger.merge(entries[0])
+        self.ledger.open(path if leader else None)
 
     def enable_recovery(self, state: TrainState) -> Recovery | None:
         """Attach the ARC rollback loop over ``state`` when ``recovery.enabled`` (after :meth:`start`).
@@ -393,12 +412,14 @@ class ArcEngine:
         if overflow is not None:
             extra.append(overflow)
         findings += extra
+        findings = self._with_data_positions(findings)
         routine = overflow is not None and _loss_finite(stats)
         decision = self.policy.decide(self.step, findings, overflow=routine)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
         decision = _with_exit_code(decision)
         self.last_decision = decision
+        self._ledger(decision)
         self._report(decision)
         self.reporter.metrics(self.step, self.monitors, {"arc/skipped_steps": float(self.policy.skipped_steps),
                                                          "arc/iteration": float(self.iteration)})
@@ -406,6 +427,35 @@ class ArcEngine:
             self.reporter.rank_metrics(self.step, self.iteration, self._rank_reporters)
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
+
+    def _with_data_positions(self, findings: list[Finding]) -> list[Finding]:
+        """``bad_data`` findings with the data position this step consumed; plus, where the data ledger skipped
+        this position for bad data before (a resumed or replaying run), the finding that skips it again."""
+        position = self.data_position
+        out = [dataclasses.replace(f, message=f"{f.message} (data position {position})",
+                                   values={**f.values, "data_position": position}) if f.bad_data else f
+               for f in findings]
+        known = self.ledger.bad(position)
+        if known is not None and not any(f.bad_data for f in out):
+            ranks = tuple(known["ranks"])
+            whose = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
+            out.append(Finding("data_ledger", Action.SKIP, Severity.WARNING,
+                               f"data position {position} was skipped for bad data{whose} at step {known['step']} "
+                               f"(data ledger): skipped again", ranks=ranks, bad_data=True,
+                               values={"data_position": position, "first_step": known["step"]}))
+        return out
+
+    def _ledger(self, decision: Decision) -> None:
+        """Record the step's batch when its update is not applied or a finding blames it (identical on every
+        rank; the group's first rank writes the file)."""
+        blamed = [f for f in decision.findings if f.bad_data]
+        if decision.applies_update and not blamed:
+            return
+        causes = [f for f in decision.findings if f.action >= Action.SKIP] or blamed
+        self.ledger.record(first=self.data_position, step=self.step, iteration=self.iteration,
+                           action=decision.action.name.lower(), bad_data=bool(blamed),
+                           ranks=[r for f in blamed for r in f.ranks], detectors=[f.detector for f in causes],
+                           reason=(blamed or causes)[0].message if (blamed or causes) else "")
 
     def _agree(self) -> AgreedStats:
         """Collective: run the families' producers and let monitors write what only they know of this rank (before
@@ -720,7 +770,7 @@ class ArcEngine:
         return {"iteration": self.iteration, "monitored_steps": self.monitored_steps,
                 "framework_skipped_steps": self.framework_skipped_steps, "policy": self.policy.state_dict(),
                 "unapplied_steps": self.unapplied_steps,
-                "event_counts": dict(self.event_counts)}
+                "event_counts": dict(self.event_counts), "data_ledger": self.ledger.state_dict()}
 
     def load_counters_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
@@ -729,6 +779,7 @@ class ArcEngine:
         self.unapplied_steps = int(state.get("unapplied_steps", 0))
         self.policy.load_state_dict(state["policy"])
         self.reporter.event_counts = Counter(state.get("event_counts", {}))
+        self.ledger.load_state_dict(state.get("data_ledger", {}))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""

@@ -50,6 +50,8 @@ class Finding:
     ``values``: the numbers that tripped the monitor, JSON-serialisable.
     ``by_framework``: a fact rather than a request: the training framework already skipped the step itself (e.g. a
     loss scaler's overflow), so its ``action`` stands even where arc_engine only observes.
+    ``bad_data``: the finding blames the step's input batch (on ``ranks``): the engine adds the data position to its
+    values and to the data ledger, and the policy counts the skips apart (``policy.max_consecutive_data_skips``).
     """
 
     detector: str
@@ -59,6 +61,7 @@ class Finding:
     ranks: tuple[int, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
     by_framework: bool = False
+    bad_data: bool = False
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,21 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                  "on alarms only. One MAX reduction of 2 + 2 x positions numbers on "
                                                  "those steps (the extreme ranks), not a per-rank gather.", ">= 0"),
     "detectors.consistency.action": KeyDoc("What an alarm gets."),
+    "detectors.data.enabled": KeyDoc("Bad data, found and localized: the ranks' losses on one step parting from "
+                                     "each other (the L4 norm of their deviations, from the step's one "
+                                     "all-reduce); names the rank with the highest loss and the data position "
+                                     "([detectors.md](detectors.md#bad-data)). Needs 2 or more ranks; off under "
+                                     "expert parallelism."),
+    "detectors.data.warmup_steps": KeyDoc("Accepted steps before the rule can fire.", ">= 3"),
+    "detectors.data.window": KeyDoc("Accepted values in the baseline.", ">= `warmup_steps`"),
+    "detectors.data.factor": KeyDoc("Robust standard deviations (1.4826 x MAD) above the baseline's median that "
+                                    "a step's deviation must exceed.", "> 0"),
+    "detectors.data.min_ratio": KeyDoc("And this many times the baseline's median (10: silent on the campaign's "
+                                       "clean runs, [results.md](results.md#bad-data)).", ">= 1"),
+    "detectors.data.min_excess": KeyDoc("The highest-loss rank is named when its loss is at least this fraction "
+                                        "above its peers' mean.", ">= 0"),
+    "detectors.data.action": KeyDoc("What a finding gets; its skips count apart "
+                                    "(`policy.max_consecutive_data_skips`)."),
     "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "
                                               "score) and per-layer gradient CV and histogram entropy (ARC paper; "
                                               "[detectors.md](detectors.md#weight-health))."),
@@ -359,6 +374,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.r_metric.action": KeyDoc("What an alert gets."),
     "policy.max_consecutive_skips": KeyDoc("More skipped steps in a row than this escalate: the fault is "
                                            "persistent.", ">= 0"),
+    "policy.max_consecutive_data_skips": KeyDoc("More steps in a row than this skipped for bad data (a "
+                                                "`detectors.data` finding, a data-ledger position) escalate: the bad "
+                                                "data does not end; they do not count towards "
+                                                "`max_consecutive_skips`.", ">= 0"),
     "policy.max_consecutive_overflow_skips": KeyDoc("More steps in a row than this that a dynamic loss scaler "
                                                     "skipped itself (fp16 overflow at a finite loss) escalate; "
                                                     "they do not count towards `max_consecutive_skips`.", ">= 0"),

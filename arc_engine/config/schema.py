@@ -347,6 +347,40 @@ class RMetricConfig:
 
 
 @dataclass(kw_only=True)
+class DataConfig:
+    """Bad data, found and localized: the data-parallel ranks' losses on one step parting from each other.
+
+    Each rank trains on its own batch; a bad shard (corrupted tokens, a broken document, a mis-tokenized file) raises
+    the loss of the rank that reads it and of no other. On every monitored step the spread of the ranks' losses
+    (the L4 norm of their deviations from the mean, from the step's one all-reduce) is compared with its run's own
+    baseline (the median of the last ``window`` accepted values and 1.4826 x their MAD): past ``warmup_steps``
+    accepted steps, a spread above the median by ``factor`` robust standard deviations, by at least ``min_ratio`` times
+    the median and by at least half of ``min_excess`` of the mean loss is a finding with ``action``, on that step (no
+    persistence: the step's update already carries the bad batch's gradient).
+    The finding names the rank with the highest loss (one MAX reduction of a rank key, on alarms only) when its loss
+    is at least ``min_excess`` (a fraction) above the mean of its peers', with the data position (the global batch
+    index) the step consumed; the position goes into the data ledger (``data_ledger.jsonl``), which a resumed run
+    honours and ``arc-engine data-ledger`` exports. Its skips count apart from the other skips
+    (``policy.max_consecutive_data_skips``). Needs two or more ranks recording a loss; off under expert parallelism
+    like ``detectors.consistency``."""
+
+    enabled: bool = True
+    warmup_steps: int = 20
+    window: int = 100
+    factor: float = 6.0
+    min_ratio: float = 10.0
+    min_excess: float = 0.05
+    action: ActionName = "skip"
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_ratio >= 1, "min_ratio", self.min_ratio, "must be >= 1")
+        require(self.min_excess >= 0, "min_excess", self.min_excess, "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class ConsistencyConfig:
     """Cross-worker consistency over the data-parallel ranks (silent-inconsistency paper), on every monitored step:
     the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
@@ -612,6 +646,7 @@ class DetectorsConfig:
     qk_spectra: QKSpectraConfig = field(default_factory=QKSpectraConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     weight_health: WeightHealthConfig = field(default_factory=WeightHealthConfig)
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     conformal: ConformalConfig = field(default_factory=ConformalConfig)
@@ -628,6 +663,9 @@ class PolicyConfig:
     ``max_consecutive_skips``: a run of more than this many skipped steps in a row is no longer transient and
     escalates to ``on_persistent_failure``: ``rollback`` (with ``recovery.enabled``; otherwise it aborts) or
     ``abort``.
+    ``max_consecutive_data_skips``: the same bound for the steps skipped for bad data (a finding that attributes the
+    step to its batch, ``detectors.data``): a bad shard lasts as long as it lasts, and skipping it is the cure, so
+    these count apart; past this many in a row the bad data does not end and the run escalates, saying so.
     ``max_consecutive_overflow_skips``: the same bound for the steps a dynamic loss scaler skips itself (torch.amp
     ``GradScaler``, DeepSpeed and megatron-core fp16) for non-finite gradients at a finite loss: a scaler searching
     its scale skips a few steps in a row, halving the scale each time, so these count apart and escalate only past
@@ -640,12 +678,13 @@ class PolicyConfig:
     """
 
     max_consecutive_skips: int = 5
+    max_consecutive_data_skips: int = 100
     max_consecutive_overflow_skips: int = 32
     on_persistent_failure: Literal["abort", "rollback"] = "rollback"
     mode: Literal["act", "observe"] = "act"
 
     def __post_init__(self) -> None:
-        for key in ("max_consecutive_skips", "max_consecutive_overflow_skips"):
+        for key in ("max_consecutive_skips", "max_consecutive_data_skips", "max_consecutive_overflow_skips"):
             require(getattr(self, key) >= 0, key, getattr(self, key), "must be an integer >= 0")
 
 

@@ -12,6 +12,7 @@ _plugins: list[MonitorFamily] = []
 
 def builtin_families() -> list[MonitorFamily]:
     """The families that ship with arc_engine, in the order their monitors run."""
+    from arc_engine.monitors.bad_data import BadDataFamily
     from arc_engine.monitors.conformal import ConformalFamily
     from arc_engine.monitors.consistency import ConsistencyFamily
     from arc_engine.monitors.dynamics import DynamicsFamily
@@ -27,7 +28,7 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.weight_health import WeightHealthFamily
 
     return [NonFiniteFamily(), LossSpikeFamily(), GradNormFamily(), SDCFamily(), OptimizerStatsFamily(),
-            QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), StragglerFamily(), RMetricFamily(),
+            QKSpectraFamily(), RouterFamily(), ConsistencyFamily(), BadDataFamily(), StragglerFamily(), RMetricFamily(),
             WeightHealthFamily(), DynamicsFamily(), ConformalFamily(), FisherFamily()]
 
 

@@ -25,7 +25,8 @@ import torch
 from arc_engine.monitors.family import StatDecl
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 
-#: [3] SUM over the ranks that recorded a loss: Σ (ℓ_i − c), Σ (ℓ_i − c)², Σ c (c: the previous agreed mean loss).
+#: [5] SUM over the ranks that recorded a loss: Σ (ℓ_i − c), Σ (ℓ_i − c)², Σ c, Σ (ℓ_i − c)³, Σ (ℓ_i − c)⁴ (c: the
+#: previous agreed mean loss; the higher moments give the L4 norm of the deviations, :func:`deviation_l4`).
 LOSS_MOMENTS = "worker_loss_moments"
 #: [positions x 4] SUM over each position's ranks: Σ (‖g_i‖ − c), Σ (‖g_i‖ − c)², the number of ranks, Σ c (‖g_i‖:
 #: the rank's local pre-reduction gradient norm; c: the position's previous agreed mean).
@@ -41,6 +42,19 @@ def dispersion(shifted_sum: float, shifted_sq_sum: float, count: float, shift: f
     return shift + centred, math.sqrt(max(variance, 0.0))
 
 
+def deviation_l4(sums: tuple[float, float, float, float], count: float, shift: float, mean: float) -> float:
+    """(Σ_i (x_i − mean)⁴)^¼, the L4 norm of the deviations from the mean, from the shifted sums Σ (x − shift)^k,
+    k = 1..4, of ``count`` values (NaN when count is 0). One value far from the others dominates it -- about that
+    value's deviation whatever the number of values -- while n values of noise σ give (3n)^¼ σ: a lone outlier
+    stands out of it by n^¼ more than out of the standard deviation. Pure."""
+    if count <= 0:
+        return math.nan
+    s1, s2, s3, s4 = sums
+    d = mean - shift  # Σ (x − mean)⁴ = Σ ((x − shift) − d)⁴, expanded
+    fourth = s4 - 4 * d * s3 + 6 * d * d * s2 - 4 * d ** 3 * s1 + count * d ** 4
+    return math.sqrt(math.sqrt(max(fourth, 0.0)))
+
+
 @dataclass(frozen=True)
 class Spread:
     """One step's agreed spread over the ranks (NaN where no rank contributed); the norms per position."""
@@ -49,6 +63,7 @@ class Spread:
     loss_std: float
     norm_means: np.ndarray
     norm_stds: np.ndarray
+    loss_l4: float = math.nan  # (Σ_i (ℓ_i − mean)⁴)^¼ over the ranks that recorded a loss
 
     @property
     def norm_mean(self) -> float:
@@ -83,7 +98,7 @@ class WorkerMoments:
         self.norm_shift = np.zeros(positions)
 
     def statistics(self) -> list[StatDecl]:
-        return [StatDecl(LOSS_MOMENTS, 3, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 4 * self.positions, Reduce.SUM)]
+        return [StatDecl(LOSS_MOMENTS, 5, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 4 * self.positions, Reduce.SUM)]
 
     @staticmethod
     def required_stats() -> tuple[str, ...]:
@@ -98,6 +113,8 @@ class WorkerMoments:
         moments[0:1].copy_(loss)
         moments[1:2].copy_(loss * loss)
         moments[2:3].copy_(recorded * self.loss_shift)
+        moments[3:4].copy_(loss * loss * loss)
+        moments[4:5].copy_(loss.square().square())
         shift = float(self.norm_shift[self.position])
         norm = buffer.view(names.GRAD_SQ_LOCAL).sum().sqrt() - shift
         grad = buffer.view(GRAD_NORM_MOMENTS)[4 * self.position:4 * self.position + 4]
@@ -112,10 +129,12 @@ class WorkerMoments:
         loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
         loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
         loss_mean, loss_std = dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
+        l4 = deviation_l4((float(loss[0]), float(loss[1]), float(loss[3]), float(loss[4])), loss_ranks, loss_shift,
+                          loss_mean) if math.isfinite(loss_mean) else math.nan
         rows = stats.total(GRAD_NORM_MOMENTS).reshape(-1, 4)
         spreads = [dispersion(float(row[0]), float(row[1]), float(row[2]),
                               float(row[3]) / float(row[2]) if row[2] > 0 else 0.0) for row in rows]
-        return Spread(loss_mean, loss_std, np.array([m for m, _ in spreads]), np.array([s for _, s in spreads]))
+        return Spread(loss_mean, loss_std, np.array([m for m, _ in spreads]), np.array([s for _, s in spreads]), l4)
 
     def advance(self, spread: Spread) -> None:
         """The next step's shifts: this step's agreed means, where finite."""

@@ -45,6 +45,8 @@ class Decision:
     exit_code: int = EXIT_ABORT  # for ABORT
     #: a dynamic loss scaler skipped the step itself (non-finite gradients at a finite loss): a routine overflow
     overflow: bool = False
+    #: skipped for bad data (a ``bad_data`` finding among those asking for the skip): counted apart
+    data: bool = False
     #: ``policy.mode: observe``: the step's verdict as ``act`` would have carried it out, before escalation (an
     #: observer keeps no run of skips); ``action`` is then what happened: NONE, or the framework's own skip.
     #: None under ``act``
@@ -62,7 +64,8 @@ class DecisionPolicy:
 
     A step a dynamic loss scaler skipped itself (``overflow=True``) is routine while the scaler searches its scale:
     it is a SKIP whose findings are reported as warnings at most, counted apart from the other skips and escalated
-    only past ``max_consecutive_overflow_skips``.
+    only past ``max_consecutive_overflow_skips``. A skip that a ``bad_data`` finding asks for skips that data: those
+    count apart too, up to ``max_consecutive_data_skips``.
 
     Under ``policy.mode: observe`` the decision records what ``act`` would have done (``observed``) and carries out
     nothing: its action is NONE, or SKIP where the framework already skipped the step (an overflow, a finding
@@ -74,6 +77,7 @@ class DecisionPolicy:
         self.can_rollback = can_rollback
         self.consecutive_skips = 0
         self.consecutive_overflow_skips = 0
+        self.consecutive_data_skips = 0
         self.skipped_steps = 0
 
     def decide(self, step: int, findings: list[Finding], *, overflow: bool = False) -> Decision:
@@ -87,40 +91,58 @@ class DecisionPolicy:
             happened = Action.SKIP if overflow or any(f.by_framework for f in findings) else Action.NONE
             return Decision(step, happened, tuple(findings), overflow=overflow, observed=action)
         extra: list[Finding] = []
-        count, bound, key = (self.consecutive_overflow_skips, self.config.max_consecutive_overflow_skips,
-                             "max_consecutive_overflow_skips") if overflow else \
-            (self.consecutive_skips, self.config.max_consecutive_skips, "max_consecutive_skips")
+        data = not overflow and action == Action.SKIP and any(f.bad_data and f.action == Action.SKIP
+                                                              for f in findings)
+        if overflow:
+            count, bound, key = (self.consecutive_overflow_skips, self.config.max_consecutive_overflow_skips,
+                                 "max_consecutive_overflow_skips")
+            what, cause = "steps would be skipped for a loss-scale overflow", "the fault is persistent"
+        elif data:
+            count, bound, key = (self.consecutive_data_skips, self.config.max_consecutive_data_skips,
+                                 "max_consecutive_data_skips")
+            blamed = sorted({rank for f in findings if f.bad_data for rank in f.ranks})
+            what = "steps would be skipped for bad data" + (f" (rank {', '.join(map(str, blamed))})" if blamed else "")
+            cause = "the bad data does not end"
+        else:
+            count, bound, key = (self.consecutive_skips, self.config.max_consecutive_skips, "max_consecutive_skips")
+            what, cause = "steps would be skipped", "the fault is persistent"
         if action == Action.SKIP and count + 1 > bound:
             action = Action.parse(self.config.on_persistent_failure)
-            what = "steps would be skipped for a loss-scale overflow" if overflow else "steps would be skipped"
             extra.append(Finding(
                 "policy", action, Severity.CRITICAL,
-                f"{count + 1} consecutive {what} (policy.{key} = {bound}): the fault is persistent",
-                values={"consecutive_skips": count + 1, "overflow": overflow}))
+                f"{count + 1} consecutive {what} (policy.{key} = {bound}): {cause}",
+                values={"consecutive_skips": count + 1, "overflow": overflow, "bad_data": data}))
         if action == Action.ROLLBACK and not self.can_rollback:
             action = Action.ABORT
             extra.append(Finding("policy", Action.ABORT, Severity.CRITICAL,
                                  "rollback requested but recovery is not enabled (recovery.enabled: false): "
                                  "stopping instead"))
-        return Decision(step, action, (*findings, *extra), overflow=overflow and action == Action.SKIP)
+        return Decision(step, action, (*findings, *extra), overflow=overflow and action == Action.SKIP,
+                        data=data and action == Action.SKIP)
 
     def commit(self, decision: Decision) -> None:
         """Record that ``decision`` was carried out. ``skipped_steps`` counts arc_engine's own skips; a scaler's
         overflow skip neither counts there nor ends a run of them."""
         if decision.overflow:
             self.consecutive_overflow_skips += 1
+        elif decision.action == Action.SKIP and decision.data:
+            self.consecutive_data_skips += 1
+            self.skipped_steps += 1
         elif decision.action == Action.SKIP:
             self.consecutive_skips += 1
             self.skipped_steps += 1
         else:  # an applied step ends the runs of skips; so does a rollback (it changes the state)
             self.consecutive_skips = 0
             self.consecutive_overflow_skips = 0
+            self.consecutive_data_skips = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
-                "consecutive_overflow_skips": self.consecutive_overflow_skips}
+                "consecutive_overflow_skips": self.consecutive_overflow_skips,
+                "consecutive_data_skips": self.consecutive_data_skips}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_overflow_skips = int(state.get("consecutive_overflow_skips", 0))
+        self.consecutive_data_skips = int(state.get("consecutive_data_skips", 0))

@@ -353,10 +353,16 @@ class Recovery:
             step, data_position, disk_step = info.step, int(info.metadata["data_position"]), info.step
             applied = info.metadata.get("applied_steps")
         stream = self.config.skip_data == "stream"  # the loader cannot seek: it goes on with its next batch
+        first_skipped = data_position  # the restored state's next batch
         if self.config.skip_data in ("window", "stream"):
             data_position = failed_position + 1
         if decision.escape and not stream:
             data_position += self.config.skip_ahead_steps
+        if data_position > first_skipped and not stream:  # batches trained on, undone, and not replayed
+            self.engine.ledger.record(first=first_skipped, last=data_position - 1, step=decision.step,
+                                      iteration=self.engine.iteration, action="not_replayed",
+                                      detectors=[f.detector for f in decision.findings if f.action >= Action.SKIP],
+                                      reason=f"rolled back to step {step} and resumed the data at {data_position}")
         data = "the data goes on with the loader's next batch (it cannot seek)" if stream else \
             f"data resumes at batch {data_position}"
         self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position)

@@ -1,0 +1,168 @@
+"""Bad data, found and localized: one rank's loss parting from its peers' on the same step.
+
+Every data-parallel rank trains the same weights on its own batch, so on a healthy step the ranks' losses scatter
+around their mean by an amount that changes slowly over a run (the batch-to-batch noise). A bad shard -- corrupted
+tokens, a broken document, a mis-tokenized file -- raises the loss of the rank that reads it and of no other: the
+spread of the ranks' losses jumps while the mean loss moves by only 1/n of that rank's excess (with many ranks, too
+little for any rule on the mean loss). The spread comes from the step's one all-reduce
+(:mod:`arc_engine.monitors.worker_spread`: the shifted loss moments, shared with the consistency family), so a
+healthy step costs nothing more.
+
+The rule: the spread (the standard deviation of the ranks' losses) against its run's own baseline -- the median of
+the last ``window`` accepted values and 1.4826 x their median absolute deviation -- above the median by ``factor``
+robust standard deviations and by at least ``min_ratio`` times the median, and at least half of ``min_excess`` of the
+mean loss (what one rank ``min_excess`` above its peers moves it at least). No persistence: the step's update
+carries the bad batch's gradient, so the step is judged on its own (skipped by default). On an alarm (the agreed
+spread decides it, so every rank takes the branch) one MAX reduction of a rank key brings the rank with the highest
+loss; the finding names it when its loss is at least ``min_excess`` above its peers' mean, and is marked
+``bad_data`` (:class:`~arc_engine.events.Finding`): the engine adds the data position the step consumed and records
+it in the data ledger (:mod:`arc_engine.data_ledger`). A spread past the limit never enters the baseline.
+
+Under tensor or pipeline parallelism the ranks of one replica record the same loss; the named rank is then the
+highest global rank of the replica whose batch it was (ties in a rank key go to the higher rank).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+
+from arc_engine import runtime
+from arc_engine.config.schema import DataConfig
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
+from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.worker_spread import Spread, WorkerMoments
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
+from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
+
+#: [1] DETAIL: this rank's loss as a rank key (-inf: it recorded none); reduced by MAX in a follow-up on alarms only.
+LOSS_KEY = "data_loss_key"
+
+
+def spread_limit(history: deque[float] | list[float], factor: float, min_ratio: float) -> tuple[float, float]:
+    """(the limit the loss spread must exceed, the baseline median) from the accepted spreads. Pure."""
+    median, robust_std = robust_baseline(history)
+    return max(median + factor * robust_std, min_ratio * median), median
+
+
+class BadDataMonitor:
+    """The loss-spread rule of the module docstring; names the highest-loss rank on an alarm."""
+
+    name = "data"
+
+    def __init__(self, config: DataConfig, rank: int, positions: int = 1, position: int = 0,
+                 write_moments: bool = True) -> None:
+        check_rank(rank)
+        self.config = config
+        self.rank = rank
+        self.moments = WorkerMoments(positions, position)
+        self.write_moments = write_moments  # False: the consistency family writes the shared slots
+        self.history: deque[float] = deque(maxlen=config.window)
+        self.alarms = 0
+        self._spread: Spread | None = None
+        self._flagged = False
+        self._values: dict[str, float] = {}
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (*WorkerMoments.required_stats(), LOSS_KEY)
+
+    @torch.no_grad()
+    def write(self, buffer: StatBuffer, view: StepView) -> None:
+        """Producer: this rank's loss as a rank key and the shared loss moments, unless the consistency family
+        writes them (device-side, no sync)."""
+        loss = buffer.view(names.LOSS)[:1]
+        loss = torch.where(buffer.view(names.LOSS_COUNT)[:1] > 0, loss, torch.full_like(loss, math.nan))
+        buffer.view(LOSS_KEY).copy_(rank_key_t(loss, self.rank))
+        if self.write_moments:
+            self.moments.write(buffer)
+
+    def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
+        self._flagged = False
+        spread = self._spread = self.moments.read(stats)
+        ranks = float(stats.total(names.LOSS_RANKS)[0])
+        deviation = spread.loss_l4
+        self._values = {"loss_std": spread.loss_std, "deviation": deviation, "ranks": ranks}
+        if ranks < 2 or not (math.isfinite(deviation) and math.isfinite(spread.loss_mean)) \
+                or len(self.history) < self.config.warmup_steps:
+            return []
+        limit, median = spread_limit(self.history, self.config.factor, self.config.min_ratio)
+        # and a floor: one rank min_excess above its peers is at least (n - 1) / n >= 1/2 of that from the mean (a run
+        # whose ranks read the same data has a baseline of rounding noise)
+        limit = max(limit, 0.5 * self.config.min_excess * abs(spread.loss_mean))
+        self._values.update(limit=limit, baseline=median)
+        if deviation <= limit:
+            return []
+        self._flagged = True
+        self.alarms += 1
+        span = stats.layout[LOSS_KEY].span
+        key = stats.follow_up(lambda row: row[span], Reduce.MAX)
+        highest, rank = split_key(float(key[0]))
+        total = spread.loss_mean * ranks
+        peers = (total - highest) / (ranks - 1) if rank >= 0 else math.nan
+        excess = (highest - peers) / abs(peers) if rank >= 0 and peers else math.nan
+        named = rank >= 0 and math.isfinite(excess) and excess >= self.config.min_excess
+        values = {"deviation": deviation, "loss_std": spread.loss_std, "limit": limit, "baseline": median,
+                  "loss_mean": spread.loss_mean,
+                  "rank": rank if named else -1, "rank_loss": highest, "peers_loss": peers, "excess": excess}
+        where = (f"rank {rank}'s loss {highest:.4g} is {excess:.0%} above its peers' {peers:.4g}" if named else
+                 "no single rank's loss stands out")
+        return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
+                        f"bad data: the ranks' losses parted (deviation {deviation:.3g}, limit {limit:.3g}, "
+                        f"baseline {median:.3g}); {where}", ranks=(rank,) if named else (), values=values,
+                        bad_data=True)]
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._spread is not None:
+            self.moments.advance(self._spread)
+        if applied and not self._flagged and math.isfinite(self._values.get("deviation", math.nan)) \
+                and self._values.get("ranks", 0.0) >= 2:
+            self.history.append(self._values["deviation"])
+
+    def metrics(self) -> dict[str, float]:
+        return {**{key: self._values.get(key, math.nan) for key in ("loss_std", "deviation", "limit")},
+                "alarms": float(self.alarms)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "alarms": self.alarms, **self.moments.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
+        self.alarms = int(state["alarms"])
+        self.moments.load_state_dict(state)
+
+
+class BadDataFamily(FamilyBase):
+    """``detectors.data``: the spread of the ranks' losses (the shared worker moments), naming the bad rank."""
+
+    name = "data"
+
+    def __init__(self) -> None:
+        self._monitor: tuple[int, BadDataMonitor] | None = None
+
+    def enabled(self, ctx: FamilyContext) -> bool:
+        return bool(ctx.section.enabled) and worker_positions(ctx.parts) is not None
+
+    def _monitor_for(self, ctx: FamilyContext) -> BadDataMonitor:
+        if self._monitor is None or self._monitor[0] != id(ctx):
+            positions, position = worker_positions(ctx.parts) or (1, 0)
+            monitor = BadDataMonitor(ctx.section, runtime.global_rank(), positions, position,
+                                     write_moments=not ctx.config.detectors.consistency.enabled)
+            self._monitor = (id(ctx), monitor)
+        return self._monitor[1]
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        return [*self._monitor_for(ctx).moments.statistics(), StatDecl(LOSS_KEY, 1, Reduce.DETAIL)]
+
+    def producers(self, ctx: FamilyContext) -> list[Producer]:
+        return [Producer("before_agreement", self._monitor_for(ctx).write)]
+
+    def monitors(self, ctx: FamilyContext) -> list[Monitor]:
+        return [self._monitor_for(ctx)]
+
+
+__all__ = ["LOSS_KEY", "BadDataFamily", "BadDataMonitor", "spread_limit"]

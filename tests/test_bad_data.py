@@ -1,0 +1,197 @@
+"""Bad data, found and localized (``detectors.data``), the policy's own bound for its skips, and the data ledger:
+simulated ranks for the rule, 2 real DDP ranks with a corrupted shard for the whole path (detection, the bad rank
+named, the run surviving, the ledger, a rerun honouring it, the exports)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from arc_engine.cli import main as cli
+from arc_engine.config import load_config
+from arc_engine.data_ledger import DataLedger, megatron_iterations, read_ledger, skip_batches
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.bad_data import BadDataFamily, BadDataMonitor
+from arc_engine.monitors.family import FamilyContext, StepView
+from arc_engine.policy import DecisionPolicy
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
+from tests.dist_harness import run_ranks
+from tests.training import make_config, train_ddp
+
+# ------------------------------------------------------------------ the rule on simulated ranks
+
+
+def _family(*overrides: str) -> tuple[StatLayout, list[BadDataMonitor]]:
+    """The family's layout and one monitor per simulated rank (each with its own rank)."""
+    config = load_config(None, list(overrides))
+    ctx = FamilyContext(config, config.detectors.data, ["g0"], Reduce.SUM)
+    layout = StatLayout()
+    for name, size, reduce in names.adapter_statistics(1, Reduce.SUM):
+        layout.add(name, size, reduce)
+    for decl in BadDataFamily().statistics(ctx):
+        layout.add(decl.name, decl.size, decl.reduce)
+    layout.freeze()
+    return layout, [BadDataMonitor(config.detectors.data, rank) for rank in range(4)]
+
+
+def _agree(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[float], step: int) -> AgreedStats:
+    rows = []
+    for monitor, loss in zip(monitors, losses, strict=True):
+        buffer = StatBuffer(layout, torch.device("cpu"))
+        buffer.reset()
+        buffer.put(names.LOSS, loss)
+        buffer.put(names.LOSS_COUNT, 1.0)
+        buffer.put(names.LOSS_RANKS, 1.0)
+        monitor.write(buffer, StepView(step))
+        rows.append(buffer.values.numpy().copy())
+    return AgreedStats.from_rows(layout, np.stack(rows))
+
+
+def test_a_rank_whose_loss_parts_from_its_peers_is_named_on_that_step_under_a_falling_loss() -> None:
+    """4 ranks, the loss falling from 5 to 2 (a decaying schedule) with per-rank noise: no alarm in 300 clean
+    steps; rank 2's loss 40% above its peers' on one step: a bad_data finding naming rank 2, on that step only, and
+    the spread never enters the baseline."""
+    layout, monitors = _family()
+    rng = np.random.default_rng(0)
+    for step in range(300):
+        level = 2.0 + 3.0 * math.exp(-step / 60)
+        losses = list(level + 0.05 * rng.standard_normal(4))
+        if step == 250:
+            losses[2] = 1.4 * level
+        stats = _agree(layout, monitors, losses, step)
+        found = [f for m in monitors for f in m.evaluate(step, stats)]
+        for monitor in monitors:
+            monitor.commit(step, applied=not found)
+        if step != 250:
+            assert not found, (step, found[0].message)
+            continue
+        assert len(found) == 4 and {f.ranks for f in found} == {(2,)}
+        (finding, *_) = found
+        assert finding.bad_data and finding.action is Action.SKIP and "rank 2's loss" in finding.message
+        assert finding.values["rank_loss"] == pytest.approx(losses[2], rel=1e-6)
+        assert finding.values["peers_loss"] == pytest.approx(np.mean(losses[:2] + losses[3:]), rel=1e-5)
+    assert max(monitors[0].history) < 0.2  # the alarm's spread stayed out
+
+
+def test_a_spread_without_a_standing_out_rank_is_found_but_names_no_rank() -> None:
+    """Two ranks high and two low by the same amount: the spread alarms; no rank is at min_excess above its peers'
+    mean once the others are averaged (a balanced split): the finding names none."""
+    layout, monitors = _family("detectors.data.min_excess=0.5")
+    rng = np.random.default_rng(1)
+    for step in range(40):
+        stats = _agree(layout, monitors, list(3.0 + 0.02 * rng.standard_normal(4)), step)
+        for monitor in monitors:  # every rank's monitor: the shared shift moves alike
+            assert monitor.evaluate(step, stats) == []
+            monitor.commit(step, True)
+    (finding,) = monitors[0].evaluate(40, _agree(layout, monitors, [3.6, 2.4, 3.6, 2.4], 40))
+    assert finding.ranks == () and "no single rank" in finding.message
+
+
+# ------------------------------------------------------------------ the policy's bound for data skips
+
+
+def _data_skip(step: int) -> list[Finding]:
+    return [Finding("data", Action.SKIP, Severity.WARNING, "bad data", ranks=(1,), bad_data=True),
+            Finding("loss_spike", Action.SKIP, Severity.WARNING, "spike")]
+
+
+def test_data_skips_count_apart_and_escalate_only_when_the_bad_data_does_not_end() -> None:
+    config = load_config(None, ["policy.max_consecutive_skips=2", "policy.max_consecutive_data_skips=6",
+                                "policy.on_persistent_failure=abort"])
+    policy = DecisionPolicy(config.policy)
+    for step in range(6):  # past max_consecutive_skips: still skips, counted as data skips
+        decision = policy.decide(step, _data_skip(step))
+        assert decision.action is Action.SKIP and decision.data
+        policy.commit(decision)
+    assert policy.consecutive_skips == 0 and policy.consecutive_data_skips == 6 and policy.skipped_steps == 6
+    decision = policy.decide(6, _data_skip(6))
+    assert decision.action is Action.ABORT
+    assert "7 consecutive steps would be skipped for bad data (rank 1)" in decision.findings[-1].message
+    assert "the bad data does not end" in decision.findings[-1].message
+    # an applied step ends the run of data skips; a plain skip still has its own bound
+    policy.commit(policy.decide(7, []))
+    assert policy.consecutive_data_skips == 0
+    spike = [Finding("loss_spike", Action.SKIP, Severity.WARNING, "spike")]
+    for step in (8, 9):
+        policy.commit(policy.decide(step, spike))
+    assert policy.decide(10, spike).action is Action.ABORT
+
+
+# ------------------------------------------------------------------ the ledger
+
+
+def test_the_ledger_merges_honours_and_exports(tmp_path: Path) -> None:
+    ledger = DataLedger()
+    ledger.open(tmp_path / "data_ledger.jsonl")
+    ledger.record(first=7, step=7, iteration=7, action="skip", bad_data=True, ranks=[1], detectors=["data"],
+                  reason="bad data")
+    ledger.record(first=8, step=8, iteration=8, action="skip", detectors=["loss_spike"], reason="spike")
+    ledger.record(first=3, last=6, step=8, iteration=9, action="not_replayed", reason="rolled back")
+    ledger.record(first=9, step=9, iteration=10, action="warn", bad_data=True, ranks=[0], reason="observed")
+    assert ledger.bad(7)["ranks"] == [1] and ledger.bad(8) is None and ledger.bad(9) is None  # skips of bad data only
+    entries = read_ledger(tmp_path / "data_ledger.jsonl")
+    assert [e["first"] for e in entries] == [7, 8, 3, 9]
+    other = DataLedger()
+    assert other.merge(entries) == 4 and other.merge(entries) == 0  # merging is idempotent
+    other.load_state_dict(ledger.state_dict())
+    assert len(other.entries) == 4
+    assert megatron_iterations(entries) == [8]
+    assert skip_batches(entries) == {"skip_batches": [7], "ranks": {"7": [1]}}
+    (tmp_path / "bad.jsonl").write_text('{"first": 1}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        read_ledger(tmp_path / "bad.jsonl")
+
+
+def test_an_unwritable_ledger_keeps_its_entries_in_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ledger = DataLedger()
+    ledger.open(blocker / "data_ledger.jsonl")  # a directory that cannot exist
+    for step in (1, 2):
+        ledger.record(first=step, step=step, iteration=step, action="skip", bad_data=True)
+    assert ledger.bad_positions() == [1, 2]
+    assert sum("cannot be written" in r.getMessage() for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------ the whole path on 2 DDP ranks
+
+FAULT = "faults.injections=[{kind: data_corruption, rank: 1, step: 120, steps: 12, rate: 1.0, seed: 3}]"
+
+
+def _run(rank: int, world: int, run_dir: Path, fault: bool) -> dict:
+    config = make_config(run_dir, *((FAULT,) if fault else ()))
+    return train_ddp(rank, 150, config)
+
+
+def test_a_corrupted_shard_is_skipped_naming_its_rank_and_a_rerun_honours_the_ledger(tmp_path: Path) -> None:
+    """Default settings (recovery off). Clean: no data finding in 150 steps. Rank 1's tokens all random on steps
+    120-131: every one of those steps is skipped with a data finding naming rank 1 and its data position, on both ranks
+    alike; the run goes on to the end (12 skips in a row, past max_consecutive_skips 5); the ledger holds positions
+    120-131 as bad data of rank 1; the exports say so; a rerun in the same run directory without the fault skips the
+    same positions (the data_ledger finding) and applies every other step."""
+    clean = run_ranks(_run, 2, tmp_path / "clean", False)
+    assert not [d for d in clean[0]["decisions"] for f in d[2] if f[0] == "data"]
+    assert "aborted_at" not in clean[0]
+    faulted = run_ranks(_run, 2, tmp_path / "faulted", True)
+    assert faulted[0]["decisions"] == faulted[1]["decisions"]
+    assert "aborted_at" not in faulted[0], faulted[0]
+    blamed = {step: action for step, action, findings in faulted[0]["decisions"]
+              for detector, ranks in findings if detector == "data" and ranks == [1]}
+    assert blamed == dict.fromkeys(range(120, 132), "SKIP"), blamed
+    run_dir = tmp_path / "faulted" / "test"
+    entries = read_ledger(run_dir / "data_ledger.jsonl")
+    assert [e["first"] for e in entries if e["bad_data"]] == list(range(120, 132))
+    assert all(e["ranks"] == [1] and "data position" in e["reason"] for e in entries if e["bad_data"])
+    assert megatron_iterations(entries) == list(range(121, 133))
+    assert cli(["data-ledger", str(run_dir), "--format", "skip-batches"]) == 0
+    assert json.loads((run_dir / "skip_batches.json").read_text())["skip_batches"] == list(range(120, 132))
+    rerun = run_ranks(_run, 2, tmp_path / "faulted", False)
+    skipped = {step for step, action, findings in rerun[0]["decisions"] if action == "SKIP"}
+    assert skipped == set(range(120, 132))
+    assert all(f[0] == "data_ledger" and f[1] == [1] for step, _, findings in rerun[0]["decisions"]
+               if step in skipped for f in findings)
