@@ -227,6 +227,33 @@ def test_zero2_nan_and_spike_are_handled_the_same_way_on_every_rank(tmp_path: Pa
     assert nan_event["ranks"] == [1] and nan_event["values"]["first_group_name"] == "no_decay"
 
 
+def _explosion_rank(rank: int, world: int, run_dir: Path) -> dict:
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+
+    engine, data = ds_engine(rank, world, 2)
+    config = make_config(run_dir, "faults.injections=[{kind: grad_scale, rank: 1, step: 30, scale: 100.0}]")
+    arc = attach_deepspeed(engine, config)
+    records = train(engine, data, arc, rank, 36)
+    arc.close()
+    events = read_jsonl(run_dir / "test" / "events.jsonl") if rank == 0 else []
+    return {"actions": [r.get("action") for r in records], "ds_norms": [r.get("ds_norm") for r in records],
+            "unchanged": torch.equal(records[30]["params"], records[29]["params"]),
+            "explosions": [(e["step"], e["values"]) for e in events
+                           if e["kind"] == "detection" and e["detector"] == "grad_norm"]}
+
+
+def test_zero2_an_explosion_that_clipping_bounds_is_found_against_the_runs_baseline(tmp_path: Path) -> None:
+    """ZeRO-2 with gradient clipping at 1: rank 1's gradient x100 on step 30 (the campaign's gradient_explosion,
+    between the rules of thumb's 100 and the fixed 1e4 ceiling). The relative arm finds it on that step only, every
+    rank skips it, nothing else is a gradient explosion."""
+    results = run_ranks(_explosion_rank, 2, tmp_path)
+    assert results[0]["actions"] == results[1]["actions"]
+    (step, values), = results[0]["explosions"]
+    assert step == 30 and values["relative"] and values["grad_norm"] < 1e4
+    assert values["grad_norm"] > 10 * values["baseline"]
+    assert results[0]["actions"][30] == "SKIP" and results[0]["unchanged"]
+
+
 def _collectives_rank(rank: int, world: int, run_dir: Path) -> dict:
     from arc_engine.integrations.deepspeed import attach_deepspeed
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -401,3 +402,36 @@ def test_nonfinite_reduced_gradient_with_finite_local_gradients_is_caught():
     assert finding.action == Action.SKIP and finding.ranks == (0, 1)
     assert finding.values["first_group_name"] == "no_decay" and finding.values["reduced"] is True
     assert monitor.evaluate(4, gathered_stats([2.0, 2.0])) == []
+
+
+def test_a_relative_gradient_explosion_below_the_fixed_ceiling_is_found_against_the_runs_own_log_norms() -> None:
+    """A pre-clip norm decaying from 50 to 1 with 30% log-normal noise: no alarm in 400 steps; 100x the trend on one
+    step (far below the 1e4 ceiling): an explosion with the explosion action, reported against the baseline; that norm
+    never enters the baseline; the baseline survives a state round trip; ``relative: false`` leaves it to the
+    ceiling."""
+    def stats_of(norm: float) -> AgreedStats:
+        layout = StatLayout()
+        layout.add(names.GRAD_SQ, 1, Reduce.SUM)
+        return AgreedStats.from_rows(layout, np.array([[norm * norm]]))
+
+    config = GradNormConfig()
+    monitor, off = GradNormMonitor(config), GradNormMonitor(dataclasses.replace(config, relative=False))
+    rng = np.random.default_rng(4)
+    for step in range(400):
+        norm = (1.0 + 49.0 * math.exp(-step / 80)) * math.exp(0.3 * rng.standard_normal())
+        if step == 350:
+            norm *= 100.0
+        found, found_off = monitor.evaluate(step, stats_of(norm)), off.evaluate(step, stats_of(norm))
+        monitor.commit(step, applied=not found)
+        off.commit(step, applied=True)
+        assert found_off == []
+        if step != 350:
+            assert found == [], (step, found)
+            continue
+        (finding,) = found
+        assert finding.action is Action.SKIP and finding.values["relative"] and "baseline" in finding.message
+        assert finding.values["grad_norm"] / finding.values["baseline"] > 50
+    assert max(monitor.history) < math.log(100.0)
+    restored = GradNormMonitor(config)
+    restored.load_state_dict(monitor.state_dict())
+    assert list(restored.history) == list(monitor.history) and restored.explosions == 1

@@ -71,7 +71,16 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                       "> 0"),
     "detectors.grad_norm.vanishing_threshold": KeyDoc("ε_grad: a norm below it is vanishing.",
                                                       ">= 0 and < `explosion_threshold`"),
-    "detectors.grad_norm.explosion_action": KeyDoc("What an explosion gets."),
+    "detectors.grad_norm.explosion_action": KeyDoc("What an explosion (either arm) gets."),
+    "detectors.grad_norm.relative": KeyDoc("The relative explosion arm: the pre-clip norm far above the run's own "
+                                           "robust baseline of log-norms, whatever the clipping threshold "
+                                           "([detectors.md](detectors.md#relative-gradient-explosion))."),
+    "detectors.grad_norm.warmup_steps": KeyDoc("Accepted steps before the relative arm can fire.", ">= 3"),
+    "detectors.grad_norm.window": KeyDoc("Accepted log-norms in the relative arm's baseline.", ">= `warmup_steps`"),
+    "detectors.grad_norm.relative_factor": KeyDoc("Robust standard deviations (1.4826 x MAD of the log-norms) above "
+                                                  "their median that the relative arm needs.", "> 0"),
+    "detectors.grad_norm.relative_min_ratio": KeyDoc("And the norm at least this many times the baseline median's "
+                                                     "(clean campaign runs peak at 3x).", ">= 1"),
     "detectors.grad_norm.vanishing_action": KeyDoc("What a vanishing gradient gets."),
     "detectors.sdc.enabled": KeyDoc("The SDC paper's update-RMS rule (on by default); computes the sampled update "
                                     "RMS on every monitored step."),

@@ -109,15 +109,30 @@ class LossSpikeConfig:
 
 @dataclass(kw_only=True)
 class GradNormConfig:
-    """Gradient explosion and vanishing on the global (reduced, pre-clip) gradient norm (ARC paper §3.2.1)."""
+    """Gradient explosion and vanishing on the global (reduced, pre-clip) gradient norm (ARC paper §3.2.1).
+
+    Two explosion arms: the fixed ceiling ``explosion_threshold`` (the paper's τ_grad), and a relative one that sees
+    an explosion whatever the clipping threshold: after ``warmup_steps`` accepted steps, log ‖g‖ above the median of
+    the last ``window`` accepted values by ``relative_factor`` robust standard deviations (1.4826 x MAD) and ‖g‖ at
+    least ``relative_min_ratio`` times that median's norm (``relative: false`` turns it off). Both take
+    ``explosion_action``; a flagged norm never enters the baseline."""
 
     enabled: bool = True
     explosion_threshold: float = 1.0e4
     vanishing_threshold: float = 1.0e-10
     explosion_action: ActionName = "skip"
     vanishing_action: ActionName = "warn"
+    relative: bool = True
+    warmup_steps: int = 20
+    window: int = 100
+    relative_factor: float = 8.0
+    relative_min_ratio: float = 10.0
 
     def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.relative_factor > 0, "relative_factor", self.relative_factor, "must be > 0")
+        require(self.relative_min_ratio >= 1, "relative_min_ratio", self.relative_min_ratio, "must be >= 1")
         require(self.explosion_threshold > 0, "explosion_threshold", self.explosion_threshold, "must be > 0")
         require(0 <= self.vanishing_threshold < self.explosion_threshold, "vanishing_threshold",
                 self.vanishing_threshold, "must be >= 0 and below explosion_threshold")

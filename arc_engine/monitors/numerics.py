@@ -7,6 +7,7 @@ the per-rank values that name the offending rank are fetched (one rare collectiv
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from arc_engine.config.schema import GradNormConfig, NonFiniteConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext
+from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.stats import AgreedStats, names
 
 # ---------------------------------------------------------------- pure functions
@@ -129,16 +131,26 @@ class NonFiniteMonitor:
         self.count = int(state["count"])
 
 
+def relative_limit(log_norms: deque[float] | list[float], factor: float, min_ratio: float) -> tuple[float, float]:
+    """(the norm above which the relative arm fires, the baseline median norm) from accepted log-norms. Pure."""
+    median, robust_std = robust_baseline(log_norms)
+    return math.exp(median + max(factor * robust_std, math.log(min_ratio))), math.exp(median)
+
+
 class GradNormMonitor:
-    """Explosion (‖g‖ > τ_grad) and vanishing (‖g‖ < ε_grad) of the reduced, pre-clip gradient norm."""
+    """Explosion (‖g‖ > τ_grad, or far above the run's own robust baseline of log-norms) and vanishing
+    (‖g‖ < ε_grad) of the reduced, pre-clip gradient norm. Under clipping the pre-clip norm is what exploded: an
+    explosion that the clip bounds still sends the step along the exploded direction."""
 
     name = "grad_norm"
 
     def __init__(self, config: GradNormConfig) -> None:
         self.config = config
         self.last_norm = float("nan")
+        self.last_limit = float("nan")
         self.explosions = 0
         self.vanishings = 0
+        self.history: deque[float] = deque(maxlen=config.window)  # log-norms of accepted steps
         self._last_kind = "ok"
 
     def required_stats(self) -> tuple[str, ...]:
@@ -148,6 +160,16 @@ class GradNormMonitor:
         norm = global_grad_norm(stats.total(names.GRAD_SQ))
         self.last_norm = norm
         kind = classify_grad_norm(norm, self.config.explosion_threshold, self.config.vanishing_threshold)
+        config = self.config
+        if config.relative and kind == "ok" and len(self.history) >= config.warmup_steps:
+            limit, median = relative_limit(self.history, config.relative_factor, config.relative_min_ratio)
+            self.last_limit = limit
+            if norm > limit:
+                self._last_kind = "explosion"
+                return [Finding(self.name, Action.parse(config.explosion_action), Severity.ERROR,
+                                f"gradient explosion: |g| = {norm:.4g} is {norm / median:.3g}x the run's baseline "
+                                f"{median:.4g} (limit {limit:.4g})",
+                                values={"grad_norm": norm, "baseline": median, "limit": limit, "relative": True})]
         self._last_kind = kind
         if kind == "explosion":
             return [Finding(self.name, Action.parse(self.config.explosion_action), Severity.ERROR,
@@ -162,16 +184,19 @@ class GradNormMonitor:
     def commit(self, step: int, applied: bool) -> None:
         self.explosions += int(self._last_kind == "explosion")
         self.vanishings += int(self._last_kind == "vanishing")
+        if applied and self._last_kind == "ok" and math.isfinite(self.last_norm) and self.last_norm > 0:
+            self.history.append(math.log(self.last_norm))
 
     def metrics(self) -> dict[str, float]:
-        return {"norm": self.last_norm, "explosions": float(self.explosions)}
+        return {"norm": self.last_norm, "limit": self.last_limit, "explosions": float(self.explosions)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"explosions": self.explosions, "vanishings": self.vanishings}
+        return {"explosions": self.explosions, "vanishings": self.vanishings, "history": list(self.history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.explosions = int(state["explosions"])
         self.vanishings = int(state["vanishings"])
+        self.history = deque((float(v) for v in state.get("history", ())), maxlen=self.config.window)
 
 
 # ---------------------------------------------------------------- families (the plugin seam)
