@@ -195,3 +195,19 @@ def test_a_corrupted_shard_is_skipped_naming_its_rank_and_a_rerun_honours_the_le
     assert skipped == set(range(120, 132))
     assert all(f[0] == "data_ledger" and f[1] == [1] for step, _, findings in rerun[0]["decisions"]
                if step in skipped for f in findings)
+
+
+def test_the_data_ledger_command_prints_exports_and_refuses_bad_input(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = DataLedger()
+    ledger.open(tmp_path / "data_ledger.jsonl")
+    ledger.record(first=4, step=4, iteration=4, action="skip", bad_data=True, ranks=[3], detectors=["data"],
+                  reason="bad data on rank 3")
+    assert cli(["data-ledger", str(tmp_path)]) == 0
+    assert "1 positions skipped for bad data" in capsys.readouterr().out
+    assert cli(["data-ledger", str(tmp_path), "--format", "megatron"]) == 0
+    assert capsys.readouterr().out.strip() == "--iterations-to-skip 5"
+    assert cli(["data-ledger", str(tmp_path / "nowhere")]) == 2
+    (tmp_path / "data_ledger.jsonl").write_text("not json\n")
+    assert cli(["data-ledger", str(tmp_path)]) == 2
+    assert "data_ledger.jsonl:1" in capsys.readouterr().err
