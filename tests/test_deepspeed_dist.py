@@ -303,4 +303,4 @@ def test_reference_script_runs_under_the_deepspeed_launcher_with_arc_config(tmp_
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")
     assert [(e["step"], e["detector"], e["ranks"]) for e in events if e["kind"] == "detection"] == [
         (40, "non_finite", [1]), *([(40, "deepspeed_overflow", [])] if by_deepspeed else []),
-        (80, "loss_spike", [])]
+        (80, "loss_spike", []), (80, "grad_norm", [])]  # the loss x 30 is a gradient x 30: the relative arm

@@ -435,3 +435,33 @@ def test_a_relative_gradient_explosion_below_the_fixed_ceiling_is_found_against_
     restored = GradNormMonitor(config)
     restored.load_state_dict(monitor.state_dict())
     assert list(restored.history) == list(monitor.history) and restored.explosions == 1
+
+
+def test_the_level_shift_arm_sees_a_sustained_rise_under_a_decaying_loss_and_not_a_lone_spike() -> None:
+    """A loss decaying from 6 to 2 with 2% noise: 1,000 steps, no finding of either arm. Then one step 3x (a spike:
+    the spike arm, not the level arm), and from step 1,100 a sustained +15% (no step of it a spike): one level-shift
+    finding within 5 steps, with the level action, and none again while the shift lasts."""
+    from arc_engine.monitors.loss_spike import cusum_step, difference_noise
+
+    assert cusum_step(3.0, 100.0, 1.0, 5.0) == 7.0 and cusum_step(1.0, -4.0, 1.0, 5.0) == 0.0
+    trend = [10.0 - 0.1 * i for i in range(50)]  # a pure trend: no step-to-step noise at all
+    assert difference_noise(trend) == pytest.approx(0.0, abs=1e-12) and math.isnan(difference_noise([1.0, 2.0]))
+    layout = StatLayout()
+    layout.add(names.LOSS, 1, Reduce.SUM)
+    layout.add(names.LOSS_RANKS, 1, Reduce.SUM)
+    monitor = LossSpikeMonitor(LossSpikeConfig())
+    rng = np.random.default_rng(5)
+    level_steps, spike_steps = [], []
+    for step in range(1200):
+        loss = (2.0 + 4.0 * math.exp(-step / 300)) * (1 + 0.02 * rng.standard_normal())
+        loss *= 3.0 if step == 1050 else 1.15 if step >= 1100 else 1.0
+        found = monitor.evaluate(step, AgreedStats.from_rows(layout, np.array([[loss, 1.0]])))
+        spike = [f for f in found if "spike" in f.message]
+        level = [f for f in found if f.values.get("level_shift")]
+        monitor.commit(step, applied=not spike)
+        spike_steps += [step] * len(spike)
+        level_steps += [step] * len(level)
+        assert all(f.action is Action.WARN for f in level)
+    assert spike_steps == [1050]
+    assert len(level_steps) == 1 and 1100 <= level_steps[0] < 1105, level_steps
+    assert monitor.metrics()["level_shifts"] == 1.0

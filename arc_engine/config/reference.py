@@ -65,6 +65,17 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.loss_spike.min_relative_increase": KeyDoc("And the fraction of the median it must exceed it by.",
                                                          ">= 0"),
     "detectors.loss_spike.action": KeyDoc("What a spike gets."),
+    "detectors.loss_spike.level_shift": KeyDoc("The level-shift arm: a one-sided CUSUM of the loss above its recent "
+                                               "median, in units of the successive-difference noise scale "
+                                               "([detectors.md](detectors.md#loss-level-shifts))."),
+    "detectors.loss_spike.level_reference": KeyDoc("Accepted losses whose median is the reference level.",
+                                                   "[1, `window`]"),
+    "detectors.loss_spike.level_allowance": KeyDoc("Noise units subtracted from each step's distance (the CUSUM's "
+                                                   "k).", ">= 0"),
+    "detectors.loss_spike.level_cap": KeyDoc("Largest distance one step adds (a single spike cannot trip the arm).",
+                                             "> `level_allowance`"),
+    "detectors.loss_spike.level_threshold": KeyDoc("The sum that is a level shift (the CUSUM's h).", "> 0"),
+    "detectors.loss_spike.level_action": KeyDoc("What a level shift gets (once per episode)."),
     "detectors.grad_norm.enabled": KeyDoc("Explosion and vanishing of the global gradient norm (reduced, before "
                                           "clipping)."),
     "detectors.grad_norm.explosion_threshold": KeyDoc("τ_grad of the ARC paper: a norm above it is an explosion.",

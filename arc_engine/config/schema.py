@@ -90,6 +90,13 @@ class LossSpikeConfig:
     A step is a spike when, after ``warmup_steps`` accepted steps, its loss exceeds the window median by more
     than ``factor`` robust standard deviations (1.4826 x MAD) *and* by more than ``min_relative_increase`` of
     the median. Flagged losses never enter the baseline.
+
+    The level-shift arm (``level_shift``) sees a sustained rise that no single step makes a spike, under any
+    learning-rate schedule: each loss's distance above the median of the last ``level_reference`` accepted losses, in
+    units of the noise scale of successive differences (1.4826 x the MAD of the window's step-to-step changes / √2,
+    blind to a trend), capped at ``level_cap`` (one spike cannot trip it), is summed in a one-sided CUSUM with
+    allowance ``level_allowance``; above ``level_threshold`` it is a finding with ``level_action``, once per episode
+    (the sum back at 0 ends it).
     """
 
     enabled: bool = True
@@ -98,8 +105,19 @@ class LossSpikeConfig:
     factor: float = 6.0
     min_relative_increase: float = 0.25
     action: ActionName = "skip"
+    level_shift: bool = True
+    level_reference: int = 20
+    level_allowance: float = 1.0
+    level_cap: float = 5.0
+    level_threshold: float = 15.0
+    level_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
+        require(1 <= self.level_reference <= self.window, "level_reference", self.level_reference,
+                "must be an integer in [1, window]")
+        require(self.level_allowance >= 0, "level_allowance", self.level_allowance, "must be >= 0")
+        require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
+        require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
         require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
         require(self.factor > 0, "factor", self.factor, "must be > 0")

@@ -11,10 +11,17 @@ Here the baseline is the median of the last ``window`` *accepted* losses and the
 deviation (robust to the outliers being detected); a spike must clear both ``factor`` robust standard
 deviations and a minimum relative increase, so a noisy but stable loss does not alarm and a quiet plateau does
 not alarm on tiny wiggles. Flagged losses never enter the baseline.
+
+A sustained rise is not a spike: the level-shift arm sums each loss's distance above the median of the last
+``level_reference`` accepted losses in a one-sided CUSUM, in units of the noise scale of *successive differences*
+(:func:`difference_noise`): a decaying learning rate's downward trend moves every loss but not the step-to-step
+changes, so the scale stays the noise's. Each step adds at most ``level_cap`` units (a lone spike is the spike arm's),
+minus the allowance; the arm fires once when the sum passes ``level_threshold`` and rearms when it is back at 0.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -44,6 +51,21 @@ def robust_baseline(history: Iterable[float]) -> tuple[float, float]:
     return median, MAD_TO_STD * _median([abs(value - median) for value in values])
 
 
+def difference_noise(history: Iterable[float]) -> float:
+    """The noise scale of a series from its successive differences: 1.4826 x MAD(Δ) / √2 (for independent noise of
+    std σ around any slowly moving level, Δ has std σ√2). NaN with fewer than 3 values. Pure."""
+    values = list(history)
+    if len(values) < 3:
+        return math.nan
+    _, spread = robust_baseline([b - a for a, b in itertools.pairwise(values)])
+    return spread / math.sqrt(2.0)
+
+
+def cusum_step(total: float, distance: float, allowance: float, cap: float) -> float:
+    """One step of the one-sided CUSUM: max(0, total + min(distance, cap) − allowance). Pure."""
+    return max(0.0, total + min(distance, cap) - allowance)
+
+
 def spike_threshold(median: float, robust_std: float, factor: float, min_relative_increase: float) -> float:
     """The loss above which a step is a spike: both the robust-z and the relative conditions must hold."""
     return max(median + factor * robust_std, median + min_relative_increase * abs(median))
@@ -67,6 +89,10 @@ class LossSpikeMonitor:
         self.last_loss = float("nan")
         self.last_threshold = float("nan")
         self._flagged = False
+        self.level_sum = 0.0       # the level-shift CUSUM (noise units)
+        self.level_shifts = 0
+        self._in_shift = False     # an episode is on (the sum has not been back at 0 since it fired)
+        self._pending_sum: float | None = None  # this step's sum, committed with the step
 
     def required_stats(self) -> tuple[str, ...]:
         return (names.LOSS, names.LOSS_RANKS)
@@ -75,35 +101,65 @@ class LossSpikeMonitor:
         loss = mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0]))
         self.last_loss = loss
         self._flagged = False
+        self._pending_sum = None
         if not math.isfinite(loss) or len(self.history) < self.config.warmup_steps:
             return []
+        found = self._level(loss) if self.config.level_shift else []
         median, robust_std = robust_baseline(self.history)
         threshold = spike_threshold(median, robust_std, self.config.factor, self.config.min_relative_increase)
         self.last_threshold = threshold
         if loss <= threshold:
-            return []
+            return found
         self._flagged = True
         values = {"loss": loss, "baseline_median": median, "robust_std": robust_std, "threshold": threshold,
                   "ratio_to_median": loss / median if median else float("inf")}
-        return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
-                        f"loss spike: {loss:.4g} vs baseline {median:.4g} (threshold {threshold:.4g})",
-                        values=values)]
+        return [*found, Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
+                                f"loss spike: {loss:.4g} vs baseline {median:.4g} (threshold {threshold:.4g})",
+                                values=values)]
+
+    def _level(self, loss: float) -> list[Finding]:
+        """The level-shift arm on this step's loss (its sum is committed with the step)."""
+        config = self.config
+        noise = difference_noise(self.history)
+        if not (math.isfinite(noise) and noise > 0):
+            return []
+        reference = robust_baseline(list(self.history)[-config.level_reference:])[0]
+        total = cusum_step(self.level_sum, (loss - reference) / noise, config.level_allowance, config.level_cap)
+        self._pending_sum = total
+        if total <= config.level_threshold or self._in_shift:
+            return []
+        rise = loss / reference - 1.0 if reference else math.inf
+        return [Finding(self.name, Action.parse(config.level_action), Severity.WARNING,
+                        f"loss level shift: {loss:.4g} is {rise:+.1%} from the recent level {reference:.4g} "
+                        f"(CUSUM {total:.3g} > {config.level_threshold:g} noise units of {noise:.3g})",
+                        values={"loss": loss, "reference": reference, "noise": noise, "cusum": total,
+                                "level_shift": True})]
 
     def commit(self, step: int, applied: bool) -> None:
+        if self._pending_sum is not None:
+            fired = self._pending_sum > self.config.level_threshold and not self._in_shift
+            self.level_shifts += int(fired)
+            self._in_shift = (self._in_shift or fired) and self._pending_sum > 0.0
+            self.level_sum = self._pending_sum
         if self._flagged:
             self.spikes += 1
         elif applied and math.isfinite(self.last_loss):
             self.history.append(self.last_loss)
 
     def metrics(self) -> dict[str, float]:
-        return {"loss": self.last_loss, "threshold": self.last_threshold, "spikes": float(self.spikes)}
+        return {"loss": self.last_loss, "threshold": self.last_threshold, "spikes": float(self.spikes),
+                "level_cusum": self.level_sum, "level_shifts": float(self.level_shifts)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "spikes": self.spikes}
+        return {"history": list(self.history), "spikes": self.spikes, "level_sum": self.level_sum,
+                "level_shifts": self.level_shifts, "in_shift": self._in_shift}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
         self.spikes = int(state["spikes"])
+        self.level_sum = float(state.get("level_sum", 0.0))
+        self.level_shifts = int(state.get("level_shifts", 0))
+        self._in_shift = bool(state.get("in_shift", False))
 
 
 class LossSpikeFamily(FamilyBase):
