@@ -113,16 +113,16 @@ class LossSpikeConfig:
     level_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
-        require(1 <= self.level_reference <= self.window, "level_reference", self.level_reference,
-                "must be an integer in [1, window]")
-        require(self.level_allowance >= 0, "level_allowance", self.level_allowance, "must be >= 0")
-        require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
-        require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
         require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
         require(self.factor > 0, "factor", self.factor, "must be > 0")
         require(self.min_relative_increase >= 0, "min_relative_increase", self.min_relative_increase,
                 "must be >= 0")
+        require(1 <= self.level_reference <= self.window, "level_reference", self.level_reference,
+                "must be an integer in [1, window]")
+        require(self.level_allowance >= 0, "level_allowance", self.level_allowance, "must be >= 0")
+        require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
+        require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
 
 
 @dataclass(kw_only=True)
