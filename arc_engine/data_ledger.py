@@ -31,6 +31,8 @@ LEDGER_FILE = "data_ledger.jsonl"
 SKIP_BATCHES_FILE = "skip_batches.json"
 #: the ``action`` of the entries whose positions a resumed run skips again: a ``bad_data`` finding's skip
 HONOURED_ACTIONS = ("skip", "rollback")
+#: the actions of the entries whose batches were not applied (the others were only blamed: ``warn``, ``none``...)
+NOT_APPLIED = ("skip", "rollback", "abort", "not_replayed")
 
 
 class DataLedger:
@@ -145,7 +147,7 @@ def skip_batches(entries: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def describe(entries: list[dict[str, Any]]) -> str:
     """A short human summary of a ledger. Pure."""
     bad = ledger_of(entries).bad_positions()
-    skipped = sum(1 for e in entries if e.get("action") != "warn")
+    skipped = sum(1 for e in entries if e.get("action") in NOT_APPLIED)
     span = f"{bad[0]}..{bad[-1]}" if bad else "-"
     return (f"{len(entries)} entries ({skipped} not applied); {len(bad)} positions skipped for bad data "
             f"(span {span})")

@@ -21,7 +21,7 @@ from arc_engine.monitors.family import FamilyContext, StepView
 from arc_engine.policy import DecisionPolicy
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
 from tests.dist_harness import run_ranks
-from tests.training import make_config, train_ddp
+from tests.training import family_stats_layout, make_config, train_ddp
 
 # ------------------------------------------------------------------ the rule on simulated ranks
 
@@ -30,12 +30,7 @@ def _family(*overrides: str) -> tuple[StatLayout, list[BadDataMonitor]]:
     """The family's layout and one monitor per simulated rank (each with its own rank)."""
     config = load_config(None, list(overrides))
     ctx = FamilyContext(config, config.detectors.data, ["g0"], Reduce.SUM)
-    layout = StatLayout()
-    for name, size, reduce in names.adapter_statistics(1, Reduce.SUM):
-        layout.add(name, size, reduce)
-    for decl in BadDataFamily().statistics(ctx):
-        layout.add(decl.name, decl.size, decl.reduce)
-    layout.freeze()
+    layout = family_stats_layout(BadDataFamily().statistics(ctx), 1)
     return layout, [BadDataMonitor(config.detectors.data, rank) for rank in range(4)]
 
 

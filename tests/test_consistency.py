@@ -37,7 +37,7 @@ from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sket
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, WorkerMoments, dispersion
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+from tests.training import BATCH, family_stats_layout, make_config, make_optimizer, tiny_model_and_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,12 +108,7 @@ def test_worker_moments_keep_one_row_per_position() -> None:
 
 def family_layout(config: Any) -> tuple[StatLayout, ConsistencyMonitor]:
     ctx = FamilyContext(config, config.detectors.consistency, ["g0", "g1"], Reduce.SUM)
-    layout = StatLayout()
-    for name, size, reduce in names.adapter_statistics(2, Reduce.SUM):
-        layout.add(name, size, reduce)
-    for decl in ConsistencyFamily().statistics(ctx):
-        layout.add(decl.name, decl.size, decl.reduce)
-    layout.freeze()
+    layout = family_stats_layout(ConsistencyFamily().statistics(ctx), 2)
     (monitor,) = ConsistencyFamily().monitors(ctx)
     return layout, monitor
 

@@ -14,6 +14,7 @@ import arc_engine
 from arc_engine.config import ArcConfig, load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.stats import Reduce, StatLayout, names
 
 SEQ_LEN = 16
 BATCH = 4
@@ -21,6 +22,18 @@ BATCH = 4
 
 #: Override for tests that compare the update RMS with the optimizer's own: every element, not the default sample.
 EXACT_UPDATE_RMS = "detectors.sdc.update_sample=1.0"
+
+
+def family_stats_layout(decls: list[Any], groups: int) -> StatLayout:
+    """The adapters' standard slots for ``groups`` parameter groups (shards summed) plus a family's ``decls``
+    (:class:`~arc_engine.monitors.family.StatDecl`), frozen: what simulated ranks' buffers are laid out by."""
+    layout = StatLayout()
+    for name, size, reduce in names.adapter_statistics(groups, Reduce.SUM):
+        layout.add(name, size, reduce)
+    for decl in decls:
+        layout.add(decl.name, decl.size, decl.reduce)
+    layout.freeze()
+    return layout
 
 
 def make_config(run_dir: Path, *overrides: str) -> ArcConfig:

@@ -28,6 +28,7 @@ import math
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from arc_engine import runtime
@@ -38,16 +39,24 @@ from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, Stat
 from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
-from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
+from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
 
-#: [1] DETAIL: this rank's loss as a rank key (-inf: it recorded none); reduced by MAX in a follow-up on alarms only.
-LOSS_KEY = "data_loss_key"
+#: [1] DETAIL: this rank's global rank: on an alarm each rank's loss becomes a rank key on the host, reduced by MAX in a
+#: follow-up (a healthy step only fills this one number).
+RANK = "data_rank"
 
 
 def spread_limit(history: deque[float] | list[float], factor: float, min_ratio: float) -> tuple[float, float]:
     """(the limit the loss spread must exceed, the baseline median) from the accepted spreads. Pure."""
     median, robust_std = robust_baseline(history)
     return max(median + factor * robust_std, min_ratio * median), median
+
+
+def loss_key(row: np.ndarray, layout: Any) -> float:
+    """The rank key of a rank's loss from its buffer row (-inf when it recorded none). Pure."""
+    recorded = float(row[layout[names.LOSS_COUNT].span][0]) > 0
+    return rank_key(float(row[layout[names.LOSS].span][0]) if recorded else math.nan,
+                    int(row[layout[RANK].span][0]))
 
 
 class BadDataMonitor:
@@ -69,15 +78,13 @@ class BadDataMonitor:
         self._values: dict[str, float] = {}
 
     def required_stats(self) -> tuple[str, ...]:
-        return (*WorkerMoments.required_stats(), LOSS_KEY)
+        return (*WorkerMoments.required_stats(), RANK)
 
     @torch.no_grad()
     def write(self, buffer: StatBuffer, view: StepView) -> None:
-        """Producer: this rank's loss as a rank key and the shared loss moments, unless the consistency family
-        writes them (device-side, no sync)."""
-        loss = buffer.view(names.LOSS)[:1]
-        loss = torch.where(buffer.view(names.LOSS_COUNT)[:1] > 0, loss, torch.full_like(loss, math.nan))
-        buffer.view(LOSS_KEY).copy_(rank_key_t(loss, self.rank))
+        """Producer: this rank's global rank and the shared loss moments, unless the consistency family writes them
+        (device-side, no sync)."""
+        buffer.view(RANK).fill_(float(self.rank))
         if self.write_moments:
             self.moments.write(buffer)
 
@@ -99,8 +106,8 @@ class BadDataMonitor:
             return []
         self._flagged = True
         self.alarms += 1
-        span = stats.layout[LOSS_KEY].span
-        key = stats.follow_up(lambda row: row[span], Reduce.MAX)
+        layout = stats.layout
+        key = stats.follow_up(lambda row: np.array([loss_key(row, layout)]), Reduce.MAX)
         highest, rank = split_key(float(key[0]))
         total = spread.loss_mean * ranks
         peers = (total - highest) / (ranks - 1) if rank >= 0 else math.nan
@@ -156,7 +163,7 @@ class BadDataFamily(FamilyBase):
         return self._monitor[1]
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        return [*self._monitor_for(ctx).moments.statistics(), StatDecl(LOSS_KEY, 1, Reduce.DETAIL)]
+        return [*self._monitor_for(ctx).moments.statistics(), StatDecl(RANK, 1, Reduce.DETAIL)]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", self._monitor_for(ctx).write)]
@@ -165,4 +172,4 @@ class BadDataFamily(FamilyBase):
         return [self._monitor_for(ctx)]
 
 
-__all__ = ["LOSS_KEY", "BadDataFamily", "BadDataMonitor", "spread_limit"]
+__all__ = ["RANK", "BadDataFamily", "BadDataMonitor", "loss_key", "spread_limit"]
