@@ -212,17 +212,18 @@ class MegatronAdapter:
             layout = mi.attention_layout(layer) if attention_on else None
             if layout is not None:
                 weight, groups, per_group, head_dim, span = layout
+                core = getattr(layer.self_attention, "core_attention", None)
                 if span == 1:
                     attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
                                                     tp_rank * groups * per_group, tp_rank,
-                                                    owner=index % dp_size == dp_rank))
+                                                    owner=index % dp_size == dp_rank, core_attention=core))
                 else:  # a query group spans `span` TP ranks: gather its rows, measure this rank's query heads
                     mine = per_group // span
                     first = (tp_rank % span) * mine
                     attention.append(AttentionShard(index, weight, 1, per_group, head_dim, tp_rank * mine, tp_rank,
                                                     owner=index % dp_size == dp_rank,
                                                     gather=self._query_group_peers(span),
-                                                    heads=(first, first + mine)))
+                                                    heads=(first, first + mine), core_attention=core))
             router = mi.router_of(layer) if routers_on else None
             if router is not None:
                 own_tokens = tp_size == 1 or bool(config.sequence_parallel) or tp_rank == 0
@@ -232,10 +233,15 @@ class MegatronAdapter:
         if len(attention) != len(layers) or not attention_on:
             attention = []  # some layer's QKV layout is not one arc_engine reads: no partial picture
         experts = config.num_moe_experts if routers else 0
+        ep_groups: dict[int, tuple[int, ...]] = {}
+        if routers_on and config.num_moe_experts:  # the same branch on every rank (the model's config)
+            mine = tuple(dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()))
+            ep_groups = runtime.gather_by_rank(mine, None)  # collective, once at attach
         return ModelParts(num_layers=config.num_layers, num_heads=config.num_attention_heads if attention else 0,
                           attention=attention, num_experts=experts or 0,
                           experts_per_rank=(experts or 0) // parallel_state.get_expert_model_parallel_world_size(),
                           routers=routers, observe_routing=self._observe_routing if routers else None,
+                          ep_groups=ep_groups,
                           model_parallel_size=sharded, shard_positions=positions[0], shard_position=positions[1],
                           **where)
 

@@ -14,6 +14,11 @@ largest of the three increments' cores) is decomposed two ways, in float64 on th
 Reported per d: the median time of each (``--repeats``), the speed-up, and the relative difference of the nonzero
 spectra, max |σ_core − σ_dense| / σ_max. One table row per d, ``| d | dense ms | core ms | speed-up Nx | rel diff |``.
 The bar (issue 16): at least 50x faster at d = 2048 with a relative difference of at most 1e-5.
+
+A second table prices the per-head attention-logit bound σ_max(W_q W_kᵀ)/√d_k (``detectors.qk_spectra``'s
+``qk_logit`` monitor, from the d_k x d_k core of the head's W_q, W_k) beside the head's spectra measurement
+(:func:`arc_engine.monitors.spectra.head_spectra_t`: ΔW_q, ΔW_k, Δ₁, Δ₂, Δ₃), per head and measurement, in float64:
+``| d | spectra ms | bound ms | bound / spectra |``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from arc_engine.monitors.spectra import core_singular_values, qk_increment_factors
+from arc_engine.monitors.spectra import core_singular_values, head_spectra_t, qk_increment_factors
 
 SIZES = (100, 200, 500, 1000, 2000, 2048, 4000, 4096)
 
@@ -73,6 +78,16 @@ def measure(d: int, head_dim: int, repeats: int) -> dict[str, float]:
             "rel_diff": relative_difference(core, dense)}
 
 
+def measure_head(d: int, head_dim: int, repeats: int) -> dict[str, float]:
+    """One head's spectra measurement and its logit bound, timed (median of ``repeats``, at least 5)."""
+    gen = torch.Generator().manual_seed(1)
+    wq_prev, wk_prev = (torch.randn(d, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    wq, wk = (w + 1e-2 * torch.randn(d, head_dim, generator=gen, dtype=torch.float64) for w in (wq_prev, wk_prev))
+    spectra_ms = median_ms(lambda: head_spectra_t(wq, wk, wq_prev, wk_prev), max(repeats, 5))
+    bound_ms = median_ms(lambda: core_singular_values(wq, wk)[0] / head_dim**0.5, max(repeats, 5))
+    return {"d": d, "spectra_ms": spectra_ms, "bound_ms": bound_ms, "share": bound_ms / spectra_ms}
+
+
 def table_row(row: dict[str, float]) -> str:
     return (f"| {row['d']:.0f} | {row['dense_ms']:.2f} | {row['core_ms']:.2f} | {row['speedup']:.1f}x | "
             f"{row['rel_diff']:.2e} |")
@@ -95,6 +110,11 @@ def main() -> int:
     rows = [measure(d, args.head_dim, args.repeats) for d in args.sizes]
     for row in rows:
         print(table_row(row))
+    print("\n| d | spectra ms | bound ms | bound / spectra |")
+    print("|---:|---:|---:|---:|")
+    for d in args.sizes:
+        head = measure_head(d, args.head_dim, args.repeats)
+        print(f"| {d} | {head['spectra_ms']:.2f} | {head['bound_ms']:.2f} | {head['share']:.0%} |")
     at_2048 = next((row for row in rows if row["d"] == 2048), None)
     if at_2048 is not None:
         met = at_2048["speedup"] >= 50 and at_2048["rel_diff"] <= 1e-5

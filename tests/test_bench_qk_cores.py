@@ -31,3 +31,8 @@ def test_a_measured_row_is_accurate_and_formatted(bench) -> None:
     row = bench.measure(96, 8, repeats=1)
     assert row["rel_diff"] <= 1e-5 and row["dense_ms"] > 0 and row["core_ms"] > 0
     assert bench.table_row(row).startswith("| 96 | ") and bench.table_row(row).endswith(" |")
+
+
+def test_the_logit_bound_is_timed_beside_the_heads_spectra(bench) -> None:
+    row = bench.measure_head(96, 8, repeats=1)
+    assert row["spectra_ms"] > 0 and row["bound_ms"] > 0 and row["share"] == row["bound_ms"] / row["spectra_ms"]

@@ -293,6 +293,40 @@ def test_collective_corruption_scales_the_reduced_gradient_with_probability_rate
     assert [again.state_faults[0].fires_at(step) for step in range(5, 205)] == hits[5:]  # the same draw per step
 
 
+@pytest.mark.parametrize("kind", ["optimizer_state", "collective_corruption"])
+def test_with_a_bit_the_update_faults_flip_it_in_count_elements_of_one_tensor_once_per_step(kind: str) -> None:
+    """SDC in the optimizer's memory or a reduction's result: bit 30 (fp32's exponent MSB) of 3 elements of one
+    stepped tensor, once per step even when the hook runs per parameter group; the same draw for the same (seed,
+    step); every other element bitwise unchanged."""
+    model, batch, clock = make_model(), tokens(), Clock()
+    optimizer = adam_with_state(model, batch)
+
+    def targets() -> list[torch.Tensor]:
+        if kind == "optimizer_state":
+            return [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+        return [p.grad for p in model.parameters()]
+
+    before = [t.clone() for t in targets()]
+    faults = injector(clock, kind=kind, rank=0, step=1, bit=30, count=3, seed=7)
+    clock.step = 1
+    faults.before_update(optimizer.param_groups, optimizer.state)
+    faults.before_update(optimizer.param_groups, optimizer.state)  # a second call in the step: no second flip
+    changed = [(i, (t != b).sum().item()) for i, (t, b) in enumerate(zip(targets(), before, strict=True))
+               if not torch.equal(t, b)]
+    assert len(changed) == 1 and changed[0][1] == 3, changed
+    index = changed[0][0]
+    words = targets()[index].view(torch.int32) ^ before[index].view(torch.int32)
+    assert set(words[words != 0].tolist()) == {1 << 30}
+    assert faults.fired == [(1, kind)]
+    for tensor, original in zip(targets(), before, strict=True):  # reset; the same seed and step: the same tensor
+        tensor.copy_(original)
+    at_one = Clock()
+    at_one.step = 1
+    again = injector(at_one, kind=kind, rank=0, step=1, bit=30, count=3, seed=7)
+    again.before_update(optimizer.param_groups, optimizer.state)
+    assert [i for i, (t, b) in enumerate(zip(targets(), before, strict=True)) if not torch.equal(t, b)] == [index]
+
+
 # ---------------------------------------------------------------------------------------------- hardware_events
 
 

@@ -1,7 +1,6 @@
 """The mechanism monitors' decisions on synthetic agreed statistics (no model, no processes): the robust trend,
 the QK-spectra alarm (a CUSUM of the layers' drops below their own trajectories, naming layer / head / TP
-rank), and the
-router alarms (entropy, similarity, dead expert)."""
+rank), the attention-logit growth alarm per head, and the router alarms (entropy, similarity, dead expert)."""
 
 from __future__ import annotations
 
@@ -11,11 +10,26 @@ import torch
 from arc_engine.config.schema import QKSpectraConfig, RouterConfig
 from arc_engine.events import Action
 from arc_engine.monitors.family import ModelParts
-from arc_engine.monitors.qk_spectra import HEAD_ENTROPY, LAYER_FIELDS, LAYER_SUMS, MEASURED, QKSpectraMonitor
-from arc_engine.monitors.router import pack_router_partials, router_partials_size, topk_routing_map
-from arc_engine.monitors.router_health import ROUTER_SUMS, RouterMonitor
+from arc_engine.monitors.qk_spectra import (
+    HEAD_ENTROPY,
+    LAYER_FIELDS,
+    LAYER_SUMS,
+    LOGIT_BOUND,
+    MAX_LOGIT,
+    MEASURED,
+    QKLogitMonitor,
+    QKSpectraMonitor,
+)
+from arc_engine.monitors.router import (
+    pack_router_partials,
+    per_token_entropy,
+    router_partials_size,
+    topk_routing_map,
+)
+from arc_engine.monitors.router_health import RANK_ENTROPY, ROUTER_SUMS, RouterMonitor
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import AgreedStats, Reduce, StatLayout
+from arc_engine.stats.rank_keys import rank_key
 
 LAYERS, HEADS = 2, 4
 
@@ -131,23 +145,51 @@ def test_qk_monitor_skipped_steps_do_not_move_the_sum() -> None:
     assert (len(monitor.history), monitor.cusum) == before
 
 
-def _router_stats(logits_tn: torch.Tensor, weight_nd: torch.Tensor, layers: int = 1) -> AgreedStats:
+def _router_stats(logits_tn: torch.Tensor, weight_nd: torch.Tensor, layers: int = 1, ranks: int = 1) -> AgreedStats:
+    """The agreed router statistics of ``ranks`` ranks that each routed a consecutive share of the tokens: the
+    SUM of their partials, and the MAX of their rank keys of negated mean entropy."""
     size = router_partials_size(logits_tn.shape[1])
     layout = StatLayout()
     layout.add(ROUTER_SUMS, layers * size, Reduce.SUM)
+    layout.add(RANK_ENTROPY, layers, Reduce.MAX)
     partial = pack_router_partials(logits_tn, topk_routing_map(logits_tn, 2), weight_nd).numpy()
-    return AgreedStats.from_rows(layout, np.concatenate([partial, np.zeros((layers - 1) * size)])[None, :])
+    key = max(rank_key(-float(per_token_entropy(share).mean()), rank)
+              for rank, share in enumerate(logits_tn.chunk(ranks)))
+    row = np.concatenate([partial, np.zeros((layers - 1) * size), [key], np.full(layers - 1, -np.inf)])
+    return AgreedStats.from_rows(layout, row[None, :])
 
 
-def _healthy_router_monitor(generator: torch.Generator, weight: torch.Tensor) -> RouterMonitor:
+def _healthy_router_monitor(generator: torch.Generator, weight: torch.Tensor, ranks: int = 1) -> RouterMonitor:
     """A router monitor after 8 healthy measurements (random logits, a fixed weight): no alarm on any of them."""
+    ep_groups = {rank: (rank - rank % 2, rank - rank % 2 + 1) for rank in range(ranks)} if ranks > 1 else {}
     monitor = RouterMonitor(RouterConfig(warmup_measurements=5), ModelParts(num_layers=1, num_experts=4,
-                                                                            experts_per_rank=2))
+                                                                            experts_per_rank=2, ep_groups=ep_groups))
     for step in range(8):
         logits = torch.randn(256, 4, generator=generator, dtype=torch.float64)
-        assert monitor.evaluate(step, _router_stats(logits, weight)) == []
+        assert monitor.evaluate(step, _router_stats(logits, weight, ranks=ranks)) == []
         monitor.commit(step, True)
     return monitor
+
+
+def test_router_monitor_names_a_collapse_confined_to_one_ranks_tokens() -> None:
+    """4 ranks (EP=2 x DP=2), a quarter of the tokens each: rank 2's tokens lean hard on one expert. The union's
+    mean entropy falls by less than ``min_relative_change`` (nothing fires on it), the lowest rank's entropy falls by
+    far more: one finding, naming rank 2 and its expert-parallel group (2, 3)."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(4, 16, generator=generator, dtype=torch.float64)
+    monitor = _healthy_router_monitor(generator, weight, ranks=4)
+    logits = torch.randn(256, 4, generator=generator, dtype=torch.float64)
+    logits[128:192, 0] += 2.5  # rank 2's tokens
+    findings = monitor.evaluate(8, _router_stats(logits, weight, ranks=4))
+    union_before, union_now = monitor.history[-1][0]["entropy_mean"], monitor._current[0]["entropy_mean"]
+    assert 0 < 1 - union_now / union_before < RouterConfig().min_relative_change
+    assert len(findings) == 1
+    finding = findings[0]
+    assert [p["statistic"] for p in finding.values["problems"]] == ["rank_min_entropy"]
+    assert finding.ranks == (2,) and finding.values["rank"] == 2 and finding.values["ep_group"] == [2, 3]
+    assert "on the tokens of rank 2 (expert-parallel group [2, 3])" in finding.message
+    monitor.commit(8, True)
+    assert monitor.alarms == 1
 
 
 def test_router_monitor_alarms_on_collapsing_entropy_and_on_a_dead_expert() -> None:
@@ -208,7 +250,8 @@ def test_qk_spectra_skip_diverged_weights_without_raising() -> None:
         layer=0, weight=weight, num_query_groups=2, heads_per_group=1, head_dim=4, first_head=0, tp_rank=0,
         owner=True)])
     producer = QKSpectraProducer(parts, every=1)
-    slots = {HEAD_ENTROPY: torch.zeros(2), LAYER_SUMS: torch.zeros(len(LAYER_FIELDS)), MEASURED: torch.zeros(1)}
+    slots = {HEAD_ENTROPY: torch.zeros(2), LAYER_SUMS: torch.zeros(len(LAYER_FIELDS)), MEASURED: torch.zeros(1),
+             LOGIT_BOUND: torch.zeros(2)}
     buffer = SimpleNamespace(device=torch.device("cpu"), view=lambda name: slots[name])
 
     def measured_at(step: int) -> float:
@@ -222,3 +265,101 @@ def test_qk_spectra_skip_diverged_weights_without_raising() -> None:
     assert measured_at(2) == 0.0  # skipped, no exception
     weight[0, 0] = 0.0
     assert [measured_at(3), measured_at(4)] == [0.0, 2.0]  # a new baseline first
+
+
+def _logit_stats(bound_lh: np.ndarray, max_logit_lh: np.ndarray | None = None) -> AgreedStats:
+    layout = StatLayout()
+    layout.add(LOGIT_BOUND, LAYERS * HEADS, Reduce.SUM)
+    row = [bound_lh.reshape(-1)]
+    if max_logit_lh is not None:
+        layout.add(MAX_LOGIT, LAYERS * HEADS, Reduce.MAX)
+        row.append(max_logit_lh.reshape(-1))
+    return AgreedStats.from_rows(layout, np.concatenate(row)[None, :])
+
+
+def test_qk_logit_monitor_follows_healthy_growth_and_names_a_head_that_grows_off_its_trend() -> None:
+    """Every head's bound grows 4 % a measurement (weights growing early in training) with 2 % noise: never an
+    alarm. Then layer 1 head 2 jumps 2x: one alarm naming it (TP rank 1 of 2 heads per rank) and its growth; at its
+    new level the next measurements are quiet (one alarm per episode), and so is a vetoed measurement's history."""
+    rng = np.random.default_rng(3)
+    monitor = QKLogitMonitor(QKSpectraConfig(warmup_measurements=5), ModelParts(num_layers=LAYERS, num_heads=HEADS),
+                             heads_per_tp_rank=2)
+
+    def bound(step: int) -> np.ndarray:
+        return 3.0 * 1.04**step * (1 + 0.02 * rng.standard_normal((LAYERS, HEADS)))
+
+    for step in range(30):
+        assert monitor.evaluate(step, _logit_stats(bound(step))) == []
+        monitor.commit(step, True)
+    jumped = bound(30)
+    jumped[1, 2] *= 2.0
+    findings = monitor.evaluate(30, _logit_stats(jumped))
+    assert len(findings) == 1 and findings[0].action is Action.WARN and findings[0].detector == "qk_logit"
+    heads = findings[0].values["heads"]
+    assert [(h["layer"], h["head"], h["tp_rank"]) for h in heads] == [(1, 2, 1)]
+    assert 1.8 < heads[0]["growth"] < 2.2
+    assert "layer 1 head 2 (TP rank 1)" in findings[0].message
+    monitor.commit(30, True)
+    assert monitor.alarms == 1
+    for step in range(31, 36):  # the head stays at its new level, growing as before
+        later = bound(step)
+        later[1, 2] *= 2.0
+        assert monitor.evaluate(step, _logit_stats(later)) == [], step
+        monitor.commit(step, True)
+    before = len(monitor.history)
+    spike = bound(36) * 10.0
+    assert monitor.evaluate(36, _logit_stats(spike))  # the whole model x 10: every head
+    monitor.commit(36, False)  # vetoed: nothing joins the trend
+    assert len(monitor.history) == before and monitor.alarms == 2
+    restored = QKLogitMonitor(QKSpectraConfig(warmup_measurements=5), ModelParts(num_layers=LAYERS, num_heads=HEADS),
+                              heads_per_tp_rank=2)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.alarms == 2 and len(restored.history) == before
+
+
+def test_qk_logit_monitor_reports_measured_max_logits_and_skips_steps_without_a_measurement() -> None:
+    monitor = QKLogitMonitor(QKSpectraConfig(warmup_measurements=3), ModelParts(num_layers=LAYERS, num_heads=HEADS),
+                             heads_per_tp_rank=4, max_logits=True)
+    assert monitor.required_stats() == (LOGIT_BOUND, MAX_LOGIT)
+    for step in range(4):
+        monitor.evaluate(step, _logit_stats(np.full((LAYERS, HEADS), 2.0), np.full((LAYERS, HEADS), 7.0 + step)))
+        monitor.commit(step, True)
+    # between measurements: no bound, and the MAX slot not reduced (NaN)
+    assert monitor.evaluate(4, _logit_stats(np.zeros((LAYERS, HEADS)), np.full((LAYERS, HEADS), np.nan))) == []
+    monitor.commit(4, True)
+    assert len(monitor.history) == 4  # a step between measurements adds nothing
+    metrics = monitor.metrics()
+    assert metrics["layer0/logit_bound_max"] == 2.0 and metrics["layer1/max_logit"] == 10.0
+    grown = np.full((LAYERS, HEADS), 2.0)
+    grown[0, 1] = 5.0
+    findings = monitor.evaluate(5, _logit_stats(grown, np.full((LAYERS, HEADS), 30.0)))
+    assert findings[0].values["heads"][0]["measured_max_logit"] == 30.0
+
+
+def test_the_producer_writes_each_heads_bound_and_the_attentions_recorded_max_logits() -> None:
+    """The bound is σ_max of the head's dense W_q W_kᵀ over √d_k; the max logits come from the core attention's
+    ``current_max_attn_logits`` (Transformer Engine's name) at the shard's global head offset, as a running max."""
+    from types import SimpleNamespace
+
+    from arc_engine.monitors.family import AttentionShard
+    from arc_engine.monitors.qk_spectra import QKSpectraProducer, records_max_logits
+
+    weight = torch.randn(2 * 3 * 4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    core = SimpleNamespace(current_max_attn_logits=torch.tensor([3.0, 9.0]))
+    shard = AttentionShard(layer=1, weight=weight, num_query_groups=2, heads_per_group=1, head_dim=4, first_head=2,
+                           tp_rank=1, owner=True, core_attention=core)
+    parts = ModelParts(num_layers=2, num_heads=4, attention=[shard])
+    assert records_max_logits(parts)
+    assert not records_max_logits(ModelParts(num_layers=2, num_heads=4, attention=[AttentionShard(
+        layer=1, weight=weight, num_query_groups=2, heads_per_group=1, head_dim=4, first_head=2, tp_rank=1,
+        owner=True)]))
+    slots = {HEAD_ENTROPY: torch.zeros(8), LAYER_SUMS: torch.zeros(2 * len(LAYER_FIELDS)), MEASURED: torch.zeros(2),
+             LOGIT_BOUND: torch.zeros(8, dtype=torch.float64), MAX_LOGIT: torch.zeros(8, dtype=torch.float64)}
+    buffer = SimpleNamespace(device=torch.device("cpu"), view=lambda name: slots[name])
+    QKSpectraProducer(parts, every=1, max_logits=True).write(buffer, SimpleNamespace(step=0))
+    grouped = weight.view(2, 3, 4, 8)
+    expected = [float(torch.linalg.svdvals(grouped[g, 0].T @ grouped[g, 1])[0]) / 2.0 for g in range(2)]
+    bounds = slots[LOGIT_BOUND].view(2, 4)
+    assert torch.allclose(bounds[1, 2:], torch.tensor(expected, dtype=torch.float64))
+    assert bounds[0].eq(0).all() and bounds[1, :2].eq(0).all()
+    assert slots[MAX_LOGIT].view(2, 4)[1].tolist() == [0.0, 0.0, 3.0, 9.0]

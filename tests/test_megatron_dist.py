@@ -298,13 +298,57 @@ def test_ep2_router_statistics_equal_one_computation_over_the_union_of_tokens(tm
     assert results[0]["layers"][0][0]["similarity"] == results[3]["layers"][0][0]["similarity"]
 
 
+COLLAPSED_RANK, COLLAPSE_AT = 2, 12
+
+
+def _ep2_rank_collapse(rank: int, world: int, config: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    flags = [*SMALL, "--expert-model-parallel-size", "2", "--num-experts", "4", "--use-distributed-optimizer",
+             "--arc-config", config]
+    script, args, state = _build(flags)
+    verdicts = []
+    while state.arc.step < COLLAPSE_AT + 4:
+        step = state.arc.step
+        script.train_step(state, args, state.arc.data_position)
+        verdicts.append((step, [(f.detector, list(f.ranks), f.values.get("ep_group"),
+                                 [p["statistic"] for p in f.values.get("problems", [])])
+                                for f in state.arc.engine.last_decision.findings]))
+    group = dist_ranks(parallel_state.get_expert_model_parallel_group())
+    state.arc.close()
+    return {"verdicts": verdicts, "ep_group": group}
+
+
+def dist_ranks(group: Any) -> list[int]:
+    return list(torch.distributed.get_process_group_ranks(group))
+
+
+@pytest.mark.timeout(400)
+def test_ep2_dp2_a_collapse_of_one_ranks_tokens_is_named_with_its_expert_parallel_group(tmp_path: Path) -> None:
+    """EP=2 x DP=2 (4 ranks): from step 12 rank 2's routers add 2 to expert 0's logit (``router_collapse`` on that
+    rank only, a quarter of the job's tokens). The job's mean routing entropy moves less than the alarm's relative
+    floor; the lowest rank's does not: the router alarm names rank 2 and its expert-parallel group, on every rank
+    alike, at the first measurement after the fault; no collapse before."""
+    config = _arc_yaml(tmp_path / "collapse.yaml", "collapse", injections=[
+        {"kind": "router_collapse", "rank": COLLAPSED_RANK, "step": COLLAPSE_AT, "persistent": True, "scale": 2.0}])
+    results = run_ranks(_ep2_rank_collapse, 4, config, timeout_s=380)
+    verdicts = results[0]["verdicts"]
+    assert all(result["verdicts"] == verdicts for result in results)
+    collapses = [(step, found) for step, findings in verdicts for found in findings
+                 if found[0] == "router" and found[3]]  # (a dead-expert finding has no problems)
+    assert collapses and collapses[0][0] == COLLAPSE_AT, verdicts
+    for _, (_, ranks, group, problems) in collapses:
+        assert ranks == [COLLAPSED_RANK] and group == results[COLLAPSED_RANK]["ep_group"], collapses
+        assert problems == ["rank_min_entropy"], collapses  # the job's mean moved too little to say it
+
+
 # ------------------------------------------------------------------ TP=2 per-shard spectra, GQA
 
 def _tp2_spectra(rank: int, world: int, config: str, groups: int) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from arc_engine.integrations import megatron_internals as mi
-    from arc_engine.monitors.spectra import layer_spectra
+    from arc_engine.monitors.spectra import layer_spectra, split_qkv_rows
 
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--num-query-groups", str(groups), "--arc-config", config]
     script, args, state = _build(flags)
@@ -330,8 +374,15 @@ def _tp2_spectra(rank: int, world: int, config: str, groups: int) -> dict[str, A
                                                                                   groups, 4 // groups, 16)]
                              for i in range(2)], dtype=torch.float64)
     measured = state.arc.engine.last_stats.total("qk_measured")
+    bound = state.arc.engine.last_stats.total("qk_logit_bound").reshape(2, 4)
+    expected_bound = []
+    for full in weights[4]:  # the dense d x d product of each head, the reference for the d_k x d_k cores
+        q, k = split_qkv_rows(full.double(), groups, 4 // groups, 16)
+        expected_bound.append([float(torch.linalg.svdvals(q[h] @ k[h // (4 // groups)].T)[0]) / 4.0
+                               for h in range(4)])
     state.arc.close()
-    return {"agreed": torch.as_tensor(agreed), "expected": expected, "measured": torch.as_tensor(measured)}
+    return {"agreed": torch.as_tensor(agreed), "expected": expected, "measured": torch.as_tensor(measured),
+            "bound": torch.as_tensor(bound), "expected_bound": torch.tensor(expected_bound, dtype=torch.float64)}
 
 
 @pytest.mark.timeout(300)
@@ -344,6 +395,44 @@ def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp
         assert torch.allclose(result["agreed"], result["expected"], rtol=1e-6, atol=1e-9), \
             (result["agreed"], result["expected"])
         assert (result["agreed"] > 0).all()
+        # each head's logit bound σ_max(W_q W_kᵀ)/√d_k, written by the rank holding it, equals the dense product's
+        assert torch.allclose(result["bound"], result["expected_bound"], rtol=1e-6), \
+            (result["bound"], result["expected_bound"])
+
+
+GROWN_LAYER, GROWN_AT = 1, 12
+
+
+def _logit_growth(rank: int, world: int, config: str) -> dict[str, Any]:
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--arc-config", config]
+    script, args, state = _build(flags)
+    verdicts = []
+    while state.arc.step < GROWN_AT + 4:
+        step = state.arc.step
+        _, applied, _ = script.train_step(state, args, state.arc.data_position)
+        findings = state.arc.engine.last_decision.findings
+        verdicts.append((step, applied, {f.detector: f.values.get("heads") for f in findings}))
+    state.arc.close()
+    return {"verdicts": verdicts}
+
+
+@pytest.mark.timeout(300)
+def test_tp2_attention_logit_growth_names_the_layer_and_every_head_of_both_tp_ranks(tmp_path: Path) -> None:
+    """Layer 1's fused QKV weight x 2 at step 12 on every rank (a weight fault: its QK products x 4): the next
+    measurement's bound is 4x each head's trend, and the ``qk_logit`` alarm names layer 1's four heads (two per TP
+    rank), on both ranks alike, with a warning only; nothing before, and the 8 healthy measurements raise nothing."""
+    config = _arc_yaml(tmp_path / "grow.yaml", "grow", injections=[
+        {"kind": "weight_corruption", "rank": -1, "step": GROWN_AT,
+         "pattern": f"*decoder.layers.{GROWN_LAYER}.self_attention.linear_qkv.weight", "scale": 2.0}])
+    results = run_ranks(_logit_growth, 2, config, timeout_s=280)
+    assert results[0]["verdicts"] == results[1]["verdicts"]
+    alarms = [(step, found["qk_logit"]) for step, _, found in results[0]["verdicts"] if "qk_logit" in found]
+    assert [step for step, _ in alarms] == [GROWN_AT], alarms
+    heads = alarms[0][1]
+    assert sorted((h["layer"], h["head"], h["tp_rank"]) for h in heads) == [
+        (GROWN_LAYER, 0, 0), (GROWN_LAYER, 1, 0), (GROWN_LAYER, 2, 1), (GROWN_LAYER, 3, 1)]
+    assert all(3.0 < h["growth"] < 5.0 for h in heads), heads
+    assert all(applied for _, applied, _ in results[0]["verdicts"])  # a warning, not a skip
 
 
 # ------------------------------------------------------------------ TP=2 x DP=2: consistency per shard

@@ -145,10 +145,13 @@ def fault_end(specs: list) -> int:
     return max(spec.step + (WINDOW if spec.persistent else spec.steps) - 1 for spec in specs)
 
 
-def _run(name: str, arm: str, backend: str, fault: str, seed: int, steps: int, at: int | None, injections: list,
-         run_dir: Path, eval_at: tuple[int, ...] = (), end: int | None = None) -> dict[str, Any]:
+def run_spec(name: str, arm: str, backend: str, fault: str, seed: int, steps: int, at: int | None, injections: list,
+             run_dir: Path, eval_at: tuple[int, ...] = (), end: int | None = None,
+             base: dict[str, Any] = PROTECT) -> dict[str, Any]:
+    """One run of a worker plan: ``base`` (the protected arm's configuration) with the backend's additions, turned
+    into the observe arm's for ``arm == "observe"``, writing under ``run_dir``, with ``injections`` from ``at``."""
     run_id = name.replace("/", "-")
-    config: dict[str, Any] = _merged(PROTECT, BACKEND_CONFIG.get(backend, {}))
+    config: dict[str, Any] = _merged(base, BACKEND_CONFIG.get(backend, {}))
     config = observe_config(config) if arm == "observe" else config
     config["run"] = {"run_id": run_id, "run_dir": str(run_dir)}
     config["faults"] = {"injections": injections}
@@ -167,8 +170,8 @@ def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, .
         first = seed == profile.seeds[0]
         for arm in ("bare", "observe", "protect") if first else ("observe", "protect"):
             steps = profile.clean_steps if first else profile.steps
-            runs.append(_run(f"{backend}/clean/s{seed}/{arm}", arm, backend, "clean", seed, steps, None, [], run_dir,
-                             eval_at=(profile.steps,)))
+            runs.append(run_spec(f"{backend}/clean/s{seed}/{arm}", arm, backend, "clean", seed, steps, None, [],
+                                 run_dir, eval_at=(profile.steps,)))
     for fault in faults if faults is not None else profile.faults:
         if not applicable(backend, fault):
             continue
@@ -177,12 +180,12 @@ def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, .
             specs = LIBRARY[fault].specs(at, rank=fault_rank(profile, seed), seed=seed, targets=TARGETS[backend])
             injections = [dataclasses.asdict(spec) for spec in specs]
             for arm in ("observe", "protect"):
-                runs.append(_run(f"{backend}/{fault}/s{seed}/{arm}", arm, backend, fault, seed, profile.steps, at,
-                                 injections, run_dir, end=fault_end(specs)))
+                runs.append(run_spec(f"{backend}/{fault}/s{seed}/{arm}", arm, backend, fault, seed, profile.steps,
+                                     at, injections, run_dir, end=fault_end(specs)))
     schedule = {"decay_steps": profile.steps, "min_ratio": profile.min_lr_ratio}
     return {"backend": backend, "model": profile.model, "schedule": schedule, "results": str(out / "results.jsonl"),
             "runs": runs}
 
 
 __all__ = ["BACKENDS", "CRASH_SCENARIOS", "PROFILES", "PROTECT", "Profile", "applicable", "backend_plan",
-           "fault_rank", "fault_step", "observe_config"]
+           "fault_rank", "fault_step", "observe_config", "run_spec"]

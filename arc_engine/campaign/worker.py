@@ -208,6 +208,10 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
     except arc_engine.ArcAbort as abort:
         aborted = abort.exit_code
     eval_loss = held_out.loss(trainer)
+    injector = getattr(arc, "faults", None)
+    fired = torch.tensor([len(injector.fired) + len(injector.bitflips_fired()) if injector is not None else 0],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(fired)  # the faults act on one rank; every rank's record says how often
     summary = arc.summary()
     arc.close()
     trainer.close()
@@ -216,7 +220,8 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
         "arm": run["arm"], "fault_step": run["fault_step"], "fault_end": run.get("fault_end"),
         "steps_target": run["steps"], "attempts": attempts, "steps_done": summary["steps"],
         "completed": aborted is None and summary["steps"] >= run["steps"] and in_a_row < CRASH_PATIENCE,
-        "aborted": aborted, "terminal_step": terminal_at, "losses": losses, "eval_loss": eval_loss,
+        "aborted": aborted, "terminal_step": terminal_at, "faults_fired": int(fired), "losses": losses,
+        "eval_loss": eval_loss,
         "eval_at": evals, "step_ms_median": statistics.median(step_ms) if step_ms else None,
         "skipped_steps": summary.get("skipped_steps", 0), "recovery": summary.get("recovery", {}),
         "grad_norms": [], "events": []}

@@ -120,6 +120,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.qk_spectra.alarm_drop": KeyDoc("Accumulated drop beyond the allowance that alarms (e.g. 0.5: a "
                                               "sustained 30 % drop alarms on the 3rd measurement).", "> 0"),
     "detectors.qk_spectra.action": KeyDoc("What an alarm gets."),
+    "detectors.qk_spectra.logit_growth": KeyDoc("A head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k above its own "
+                                                "trend by a factor of more than 1 + this alarms (with "
+                                                "`logit_factor`).", "> 0"),
+    "detectors.qk_spectra.logit_factor": KeyDoc("... and by more than this many robust standard deviations of the "
+                                                "log bound's residuals.", "> 0"),
+    "detectors.qk_spectra.logit_action": KeyDoc("What a logit-growth alarm gets."),
     "detectors.router.enabled": KeyDoc("MoE router health per MoE layer over every token of the job (Megatron with "
                                        "experts; off elsewhere)."),
     "detectors.router.every": KeyDoc("Optimizer steps between measurements.", "a multiple of `stats.interval`"),
@@ -458,9 +464,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                       "names (default: every parameter).", "required for `bitflip`"),
     f"{FAULT_PREFIX}.where": KeyDoc("`bitflip`: the GEMM output corrupted: forward output, backward-data output "
                                     "(the layer input's gradient) or weight gradient."),
-    f"{FAULT_PREFIX}.bit": KeyDoc("`bitflip`: the bit to flip (null: the dtype's default exponent bit).",
-                                  "[0, 31] or null"),
-    f"{FAULT_PREFIX}.count": KeyDoc("`bitflip`: elements flipped per hit (with neither `count` nor `rate`: one); "
+    f"{FAULT_PREFIX}.bit": KeyDoc("`bitflip`: the bit to flip (null: the dtype's default exponent bit); "
+                                  "`optimizer_state` / `collective_corruption`: flip this bit in `count` elements "
+                                  "of one stepped tensor instead of scaling (null: scale).", "[0, 31] or null"),
+    f"{FAULT_PREFIX}.count": KeyDoc("`bitflip`, and `optimizer_state` / `collective_corruption` with `bit`: elements "
+                                    "flipped per hit (with neither `count` nor `rate`: one); "
                                     "`hardware_events`: system events per step attempt (null: one).",
                                     ">= 1 or null; not with `rate` for `bitflip`"),
     f"{FAULT_PREFIX}.rate": KeyDoc("`bitflip`: probability that each element is flipped; `grad_scale` / "

@@ -251,17 +251,29 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
     measurement taken while S > 0 stays out of the trajectory; after an alarm S restarts at 0 and the new level
     joins it (one alarm per episode). A sustained drop of x alarms after about ``alarm_drop`` / (x − ``allowance``)
     measurements; a fault confined to one of L layers counts 1/L.
+
+    Attention logit growth per head: each measurement, every head's bound on its attention logits per unit input
+    norms, σ_max(W_q W_kᵀ)/√d_k (from the same thin-QR cores), is compared with its own trend (Theil-Sen of the log
+    bound through the last ``window`` accepted measurements); a head above it by a factor of more than 1 +
+    ``logit_growth`` and by more than ``logit_factor`` robust standard deviations alarms (``logit_action``), once
+    per episode (the alarmed level joins the trend). Where the attention implementation records the measured max
+    logit per head (Transformer Engine >= 2.9 with ``current_max_attn_logits``), it is reported beside the bound.
     """
 
     window: int = 16
     allowance: float = 0.05
     alarm_drop: float = 0.5
     action: ActionName = "warn"
+    logit_growth: float = 0.5
+    logit_factor: float = 6.0
+    logit_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.allowance < 1, "allowance", self.allowance, "must be in [0, 1)")
         require(self.alarm_drop > 0, "alarm_drop", self.alarm_drop, "must be > 0")
+        require(self.logit_growth > 0, "logit_growth", self.logit_growth, "must be > 0 (e.g. 0.5: 1.5x the trend)")
+        require(self.logit_factor > 0, "logit_factor", self.logit_factor, "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -847,7 +859,9 @@ class FaultSpec:
     state ``state_key`` of every stepped parameter is multiplied by ``scale``. ``collective_corruption``: before
     the update, the reduced gradient of every stepped parameter is multiplied by ``scale``, with probability
     ``rate`` (None: 1) per step (a collective that gave ``rank`` a wrong result; it acts after arc_engine's checks
-    of the step, so it shows from the next step on). ``weight_corruption``: at the step's first forward the
+    of the step, so it shows from the next step on). For these two, ``bit`` (a bit of the tensors' dtype) flips
+    that bit in ``count`` (None: 1) elements of one stepped tensor instead of scaling them all (SDC in the
+    optimizer's memory or in a reduction's result). ``weight_corruption``: at the step's first forward the
     parameters matching ``pattern`` (default: every one) become ``scale * w + N(0, (noise * rms(w))^2)`` on a
     ``rate`` fraction of their elements (None: all), in place. ``hardware_events``: ``count`` (None: 1) system
     events per step attempt, counted by the R-Metric's λ. ``memory_leak``: ``megabytes`` MiB allocated on the

@@ -19,7 +19,9 @@ as kinds of :class:`~arc_engine.config.FaultSpec` (``docs/faults.md`` maps the p
 * ``optimizer_state`` / ``collective_corruption`` -- :meth:`StateFault.before_update`, which the engine's update
   hooks call in every applied optimizer step after arc_engine's checks of the step and before the update
   (:func:`arc_engine.recovery.heal.heal_step`): the optimizer state ``state_key`` of every stepped parameter, or
-  its reduced gradient, is multiplied by ``scale``.
+  its reduced gradient, is multiplied by ``scale``; with ``bit`` set, that bit is flipped instead in ``count``
+  (None: 1) elements of one of those tensors (drawn with probability proportional to its size): silent data
+  corruption in the optimizer's memory or in a collective's result.
 * ``hardware_events`` -- :meth:`StateFault.system_events`, an event source of the engine
   (:meth:`arc_engine.engine.ArcEngine.add_event_source`) asked once per step attempt.
 
@@ -278,8 +280,21 @@ class MemoryLeakFault(StateFault):
         self.blocks.clear()
 
 
+def flip_in_one(tensors: list[torch.Tensor], spec: FaultSpec, step: int) -> None:
+    """Flip bit ``spec.bit`` in ``spec.count`` (None: 1) elements of one tensor of ``tensors``, drawn with probability
+    proportional to its size, in place; seeded by ``(seed, step)``. Local, no host sync."""
+    from arc_engine.faults.bitflip import choose_elements, flip_bits
+
+    sizes = torch.tensor([float(t.numel()) for t in tensors])
+    generator = seeded_generator(spec.seed, step)
+    target = tensors[int(torch.multinomial(sizes, 1, generator=generator))]
+    mask = choose_elements(target.shape, None, spec.count or 1, generator, target.device)
+    target.copy_(flip_bits(target, spec.bit, mask))  # spec.bit is set by the caller
+
+
 class OptimizerStateFault(StateFault):
-    """``optimizer_state``: the optimizer state ``state_key`` of every stepped parameter, times ``scale``."""
+    """``optimizer_state``: the optimizer state ``state_key`` of every stepped parameter, times ``scale`` (or, with
+    ``bit``, that bit flipped in ``count`` elements of one of them, once per step)."""
 
     acts_before_update = True
 
@@ -291,21 +306,26 @@ class OptimizerStateFault(StateFault):
         if state is None:
             raise ValueError("faults: optimizer_state needs the optimizer's state, which this integration does not "
                              "pass to heal_step")
-        scaled = 0
+        values = []
         for group in param_groups:
             for param in group["params"]:
                 entry = state.get(param)  # (not state[param]: that would add an entry to a defaultdict)
                 value = entry.get(self.spec.state_key) if entry else None
                 if isinstance(value, torch.Tensor):
-                    value.mul_(self.spec.scale)
-                    scaled += 1
-        if scaled:  # parameters without state yet (the first step) are skipped
-            self.record(step)
+                    values.append(value)
+        if not values or (self.spec.bit is not None and self._last_fired == step):
+            return  # parameters without state yet (the first step) are skipped; one flip per step
+        if self.spec.bit is not None:
+            flip_in_one(values, self.spec, step)
+        else:
+            for value in values:
+                value.mul_(self.spec.scale)
+        self.record(step)
 
 
 class CollectiveCorruptionFault(StateFault):
-    """``collective_corruption``: the reduced gradient of every stepped parameter, times ``scale``, with probability
-    ``rate`` per step."""
+    """``collective_corruption``: the reduced gradient of every stepped parameter, times ``scale`` (or, with ``bit``,
+    that bit flipped in ``count`` elements of one of them, once per step), with probability ``rate`` per step."""
 
     acts_before_update = True
 
@@ -320,11 +340,15 @@ class CollectiveCorruptionFault(StateFault):
         step = self.window_step()
         if step is None or not self.fires_at(step):
             return
+        grads = [param.grad for group in param_groups for param in group["params"] if param.grad is not None]
+        if self.spec.bit is not None:
+            if grads and self._last_fired != step:
+                flip_in_one(grads, self.spec, step)
+                self.record(step)
+            return
         self.record(step)
-        for group in param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(self.spec.scale)
+        for grad in grads:
+            grad.mul_(self.spec.scale)
 
 
 class HardwareEventsFault(StateFault):

@@ -72,6 +72,9 @@ class AttentionShard:
     # group, in order) before the split, and this rank measures query heads ``heads[0]:heads[1]`` of the group
     gather: Any = None
     heads: tuple[int, int] | None = None
+    # the layer's core attention module: where an implementation records its per-head max logits
+    # (``current_max_attn_logits``, Transformer Engine >= 2.9), they are reported
+    core_attention: Any = None
 
 
 @dataclass
@@ -101,6 +104,9 @@ class ModelParts:
     num_experts: int = 0
     experts_per_rank: int = 0   # experts per expert-parallel rank
     routers: list[RouterShard] = field(default_factory=list)
+    #: global rank -> the global ranks of its expert-parallel group (gathered once at attach; empty: not known),
+    #: for naming where a router collapse is
+    ep_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     observe_routing: Callable[[RouterShard, Callable[[torch.Tensor, torch.Tensor], None]], Callable[[], None]] | \
         None = None  # observe_routing(shard, fn): call fn(logits, routing_map) at each routing; returns a remover
     current_step: Callable[[], int] | None = None  # the optimizer step being computed (set by the adapter)

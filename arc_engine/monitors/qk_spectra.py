@@ -12,14 +12,22 @@ Through the one agreement (SUM slots; each (layer, head) is written by exactly o
 * ``qk_layer_sums`` ``[layers x 9]``: per layer, sums over heads of the other summaries (ΔW_q / ΔW_k entropy, stable
   rank and squared norm, Δ₁ and Δ₃ entropy, Δ₂ stable rank) -- layer means for the dashboards;
 * ``qk_measured`` ``[layers]``: heads measured (0 on the steps between measurements, and on the first one, which
-  only records W_{t−δ}).
+  only records W_{t−δ});
+* ``qk_logit_bound`` ``[layers x heads]``: each head's bound on its attention logits per unit input norms,
+  σ_max(W_q W_kᵀ)/√d_k (the largest singular value of a d_k x d_k core), on every measurement (the first included;
+  0: not measured); with a softmax scale other than 1/√d_k or QK layer norms the logits scale differently, and the
+  growth is still the head's own;
+* ``qk_max_logit`` ``[layers x heads]`` (MAX; declared only where the attention records it, Transformer Engine's
+  ``current_max_attn_logits``): the largest attention logit each head produced since the implementation last reset
+  it, as measured.
 
 The alarm is on a persistent drop of the model's attention updates, not on one head: per measurement, each layer's
 median head is compared with that layer's healthy trajectory (a robust trend through the last ``window`` accepted
 measurements, :mod:`arc_engine.monitors.trajectory`), the relative drops are averaged over layers, and a one-sided
 CUSUM accumulates them beyond an allowance (see :class:`~arc_engine.config.QKSpectraConfig`); the event names the
-layers and the heads that fell most, with their tensor-parallel ranks. Its cost is periodic: a
-few small SVDs per head every δ steps (``scripts/bench_qk_cores.py``), plus a host copy of the results."""
+layers and the heads that fell most, with their tensor-parallel ranks. A second monitor (``qk_logit``) follows each
+head's logit bound against its own trend and names the heads that grew off it. Its cost is periodic: a few small SVDs
+per head every δ steps (``scripts/bench_qk_cores.py``), plus a host copy of the results."""
 
 from __future__ import annotations
 
@@ -43,13 +51,21 @@ from arc_engine.monitors.family import (
     StepView,
     periodic_family_enabled,
 )
-from arc_engine.monitors.spectra import HEAD_QUANTITIES, SUMMARIES, head_spectra_t, split_qkv_rows
+from arc_engine.monitors.spectra import (
+    HEAD_QUANTITIES,
+    SUMMARIES,
+    core_singular_values,
+    head_spectra_t,
+    split_qkv_rows,
+)
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
 
 HEAD_ENTROPY = "qk_delta2_entropy"
 LAYER_SUMS = "qk_layer_sums"
 MEASURED = "qk_measured"
+LOGIT_BOUND = "qk_logit_bound"
+MAX_LOGIT = "qk_max_logit"
 #: The per-layer sums, in slot order: (quantity, summary) of :func:`~arc_engine.monitors.spectra.head_spectra`.
 LAYER_FIELDS = (("dwq", "entropy"), ("dwk", "entropy"), ("dwq", "stable_rank"), ("dwk", "stable_rank"),
                 ("dwq", "norm_sq"), ("dwk", "norm_sq"), ("delta1", "entropy"), ("delta3", "entropy"),
@@ -78,30 +94,40 @@ class QKSpectraProducer:
     resume the first measurement only records W) and only when its weights moved: a window of skipped steps has
     ΔW = 0, whose spectrum says nothing about the attention updates (its entropy would read 0)."""
 
-    def __init__(self, parts: ModelParts, every: int) -> None:
-        self.parts, self.every = parts, every
+    def __init__(self, parts: ModelParts, every: int, max_logits: bool = False) -> None:
+        self.parts, self.every, self.max_logits = parts, every, max_logits
         self.shards = [s for s in parts.attention if s.owner]
         self.previous: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # layer: (step, W_q, W_k)
 
     @torch.no_grad()
     def write(self, buffer: StatBuffer, view: StepView) -> None:
-        if view.step % self.every != 0 or not self.shards:
+        if view.step % self.every != 0:
+            return
+        if self.max_logits:
+            self._write_max_logits(buffer)
+        if not self.shards:
             return
         num_layers, num_heads = self.parts.num_layers, self.parts.num_heads
         entropy = np.zeros((num_layers, num_heads))
         sums = np.zeros((num_layers, len(LAYER_FIELDS)))
         measured = np.zeros(num_layers)
+        bounds = np.zeros((num_layers, num_heads))
         pending = [(shard, *self._measure(shard, view.step)) for shard in self.shards]
-        # one host read for every shard: [finite flag, then the heads' summaries] per shard
-        flat = [torch.cat([finite.double().reshape(1), heads.reshape(-1)]) for _, finite, heads in pending]
+        # one host read for every shard: [finite flag, the heads' logit bounds, the heads' summaries] per shard
+        flat = [torch.cat([finite.double().reshape(1), bound, heads.reshape(-1)])
+                for _, finite, bound, heads in pending]
         host = torch.cat(flat).cpu().numpy() if flat else np.zeros(0)
         offset = 0
-        for shard, _, heads in pending:
-            finite, values = host[offset] > 0, host[offset + 1:offset + 1 + heads.numel()]
-            offset += 1 + heads.numel()
+        for shard, _, bound, heads in pending:
+            finite = host[offset] > 0
+            bound_h = host[offset + 1:offset + 1 + bound.numel()]
+            offset += 1 + bound.numel()
+            values = host[offset:offset + heads.numel()]
+            offset += heads.numel()
             if not finite:  # diverged weights: no spectrum, and no baseline after
                 self.previous.pop(shard.layer, None)
                 continue
+            bounds[shard.layer, shard.first_head:shard.first_head + len(bound_h)] = bound_h
             if heads.numel() == 0:
                 continue
             heads_hqs = values.reshape(heads.shape)
@@ -111,16 +137,30 @@ class QKSpectraProducer:
                 entropy[shard.layer, shard.first_head:shard.first_head + len(delta2)] = delta2
                 sums[shard.layer] += _layer_values(heads_hqs).sum(axis=0)
                 measured[shard.layer] += len(delta2)
+        device = buffer.device
+        if bounds.any():
+            buffer.view(LOGIT_BOUND).add_(torch.from_numpy(bounds.reshape(-1)).to(device))
         if measured.any():
-            device = buffer.device
             buffer.view(HEAD_ENTROPY).add_(torch.from_numpy(entropy.reshape(-1)).to(device))
             buffer.view(LAYER_SUMS).add_(torch.from_numpy(sums.reshape(-1)).to(device))
             buffer.view(MEASURED).add_(torch.from_numpy(measured).to(device))
 
-    def _measure(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(finite flag, ``[heads, quantities, summaries]`` of :func:`head_spectra_t`, empty when there is no
-        increment of exactly δ steps) of one shard, on its device; the shard's W_q, W_k become the next
-        measurement's reference. Non-finite weights are measured as zeros and dropped once the flag is read."""
+    def _write_max_logits(self, buffer: StatBuffer) -> None:
+        """The attention's own per-head max logits (every rank's shards: the MAX over data-parallel copies is the
+        job's), where it recorded them since its last reset; local, on the buffer's device."""
+        slot = buffer.view(MAX_LOGIT).view(self.parts.num_layers, self.parts.num_heads)
+        for shard in self.parts.attention:
+            recorded = getattr(shard.core_attention, "current_max_attn_logits", None)
+            if isinstance(recorded, torch.Tensor) and recorded.numel():
+                values = recorded.detach().reshape(-1).to(slot.device, slot.dtype)
+                row = slot[shard.layer, shard.first_head:shard.first_head + values.numel()]
+                torch.maximum(row, values[:row.numel()], out=row)
+
+    def _measure(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(finite flag, ``[heads]`` logit bounds, ``[heads, quantities, summaries]`` of :func:`head_spectra_t`,
+        empty when there is no increment of exactly δ steps) of one shard, on its device; the shard's W_q, W_k become
+        the next measurement's reference. Non-finite weights are measured as zeros and dropped once the flag is
+        read."""
         weight = shard.weight.detach()
         if shard.gather is not None:  # a query group split over TP ranks: gather its rows (periodic only)
             pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
@@ -132,10 +172,15 @@ class QKSpectraProducer:
         first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
         q = q[first:last]
         heads = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64, device=weight.device)
+        group = [(first + h) // shard.heads_per_group for h in range(q.shape[0])]
+        try:
+            bound = torch.stack([core_singular_values(q[h], k[group[h]])[0] for h in range(q.shape[0])])
+            bound = bound / math.sqrt(shard.head_dim)
+        except torch.linalg.LinAlgError:
+            bound = torch.zeros(q.shape[0], dtype=torch.float64, device=weight.device)
         previous = self.previous.get(shard.layer)
         if previous is not None and step - previous[0] == self.every:
             _, q_prev, k_prev = previous
-            group = [(first + h) // shard.heads_per_group for h in range(q.shape[0])]
             try:
                 heads = torch.stack([head_spectra_t(q[h], k[group[h]], q_prev[h], k_prev[group[h]])
                                      for h in range(q.shape[0])])
@@ -143,7 +188,7 @@ class QKSpectraProducer:
                 heads = torch.full((q.shape[0], len(HEAD_QUANTITIES), len(SUMMARIES)), math.nan,
                                    dtype=torch.float64, device=weight.device)
         self.previous[shard.layer] = (step, q.float().clone(), k.float().clone())
-        return finite, heads
+        return finite, bound, heads
 
 
 class QKSpectraMonitor:
@@ -265,6 +310,105 @@ class QKSpectraMonitor:
         self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
 
 
+class QKLogitMonitor:
+    """Each head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k against its own trend (Theil-Sen of the log bound
+    through the last ``window`` accepted measurements): a head above it by a factor of more than 1 +
+    ``logit_growth`` and by ``logit_factor`` robust standard deviations alarms, naming layer, head and TP rank;
+    one alarm per episode (an alarmed head's trend restarts from its new level). Reports the bounds (and the
+    measured max logits, where the attention records them) per layer."""
+
+    name = "qk_logit"
+
+    def __init__(self, config: QKSpectraConfig, parts: ModelParts, heads_per_tp_rank: int,
+                 max_logits: bool = False) -> None:
+        self.config = config
+        self.num_layers, self.num_heads = parts.num_layers, parts.num_heads
+        self.heads_per_tp_rank = max(1, heads_per_tp_rank)
+        self.max_logits = max_logits
+        self.history: deque[np.ndarray] = deque(maxlen=config.window)  # accepted [layers, heads] log bounds
+        self.alarms = 0
+        self._current: np.ndarray | None = None
+        self._measured_max: np.ndarray | None = None
+        self._grown: np.ndarray | None = None  # the heads this measurement alarms on
+
+    def required_stats(self) -> tuple[str, ...]:
+        return (LOGIT_BOUND, MAX_LOGIT) if self.max_logits else (LOGIT_BOUND,)
+
+    def evaluate(self, step: int, stats: Any) -> list[Finding]:
+        self._grown = None
+        bound = np.asarray(stats.total(LOGIT_BOUND), dtype=np.float64).reshape(self.num_layers, self.num_heads)
+        if self.max_logits:  # NaN off its steps (the MAX slot is not reduced), -inf where nothing was recorded
+            measured = np.asarray(stats.total(MAX_LOGIT), dtype=np.float64).reshape(self.num_layers, self.num_heads)
+            if np.isfinite(measured).any():
+                self._measured_max = np.where(np.isfinite(measured), measured, np.nan)
+        if not (bound > 0).any():
+            self._current = None
+            return []
+        with np.errstate(all="ignore"):
+            current = np.where(bound > 0, np.log(bound), np.nan)
+        self._current = current
+        if len(self.history) < self.config.warmup_measurements:
+            return []
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            predicted, spread = robust_trend(np.stack(self.history).reshape(len(self.history), -1))
+        predicted, spread = predicted.reshape(current.shape), spread.reshape(current.shape)
+        margin = np.maximum(math.log1p(self.config.logit_growth), self.config.logit_factor * spread)
+        with np.errstate(all="ignore"):
+            excess = current - predicted
+            grown = np.isfinite(excess) & (excess > margin)
+        if not grown.any():
+            return []
+        self._grown = grown
+        order = np.argsort(-np.where(grown, excess, -np.inf), axis=None)
+        heads = [{"layer": int(layer), "head": int(head), "tp_rank": int(head) // self.heads_per_tp_rank,
+                  "bound": float(np.exp(current[layer, head])), "trend": float(np.exp(predicted[layer, head])),
+                  "growth": float(np.exp(excess[layer, head]))}
+                 for layer, head in (np.unravel_index(i, current.shape) for i in order[:int(grown.sum())][:16])]
+        if self._measured_max is not None:
+            for head in heads:
+                head["measured_max_logit"] = float(self._measured_max[head["layer"], head["head"]])
+        worst = heads[0]
+        message = (f"attention logit growth: {len(heads)} head(s) above their trend; largest: layer "
+                   f"{worst['layer']} head {worst['head']} (TP rank {worst['tp_rank']}) bound "
+                   f"σ_max(W_q W_kᵀ)/√d_k = {worst['bound']:.3g}, {worst['growth']:.2f}x its trend "
+                   f"{worst['trend']:.3g} (> {1 + self.config.logit_growth:g}x)")
+        return [Finding(self.name, Action.parse(self.config.logit_action), Severity.WARNING, message,
+                        values={"heads": heads, "grown": int(grown.sum())})]
+
+    def commit(self, step: int, applied: bool) -> None:
+        if self._current is None:
+            return
+        self.alarms += int(self._grown is not None)
+        if applied:
+            if self._grown is not None:  # one alarm per episode: an alarmed head's trend restarts at its new level
+                for past in self.history:
+                    past[self._grown] = np.nan
+            self.history.append(self._current)
+        self._current = None
+
+    def metrics(self) -> dict[str, float]:
+        out = {"alarms": float(self.alarms)}
+        latest = self._current if self._current is not None else (self.history[-1] if self.history else None)
+        if latest is None:
+            return out
+        with np.errstate(all="ignore"), _quiet_nan_warnings():
+            for layer in range(self.num_layers):
+                row = latest[layer]
+                if not np.isnan(row).all():
+                    out[f"layer{layer}/logit_bound_max"] = float(np.exp(np.nanmax(row)))
+                    out[f"layer{layer}/logit_bound_median"] = float(np.exp(np.nanmedian(row)))
+                if self._measured_max is not None and np.isfinite(self._measured_max[layer]).any():
+                    out[f"layer{layer}/max_logit"] = float(np.nanmax(self._measured_max[layer]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [h.tolist() for h in self.history], "alarms": self.alarms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((np.asarray(h, dtype=np.float64) for h in state["history"]), maxlen=self.config.window)
+        self.alarms = int(state["alarms"])
+
+
 def _relative_drop(baseline: np.ndarray, value: np.ndarray) -> np.ndarray:
     """(baseline − value) / |baseline|, NaN where the baseline is NaN or ~0."""
     with np.errstate(all="ignore"):
@@ -297,13 +441,18 @@ class QKSpectraFamily(FamilyBase):
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         assert ctx.parts is not None
         layers, heads = ctx.parts.num_layers, ctx.parts.num_heads
-        return [StatDecl(HEAD_ENTROPY, layers * heads, Reduce.SUM), StatDecl(LAYER_SUMS, layers * len(LAYER_FIELDS),
-                                                                               Reduce.SUM),
-                StatDecl(MEASURED, layers, Reduce.SUM)]
+        decls = [StatDecl(HEAD_ENTROPY, layers * heads, Reduce.SUM),
+                 StatDecl(LAYER_SUMS, layers * len(LAYER_FIELDS), Reduce.SUM),
+                 StatDecl(MEASURED, layers, Reduce.SUM), StatDecl(LOGIT_BOUND, layers * heads, Reduce.SUM)]
+        if records_max_logits(ctx.parts):
+            every = ctx.section.every
+            decls.append(StatDecl(MAX_LOGIT, layers * heads, Reduce.MAX, due=lambda step: step % every == 0))
+        return decls
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         assert ctx.parts is not None
-        return [Producer("before_agreement", QKSpectraProducer(ctx.parts, ctx.section.every).write)]
+        producer = QKSpectraProducer(ctx.parts, ctx.section.every, max_logits=records_max_logits(ctx.parts))
+        return [Producer("before_agreement", producer.write)]
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         assert ctx.parts is not None
@@ -314,4 +463,11 @@ class QKSpectraFamily(FamilyBase):
             per_rank = shards[0].heads[1] - shards[0].heads[0]
         else:
             per_rank = shards[0].num_query_groups * shards[0].heads_per_group
-        return [QKSpectraMonitor(ctx.section, ctx.parts, per_rank)]
+        return [QKSpectraMonitor(ctx.section, ctx.parts, per_rank),
+                QKLogitMonitor(ctx.section, ctx.parts, per_rank, max_logits=records_max_logits(ctx.parts))]
+
+
+def records_max_logits(parts: ModelParts) -> bool:
+    """Whether the model's attention records its per-head max logits (Transformer Engine's
+    ``current_max_attn_logits``, present when Megatron's ``qk_clip`` or ``log_max_attention_logit`` is on)."""
+    return any(hasattr(shard.core_attention, "current_max_attn_logits") for shard in parts.attention)

@@ -237,6 +237,13 @@ def pack_router_partials(logits_tn: torch.Tensor, routing_map_tn: torch.Tensor, 
     return torch.cat([weight_slots, entropy_sums[:2], counts_n, entropy_sums[2:]])
 
 
+def partial_entropy_mean(partial: torch.Tensor) -> torch.Tensor:
+    """The mean per-token routing entropy of one :func:`pack_router_partials` vector (or a sum of them), as a
+    ``[1]`` tensor on its device: NaN without tokens. No host synchronisation."""
+    tokens, total = partial[_WEIGHT_SLOTS:_WEIGHT_SLOTS + 1], partial[_WEIGHT_SLOTS + 1:_WEIGHT_SLOTS + 2]
+    return torch.where(tokens > 0, total / tokens.clamp_min(1), torch.full_like(total, math.nan))
+
+
 def unpack_router_sums(summed: torch.Tensor | np.ndarray, num_experts: int, num_bins: int = NUM_ENTROPY_BINS,
                        quantiles: Sequence[float] = ENTROPY_QUANTILES) -> dict[str, object]:
     """The router summary from the SUM over ranks of :func:`pack_router_partials` vectors: ``similarity``,

@@ -7,12 +7,16 @@ On the steps it measures (every ``every`` optimizer steps), each rank observes e
 device; tensor-parallel peers that see the same tokens (no sequence parallelism) leave them to TP rank 0. One rank
 per layer copy adds the replicated weight's statistics. The accumulators travel through the one agreement as one
 SUM slot ``router_sums`` ``[layers x (6 + experts + 128)]``, so every rank unpacks the same union: similarity,
-conditioning ratio, entropy mean and low percentiles, tokens per expert, MaxVio, dead experts.
+conditioning ratio, entropy mean and low percentiles, tokens per expert, MaxVio, dead experts. Beside it, per layer,
+one MAX slot ``router_rank_entropy`` ``[layers]`` carries a rank key (:mod:`arc_engine.stats.rank_keys`) of each
+rank's own tokens' mean routing entropy, negated: the agreed value is the lowest rank's entropy with its rank, so a
+collapse confined to one rank's tokens is seen whatever the number of ranks (reduced on measured steps only).
 
 The monitor alarms against the run's own trajectory (a robust trend through the last ``window`` accepted
 measurements, per layer: :mod:`arc_engine.monitors.trajectory`): the mean routing entropy falls, or the similarity
-rises; and an expert alive in the baseline gets no token. Events name the layer, the experts and their expert-
-parallel ranks."""
+rises; the lowest rank's entropy falls (a collapse of one rank's tokens, which moves the union's mean by only that
+rank's share); and an expert alive in the baseline gets no token. Events name the layer, the rank whose tokens'
+entropy is lowest and its expert-parallel group, and the experts and their expert-parallel ranks."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from arc_engine import runtime
 from arc_engine.config.schema import RouterConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
@@ -37,18 +42,28 @@ from arc_engine.monitors.family import (
     StepView,
     periodic_family_enabled,
 )
-from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
+from arc_engine.monitors.router import (
+    pack_router_partials,
+    partial_entropy_mean,
+    router_partials_size,
+    unpack_router_sums,
+)
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import Reduce, StatBuffer
+from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
 
 ROUTER_SUMS = "router_sums"
+RANK_ENTROPY = "router_rank_entropy"
+#: the trajectories the alarm follows: (summary key, direction of a collapse)
+WATCHED = (("entropy_mean", -1.0), ("similarity", 1.0), ("rank_min_entropy", -1.0))
 
 
 class RouterObserver:
     """Accumulates this rank's router partials on measured steps and writes them at the agreement."""
 
-    def __init__(self, parts: ModelParts, every: int) -> None:
-        self.parts, self.every = parts, every
+    def __init__(self, parts: ModelParts, every: int, rank: int = 0) -> None:
+        check_rank(rank)
+        self.parts, self.every, self.rank = parts, every, rank
         self.size = router_partials_size(parts.num_experts)
         self.accumulated: dict[int, torch.Tensor] = {}
         self.removers: list[Callable[[], None]] = []
@@ -78,8 +93,12 @@ class RouterObserver:
         if view.step % self.every != 0:
             return
         slot = buffer.view(ROUTER_SUMS).view(self.parts.num_layers, self.size)
+        keys = buffer.view(RANK_ENTROPY)
         for shard in self.parts.routers:
             partial = accumulated.get(shard.layer)
+            if partial is not None:  # this rank's own tokens (report_tokens): the lowest entropy wins the MAX
+                key = rank_key_t(-partial_entropy_mean(partial), self.rank).to(keys.device)
+                torch.maximum(keys[shard.layer:shard.layer + 1], key, out=keys[shard.layer:shard.layer + 1])
             if shard.report_weight:
                 weight_part = pack_router_partials(torch.zeros(0, self.parts.num_experts, device=shard.weight.device),
                                                    torch.zeros(0, self.parts.num_experts, dtype=torch.bool,
@@ -97,6 +116,7 @@ class RouterMonitor:
 
     def __init__(self, config: RouterConfig, parts: ModelParts) -> None:
         self.config = config
+        self.ep_groups = parts.ep_groups
         self.num_layers, self.num_experts = parts.num_layers, parts.num_experts
         self.experts_per_rank = max(1, parts.experts_per_rank)
         self.size = router_partials_size(parts.num_experts)
@@ -106,13 +126,17 @@ class RouterMonitor:
         self._flagged = False
 
     def required_stats(self) -> tuple[str, ...]:
-        return (ROUTER_SUMS,)
+        return (ROUTER_SUMS, RANK_ENTROPY)
 
     def evaluate(self, step: int, stats: Any) -> list[Finding]:
         sums = np.asarray(stats.total(ROUTER_SUMS), dtype=np.float64).reshape(self.num_layers, self.size)
+        keys = np.asarray(stats.total(RANK_ENTROPY), dtype=np.float64)
         self._flagged = False
         current = {layer: unpack_router_sums(sums[layer], self.num_experts)
                    for layer in range(self.num_layers) if sums[layer].any()}
+        for layer, summary in current.items():
+            value, rank = split_key(float(keys[layer]))  # (NaN, -1): no rank had tokens, or not reduced
+            summary["rank_min_entropy"], summary["rank_min_rank"] = -value, rank
         self._current = current or None
         if not current or len(self.history) < self.config.warmup_measurements:
             return []
@@ -122,9 +146,9 @@ class RouterMonitor:
             if len(past) < self.config.warmup_measurements:
                 continue
             problems = []
-            for key, direction in (("entropy_mean", -1.0), ("similarity", 1.0)):
-                value = float(summary[key])
-                history = np.asarray([float(p[key]) for p in past])
+            for key, direction in WATCHED:
+                value = float(summary.get(key, math.nan))
+                history = np.asarray([float(p.get(key, math.nan)) for p in past])
                 history = history[np.isfinite(history)]
                 if not math.isfinite(value) or history.size < self.config.warmup_measurements:
                     continue
@@ -136,13 +160,7 @@ class RouterMonitor:
                 if change > threshold:
                     problems.append({"statistic": key, "value": value, "baseline": predicted, "threshold": threshold})
             if problems:
-                worst = problems[0]
-                findings.append(Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
-                                        f"router collapse in MoE layer {layer}: {worst['statistic']} "
-                                        f"{worst['value']:.4g} vs healthy {worst['baseline']:.4g}",
-                                        values={"layer": layer, "problems": problems,
-                                                **{k: summary[k] for k in ("similarity", "conditioning_ratio",
-                                                                           "entropy_mean", "max_vio")}}))
+                findings.append(self._collapse(layer, summary, problems))
             alive_before = np.mean([np.asarray(p["tokens_per_expert"]) > 0 for p in past], axis=0) == 1.0
             dead_now = [e for e in summary["dead_expert_ids"] if alive_before[e]]
             if dead_now and summary["tokens"] > 0:
@@ -155,6 +173,27 @@ class RouterMonitor:
                             "tokens_per_expert": summary["tokens_per_expert"]}))
         self._flagged = bool(findings)
         return findings
+
+    def _collapse(self, layer: int, summary: dict[str, Any], problems: list[dict[str, Any]]) -> Finding:
+        """The finding of a router collapse: the union's statistics that left their trajectory, and where: the rank
+        whose own tokens' entropy is lowest and its expert-parallel group (the only problem when the collapse is
+        confined to that rank's tokens)."""
+        rank = int(summary["rank_min_rank"])
+        group = list(self.ep_groups.get(rank, ())) if rank >= 0 else []
+        where = f"rank {rank}" + (f" (expert-parallel group {group})" if group else "")
+        worst = problems[0]
+        if [p["statistic"] for p in problems] == ["rank_min_entropy"]:
+            message = (f"router collapse in MoE layer {layer} on the tokens of {where}: their routing entropy "
+                       f"{worst['value']:.4g} vs healthy {worst['baseline']:.4g} (the job's mean "
+                       f"{summary['entropy_mean']:.4g})")
+        else:
+            message = (f"router collapse in MoE layer {layer}: {worst['statistic']} {worst['value']:.4g} vs healthy "
+                       f"{worst['baseline']:.4g}; lowest routing entropy on {where}")
+        return Finding(self.name, Action.parse(self.config.action), Severity.WARNING, message,
+                       ranks=(rank,) if rank >= 0 else (),
+                       values={"layer": layer, "problems": problems, "rank": rank, "ep_group": group,
+                               **{k: summary[k] for k in ("similarity", "conditioning_ratio", "entropy_mean",
+                                                          "rank_min_entropy", "max_vio")}})
 
     def commit(self, step: int, applied: bool) -> None:
         if self._current is None:
@@ -193,12 +232,15 @@ class RouterFamily(FamilyBase):
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         assert ctx.parts is not None
+        every = ctx.section.every
         return [StatDecl(ROUTER_SUMS, ctx.parts.num_layers * router_partials_size(ctx.parts.num_experts),
-                         Reduce.SUM)]
+                         Reduce.SUM),
+                StatDecl(RANK_ENTROPY, ctx.parts.num_layers, Reduce.MAX, due=lambda step: step % every == 0)]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         assert ctx.parts is not None
-        return [Producer("before_agreement", RouterObserver(ctx.parts, ctx.section.every).write)]
+        observer = RouterObserver(ctx.parts, ctx.section.every, runtime.global_rank())
+        return [Producer("before_agreement", observer.write)]
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         assert ctx.parts is not None
