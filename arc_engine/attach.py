@@ -236,7 +236,8 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
                        shard_reduce=adapter.shard_reduce, params=adapter.params,
                        parts=getattr(adapter, "parts", None),
-                       exact_sketch_size=getattr(adapter, "exact_sketch_size", 0))
+                       exact_sketch_size=getattr(adapter, "exact_sketch_size", 0),
+                       local_grad_hooks=getattr(adapter, "local_grad_hooks", False))
     wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
                                        required_group=adapter.recompute_group)
     engine.start()

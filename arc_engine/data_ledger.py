@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 LEDGER_FILE = "data_ledger.jsonl"
 SKIP_BATCHES_FILE = "skip_batches.json"
-#: the ``action`` of the entries whose positions a resumed run skips again: a ``bad_data`` finding's skip
-HONOURED_ACTIONS = ("skip", "rollback")
+#: the ``action`` of the entries whose positions a resumed run skips again: a ``bad_data`` finding's skip, and a
+#: step applied without the blamed rank's share (``dropped``, :attr:`arc_engine.events.Finding.data_dropped`)
+HONOURED_ACTIONS = ("skip", "rollback", "dropped")
 #: the actions of the entries whose batches were not applied (the others were only blamed: ``warn``, ``none``...)
 NOT_APPLIED = ("skip", "rollback", "abort", "not_replayed")
 
@@ -149,8 +150,9 @@ def describe(entries: list[dict[str, Any]]) -> str:
     bad = ledger_of(entries).bad_positions()
     skipped = sum(1 for e in entries if e.get("action") in NOT_APPLIED)
     span = f"{bad[0]}..{bad[-1]}" if bad else "-"
-    return (f"{len(entries)} entries ({skipped} not applied); {len(bad)} positions skipped for bad data "
-            f"(span {span})")
+    dropped = sum(1 for e in entries if e.get("action") == "dropped")
+    return (f"{len(entries)} entries ({skipped} not applied, {dropped} applied without the blamed rank's share); "
+            f"{len(bad)} positions skipped for bad data (span {span})")
 
 
 __all__ = ["LEDGER_FILE", "SKIP_BATCHES_FILE", "DataLedger", "describe", "ledger_of", "megatron_iterations",

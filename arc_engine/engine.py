@@ -78,7 +78,8 @@ class ArcEngine:
     ``params``: this rank's trainable parameters as the adapter holds them (what family producers may read).
     ``parts``: the model's structure as the adapter describes it (attention and router shards), for the families
     that monitor a mechanism. ``exact_sketch_size``: the local gradient's element count when the adapter can write
-    it whole as the gradient sketch (DDP), else 0.
+    it whole as the gradient sketch (DDP), else 0. ``local_grad_hooks``: tensor hooks on ``params`` see and replace
+    each rank's local gradient before the reduction (DDP, ZeRO-1/2).
 
     The engine knows no monitor family: it registers the adapters' standard slots, then asks every enabled family
     (:mod:`arc_engine.monitors.registry`) for its statistics, producers and monitors.
@@ -87,7 +88,8 @@ class ArcEngine:
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
                  sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = (),
-                 parts: ModelParts | None = None, exact_sketch_size: int = 0) -> None:
+                 parts: ModelParts | None = None, exact_sketch_size: int = 0,
+                 local_grad_hooks: bool = False) -> None:
         self.config = config
         self.group = group
         self.rank = runtime.global_rank()
@@ -112,7 +114,7 @@ class ArcEngine:
         self.producers: list[Producer] = []
         for family in families():
             context = FamilyContext(config, section_of(config, family), self.group_names, shard_reduce, parts,
-                                    exact_sketch_size)
+                                    exact_sketch_size, local_grad_hooks)
             if not family.enabled(context):
                 continue
             self.families.append((family, context))
@@ -452,8 +454,9 @@ class ArcEngine:
         if decision.applies_update and not blamed:
             return
         causes = [f for f in decision.findings if f.action >= Action.SKIP] or blamed
+        dropped = decision.applies_update and any(f.data_dropped for f in blamed)
         self.ledger.record(first=self.data_position, step=self.step, iteration=self.iteration,
-                           action=decision.action.name.lower(), bad_data=bool(blamed),
+                           action="dropped" if dropped else decision.action.name.lower(), bad_data=bool(blamed),
                            ranks=[r for f in blamed for r in f.ranks], detectors=[f.detector for f in causes],
                            reason=(blamed or causes)[0].message if (blamed or causes) else "")
 

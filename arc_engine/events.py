@@ -52,6 +52,8 @@ class Finding:
     loss scaler's overflow), so its ``action`` stands even where arc_engine only observes.
     ``bad_data``: the finding blames the step's input batch (on ``ranks``): the engine adds the data position to its
     values and to the data ledger, and the policy counts the skips apart (``policy.max_consecutive_data_skips``).
+    ``data_dropped`` (with ``bad_data``): the blamed ranks' share of the gradient was left out of this step, which is
+    applied without it; the ledger records the position as ``dropped`` (a resumed run skips it, the exports list it).
     """
 
     detector: str
@@ -62,6 +64,7 @@ class Finding:
     values: dict[str, Any] = field(default_factory=dict)
     by_framework: bool = False
     bad_data: bool = False
+    data_dropped: bool = False
 
 
 @dataclass(frozen=True)

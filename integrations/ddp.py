@@ -362,6 +362,7 @@ class TorchAdapter(ScalerSkipsHooks):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # the comm hook can write the whole local gradient as the sketch (detectors.consistency.exact_max_params)
         self.exact_sketch_size = sum(p.numel() for p in self.params) if self.is_ddp else 0
+        self.local_grad_hooks = True  # a parameter's tensor hook runs before DDP's reducer reads its gradient
         self.data_parallel_group = model.process_group if self.is_ddp else None
         self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.is_ddp

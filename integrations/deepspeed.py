@@ -389,6 +389,8 @@ class ZeroAdapter:
         self.data_parallel_group = deepspeed_internals.data_parallel_group(self.zero)
         self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.stage in (1, 2)
+        # ZeRO-1/2 reduce from hooks on each parameter's gradient accumulation, after its tensor hooks have run
+        self.local_grad_hooks = self.stage in (1, 2)
         self.hooks: ZeroStepHooks | None = None
 
     @property

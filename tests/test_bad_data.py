@@ -163,12 +163,13 @@ def _run(rank: int, world: int, run_dir: Path, fault: bool) -> dict:
     return train_ddp(rank, 150, config)
 
 
-def test_a_corrupted_shard_is_skipped_naming_its_rank_and_a_rerun_honours_the_ledger(tmp_path: Path) -> None:
+def test_a_corrupted_shard_is_quarantined_naming_its_rank_and_a_rerun_honours_the_ledger(tmp_path: Path) -> None:
     """Default settings (recovery off). Clean: no data finding in 150 steps. Rank 1's tokens all random on steps
-    120-131: every one of those steps is skipped with a data finding naming rank 1 and its data position, on both ranks
-    alike; the run goes on to the end (12 skips in a row, past max_consecutive_skips 5); the ledger holds positions
-    120-131 as bad data of rank 1; the exports say so; a rerun in the same run directory without the fault skips the
-    same positions (the data_ledger finding) and applies every other step."""
+    120-131: step 120 is skipped with a data finding naming rank 1 and its data position, on both ranks alike; steps
+    121-131 are applied without rank 1's share (quarantine: warnings naming rank 1); step 132 lifts it; the replicas
+    stay identical; the run goes on to the end; the ledger holds position 120 (skip) and 121-131 (dropped) as bad data
+    of rank 1; the exports say so; a rerun in the same run directory without the fault skips those positions (the
+    data_ledger finding) and applies every other step."""
     clean = run_ranks(_run, 2, tmp_path / "clean", False)
     assert not [d for d in clean[0]["decisions"] for f in d[2] if f[0] == "data"]
     assert "aborted_at" not in clean[0]
@@ -177,10 +178,13 @@ def test_a_corrupted_shard_is_skipped_naming_its_rank_and_a_rerun_honours_the_le
     assert "aborted_at" not in faulted[0], faulted[0]
     blamed = {step: action for step, action, findings in faulted[0]["decisions"]
               for detector, ranks in findings if detector == "data" and ranks == [1]}
-    assert blamed == dict.fromkeys(range(120, 132), "SKIP"), blamed
+    assert blamed == {120: "SKIP", **dict.fromkeys(range(121, 132), "WARN")}, blamed
+    assert all(torch.equal(faulted[0]["params"][name], faulted[1]["params"][name]) for name in faulted[0]["params"])
+    assert faulted[0]["summary"]["skipped_steps"] == 1
     run_dir = tmp_path / "faulted" / "test"
     entries = read_ledger(run_dir / "data_ledger.jsonl")
     assert [e["first"] for e in entries if e["bad_data"]] == list(range(120, 132))
+    assert [e["action"] for e in entries if e["bad_data"]] == ["skip"] + ["dropped"] * 11
     assert all(e["ranks"] == [1] and "data position" in e["reason"] for e in entries if e["bad_data"])
     assert megatron_iterations(entries) == list(range(121, 133))
     assert cli(["data-ledger", str(run_dir), "--format", "skip-batches"]) == 0
@@ -206,3 +210,42 @@ def test_the_data_ledger_command_prints_exports_and_refuses_bad_input(tmp_path: 
     (tmp_path / "data_ledger.jsonl").write_text("not json\n")
     assert cli(["data-ledger", str(tmp_path)]) == 2
     assert "data_ledger.jsonl:1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the quarantine's hooks under DDP
+
+
+def _quarantined_grads(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from arc_engine.monitors.bad_data import Quarantine
+    from tests.training import BATCH, tiny_model_and_data
+
+    model, data = tiny_model_and_data(0)
+    alone, _ = tiny_model_and_data(0)  # the same weights, no DDP: each rank's own local gradient
+    alone(*data.batch(0, rank, BATCH)).backward()
+    own = [p.grad.clone() for p in alone.parameters()]
+    ddp = DistributedDataParallel(model)
+    quarantine = Quarantine(rank)
+    quarantine.params = list(model.parameters())
+    quarantine.start(blamed=1, ranks=world, step=0)
+    ddp(*data.batch(0, rank, BATCH)).backward()
+    held = [p.grad.clone() for p in model.parameters()]
+    quarantine.stop()
+    model.zero_grad(set_to_none=True)
+    ddp(*data.batch(0, rank, BATCH)).backward()
+    released = [p.grad.clone() for p in model.parameters()]
+    return {"own": own, "held": held, "released": released, "hooks": len(quarantine._handles)}
+
+
+def test_a_quarantined_ranks_share_is_left_out_of_the_ddp_reduction_exactly() -> None:
+    """Rank 1 quarantined at 2 ranks: the reduced gradient on both ranks is rank 0's own local gradient, bitwise
+    (rank 1 contributes zeros, rank 0 twice its gradient, DDP averages); stopped, no hook remains and the reduction is
+    the mean of both again."""
+    results = run_ranks(_quarantined_grads, 2)
+    for result in results:
+        assert result["hooks"] == 0
+        assert all(torch.equal(h, o) for h, o in zip(result["held"], results[0]["own"], strict=True))
+        mean = [(a + b) / 2 for a, b in zip(results[0]["own"], results[1]["own"], strict=True)]
+        assert all(torch.allclose(r, m, rtol=1e-6, atol=1e-7) for r, m in zip(result["released"], mean, strict=True))
+        assert not all(torch.equal(r, h) for r, h in zip(result["released"], result["held"], strict=True))

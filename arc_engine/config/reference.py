@@ -202,6 +202,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                        "clean runs, [results.md](results.md#bad-data)).", ">= 1"),
     "detectors.data.min_excess": KeyDoc("The highest-loss rank is named when its loss is at least this fraction "
                                         "above its peers' mean.", ">= 0"),
+    "detectors.data.quarantine": KeyDoc("After a step skipped for a named rank's bad data, drop only that rank's "
+                                        "share of the next steps' gradient (before the reduction) and apply them, "
+                                        "while the rule keeps naming it (DDP, ZeRO-1/2; elsewhere: skip)."),
+    "detectors.data.quarantine_steps": KeyDoc("Quarantined steps in a row at most; past them the findings skip "
+                                              "again.", ">= 1"),
     "detectors.data.action": KeyDoc("What a finding gets; its skips count apart "
                                     "(`policy.max_consecutive_data_skips`)."),
     "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "

@@ -407,7 +407,12 @@ class DataConfig:
     index) the step consumed; the position goes into the data ledger (``data_ledger.jsonl``), which a resumed run
     honours and ``arc-engine data-ledger`` exports. Its skips count apart from the other skips
     (``policy.max_consecutive_data_skips``). Needs two or more ranks recording a loss; off under expert parallelism
-    like ``detectors.consistency``."""
+    like ``detectors.consistency``.
+    ``quarantine``: after a step skipped for a named rank's bad data, the following steps drop only that rank's share
+    of the gradient (its local gradient x 0, the others' x n/(n − 1), before the reduction, on every rank alike) and
+    are applied, for as long as the rule keeps naming that rank and at most ``quarantine_steps`` in a row (then its
+    findings skip again, and the policy's bound on data skips applies). Where the integration's local gradients
+    cannot be reached before the reduction (FSDP2, ZeRO-3, model parallelism), the steps are skipped."""
 
     enabled: bool = True
     warmup_steps: int = 20
@@ -416,6 +421,8 @@ class DataConfig:
     min_ratio: float = 10.0
     min_excess: float = 0.05
     action: ActionName = "skip"
+    quarantine: bool = True
+    quarantine_steps: int = 100
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
@@ -423,6 +430,7 @@ class DataConfig:
         require(self.factor > 0, "factor", self.factor, "must be > 0")
         require(self.min_ratio >= 1, "min_ratio", self.min_ratio, "must be >= 1")
         require(self.min_excess >= 0, "min_excess", self.min_excess, "must be >= 0")
+        require(self.quarantine_steps >= 1, "quarantine_steps", self.quarantine_steps, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True)

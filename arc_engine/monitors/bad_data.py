@@ -20,6 +20,13 @@ it in the data ledger (:mod:`arc_engine.data_ledger`). A spread past the limit n
 
 Under tensor or pipeline parallelism the ranks of one replica record the same loss; the named rank is then the
 highest global rank of the replica whose batch it was (ties in a rank key go to the higher rank).
+
+Quarantine (``quarantine``, where the integration's tensor hooks see each rank's local gradient before the
+reduction: DDP, ZeRO-1/2, every rank its own replica): after a step skipped for rank R's data, every rank registers a
+tensor hook on each trainable parameter -- R's returns zeros, the others' their gradient x n/(n − 1) -- so the
+reduced gradient is the mean of R's peers' and the step can be applied. While the rule keeps naming R its findings
+are warnings ("applied without rank R's share"); the first step on which it does not (R's loss rejoined its peers,
+or another rank is named) removes the hooks, and so does a restore. Outside a quarantine no hook exists.
 """
 
 from __future__ import annotations
@@ -46,6 +53,42 @@ from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
 RANK = "data_rank"
 
 
+class Quarantine:
+    """One rank's share of the gradient dropped before the reduction (see the module docstring): tensor hooks on
+    ``params``, registered only while a rank is quarantined. Local; every rank starts and stops it on the same
+    agreed step."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.params: list[torch.Tensor] = []
+        self.blamed: int | None = None  # the quarantined rank
+        self.since = -1                 # the first step applied without its share
+        self.steps = 0                  # quarantined steps so far
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def start(self, blamed: int, ranks: int, step: int) -> None:
+        """From the next backward on: this rank's local gradient dropped (``blamed`` is this rank) or scaled by
+        ``ranks / (ranks − 1)`` (its peers), so the mean over the ``ranks`` ranks is the peers' mean."""
+        self.stop()
+        scale = ranks / (ranks - 1)
+
+        def drop(grad: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(grad)  # (not grad * 0: a NaN in the bad batch's gradient would stay)
+
+        def rescale(grad: torch.Tensor) -> torch.Tensor:
+            return grad * scale
+
+        hook = drop if self.rank == blamed else rescale
+        self._handles = [param.register_hook(hook) for param in self.params if param.requires_grad]
+        self.blamed, self.since, self.steps = blamed, step + 1, 0
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.blamed = None
+
+
 def spread_limit(history: deque[float] | list[float], factor: float, min_ratio: float) -> tuple[float, float]:
     """(the limit the loss spread must exceed, the baseline median) from the accepted spreads. Pure."""
     median, robust_std = robust_baseline(history)
@@ -65,9 +108,11 @@ class BadDataMonitor:
     name = "data"
 
     def __init__(self, config: DataConfig, rank: int, positions: int = 1, position: int = 0,
-                 write_moments: bool = True) -> None:
+                 write_moments: bool = True, quarantine: bool = False) -> None:
         check_rank(rank)
         self.config = config
+        self.quarantine = Quarantine(rank) if quarantine and config.quarantine else None
+        self._named = -1  # the rank this step's finding names (-1: none)
         self.rank = rank
         self.moments = WorkerMoments(positions, position)
         self.write_moments = write_moments  # False: the consistency family writes the shared slots
@@ -85,11 +130,13 @@ class BadDataMonitor:
         """Producer: this rank's global rank and the shared loss moments, unless the consistency family writes them
         (device-side, no sync)."""
         buffer.view(RANK).fill_(float(self.rank))
+        if self.quarantine is not None and not self.quarantine.params:
+            self.quarantine.params = [p for p in view.params if p.requires_grad]
         if self.write_moments:
             self.moments.write(buffer)
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
-        self._flagged = False
+        self._flagged, self._named = False, -1
         spread = self._spread = self.moments.read(stats)
         ranks = float(stats.total(names.LOSS_RANKS)[0])
         deviation = spread.loss_l4
@@ -118,14 +165,31 @@ class BadDataMonitor:
                   "rank": rank if named else -1, "rank_loss": highest, "peers_loss": peers, "excess": excess}
         where = (f"rank {rank}'s loss {highest:.4g} is {excess:.0%} above its peers' {peers:.4g}" if named else
                  "no single rank's loss stands out")
-        return [Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
+        action = Action.parse(self.config.action)
+        self._named = rank if named else -1
+        held = self.quarantine
+        dropped = held is not None and named and rank == held.blamed and held.steps < self.config.quarantine_steps
+        if dropped:
+            action = Action.WARN  # its share is not in this step's gradient: the step can be applied
+            where += f"; applied without rank {rank}'s share of the gradient (quarantined since step {held.since})"
+            values["quarantined"] = rank
+        return [Finding(self.name, action, Severity.WARNING,
                         f"bad data: the ranks' losses parted (deviation {deviation:.3g}, limit {limit:.3g}, "
                         f"baseline {median:.3g}); {where}", ranks=(rank,) if named else (), values=values,
-                        bad_data=True)]
+                        bad_data=True, data_dropped=bool(dropped))]
 
     def commit(self, step: int, applied: bool) -> None:
         if self._spread is not None:
             self.moments.advance(self._spread)
+        held = self.quarantine
+        if held is not None:
+            if held.blamed is not None and self._named != held.blamed:
+                held.stop()  # its loss rejoined its peers', or another rank's data went bad
+            elif held.blamed is not None:
+                held.steps += 1
+            ranks = int(self._values.get("ranks", 0.0))
+            if held.blamed is None and self._named >= 0 and not applied and ranks >= 2:
+                held.start(self._named, ranks, step)
         if applied and not self._flagged and math.isfinite(self._values.get("deviation", math.nan)) \
                 and self._values.get("ranks", 0.0) >= 2:
             self.history.append(self._values["deviation"])
@@ -138,6 +202,8 @@ class BadDataMonitor:
         return {"history": list(self.history), "alarms": self.alarms, **self.moments.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.quarantine is not None:  # a restore (rollback, resume) ends a quarantine
+            self.quarantine.stop()
         self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
         self.alarms = int(state["alarms"])
         self.moments.load_state_dict(state)
@@ -158,7 +224,8 @@ class BadDataFamily(FamilyBase):
         if self._monitor is None or self._monitor[0] != id(ctx):
             positions, position = worker_positions(ctx.parts) or (1, 0)
             monitor = BadDataMonitor(ctx.section, runtime.global_rank(), positions, position,
-                                     write_moments=not ctx.config.detectors.consistency.enabled)
+                                     write_moments=not ctx.config.detectors.consistency.enabled,
+                                     quarantine=ctx.local_grad_hooks and positions == 1)
             self._monitor = (id(ctx), monitor)
         return self._monitor[1]
 
@@ -172,4 +239,4 @@ class BadDataFamily(FamilyBase):
         return [self._monitor_for(ctx)]
 
 
-__all__ = ["RANK", "BadDataFamily", "BadDataMonitor", "loss_key", "spread_limit"]
+__all__ = ["RANK", "BadDataFamily", "BadDataMonitor", "Quarantine", "loss_key", "spread_limit"]

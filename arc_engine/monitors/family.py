@@ -155,6 +155,9 @@ class FamilyContext:
     #: the local gradient's element count when the adapter can write it whole, each element at its own place, as
     #: the gradient sketch (DDP: the same on every rank); 0 when it cannot
     exact_sketch_size: int = 0
+    #: a tensor hook on each of the engine's ``params`` sees this rank's whole local gradient before any reduction,
+    #: and what it returns is what gets reduced (DDP, DeepSpeed ZeRO-1/2; not FSDP2's or ZeRO-3's shards)
+    local_grad_hooks: bool = False
 
 
 @dataclass
