@@ -79,4 +79,5 @@ def test_harm_is_beyond_the_seed_spread_or_divergence_and_detection_is_on_the_fl
     assert math.isclose(scores["clean"]["per_1000"], 1000 / 1400)
     table = sdc_study.study_table(scores)
     assert "| backward | exponent_msb | 2 of 2 (1) | 1/2 = 50% [" in table
+    assert table.splitlines()[2].endswith("| sdc 1 |")  # backward/exponent_msb: the detectors of the detected runs
     assert "1 alarms in 1400 steps" in table and "left out): 1" in table

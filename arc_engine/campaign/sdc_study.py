@@ -163,6 +163,8 @@ def score_study(records: list[dict[str, Any]]) -> dict[str, Any]:
             cell[kind] += 1
             cell[f"{kind}_detected"] += run["detected"]
             cell["diverged"] += run["diverged"]
+            for detector in run["detectors"] if run["detected"] else ():
+                cell[f"by:{detector}"] += 1
     clean_steps = sum(len(r["losses"]) for r in clean.values())
     clean_alarms = sum(len(arc_alarms(r)) for r in clean.values())
     per_1000 = 1000 * clean_alarms / clean_steps if clean_steps else math.nan
@@ -185,8 +187,8 @@ def _rate(hits: int, total: int) -> str:
 
 def study_table(scores: dict[str, Any]) -> str:
     """Markdown: per site and bit class, the harmful and harmless runs and the share detected; then false alarms."""
-    lines = ["| site | bits | harmful (diverged) | detected, harmful | detected, harmless |",
-             "|---|---|---|---|---|"]
+    lines = ["| site | bits | harmful (diverged) | detected, harmful | detected, harmless | by |",
+             "|---|---|---|---|---|---|"]
     order = [f"{site}/{bits}" for site in (*SITES, "all") for bits in (*BIT_CLASSES, "all")]
     for key in order:
         cell = scores["cells"].get(key)
@@ -194,9 +196,10 @@ def study_table(scores: dict[str, Any]) -> str:
             continue
         site, bits = key.split("/")
         harmful, harmless = cell.get("harmful", 0), cell.get("harmless", 0)
+        by = ", ".join(f"{key[3:]} {count}" for key, count in sorted(cell.items()) if key.startswith("by:"))
         lines.append(f"| {site} | {bits} | {harmful} of {harmful + harmless} ({cell.get('diverged', 0)}) | "
                      f"{_rate(cell.get('harmful_detected', 0), harmful)} | "
-                     f"{_rate(cell.get('harmless_detected', 0), harmless)} |")
+                     f"{_rate(cell.get('harmless_detected', 0), harmless)} | {by or '-'} |")
     clean = scores["clean"]
     spread = ", ".join(f"{backend} {value:.4f}" for backend, value in scores["spread"].items())
     lines += ["", f"Clean: {clean['alarms']} alarms in {clean['steps']} steps = {clean['per_1000']:.2f} per 1,000 "
