@@ -328,3 +328,20 @@ def test_gradients_whose_hooks_never_ran_are_read_at_the_optimizer_step_with_an_
     missed = [e for e in read_jsonl(tmp_path / "hookless" / "test" / "events.jsonl")
               if e.get("action") == "hooks_missed"]
     assert missed and missed[0]["severity"] == "warning" and "compiled autograd" in missed[0]["message"], missed
+
+
+# --------------------------------------------------------------------- bad data: skipped, no quarantine
+
+def test_a_bad_shard_under_fsdp2_is_skipped_naming_its_rank_without_a_quarantine(tmp_path: Path) -> None:
+    """Rank 1's tokens all random on steps 60-63: each of those steps is a data finding naming rank 1 and is skipped
+    on both ranks (FSDP2's sharded parameters run no tensor hooks before the reduce-scatter, so no quarantine drops
+    only rank 1's share); every other step is applied."""
+    config = make_config(tmp_path, "faults.injections=[{kind: data_corruption, rank: 1, step: 60, steps: 4, "
+                                   "rate: 1.0, seed: 3}]")
+    results = run_ranks(_train_rank, 2, 66, config)
+    decisions = results[0]["decisions"]
+    assert all(r["decisions"] == decisions for r in results)
+    data = {step: action for step, action, findings in decisions for detector, ranks, _ in findings
+            if detector == "data" and ranks == [1]}
+    assert data == dict.fromkeys(range(60, 64), "SKIP"), data
+    assert {step for step, action, _ in decisions if action == "SKIP"} == set(range(60, 64))
