@@ -249,3 +249,35 @@ def test_a_quarantined_ranks_share_is_left_out_of_the_ddp_reduction_exactly() ->
         mean = [(a + b) / 2 for a, b in zip(results[0]["own"], results[1]["own"], strict=True)]
         assert all(torch.allclose(r, m, rtol=1e-6, atol=1e-7) for r, m in zip(result["released"], mean, strict=True))
         assert not all(torch.equal(r, h) for r, h in zip(result["released"], result["held"], strict=True))
+
+
+# ------------------------------------------------------------------ replicas that diverged are not bad data
+
+DIVERGE = "faults.injections=[{kind: optimizer_state, rank: 1, step: 120, scale: 1.0e-8, state_key: exp_avg_sq}]"
+
+
+def _diverged(rank: int, world: int, run_dir: Path) -> dict:
+    from tests.training import train_ddp as train
+
+    result = train(rank, 150, make_config(run_dir, DIVERGE))
+    result.pop("snapshots", None)
+    return result
+
+
+def test_replicas_whose_weights_diverged_are_not_taken_for_bad_data(tmp_path: Path) -> None:
+    """Rank 1's Adam second moment x 1e-8 before its update at step 120 (only rank 1's replica moves 10^4 x too far):
+    from then on the ranks' losses part because their weights differ. The data rule's follow-up compares the
+    replicas' weight fingerprints: the finding says the replicas differ, is not bad data (no quarantine, nothing in
+    the ledger as bad data), and its skips are ordinary ones: past max_consecutive_skips the run stops (recovery off),
+    on both ranks alike."""
+    results = run_ranks(_diverged, 2, tmp_path)
+    assert results[0]["decisions"] == results[1]["decisions"]
+    assert results[0]["aborted_at"] == results[1]["aborted_at"] > 120, results[0].get("aborted_at")
+    data = [(step, action) for step, action, findings in results[0]["decisions"]
+            for detector, _ in findings if detector == "data"]
+    assert data and all(action == "SKIP" for _, action in data), data
+    entries = read_ledger(tmp_path / "test" / "data_ledger.jsonl")
+    assert entries and not [e for e in entries if e["bad_data"]], entries
+    events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
+    messages = [e["message"] for e in events if e.get("detector") == "data"]
+    assert messages and all("replicas' weights differ" in m for m in messages), messages[:2]

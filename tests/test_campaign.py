@@ -156,3 +156,19 @@ def test_megatron_tp2_campaign_backend(tmp_path: Path) -> None:
     assert row["detectors"][ARC]["detected"] == 1 and "non_finite" in row["arc_detectors"]
     assert row["crash_recovered"] == 1 and row["unprotected_ok"] == 0
     assert scores["clean"]["backends"]["megatron_tp2"]["false_interventions"] == 0
+
+
+def test_the_verdict_counts_a_baseline_only_beyond_what_its_false_alarms_give() -> None:
+    """A baseline that caught 1 of 3 runs where its clean-run false alarms alone would catch 2.5 is not a detector of
+    the fault: no best baseline, and arc_engine with no detection on a fault that crashes nothing is not behind. One
+    that caught 3 with 0.5 by chance is: arc_engine's 2 (none by chance) are fewer."""
+    from arc_engine.campaign.scoring import _best_baseline, _verdict
+
+    row = {"crashed": 0, "detectors": {ARC: {"detected": 0, "lead_mean": None, "chance": 0.1},
+                                       "noisy": {"detected": 1, "lead_mean": None, "chance": 2.5}}}
+    assert _best_baseline(row) is None and _verdict(row, None) == "yes"
+    row["detectors"]["sharp"] = {"detected": 3, "lead_mean": None, "chance": 0.5}
+    row["detectors"][ARC]["detected"] = 2
+    assert _best_baseline(row) == "sharp" and _verdict(row, "sharp") == "no: fewer detections"
+    row["detectors"][ARC]["detected"] = 3
+    assert _verdict(row, "sharp") == "yes"

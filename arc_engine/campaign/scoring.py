@@ -146,9 +146,6 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         row["steps_lost"] = _mean([r["attempts"] - r["steps_target"] + r["skipped_steps"] for r in done])
         row["rollbacks"] = _mean([r["recovery"].get("rollbacks", 0) for r in done])
         row["aborted"] = sum(r["aborted"] is not None for r in done)
-        best = _best_baseline(row)
-        row["best_baseline"] = best
-        row["verdict"] = _verdict(row, best)
         rows.append(row)
     crash_rows = [row for row in rows if row["crashed"]]
     summary = {
@@ -164,6 +161,9 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         for name, stats in row["detectors"].items():
             per_1000 = summary[name].get("false_alarms_per_1000")
             stats["chance"] = chance_detections(observed, None if per_1000 is None else per_1000 / 1000)
+        best = _best_baseline(row)
+        row["best_baseline"] = best
+        row["verdict"] = _verdict(row, best)
     return {"rows": rows, "detectors": summary, "clean": clean,
             "crash_recovery": {"recovered": sum(row["crash_recovered"] for row in crash_rows),
                                "crash_runs": sum(row["crashed"] for row in crash_rows)}}
@@ -174,20 +174,27 @@ def _order(fault: str) -> int:
     return names.index(fault) if fault in names else len(names)
 
 
+def _beyond_chance(stats: dict[str, Any]) -> float:
+    """Detections beyond what the rule's clean-run false alarms alone would give in these windows."""
+    return stats["detected"] - stats.get("chance", 0.0)
+
+
 def _best_baseline(row: dict[str, Any]) -> str | None:
-    candidates = [(stats["detected"], stats["lead_mean"] if stats["lead_mean"] is not None else -math.inf, name)
+    """The baseline with the most detections beyond chance (then the longest lead); None when none has any."""
+    candidates = [(_beyond_chance(stats), stats["lead_mean"] if stats["lead_mean"] is not None else -math.inf, name)
                   for name, stats in row["detectors"].items() if name != ARC]
-    detected, _, name = max(candidates, default=(0, -math.inf, None))
-    return name if detected else None
+    beyond, _, name = max(candidates, default=(0.0, -math.inf, None))
+    return name if beyond > 0 else None
 
 
 def _verdict(row: dict[str, Any], best: str | None) -> str:
-    """Whether arc_engine's detection rate and lead time are at least the best baseline's on this fault."""
+    """Whether arc_engine's detections beyond chance and lead time are at least the best baseline's on this fault
+    (a baseline whose detections are no more than its false alarms would make is not a detector of it)."""
     arc = row["detectors"][ARC]
     if best is None:
         return "yes" if arc["detected"] or not row["crashed"] else "no baseline detects it"
     other = row["detectors"][best]
-    if arc["detected"] < other["detected"]:
+    if _beyond_chance(arc) < _beyond_chance(other) - 1e-9:
         return "no: fewer detections"
     if other["lead_mean"] is not None and (arc["lead_mean"] is None or arc["lead_mean"] < other["lead_mean"]):
         return "no: shorter lead"

@@ -21,6 +21,12 @@ it in the data ledger (:mod:`arc_engine.data_ledger`). A spread past the limit n
 Under tensor or pipeline parallelism the ranks of one replica record the same loss; the named rank is then the
 highest global rank of the replica whose batch it was (ties in a rank key go to the higher rank).
 
+Replicas that diverged are not bad data: where every rank holds a whole replica (DDP, ZeRO-1/2), the alarm's
+follow-up also carries a fingerprint of each rank's weights (the sum of its parameters, and its negation: their MAX is
+the largest and the smallest); when they differ, the ranks' losses parted because their weights did (a corrupted
+optimizer state or reduction on one rank), and the finding says so, is not ``bad_data`` and starts no quarantine: its
+skips count as ordinary skips, so the policy rolls back (or stops) after ``policy.max_consecutive_skips``.
+
 Quarantine (``quarantine``, where the integration's tensor hooks see each rank's local gradient before the
 reduction: DDP, ZeRO-1/2, every rank its own replica): after a step skipped for rank R's data, every rank registers a
 tensor hook on each trainable parameter -- R's returns zeros, the others' their gradient x n/(n − 1) -- so the
@@ -154,8 +160,11 @@ class BadDataMonitor:
         self._flagged = True
         self.alarms += 1
         layout = stats.layout
-        key = stats.follow_up(lambda row: np.array([loss_key(row, layout)]), Reduce.MAX)
+        replicas = self.quarantine is not None and bool(self.quarantine.params)  # whole replicas on every rank
+        key = stats.follow_up(lambda row: np.array([loss_key(row, layout), *(self._fingerprint() if replicas else
+                                                                             ())]), Reduce.MAX)
         highest, rank = split_key(float(key[0]))
+        diverged = replicas and float(key[1]) != -float(key[2])
         total = spread.loss_mean * ranks
         peers = (total - highest) / (ranks - 1) if rank >= 0 else math.nan
         excess = (highest - peers) / abs(peers) if rank >= 0 and peers else math.nan
@@ -166,6 +175,12 @@ class BadDataMonitor:
         where = (f"rank {rank}'s loss {highest:.4g} is {excess:.0%} above its peers' {peers:.4g}" if named else
                  "no single rank's loss stands out")
         action = Action.parse(self.config.action)
+        if diverged:  # not the data: the replicas' weights differ
+            values.update(replicas_diverged=True, fingerprint_max=float(key[1]), fingerprint_min=-float(key[2]))
+            return [Finding(self.name, action, Severity.WARNING,
+                            f"the data-parallel replicas' weights differ (parameter sums {-float(key[2]):.9g} to "
+                            f"{float(key[1]):.9g}): the ranks' losses parted because their weights did, not their "
+                            f"data; {where}", ranks=(rank,) if named else (), values=values)]
         self._named = rank if named else -1
         held = self.quarantine
         dropped = held is not None and named and rank == held.blamed and held.steps < self.config.quarantine_steps
@@ -177,6 +192,15 @@ class BadDataMonitor:
                         f"bad data: the ranks' losses parted (deviation {deviation:.3g}, limit {limit:.3g}, "
                         f"baseline {median:.3g}); {where}", ranks=(rank,) if named else (), values=values,
                         bad_data=True, data_dropped=bool(dropped))]
+
+    @torch.no_grad()
+    def _fingerprint(self) -> tuple[float, float]:
+        """(s, −s), s the sum of this rank's parameters in float64 (one host read; on alarms only): replicas that
+        hold the same weights give the same s bitwise."""
+        assert self.quarantine is not None
+        total = float(torch.stack([p.detach().double().sum() for p in self.quarantine.params]).sum())
+        total = total if math.isfinite(total) else math.inf  # a non-finite replica differs from a finite one
+        return total, -total
 
     def commit(self, step: int, applied: bool) -> None:
         if self._spread is not None:
