@@ -268,16 +268,15 @@ def test_replicas_whose_weights_diverged_are_not_taken_for_bad_data(tmp_path: Pa
     """Rank 1's Adam second moment x 1e-8 before its update at step 120 (only rank 1's replica moves 10^4 x too far):
     from then on the ranks' losses part because their weights differ. The data rule's follow-up compares the
     replicas' weight fingerprints: the finding says the replicas differ, is not bad data (no quarantine, nothing in
-    the ledger as bad data), and its skips are ordinary ones: past max_consecutive_skips the run stops (recovery off),
-    on both ranks alike."""
+    the ledger as bad data), and asks for a rollback, which without recovery stops the run on that step, on both
+    ranks alike."""
     results = run_ranks(_diverged, 2, tmp_path)
     assert results[0]["decisions"] == results[1]["decisions"]
     assert results[0]["aborted_at"] == results[1]["aborted_at"] > 120, results[0].get("aborted_at")
-    data = [(step, action) for step, action, findings in results[0]["decisions"]
-            for detector, _ in findings if detector == "data"]
-    assert data and all(action == "SKIP" for _, action in data), data
-    entries = read_ledger(tmp_path / "test" / "data_ledger.jsonl")
-    assert entries and not [e for e in entries if e["bad_data"]], entries
+    assert not [step for step, action, _ in results[0]["decisions"] if action == "SKIP"]
+    entries = [e for e in read_ledger(tmp_path / "test" / "data_ledger.jsonl") if e["action"] == "abort"]
+    assert [e["step"] for e in entries] == [results[0]["aborted_at"]] and "data" in entries[0]["detectors"]
+    assert not [e for e in read_ledger(tmp_path / "test" / "data_ledger.jsonl") if e["bad_data"]]
     events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl").read_text().splitlines()]
     messages = [e["message"] for e in events if e.get("detector") == "data"]
     assert messages and all("replicas' weights differ" in m for m in messages), messages[:2]

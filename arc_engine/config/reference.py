@@ -207,6 +207,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                         "while the rule keeps naming it (DDP, ZeRO-1/2; elsewhere: skip)."),
     "detectors.data.quarantine_steps": KeyDoc("Quarantined steps in a row at most; past them the findings skip "
                                               "again.", ">= 1"),
+    "detectors.data.diverged_action": KeyDoc("What an alarm gets whose data-parallel replicas' weights differ "
+                                             "(not bad data; DDP, ZeRO-1/2): rollback restores identical "
+                                             "replicas (without recovery: a stop)."),
     "detectors.data.action": KeyDoc("What a finding gets; its skips count apart "
                                     "(`policy.max_consecutive_data_skips`)."),
     "detectors.weight_health.enabled": KeyDoc("Weight-matrix health (Frobenius norm, effective rank, sparsity, a "

@@ -412,7 +412,11 @@ class DataConfig:
     of the gradient (its local gradient x 0, the others' x n/(n − 1), before the reduction, on every rank alike) and
     are applied, for as long as the rule keeps naming that rank and at most ``quarantine_steps`` in a row (then its
     findings skip again, and the policy's bound on data skips applies). Where the integration's local gradients
-    cannot be reached before the reduction (FSDP2, ZeRO-3, model parallelism), the steps are skipped."""
+    cannot be reached before the reduction (FSDP2, ZeRO-3, model parallelism), the steps are skipped.
+    ``diverged_action``: where every rank holds a whole replica (DDP, ZeRO-1/2), an alarm whose replicas' weight
+    fingerprints differ is not bad data (the ranks' weights parted, e.g. a corrupted optimizer state or reduction on
+    one rank) and gets this action: a rollback to a verified snapshot (without recovery: a stop, exit code 3).
+    Skipping cannot bring diverged replicas back together."""
 
     enabled: bool = True
     warmup_steps: int = 20
@@ -423,6 +427,7 @@ class DataConfig:
     action: ActionName = "skip"
     quarantine: bool = True
     quarantine_steps: int = 100
+    diverged_action: ActionName = "rollback"
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")

@@ -24,8 +24,9 @@ highest global rank of the replica whose batch it was (ties in a rank key go to 
 Replicas that diverged are not bad data: where every rank holds a whole replica (DDP, ZeRO-1/2), the alarm's
 follow-up also carries a fingerprint of each rank's weights (the sum of its parameters, and its negation: their MAX is
 the largest and the smallest); when they differ, the ranks' losses parted because their weights did (a corrupted
-optimizer state or reduction on one rank), and the finding says so, is not ``bad_data`` and starts no quarantine: its
-skips count as ordinary skips, so the policy rolls back (or stops) after ``policy.max_consecutive_skips``.
+optimizer state or reduction on one rank), and the finding says so, is not ``bad_data``, starts no quarantine and
+asks for ``diverged_action`` (a rollback to a verified snapshot, whose replicas are identical; a stop without
+recovery).
 
 Quarantine (``quarantine``, where the integration's tensor hooks see each rank's local gradient before the
 reduction: DDP, ZeRO-1/2, every rank its own replica): after a step skipped for rank R's data, every rank registers a
@@ -175,9 +176,9 @@ class BadDataMonitor:
         where = (f"rank {rank}'s loss {highest:.4g} is {excess:.0%} above its peers' {peers:.4g}" if named else
                  "no single rank's loss stands out")
         action = Action.parse(self.config.action)
-        if diverged:  # not the data: the replicas' weights differ
+        if diverged:  # not the data: the replicas' weights differ, which no skip repairs
             values.update(replicas_diverged=True, fingerprint_max=float(key[1]), fingerprint_min=-float(key[2]))
-            return [Finding(self.name, action, Severity.WARNING,
+            return [Finding(self.name, Action.parse(self.config.diverged_action), Severity.WARNING,
                             f"the data-parallel replicas' weights differ (parameter sums {-float(key[2]):.9g} to "
                             f"{float(key[1]):.9g}): the ranks' losses parted because their weights did, not their "
                             f"data; {where}", ranks=(rank,) if named else (), values=values)]
