@@ -188,13 +188,14 @@ def _best_baseline(row: dict[str, Any]) -> str | None:
 
 
 def _verdict(row: dict[str, Any], best: str | None) -> str:
-    """Whether arc_engine's detections beyond chance and lead time are at least the best baseline's on this fault
-    (a baseline whose detections are no more than its false alarms would make is not a detector of it)."""
+    """Whether arc_engine's detections are at least the best baseline's beyond chance, and its lead time at least
+    that baseline's, on this fault (a baseline whose detections are no more than its false alarms would make is not
+    a detector of it)."""
     arc = row["detectors"][ARC]
     if best is None:
         return "yes" if arc["detected"] or not row["crashed"] else "no baseline detects it"
     other = row["detectors"][best]
-    if _beyond_chance(arc) < _beyond_chance(other) - 1e-9:
+    if arc["detected"] < _beyond_chance(other) - 1e-9:
         return "no: fewer detections"
     if other["lead_mean"] is not None and (arc["lead_mean"] is None or arc["lead_mean"] < other["lead_mean"]):
         return "no: shorter lead"

@@ -264,7 +264,7 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
     allowance: float = 0.05
     alarm_drop: float = 0.5
     action: ActionName = "warn"
-    logit_growth: float = 0.5
+    logit_growth: float = 1.0
     logit_factor: float = 6.0
     logit_action: ActionName = "warn"
 
@@ -272,7 +272,7 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
         super().__post_init__()
         require(0 <= self.allowance < 1, "allowance", self.allowance, "must be in [0, 1)")
         require(self.alarm_drop > 0, "alarm_drop", self.alarm_drop, "must be > 0")
-        require(self.logit_growth > 0, "logit_growth", self.logit_growth, "must be > 0 (e.g. 0.5: 1.5x the trend)")
+        require(self.logit_growth > 0, "logit_growth", self.logit_growth, "must be > 0 (e.g. 1.0: twice the trend)")
         require(self.logit_factor > 0, "logit_factor", self.logit_factor, "must be > 0")
 
 
