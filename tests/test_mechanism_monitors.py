@@ -282,8 +282,8 @@ def test_qk_logit_monitor_follows_healthy_growth_and_names_a_head_that_grows_off
     alarm. Then layer 1 head 2 jumps 3x: one alarm naming it (TP rank 1 of 2 heads per rank) and its growth; at its
     new level the next measurements are quiet (one alarm per episode), and so is a vetoed measurement's history."""
     rng = np.random.default_rng(3)
-    monitor = QKLogitMonitor(QKSpectraConfig(warmup_measurements=5), ModelParts(num_layers=LAYERS, num_heads=HEADS),
-                             heads_per_tp_rank=2)
+    config = QKSpectraConfig(warmup_measurements=5, logit_warmup_measurements=5)
+    monitor = QKLogitMonitor(config, ModelParts(num_layers=LAYERS, num_heads=HEADS), heads_per_tp_rank=2)
 
     def bound(step: int) -> np.ndarray:
         return 3.0 * 1.04**step * (1 + 0.02 * rng.standard_normal((LAYERS, HEADS)))
@@ -311,15 +311,14 @@ def test_qk_logit_monitor_follows_healthy_growth_and_names_a_head_that_grows_off
     assert monitor.evaluate(36, _logit_stats(spike))  # the whole model x 10: every head
     monitor.commit(36, False)  # vetoed: nothing joins the trend
     assert len(monitor.history) == before and monitor.alarms == 2
-    restored = QKLogitMonitor(QKSpectraConfig(warmup_measurements=5), ModelParts(num_layers=LAYERS, num_heads=HEADS),
-                              heads_per_tp_rank=2)
+    restored = QKLogitMonitor(config, ModelParts(num_layers=LAYERS, num_heads=HEADS), heads_per_tp_rank=2)
     restored.load_state_dict(monitor.state_dict())
     assert restored.alarms == 2 and len(restored.history) == before
 
 
 def test_qk_logit_monitor_reports_measured_max_logits_and_skips_steps_without_a_measurement() -> None:
-    monitor = QKLogitMonitor(QKSpectraConfig(warmup_measurements=3), ModelParts(num_layers=LAYERS, num_heads=HEADS),
-                             heads_per_tp_rank=4, max_logits=True)
+    monitor = QKLogitMonitor(QKSpectraConfig(warmup_measurements=3, logit_warmup_measurements=3),
+                             ModelParts(num_layers=LAYERS, num_heads=HEADS), heads_per_tp_rank=4, max_logits=True)
     assert monitor.required_stats() == (LOGIT_BOUND, MAX_LOGIT)
     for step in range(4):
         monitor.evaluate(step, _logit_stats(np.full((LAYERS, HEADS), 2.0), np.full((LAYERS, HEADS), 7.0 + step)))

@@ -400,7 +400,7 @@ def test_tp2_per_shard_qk_spectra_equal_the_whole_model_per_head_computation(tmp
             (result["bound"], result["expected_bound"])
 
 
-GROWN_LAYER, GROWN_AT = 1, 12
+GROWN_LAYER, GROWN_AT = 1, 20
 
 
 def _logit_growth(rank: int, world: int, config: str) -> dict[str, Any]:
@@ -418,9 +418,9 @@ def _logit_growth(rank: int, world: int, config: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_tp2_attention_logit_growth_names_the_layer_and_every_head_of_both_tp_ranks(tmp_path: Path) -> None:
-    """Layer 1's fused QKV weight x 2 at step 12 on every rank (a weight fault: its QK products x 4): the next
+    """Layer 1's fused QKV weight x 2 at step 20 on every rank (a weight fault: its QK products x 4): the next
     measurement's bound is 4x each head's trend, and the ``qk_logit`` alarm names layer 1's four heads (two per TP
-    rank), on both ranks alike, with a warning only; nothing before, and the 8 healthy measurements raise nothing."""
+    rank), on both ranks alike, with a warning only; nothing before (10 healthy measurements, the warm-up)."""
     config = _arc_yaml(tmp_path / "grow.yaml", "grow", injections=[
         {"kind": "weight_corruption", "rank": -1, "step": GROWN_AT,
          "pattern": f"*decoder.layers.{GROWN_LAYER}.self_attention.linear_qkv.weight", "scale": 2.0}])

@@ -125,6 +125,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
                                                 "`logit_factor`).", "> 0"),
     "detectors.qk_spectra.logit_factor": KeyDoc("... and by more than this many robust standard deviations of the "
                                                 "log bound's residuals.", "> 0"),
+    "detectors.qk_spectra.logit_warmup_measurements": KeyDoc("Accepted measurements before the logit-growth alarm "
+                                                             "can fire (early training moves the bounds fastest).",
+                                                             "3 to `window`"),
     "detectors.qk_spectra.logit_action": KeyDoc("What a logit-growth alarm gets."),
     "detectors.router.enabled": KeyDoc("MoE router health per MoE layer over every token of the job (Megatron with "
                                        "experts; off elsewhere)."),

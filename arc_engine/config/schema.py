@@ -256,7 +256,8 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
     norms, σ_max(W_q W_kᵀ)/√d_k (from the same thin-QR cores), is compared with its own trend (Theil-Sen of the log
     bound through the last ``window`` accepted measurements); a head above it by a factor of more than 1 +
     ``logit_growth`` and by more than ``logit_factor`` robust standard deviations alarms (``logit_action``), once
-    per episode (the alarmed level joins the trend). Where the attention implementation records the measured max
+    per episode (the alarmed level joins the trend), after ``logit_warmup_measurements`` accepted measurements
+    (early training moves the bounds fastest). Where the attention implementation records the measured max
     logit per head (Transformer Engine >= 2.9 with ``current_max_attn_logits``), it is reported beside the bound.
     """
 
@@ -266,6 +267,7 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
     action: ActionName = "warn"
     logit_growth: float = 1.0
     logit_factor: float = 6.0
+    logit_warmup_measurements: int = 10
     logit_action: ActionName = "warn"
 
     def __post_init__(self) -> None:
@@ -274,6 +276,8 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
         require(self.alarm_drop > 0, "alarm_drop", self.alarm_drop, "must be > 0")
         require(self.logit_growth > 0, "logit_growth", self.logit_growth, "must be > 0 (e.g. 1.0: twice the trend)")
         require(self.logit_factor > 0, "logit_factor", self.logit_factor, "must be > 0")
+        require(3 <= self.logit_warmup_measurements <= self.window, "logit_warmup_measurements",
+                self.logit_warmup_measurements, "an integer from 3 to `window`")
 
 
 @dataclass(kw_only=True)

@@ -347,7 +347,7 @@ class QKLogitMonitor:
         with np.errstate(all="ignore"):
             current = np.where(bound > 0, np.log(bound), np.nan)
         self._current = current
-        if len(self.history) < self.config.warmup_measurements:
+        if len(self.history) < self.config.logit_warmup_measurements:
             return []
         with np.errstate(all="ignore"), _quiet_nan_warnings():
             predicted, spread = robust_trend(np.stack(self.history).reshape(len(self.history), -1))
