@@ -89,6 +89,20 @@ def run_backend(plan: dict, out: Path, bar: ProgressBar, nproc: int) -> int:
             return 124
 
 
+def run_plans(plans: list[dict], out: Path, bar: ProgressBar, nproc: int, tag: str = "campaign") -> list[dict] | None:
+    """Run each backend's plan (one torchrun job each, in order); the records of ``out/results.jsonl``, or None
+    after printing the failed job's log tail when one fails."""
+    for plan in plans:
+        code = run_backend(plan, out, bar, nproc)
+        if code != 0:
+            log = (out / f"worker-{plan['backend']}.log").read_text().splitlines()
+            print("\n".join(log[-40:]), file=sys.stderr)
+            print(f"[{tag}] the {plan['backend']} job failed (exit {code}); its log: "
+                  f"{out / ('worker-' + plan['backend'] + '.log')}", file=sys.stderr)
+            return None
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -109,15 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[campaign] profile {profile.name}: {total} runs on {', '.join(backends)}, {profile.world} ranks each; "
           f"output in {out}", flush=True)
     bar = ProgressBar(total)
-    for plan in plans:
-        code = run_backend(plan, out, bar, profile.world)
-        if code != 0:
-            log = (out / f"worker-{plan['backend']}.log").read_text().splitlines()
-            print("\n".join(log[-40:]), file=sys.stderr)
-            print(f"[campaign] the {plan['backend']} job failed (exit {code}); its log: "
-                  f"{out / ('worker-' + plan['backend'] + '.log')}", file=sys.stderr)
-            return 1
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line]
+    records = run_plans(plans, out, bar, profile.world)
+    if records is None:
+        return 1
     scores = score(records)
     (out / "scores.json").write_text(json.dumps(scores, indent=1))
     text = table(scores)

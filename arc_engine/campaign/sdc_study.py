@@ -40,7 +40,6 @@ import math
 import random
 import shutil
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -210,7 +209,7 @@ def study_table(scores: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from arc_engine.campaign.runner import ProgressBar, run_backend
+    from arc_engine.campaign.runner import ProgressBar, run_plans
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--seeds", type=int, default=8, help="seeds per site and bit class (default 8)")
@@ -229,13 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     plans = [study_plan(backend, seeds, out, sites=tuple(args.sites), clean_steps=args.clean_steps)
              for backend in args.backends]
     bar = ProgressBar(sum(len(plan["runs"]) for plan in plans))
-    for plan in plans:
-        code = run_backend(plan, out, bar, 2)
-        if code != 0:
-            print(f"[sdc-study] the {plan['backend']} job failed (exit {code}): {out}/worker-{plan['backend']}.log",
-                  file=sys.stderr)
-            return 1
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line]
+    records = run_plans(plans, out, bar, 2, tag="sdc-study")
+    if records is None:
+        return 1
     scores = score_study(records)
     (out / "scores.json").write_text(json.dumps(scores, indent=1))
     text = study_table(scores)
