@@ -38,7 +38,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     faulthandler.enable()  # a native crash prints this rank's Python stack to the test's captured stderr
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        # the parent holds the store's listening socket (see _start): this rank only connects to it
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world, *args)
         # Serialise to bytes: tensors sent as-is would travel as shared-memory handles that die with the rank.
@@ -58,16 +60,19 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
 
 
 def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s: float,
-           backend: str = "gloo") -> tuple[list[Any], Any]:
-    """Spawn ``world`` ranks running ``fn`` through :func:`_entry`; their processes and the result queue."""
+           backend: str = "gloo") -> tuple[list[Any], Any, Any]:
+    """Spawn ``world`` ranks running ``fn`` through :func:`_entry`; their processes, the result queue and the
+    rendezvous store. The parent binds the store on port 0 and keeps it open while the ranks run, so no other
+    process can take the port between its choice and its use (a free port picked then bound later could be)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, collective_timeout_s, backend))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=collective_timeout_s))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store.port, queue, args, collective_timeout_s, backend))
              for r in range(world)]
     for proc in procs:
         proc.start()
-    return procs, queue
+    return procs, queue, store
 
 
 def _reap(procs: list[Any], grace_s: float) -> set[int]:
@@ -120,7 +125,7 @@ class _NativeCrash(AssertionError):
 
 def _run_once(fn: Callable[..., Any], world: int, args: tuple, timeout_s: float, collective_timeout_s: float,
               backend: str, rerun: bool = False) -> list[Any]:
-    procs, queue = _start(fn, world, args, collective_timeout_s, backend)
+    procs, queue, _store = _start(fn, world, args, collective_timeout_s, backend)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -160,7 +165,7 @@ def run_ranks_to_exit(fn: Callable[..., Any], world: int, *args: Any, timeout_s:
                       collective_timeout_s: float = 60.0) -> list[int | None]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that are expected to die (e.g. SIGKILL
     themselves); return their exit codes by rank (None: still running at ``timeout_s``, then killed)."""
-    procs, _ = _start(fn, world, args, collective_timeout_s)
+    procs, _, _store = _start(fn, world, args, collective_timeout_s)
     codes: list[int | None] = []
     try:
         deadline = time.monotonic() + timeout_s

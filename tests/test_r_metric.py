@@ -191,3 +191,36 @@ def test_hardware_events_stay_off_without_a_gpu_and_address_nvml_by_pci() -> Non
     properties = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
     assert pci_bus_id(properties) == "00000000:3B:00.0"
     assert pci_bus_id(SimpleNamespace(pci_bus_id=59)) is None  # torch without the full address: by index instead
+
+
+def test_a_loss_falling_faster_is_no_drift_unless_both_directions_are_asked_for() -> None:
+    """A healthy run's phase change (the loss falling faster than its recent mean) was read as drift by the
+    paper's |ΔL| and warned on clean campaign runs; the default counts a rise only."""
+    for direction, expected in (("rise", [0.0, 0.0, 0.5]), ("both", [1.0, 2.0, 0.5])):
+        _layout, monitor = _setup(f"detectors.r_metric.drift_direction={direction}")
+        drifts = []
+        for loss in (4.0, 3.0, 5.5):
+            monitor.losses.clear()
+            monitor.losses.append(5.0)
+            drifts.append(monitor._inputs({"events": 0.0, "loss": loss, "source": 0.0})["drift"])
+        assert drifts == expected, (direction, drifts)
+
+
+def test_a_phase_change_of_a_healthy_run_alerts_only_under_the_papers_absolute_drift() -> None:
+    """The loss's descent speeds up tenfold at step 200 (noise 0.03): |ΔL| alerts on every seed, the default none;
+    the same monitor still alerts on a rise (test_a_loss_drift_alerts_once_after_most_of_persist_steps...)."""
+    for direction, expected in (("rise", 0), ("both", 3)):
+        config = load_config(None, ["detectors.r_metric.nvml=false",
+                                    f"detectors.r_metric.drift_direction={direction}"]).detectors.r_metric
+        alerted = 0
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            monitor, loss, alerts = RMetricMonitor(config, variance=True), 3.0, 0
+            for step in range(400):
+                loss -= 0.002 if step < 200 else 0.02
+                raw = {"events": 0.0, "variance": float(np.exp(0.3 * rng.normal()) * 0.01),
+                       "loss": loss + 0.03 * float(rng.normal()), "source": 0.0}
+                alerts += len(monitor.judge(raw))
+                monitor.commit(step, True)
+            alerted += alerts > 0
+        assert alerted == expected, (direction, alerted)

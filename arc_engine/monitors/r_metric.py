@@ -8,9 +8,11 @@ R(t) = w_λ·norm(λ_t) + w_σ·norm(σ²_t) + w_ΔL·norm(ΔL_t), weights 0.10 
   through a SUM slot;
 * σ²_t -- the variance of the data-parallel ranks' local gradient norms (:mod:`arc_engine.monitors.worker_spread`;
   held neutral under model parallelism, where a rank's norm is a shard's);
-* ΔL_t -- |L_t − mean of the previous ``drift_window`` values| of the validation loss
+* ΔL_t -- L_t − mean of the previous ``drift_window`` values of the validation loss
   (:meth:`arc_engine.attach.Arc.record_validation_loss`, the mean over the ranks that recorded one), or of the
-  agreed training loss until a validation loss arrives (the proxy; the first validation loss restarts the term).
+  agreed training loss until a validation loss arrives (the proxy; the first validation loss restarts the term);
+  by default only a rise counts (``drift_direction: rise``, max(ΔL, 0)): the paper's |ΔL| also reads a loss that
+  falls faster than before -- a healthy run's phase change -- as drift, and warned on clean runs (docs/results.md).
 
 The three-stage normalization (:class:`Normalizer`): p = the mid-rank percentile of the value among the previous
 ``window`` values (ties count half, so a stream of zeros is neutral), s_t = ``ema``·p + (1 − ``ema``)·s_{t−1}
@@ -170,7 +172,8 @@ class RMetricMonitor:
         restart = raw.get("source") == 1.0 and self.source != "validation"  # the proxy's history does not count
         history = [] if restart else list(self.losses)
         if math.isfinite(loss) and history:
-            values["drift"] = abs(loss - math.fsum(history) / len(history))
+            delta = loss - math.fsum(history) / len(history)
+            values["drift"] = max(delta, 0.0) if self.config.drift_direction == "rise" else abs(delta)
         return values
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
