@@ -28,3 +28,9 @@ def test_the_tables_have_a_row_per_case(bench) -> None:
     assert len(lines) == 2 + 8 and all(line.count("|") == 5 + len(bench.RULES) for line in lines)
     delays = bench.delays(1)
     assert len(delays) == 2 + 4 and "1/1" in delays[2]  # the loss drift is caught
+
+
+def test_the_healthy_trend_table_compares_both_readings(bench) -> None:
+    lines = bench.trends(2, steps=200)
+    assert len(lines) == 2 + 2 * len(bench.READINGS) and all(line.count("|") == 5 for line in lines)
+    assert any("relative" in line for line in lines[2:])

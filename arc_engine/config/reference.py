@@ -399,9 +399,10 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "detectors.r_metric.ema": KeyDoc("Smoothing of the percentile: s = ema * p + (1 - ema) * s.", "in (0, 1]"),
     "detectors.r_metric.gain": KeyDoc("Slope of the sigmoid: norm = 1 / (1 + exp(-gain * (s - 0.5))).", "> 0"),
     "detectors.r_metric.drift_window": KeyDoc("Previous losses whose mean ΔL is measured from.", ">= 1"),
-    "detectors.r_metric.drift_direction": KeyDoc("`rise`: ΔL = max(L - mean, 0), a loss above its recent mean (a "
-                                                 "loss falling faster than before is neutral); `both`: the paper's "
-                                                 "|L - mean|."),
+    "detectors.r_metric.variance_relative": KeyDoc("σ² read as log σ² minus the median log σ² of the previous "
+                                                   "`window` values (the ranks' spread grows over a healthy run, "
+                                                   "which a percentile against the raw history reads as a warning); "
+                                                   "false: the paper's raw σ²."),
     "detectors.r_metric.event_window": KeyDoc("Monitored steps λ counts system events over.", ">= 1"),
     "detectors.r_metric.warmup_steps": KeyDoc("Applied monitored steps before an alert can fire.", ">= 1"),
     "detectors.r_metric.persist": KeyDoc("Monitored steps the alert looks back over (one alert per episode).",

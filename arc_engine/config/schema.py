@@ -352,17 +352,17 @@ class StragglerConfig:
 class RMetricConfig:
     """The R-Metric early warning (r-metric paper): R = w_λ·norm(λ) + w_σ·norm(σ²) + w_ΔL·norm(ΔL) on every monitored
     step. λ: system events (stragglers, framework overflow skips, SDC findings, hang reports, and NVML ECC / XID /
-    slowdown events with ``nvml`` on a GPU) per ``event_window`` monitored steps; σ²: the variance of the
-    data-parallel ranks' local gradient norms; ΔL: L − mean of the previous ``drift_window`` values of the
-    validation loss (``Arc.record_validation_loss``) or, until one is recorded, of the agreed training loss (the
-    proxy), counted when the loss rose above that mean (``drift_direction: rise``; a loss falling faster than
-    before is training, not a warning) or either way (``both``, the paper's |ΔL|). norm: the mid-rank percentile p
-    of the value among the previous ``window`` values,
-    s ← ``ema``·p + (1 − ``ema``)·s, norm = 1 / (1 + exp(−``gain``·(s − 0.5))). ``score``: ``normalized`` compares
-    R / (sum of the weights) with ``threshold`` (as written, the weights sum to 1.25 and a stationary run sits at
-    R ≈ 0.62 > 0.57: see docs/detectors.md); ``paper`` compares R itself. Alert after ``warmup_steps`` values, when
-    the score is above ``threshold`` on this step and on ``persist_fraction`` of the last ``persist`` monitored steps
-    (once per episode: again only after fewer than that were above)."""
+    slowdown events with ``nvml`` on a GPU) per ``event_window`` monitored steps. σ²: the variance of the
+    data-parallel ranks' local gradient norms, by default relative to its recent level (``variance_relative``:
+    log σ² minus the median log σ² of the previous ``window`` values; the spread grows over a healthy run). ΔL:
+    |L − mean of the previous ``drift_window`` values| of the validation loss (``Arc.record_validation_loss``) or,
+    until one is recorded, of the agreed training loss (the proxy). norm: the mid-rank percentile p of the value
+    among the previous ``window`` values, s ← ``ema``·p + (1 − ``ema``)·s, norm = 1 / (1 + exp(−``gain``·(s − 0.5))).
+    ``score``: ``normalized`` compares R / (sum of the weights) with
+    ``threshold`` (as written, the weights sum to 1.25 and a stationary run sits at R ≈ 0.62 > 0.57: see
+    docs/detectors.md); ``paper`` compares R itself. Alert after ``warmup_steps`` values, when the score is above
+    ``threshold`` on this step and on ``persist_fraction`` of the last ``persist`` monitored steps (once per
+    episode: again only after fewer than that were above)."""
 
     enabled: bool = True
     lambda_weight: float = 0.10
@@ -374,7 +374,7 @@ class RMetricConfig:
     ema: float = 0.3
     gain: float = 4.0
     drift_window: int = 10
-    drift_direction: Literal["rise", "both"] = "rise"
+    variance_relative: bool = True
     event_window: int = 100
     warmup_steps: int = 30
     persist: int = 40

@@ -7,12 +7,13 @@ R(t) = w_λ·norm(λ_t) + w_σ·norm(σ²_t) + w_ΔL·norm(ΔL_t), weights 0.10 
   plus each rank's own hang reports and NVML hardware events (:mod:`arc_engine.monitors.hardware_events`), summed
   through a SUM slot;
 * σ²_t -- the variance of the data-parallel ranks' local gradient norms (:mod:`arc_engine.monitors.worker_spread`;
-  held neutral under model parallelism, where a rank's norm is a shard's);
-* ΔL_t -- L_t − mean of the previous ``drift_window`` values of the validation loss
+  held neutral under model parallelism, where a rank's norm is a shard's); by default read relative to its own
+  recent level (``variance_relative``: log σ²_t − the median log σ² of the previous ``window`` values), because the
+  ranks' spread grows by orders of magnitude over a healthy run (gradient noise outgrows the signal as the loss
+  falls), and a percentile against a rising history reads that trend as a warning;
+* ΔL_t -- |L_t − mean of the previous ``drift_window`` values| of the validation loss
   (:meth:`arc_engine.attach.Arc.record_validation_loss`, the mean over the ranks that recorded one), or of the
-  agreed training loss until a validation loss arrives (the proxy; the first validation loss restarts the term);
-  by default only a rise counts (``drift_direction: rise``, max(ΔL, 0)): the paper's |ΔL| also reads a loss that
-  falls faster than before -- a healthy run's phase change -- as drift, and warned on clean runs (docs/results.md).
+  agreed training loss until a validation loss arrives (the proxy; the first validation loss restarts the term).
 
 The three-stage normalization (:class:`Normalizer`): p = the mid-rank percentile of the value among the previous
 ``window`` values (ties count half, so a stream of zeros is neutral), s_t = ``ema``·p + (1 − ``ema``)·s_{t−1}
@@ -51,6 +52,8 @@ VALIDATION = "r_metric_validation"
 TERMS = ("lambda", "variance", "drift")
 #: Agreed findings that count as system events for λ (a straggler finding counts each rank it names).
 EVENT_DETECTORS = ("straggler", "deepspeed_overflow", "grad_scaler_overflow", "megatron_overflow", "sdc")
+#: σ² below this is read as this in its log level (identical norms: a zero spread).
+VARIANCE_FLOOR = 1e-30
 #: NVML is polled every this many monitored steps.
 NVML_POLL_EVERY = 10
 
@@ -107,6 +110,7 @@ class RMetricMonitor:
         self.normalizers = {term: Normalizer(config.window, config.ema, config.gain) for term in TERMS}
         self.events: deque[float] = deque(maxlen=config.event_window)
         self.losses: deque[float] = deque(maxlen=config.drift_window)
+        self.log_variances: deque[float] = deque(maxlen=config.window)  # σ²'s recent level (variance_relative)
         self.source = "train_loss"  # or "validation" once a validation loss was agreed
         self.observed = 0  # agreed events seen in decisions since the previous commit
         self.steps = 0
@@ -167,13 +171,19 @@ class RMetricMonitor:
     def _inputs(self, raw: dict[str, float]) -> dict[str, float]:
         """Each term's value on this step (NaN: no new value): λ over the event window, σ², ΔL."""
         window = [*self.events, raw["events"]]
-        values = {**raw, "lambda": math.fsum(window[-self.config.event_window:]), "drift": math.nan}
+        values = {**raw, "lambda": math.fsum(window[-self.config.event_window:]), "drift": math.nan,
+                  "variance_raw": raw["variance"]}
         loss = raw.get("loss", math.nan)
         restart = raw.get("source") == 1.0 and self.source != "validation"  # the proxy's history does not count
         history = [] if restart else list(self.losses)
         if math.isfinite(loss) and history:
-            delta = loss - math.fsum(history) / len(history)
-            values["drift"] = max(delta, 0.0) if self.config.drift_direction == "rise" else abs(delta)
+            values["drift"] = abs(loss - math.fsum(history) / len(history))
+        values["variance_level"] = math.log(max(raw["variance"], VARIANCE_FLOOR)) if math.isfinite(raw["variance"]) \
+            else math.nan
+        if self.config.variance_relative and math.isfinite(raw["variance"]):
+            level = float(np.median(np.fromiter(self.log_variances, dtype=np.float64))) if self.log_variances \
+                else values["variance_level"]
+            values["variance"] = values["variance_level"] - level
         return values
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
@@ -197,7 +207,7 @@ class RMetricMonitor:
         above = self.steps >= config.warmup_steps and score > config.threshold
         self._pending = {"inputs": inputs, "above": above}
         self._values = {"score": score, "score_paper": paper, **{f"norm_{t}": norms[t] for t in TERMS},
-                        "lambda": inputs["lambda"], "variance": inputs["variance"], "drift": inputs["drift"],
+                        "lambda": inputs["lambda"], "variance": inputs["variance_raw"], "drift": inputs["drift"],
                         "validation": float(self.source == "validation" or inputs.get("source") == 1.0)}
         if not (above and self.armed and self._holds([*self.above, above])):
             return []
@@ -257,14 +267,16 @@ class RMetricMonitor:
                 self.normalizers["drift"].push(inputs["drift"])
         if math.isfinite(inputs.get("loss", math.nan)):
             self.losses.append(inputs["loss"])
+        if math.isfinite(inputs["variance_level"]):
+            self.log_variances.append(inputs["variance_level"])
 
     def metrics(self) -> dict[str, float]:
         return {**self._values, "alerts": float(self.alerts)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"normalizers": {t: n.state_dict() for t, n in self.normalizers.items()}, "events": list(self.events),
-                "losses": list(self.losses), "source": self.source, "steps": self.steps, "above": list(self.above),
-                "armed": self.armed,
+                "losses": list(self.losses), "log_variances": list(self.log_variances), "source": self.source,
+                "steps": self.steps, "above": list(self.above), "armed": self.armed,
                 "alerts": self.alerts, "moments": self.moments.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,6 +284,7 @@ class RMetricMonitor:
             normalizer.load_state_dict(state["normalizers"][term])
         self.events = deque((float(v) for v in state["events"]), maxlen=self.config.event_window)
         self.losses = deque((float(v) for v in state["losses"]), maxlen=self.config.drift_window)
+        self.log_variances = deque((float(v) for v in state.get("log_variances", ())), maxlen=self.config.window)
         self.source = str(state["source"])
         self.steps, self.alerts, self.armed = int(state["steps"]), int(state["alerts"]), bool(state["armed"])
         self.above = deque((bool(v) for v in state["above"]), maxlen=self.config.persist)
