@@ -28,6 +28,7 @@ from arc_engine.monitors.r_metric import (
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS
 from arc_engine.policy import Decision
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
+from tests.scripts_loader import load_script
 
 
 def test_percentile_rank_counts_ties_half() -> None:
@@ -194,21 +195,11 @@ def test_hardware_events_stay_off_without_a_gpu_and_address_nvml_by_pci() -> Non
 
 
 
-def _healthy(rng: np.random.Generator, steps: int = 360) -> list[dict[str, float]]:
-    """A short healthy run's agreed inputs: the loss falls 3.4 -> ~0.6 with a phase change (a further 0.3 drop at
-    a random step), the ranks' gradient-norm variance grows 100x as it falls (log-normal noise)."""
-    t = np.arange(steps)
-    loss = 0.6 + 2.8 * np.exp(-t / (steps / 3)) - 0.15 * (1 + np.tanh((t - rng.uniform(72, 288)) / 20.0))
-    loss += 0.03 * rng.normal(size=steps)
-    variance = 0.001 * 100.0 ** (1.0 - (loss - loss.min()) / (loss.max() - loss.min())) * \
-        np.exp(0.3 * rng.normal(size=steps))
-    return [{"events": 0.0, "variance": float(v), "loss": float(x), "source": 0.0}
-            for v, x in zip(variance, loss, strict=True)]
-
-
 def test_a_healthy_runs_growing_worker_spread_is_neutral_relative_to_its_recent_level() -> None:
-    """The ranks' spread grows by orders of magnitude as the loss falls; a percentile against the raw history reads
-    that as a warning (as on clean campaign runs), σ² relative to its recent level does not."""
+    """The ranks' spread grows by orders of magnitude as the loss falls (the bench's healthy runs); a percentile
+    against the raw history reads that as a warning (as on clean campaign runs), σ² relative to its recent level does
+    not."""
+    healthy = load_script("bench_r_metric").healthy
     warned = {}
     for relative in (True, False):
         config = load_config(None, ["detectors.r_metric.nvml=false",
@@ -217,7 +208,7 @@ def test_a_healthy_runs_growing_worker_spread_is_neutral_relative_to_its_recent_
         for seed in range(8):
             monitor = RMetricMonitor(config, variance=True)
             alerts = 0
-            for step, raw in enumerate(_healthy(np.random.default_rng(seed))):
+            for step, raw in enumerate(healthy(np.random.default_rng(seed), 360, 0.0)):
                 alerts += len(monitor.judge(raw))
                 monitor.commit(step, True)
             warned[relative] += alerts > 0

@@ -358,11 +358,10 @@ class RMetricConfig:
     |L − mean of the previous ``drift_window`` values| of the validation loss (``Arc.record_validation_loss``) or,
     until one is recorded, of the agreed training loss (the proxy). norm: the mid-rank percentile p of the value
     among the previous ``window`` values, s ← ``ema``·p + (1 − ``ema``)·s, norm = 1 / (1 + exp(−``gain``·(s − 0.5))).
-    ``score``: ``normalized`` compares R / (sum of the weights) with
-    ``threshold`` (as written, the weights sum to 1.25 and a stationary run sits at R ≈ 0.62 > 0.57: see
-    docs/detectors.md); ``paper`` compares R itself. Alert after ``warmup_steps`` values, when the score is above
-    ``threshold`` on this step and on ``persist_fraction`` of the last ``persist`` monitored steps (once per
-    episode: again only after fewer than that were above)."""
+    ``score``: ``normalized`` compares R / (sum of the weights) with ``threshold`` (as written, the weights sum to
+    1.25 and a stationary run sits at R ≈ 0.62 > 0.57: see docs/detectors.md); ``paper`` compares R itself. Alert
+    after ``warmup_steps`` values, when the score is above ``threshold`` on this step and on ``persist_fraction`` of
+    the last ``persist`` monitored steps (once per episode: again only after fewer than that were above)."""
 
     enabled: bool = True
     lambda_weight: float = 0.10
