@@ -35,10 +35,12 @@ from torch.distributed.tensor import DTensor
 
 from arc_engine import compat, runtime
 from arc_engine.config import EXIT_BAD_CONFIG, ArcConfig, ArcSetupError, load_config
+from arc_engine.diagnostics import curvature
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
+from arc_engine.recovery.rollback import Recovery
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce
 from arc_engine.stats.timing import ComputeProbe, is_compiled, local_compute_modules
@@ -99,7 +101,7 @@ class Arc:
         happened when this grows across an optimizer step (or from its events: :meth:`ArcEngine.sinks` takes a sink
         of your own). Local; identical on every rank."""
         recovery = self.engine.recovery
-        return recovery.controller.rollbacks if recovery is not None else 0
+        return recovery.rollbacks if recovery is not None else 0
 
     @property
     def data_position(self) -> int:
@@ -132,8 +134,17 @@ class Arc:
                              "diagnostics need each rank's whole model (DDP, DeepSpeed ZeRO-1/2, a plain module, "
                              "megatron-core without model parallelism)")
         diagnosing = getattr(self.adapter, "diagnosing", None)
-        with diagnosing() if diagnosing is not None else contextlib.nullcontext():
-            return self.engine.measure_curvature(loss_fn, params)
+        engine, config = self.engine, self.engine.config.diagnostics.curvature
+        with diagnosing() if diagnosing is not None else contextlib.nullcontext(), engine.between_steps():
+            result = curvature.measure_agreed(loss_fn, params, group=engine.group, device=engine.pipeline.device,
+                                              probes=config.probes, iterations=config.power_iterations,
+                                              rho=config.sam_rho, seed=config.seed * 1_000_003 + engine.step)
+        engine.emit_lifecycle("curvature", f"Hessian trace {result['hessian_trace']:.4g}, largest eigenvalue "
+                              f"{result['lambda_max']:.4g}, SAM sharpness {result['sam_sharpness']:.4g} at loss "
+                              f"{result['loss']:.4g} (mean over {result['ranks']} rank(s))", result)
+        if engine.reporter.emits:
+            engine.sinks.log_metrics(engine.step, {f"arc/curvature/{key}": result[key] for key in curvature.KEYS})
+        return {key: result[key] for key in curvature.KEYS}
 
     def curvature_due(self) -> bool:
         """Whether the step about to run is one of the periodic curvature measurements (every
@@ -243,7 +254,9 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     engine.start()
     if config.recovery.enabled:
         try:
-            engine.enable_recovery(adapter.train_state())  # may resume: counters move
+            recovery = Recovery(engine, adapter.train_state())
+            engine.use_recovery(recovery)
+            recovery.start()  # collective; may resume: counters move
         except ArcSetupError as err:
             _end_setup(engine, err)
     injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine),
@@ -272,8 +285,8 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         limit = straggler.compute_modules
         compute = getattr(adapter, "compute_modules", None)
         modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)
-        engine.probe = ComputeProbe(modules, engine.pipeline.device,
-                                    config.stats.interval * straggler.compute_every)
+        engine.use_probe(ComputeProbe(modules, engine.pipeline.device,
+                                      config.stats.interval * straggler.compute_every))
     _mark_attached(adapter.module, True)
     return Arc(engine, injector, removers, adapter)
 

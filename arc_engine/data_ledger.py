@@ -19,11 +19,19 @@ a ``skip_batches.json`` of global batch indices (for a Lightning or Hugging Face
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from arc_engine.events import Action, Finding, Severity
+
+if TYPE_CHECKING:
+    from arc_engine.policy import Decision
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,49 @@ class DataLedger:
     def open(self, path: Path | None) -> None:
         """Write new entries to ``path`` (None: memory only, e.g. not the group's first rank)."""
         self.path = path
+
+    def open_shared(self, path: Path, *, leader: bool, group: dist.ProcessGroup | None, num_ranks: int) -> None:
+        """Collective over ``group``: the leader reads ``path`` (a relaunch continues it; unreadable: a warning and
+        a new ledger beside it) and shares it with every rank; the leader writes the new entries there."""
+        entries: list[Any] = [[]]
+        if leader:
+            try:
+                entries[0] = read_ledger(path)
+            except (OSError, ValueError) as err:
+                log.warning("arc_engine: the data ledger %s is unreadable (%s): not honoured", path, err)
+        if num_ranks > 1:
+            dist.broadcast_object_list(entries, group_src=0, group=group)
+        self.merge(entries[0])
+        self.open(path if leader else None)
+
+    def with_position(self, findings: list[Finding], position: int) -> list[Finding]:
+        """``bad_data`` findings with the data position the step consumed; plus, where this ledger skipped
+        ``position`` for bad data before (a resumed or replaying run), the finding that skips it again."""
+        out = [dataclasses.replace(f, message=f"{f.message} (data position {position})",
+                                   values={**f.values, "data_position": position}) if f.bad_data else f
+               for f in findings]
+        known = self.bad(position)
+        if known is not None and not any(f.bad_data for f in out):
+            ranks = tuple(known["ranks"])
+            whose = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
+            out.append(Finding("data_ledger", Action.SKIP, Severity.WARNING,
+                               f"data position {position} was skipped for bad data{whose} at step {known['step']} "
+                               f"(data ledger): skipped again", ranks=ranks, bad_data=True,
+                               values={"data_position": position, "first_step": known["step"]}))
+        return out
+
+    def record_decision(self, decision: Decision, *, position: int, iteration: int) -> None:
+        """Record the step's batch when its update is not applied or a finding blames it (identical on every
+        rank)."""
+        blamed = [f for f in decision.findings if f.bad_data]
+        if decision.applies_update and not blamed:
+            return
+        causes = [f for f in decision.findings if f.action >= Action.SKIP] or blamed
+        dropped = decision.applies_update and any(f.data_dropped for f in blamed)
+        self.record(first=position, step=decision.step, iteration=iteration,
+                    action="dropped" if dropped else decision.action.name.lower(), bad_data=bool(blamed),
+                    ranks=[r for f in blamed for r in f.ranks], detectors=[f.detector for f in causes],
+                    reason=(blamed or causes)[0].message if (blamed or causes) else "")
 
     def record(self, *, first: int, last: int | None = None, step: int, iteration: int, action: str,
                bad_data: bool = False, ranks: Iterable[int] = (), detectors: Iterable[str] = (),

@@ -15,12 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.monitors import Monitor
 from arc_engine.policy import Decision
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
-from arc_engine.sinks.wandb_sink import WandbSink
+from arc_engine.sinks.wandb_sink import WandbSink, active_wandb_run
 
 
 def farthest_from_median(per_rank: dict[int, float], limit: int) -> dict[int, float]:
@@ -49,13 +52,16 @@ class Reporter:
         self.event_counts: Counter[str] = Counter()
         self._metrics_due = 0
 
-    def open(self, run_id: str, run_dir: Path, *, leader: bool, wandb_owner: bool,
+    def open(self, run_id: str, run_dir: Path, *, leader: bool, group: dist.ProcessGroup | None,
              locations: dict[int, str]) -> None:
-        """Open the sinks this rank owns: console and JSONL on the group's ``leader`` (or every rank with
-        ``sinks.all_ranks``), W&B on the elected ``wandb_owner``."""
+        """Collective over ``group``: open the sinks this rank owns: console and JSONL on the group's ``leader`` (or
+        every rank with ``sinks.all_ranks``), W&B on one rank of the job: the one holding the script's W&B run
+        (``sinks.wandb.reuse_run``), else the lowest."""
         self.run_id, self.run_dir = run_id, run_dir
         cfg = self.config.sinks
         self.owns_sinks = cfg.all_ranks or leader
+        holds_run = cfg.wandb.enabled and cfg.wandb.reuse_run and active_wandb_run() is not None
+        wandb_owner = cfg.wandb.enabled and runtime.elect_rank(holds_run, group) == self.rank
         self.wandb_owner = wandb_owner
         if self.owns_sinks:
             suffix = f".rank{self.rank}" if cfg.all_ranks else ""

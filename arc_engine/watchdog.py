@@ -34,6 +34,7 @@ process with :data:`~arc_engine.policy.decision.EXIT_HANG` (``os._exit``: the tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -45,6 +46,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from arc_engine import runtime
 from arc_engine.config.schema import WatchdogConfig
 from arc_engine.policy.decision import EXIT_HANG
 
@@ -331,3 +335,17 @@ class HangWatchdog:
             self.report(kind, message, values)
         except Exception as err:  # the watchdog must outlive any sink
             log.warning("arc_engine watchdog: reporting failed (%s: %s)", type(err).__name__, err)
+
+
+def start_watchdog(config: WatchdogConfig, *, observing: bool, run_id: str, run_dir: Path,
+                   report: Callable[[str, str, dict], None], iteration: Callable[[], int],
+                   on_abort: Callable[[], None]) -> HangWatchdog:
+    """This rank's watchdog, started, publishing its progress to the job's store when there is one. In observe
+    mode a hang is alerted and the rank never ended."""
+    store = runtime.default_store()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    board = ProgressBoard(store, run_id, world) if store is not None else None
+    if observing and config.action == "abort":
+        config = dataclasses.replace(config, action="alert")
+    return HangWatchdog(config, runtime.global_rank(), run_dir, report, iteration, board=board, world_size=world,
+                        on_abort=on_abort).start()

@@ -143,7 +143,7 @@ def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
     buffer.put(SECTION_TIMES, torch.tensor([0.1, 0.5, 20.0, np.nan, 0.0, -1.0, 0.0, 0.0, 0.1, np.inf, 0.0]))
     buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5]))
     engine.step = step
-    stats = pipeline.agree(buffer, reduce_max=engine._max_due())
+    stats = pipeline.agree(buffer, reduce_max=engine.assembly.max_due(step))
     assert evaluate_all(engine, stats, step) == 0, "the simulated report step must be healthy"
     sizes = list(pipeline.reduced_sizes)
     return sum(allreduce_bytes_per_rank(num_ranks, size) for size in sizes), sizes

@@ -206,14 +206,16 @@ def _train(rank: int, world: int, run_dir: Path, backend: str, grow: bool, stabi
             return torch.cat([p.detach().double().flatten() for p in model.parameters()])
     monitor = next(m for m in arc.engine.monitors if m.name == "dynamics")
     agreed, exact, findings, states, coefficients, params = [], [], {}, [], [], []
-    applied = arc.engine.gradient_coefficient  # what the optimizer hook applies to each step's gradients
+    from arc_engine.recovery import heal
 
-    def recorded() -> float:
-        value = applied()
+    applied = heal.gradient_coefficient  # what the optimizer hook applies to each step's gradients
+
+    def recorded(engine: object) -> float:
+        value = applied(engine)
         coefficients.append(value)
         return value
 
-    arc.engine.gradient_coefficient = recorded
+    heal.gradient_coefficient = recorded  # (this rank's process only)
     for step in range(42):
         if step % 2 == 0:
             states.append(full())

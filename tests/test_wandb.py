@@ -480,7 +480,7 @@ def _train_into_the_scripts_run(rank: int, world: int, run_dir: Path, steps: int
         optimizer.zero_grad(set_to_none=True)
         if run is not None:
             run.log({"user/loss": float(loss)}, step=step)
-    owner = arc.engine.wandb_owner
+    owner = arc.engine.reporter.wandb_owner
     arc.close()
     if run is not None:
         run.finish()

@@ -19,7 +19,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from arc_engine import runtime
 
 LossFn = Callable[[], torch.Tensor]
 
@@ -116,4 +119,28 @@ def measure(loss_fn: LossFn, params: Sequence[torch.Tensor], *, probes: int, ite
     return result
 
 
-__all__ = ["CurvatureGraph", "LossFn", "hutchinson_trace", "measure", "sam_sharpness", "top_eigenvalue"]
+KEYS = ("loss", "hessian_trace", "lambda_max", "sam_sharpness")
+
+
+def measure_agreed(loss_fn: LossFn, params: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None,
+                   device: torch.device, probes: int, iterations: int, rho: float, seed: int) -> dict[str, float]:
+    """Collective over ``group``: :func:`measure` on every rank, an error on any rank raised on every rank (none
+    waits alone in the reduction), the values averaged; ``ranks`` says over how many."""
+    local: dict[str, float] | None = None
+    error: Exception | None = None
+    try:
+        local = measure(loss_fn, params, probes=probes, iterations=iterations, rho=rho, seed=seed)
+    except Exception as err:  # agreed below
+        error = err
+    runtime.raise_on_every_rank(error, group, "measuring curvature")
+    assert local is not None
+    values = torch.tensor([local[key] for key in KEYS], dtype=torch.float64, device=device)
+    ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if ranks > 1:
+        dist.all_reduce(values, group=group)
+        values /= ranks
+    return {**dict(zip(KEYS, values.tolist(), strict=True)), "ranks": ranks}
+
+
+__all__ = ["CurvatureGraph", "LossFn", "hutchinson_trace", "measure", "measure_agreed", "sam_sharpness",
+           "top_eigenvalue"]

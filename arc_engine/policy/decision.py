@@ -6,8 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from arc_engine.config.schema import PolicyConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.stats import AgreedStats, names
 
 #: Exit code of a run that arc_engine stopped (persistent failure or an ``abort`` action).
 EXIT_ABORT = 3
@@ -146,3 +149,23 @@ class DecisionPolicy:
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_overflow_skips = int(state.get("consecutive_overflow_skips", 0))
         self.consecutive_data_skips = int(state.get("consecutive_data_skips", 0))
+
+
+def loss_finite(stats: AgreedStats) -> bool:
+    """Whether the agreed loss (summed over the ranks that recorded one) is finite."""
+    return names.LOSS not in stats.layout or bool(np.isfinite(stats.total(names.LOSS)).all())
+
+
+def gradient_nonfinite(stats: AgreedStats) -> bool:
+    """Whether any rank's local gradient or the reduced gradient holds NaN/Inf."""
+    counts = stats.total(names.GRAD_NONFINITE_LOCAL)
+    return bool((counts > 0).any() or not np.isfinite(counts).all()
+                or not np.isfinite(stats.total(names.GRAD_SQ)).all())
+
+
+def with_exit_code(decision: Decision) -> Decision:
+    """An ABORT takes the exit code a finding asks for (e.g. a faulty device), else keeps the policy's."""
+    if decision.action != Action.ABORT:
+        return decision
+    codes = [f.values["exit_code"] for f in decision.findings if f.action == Action.ABORT and "exit_code" in f.values]
+    return dataclasses.replace(decision, exit_code=int(codes[0])) if codes else decision

@@ -40,22 +40,37 @@ def scale_gradients(grads: list[torch.Tensor], coefficient: float) -> None:
 
 def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]],
               state: Mapping[Any, Any] | None = None) -> list[Any] | None:
-    """Before an applied optimizer step (or, for DeepSpeed, one parameter group's call), after the step's checks
-    and decision: run the engine's update hooks (:meth:`ArcEngine.add_update_hook`, e.g. injected optimizer-state
-    faults) with ``param_groups`` and ``state`` (the optimizer's state, keyed by those groups' parameters), scale the
-    gradients of ``param_groups`` by the step's gradient coefficient (recovery's healing clip, a monitor's
-    stabilisation: :meth:`ArcEngine.gradient_coefficient`), show them to the shaping monitors
-    (:meth:`ArcEngine.before_update`: the Fisher estimate, the EWC penalty) and scale their learning rates by the
-    step's factor. Returns the saved learning rates to hand to :func:`restore_learning_rates` after the step, or None
-    when nothing was scaled. Local; in normal training without an update hook or a shaping monitor it touches no
-    tensor and walks no parameter list."""
+    """Before an applied optimizer step (or one DeepSpeed parameter group's call), after the decision: the engine's
+    update hooks (e.g. injected optimizer-state faults) see ``param_groups`` and ``state``; the gradients are scaled
+    by the step's coefficient (healing clip, a stabiliser); the update shapers see them (the Fisher estimate, the
+    EWC penalty); the learning rates are scaled by the step's factor. Returns the saved learning rates for
+    :func:`restore_learning_rates`, or None when none was scaled. Local; in normal training it walks nothing."""
     for hook in engine.update_hooks:  # first: an injected wrong reduction precedes anything the step does
         hook(param_groups, state)
-    coefficient = engine.gradient_coefficient()
+    coefficient = gradient_coefficient(engine)
     if coefficient != 1.0:
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
                         coefficient)
-    if engine.shaping:
-        engine.before_update(param_groups)
-    factor = engine.step_lr_factor()
+    if engine.hooks.shaping:
+        engine.hooks.before_update(param_groups, engine.step)
+    factor = step_lr_factor(engine)
     return scale_learning_rates(param_groups, factor) if factor != 1.0 else None
+
+
+def gradient_coefficient(engine: ArcEngine) -> float:
+    """What this step's gradients are multiplied by before the update (1.0 in normal training): recovery's healing
+    clip times the monitors' stabilisation, from this step's agreed statistics, so every rank scales alike."""
+    coefficient = engine.recovery.clip_coefficient() if engine.recovery is not None else 1.0
+    stats, decision = engine.last_stats, engine.last_decision
+    if stats is None or decision is None or decision.step != engine.step:
+        return coefficient
+    return coefficient * engine.hooks.stabilise(stats)
+
+
+def step_lr_factor(engine: ArcEngine) -> float:
+    """What this step's learning rate is multiplied by (undone after the step): recovery's healing factor times
+    the registered multipliers (e.g. an injected learning-rate fault). 1.0 in normal training."""
+    factor = engine.recovery.lr_factor if engine.recovery is not None else 1.0
+    for multiplier in engine.lr_multipliers:
+        factor *= multiplier()
+    return factor

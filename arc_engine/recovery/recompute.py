@@ -33,6 +33,7 @@ collective (never a hang): the step then falls to the ``detectors.sdc.action`` p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from arc_engine.stats import AgreedStats, StatBuffer, names
 from arc_engine.stats.grad_stats import accumulate_grad_stats
 
 if TYPE_CHECKING:
-    from arc_engine.engine import ArcEngine
+    from arc_engine.step_hooks import EngineAccess, Evaluate
 
 #: ``recompute_fn(module, data_rank)``: yield the loss of each micro-batch that rank ``data_rank`` trained on in the
 #: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
@@ -146,7 +147,7 @@ class ReplicaTarget:
     module: Any
     params: list[torch.Tensor]
     loss_factor: float
-    engine: ArcEngine
+    engine: EngineAccess
 
     def units(self, ranks: list[int]) -> Units:
         return Units.per_rank(ranks)
@@ -188,7 +189,7 @@ class Recomputed:
 CHUNK_ELEMENTS = 1 << 24
 
 
-def recompute_wanted(engine: ArcEngine, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
+def recompute_wanted(engine: EngineAccess, recompute_fn: RecomputeFn | None, backend: str, supported: bool,
                      required_group: dist.ProcessGroup | None = None) -> bool:
     """Validate the attach arguments: True when the localized recomputation should be wired up. Raises
     ValueError when it is enabled without ``recompute_fn``, on a backend that does not support it, or when the
@@ -247,10 +248,11 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 class SDCRecompute:
     """Per-rank driver of the localized recomputation (see the module docstring). Built by the integrations when
-    ``detectors.sdc.recompute.enabled`` (collective: the target may gather its units); the engine calls
-    :meth:`capture` at each step start and :meth:`resolve` / :meth:`recompute_all` from ``decide``."""
+    ``detectors.sdc.recompute.enabled`` (collective: the target may gather its units); the engine knows it as a
+    :class:`arc_engine.step_hooks.StatsResolver`: :meth:`on_step_start` at each step start, :meth:`judge` from
+    ``decide``."""
 
-    def __init__(self, engine: ArcEngine, config: RecomputeConfig, gate: LocalGate, target: GradientTarget,
+    def __init__(self, engine: EngineAccess, config: RecomputeConfig, gate: LocalGate, target: GradientTarget,
                  recompute_fn: RecomputeFn) -> None:
         self.engine = engine
         self.config = config
@@ -268,12 +270,33 @@ class SDCRecompute:
 
     # ------------------------------------------------------------------ per step
 
-    def capture(self) -> None:
+    def on_step_start(self, step: int) -> None:
         """At the step's first forward (every rank): remember the RNG state the step starts from."""
         self._rng = self.target.rng_state()
         self._own = None
         self._own_stats = None
         self.gate.reset_step()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def judge(self, stats: AgreedStats, evaluate: Evaluate, regather: Callable[[], AgreedStats]
+              ) -> tuple[AgreedStats, list[Finding], list[Finding]]:
+        """Collective. Where some rank withheld its gradient: recompute there, correct, judge the corrected step.
+        Where the update-RMS rule fires with nothing withheld: every rank recomputes once and the recomputed step
+        is judged (the first verdict stays on record as warnings). Otherwise the monitors' verdict as it is."""
+        if self.needs_resolution(stats):
+            own = self.resolve(stats)
+            stats = regather()
+            return stats, evaluate(stats), own
+        findings = evaluate(stats)
+        if not self.wants_recompute_all(findings):
+            return stats, findings, []
+        first = [dataclasses.replace(f, action=Action.WARN, message=f"before recomputing: {f.message}")
+                 for f in findings]
+        own = [*first, *self.recompute_all()]
+        stats = regather()
+        return stats, evaluate(stats), own
 
     def needs_resolution(self, stats: AgreedStats) -> bool:
         """Whether some rank withheld a gradient slot this step (agreed total; no communication)."""
@@ -382,12 +405,11 @@ class SDCRecompute:
         result = Recomputed(total_p=[None] * len(params))
         saved = self.target.rng_state()
         yielded: list[torch.Tensor] = []
-        self.engine.recomputing = True
-        self.engine.recomputed_losses = []
+        recorded: list[torch.Tensor] = []
         try:
             if rng is not None:
                 self.target.set_rng_state(rng)
-            with torch.enable_grad():
+            with torch.enable_grad(), self.engine.recording_recomputation() as recorded:
                 for micro_batch, loss, grads in self.target.gradients(self.recompute_fn, data_rank):
                     if loss is not None:
                         yielded.append(loss.detach().float().reshape(()))
@@ -397,8 +419,6 @@ class SDCRecompute:
             self.engine.log_warning(f"sdc recompute for data rank {data_rank} failed: {type(err).__name__}: {err}")
             return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False, failed=True)
         finally:
-            recorded, self.engine.recomputed_losses = self.engine.recomputed_losses, None
-            self.engine.recomputing = False
             self.target.set_rng_state(saved)
         # the losses the training loop's own record_loss calls gave (the scale it records), else the yielded ones
         losses = recorded or yielded

@@ -59,7 +59,7 @@ from arc_engine.recovery.state import TrainState
 from arc_engine.stats import names
 
 if TYPE_CHECKING:
-    from arc_engine.engine import ArcEngine
+    from arc_engine.step_hooks import EngineAccess
 
 log = logging.getLogger("arc_engine")
 
@@ -78,9 +78,10 @@ class PendingRestore:
 
 
 class Recovery:
-    """Per-rank recovery for one :class:`ArcEngine`. Construct on every rank, then :meth:`start` (collective)."""
+    """Per-rank recovery for one engine (:class:`arc_engine.step_hooks.Recovering`). Construct on every rank, then
+    :meth:`start` (collective)."""
 
-    def __init__(self, engine: ArcEngine, state: TrainState) -> None:
+    def __init__(self, engine: EngineAccess, state: TrainState) -> None:
         self.engine = engine
         self.config = engine.config.recovery
         self.state = state
@@ -209,8 +210,8 @@ class Recovery:
 
     # ------------------------------------------------------------------ step start
 
-    def on_step_start(self) -> None:
-        """At the first forward of a step (every rank). Carries out a pending rollback, or takes the candidate
+    def on_step_start(self, step: int) -> None:
+        """At the first forward of step ``step`` (every rank). Carries out a pending rollback, or takes the candidate
         snapshot when one is due. May be collective (the first capture sizes the ring with one all-reduce; a disk
         restore loads through DCP)."""
         if self.pending is not None:
@@ -272,7 +273,7 @@ class Recovery:
         if decision.applies_update:
             self.ring.push(candidate)
             self.controller.on_verified()
-            self.engine.set_reference()
+            self.engine.hooks.set_reference()
             self._maybe_save(candidate)
         else:
             self.ring.recycle(candidate)
@@ -420,7 +421,7 @@ class Recovery:
     # ------------------------------------------------------------------ carrying out
 
     def _carry_out(self, pending: PendingRestore) -> None:
-        self.engine.before_restore()
+        self.engine.hooks.before_restore()
         if pending.snapshot is not None:
             extra = restore(pending.snapshot, self.state)
             self.engine.load_monitor_state_dict(extra["monitors"])
@@ -437,11 +438,11 @@ class Recovery:
             self.checkpoints.pin(info.step)
             self.engine.rewind(info.step, pending.data_position)
             self.restores["disk"] += 1
-        if self.engine.after_restore():  # the importance-weighted rollback edited the stepped tensors
+        if self.engine.hooks.after_restore(self.engine.step):  # an importance-weighted rollback edited the tensors
             self.state.masters_changed()
         if pending.escape:
             self.state.perturb(self.config.perturbation_scale, self.config.seed * 1_000_003 + self.controller.rollbacks)
-            self.engine.set_reference()  # the escaped state, not the restored one, is what EWC holds to
+            self.engine.hooks.set_reference()  # the escaped state, not the restored one, is what EWC holds to
 
     def _build_disk_state(self, info: CommitInfo) -> dict[str, Any]:
         world = self._world()
@@ -465,14 +466,14 @@ class Recovery:
             log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
                         info.world_size, self._world())
         self.engine.load_monitor_state_dict(shared["arc"]["monitors"])
-        if shared["arc"].get("applied_steps") is not None:
-            self.engine.applied_steps = int(shared["arc"]["applied_steps"])
-        if full:  # a restart: everything, including the counters a rollback keeps
+        applied = shared["arc"].get("applied_steps")
+        if not full:
+            self.engine.rewind(self.engine.step, self.engine.data_position, applied)
+        else:  # a restart: everything, including the counters a rollback keeps
             self.controller.load_state_dict(shared["controller"])
             self.engine.load_counters_state_dict(shared["engine"])
-            if "iteration" in shared["arc"]:  # the step attempt of the snapshot, not of the later save
-                self.engine.iteration = int(shared["arc"]["iteration"])
-            self.engine.rewind(info.step, int(shared["arc"]["data_position"]))
+            iteration = shared["arc"].get("iteration")  # the step attempt of the snapshot, not of the later save
+            self.engine.rewind(info.step, int(shared["arc"]["data_position"]), applied, iteration)
             self.last_disk_step = info.step
             self.disk_saves = 1
 
@@ -484,6 +485,11 @@ class Recovery:
     @property
     def lr_factor(self) -> float:
         return self.controller.lr_factor
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks (escapes included) carried out so far."""
+        return self.controller.rollbacks
 
     def clip_coefficient(self) -> float:
         """The extra gradient scale for this step (1 unless healing with ``heal_clip_grad_norm``), from the

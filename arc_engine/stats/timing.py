@@ -127,6 +127,10 @@ class ComputeProbe:
                 pair[1] = self._mark()
         return hook
 
+    def on_step_start(self, step: int) -> None:
+        """The step-hook form of :meth:`start` (:class:`arc_engine.step_hooks.StepHooks`)."""
+        self.start(step)
+
     def take(self) -> list[float]:
         """The compute seconds of the sampled steps whose marks can be read, oldest first; each is returned once.
         On CPU the current step's sample is readable once its forward pass ran; on CUDA a sample is read when all its
