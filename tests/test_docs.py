@@ -1,14 +1,15 @@
-"""The README and the manual in docs/: the configuration page is the generator's output, and every link resolves
-to a file (and heading) of this repository."""
+"""The README and the manual in docs/: the configuration page is the generator's output (every key documented by
+its field's docstring), and every link resolves to a file (and heading) of this repository."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from arc_engine.config.reference import REGENERATE, render
+from arc_engine.config.docs import REGENERATE, field_docs, render, render_sections
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -41,6 +42,40 @@ def heading_anchors(markdown: str) -> set[str]:
 def test_configuration_page_equals_the_generated_reference() -> None:
     committed = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert committed == render(), f"docs/configuration.md is stale: regenerate it with `{REGENERATE}`"
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """A plugin family's config section."""
+
+    enabled: bool = True
+    """Watch the weights."""
+    threshold: float = 1.0e3
+    """Largest absolute weight that
+    passes.
+    Allowed: > 0"""
+
+
+@dataclass(kw_only=True)
+class StrictGuardConfig(GuardConfig):
+    threshold: float = 10.0
+    patience: int = 2
+
+
+def test_field_docs_reads_each_fields_docstring_and_the_allowed_line() -> None:
+    assert field_docs(GuardConfig) == {"enabled": "Watch the weights.",
+                                       "threshold": "Largest absolute weight that\npasses.\nAllowed: > 0"}
+    page = render_sections(GuardConfig, "detectors.guard", {"detectors": "families.md"})
+    assert page.splitlines()[:3] == ["## `detectors.guard`", "", "A plugin family's config section. Manual: "
+                                     "[families.md](families.md)."]
+    assert "| `detectors.guard.threshold` | float | `1000.0` | > 0 | Largest absolute weight that passes. |" in page
+    assert "| `detectors.guard.enabled` | bool | `true` | `true`, `false` | Watch the weights. |" in page
+
+
+def test_a_field_without_a_docstring_is_an_error_naming_class_and_field() -> None:
+    assert list(field_docs(StrictGuardConfig)) == ["enabled", "threshold"]  # a redeclared field keeps its base's
+    with pytest.raises(RuntimeError, match=r"test_docs\.StrictGuardConfig\.patience has no docstring"):
+        render_sections(StrictGuardConfig, "detectors.guard")
 
 
 def test_the_docs_have_a_readme_an_index_and_pages() -> None:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
 from arc_engine.config import ConfigError, load_config
+from arc_engine.config.docs import render_sections
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView
 from arc_engine.monitors.registry import register_family, unregister_family
@@ -29,9 +30,15 @@ CORRUPT_STEP = 6  # rank 1's replica gets one absurd weight after this step's up
 
 @dataclass(kw_only=True)
 class WeightGuardConfig:
+    """The largest weight on any rank against a threshold."""
+
     enabled: bool = True
+    """Watch the weights."""
     threshold: float = 1.0e3
+    """The largest absolute weight that passes.
+    Allowed: > 0"""
     action: Literal["warn", "skip", "rollback", "abort"] = "warn"
+    """What a weight above the threshold gets."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -171,3 +178,12 @@ def test_a_plugin_section_is_validated_like_a_built_in(tmp_path: Path) -> None:
         unregister_family("weight_guard")
     with pytest.raises(ConfigError, match="not a built-in section nor a registered monitor family"):
         load_config(write_yaml(tmp_path / "unregistered.yaml", {"threshold": 5.0}))
+
+
+def test_a_plugin_config_documents_its_keys_as_the_built_in_sections_do() -> None:
+    page = render_sections(WeightGuardConfig, "detectors.weight_guard")
+    assert page.splitlines()[:3] == ["## `detectors.weight_guard`", "", "The largest weight on any rank against a "
+                                     "threshold."]
+    assert ("| `detectors.weight_guard.threshold` | float | `1000.0` | > 0 | The largest absolute weight that "
+            "passes. |") in page.splitlines()
+    assert "| `detectors.weight_guard.action` | choice | `warn` | `warn`, `skip`, `rollback`, `abort` |" in page

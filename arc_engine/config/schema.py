@@ -4,6 +4,12 @@ Every component owns a small ``kw_only`` dataclass; :class:`ArcConfig` composes 
 its own values in ``__post_init__`` and raises :class:`~arc_engine.config.errors.ConfigError` naming the key
 (relative to that dataclass; the loader prefixes the path and the source file).
 
+The docstring of a key's field -- the string literal on the line after it -- is that key's entry in
+docs/configuration.md (:mod:`arc_engine.config.docs` renders it): one description, in Markdown, and a last line
+``Allowed: ...`` where the type does not say which values ``__post_init__`` accepts (a format; every number's
+range). A key without one fails the generator and ``tests/test_docs.py``; a section's field needs none (its class
+docstring introduces it).
+
 Actions a detector may request (``action`` keys):
 
 * ``warn``  -- emit an event, apply the step as usual;
@@ -40,7 +46,12 @@ class RunConfig:
     """
 
     run_id: str | None = None
+    """Name shared by every rank. Null: `$TORCHELASTIC_RUN_ID` if set (stable across torchrun's restarts), else rank 0's
+    timestamp `YYYYmmdd-HHMMSS`, broadcast once at attach.
+    Allowed: letters, digits, `-`, `_`, `.`"""
     run_dir: str = "arc_runs"
+    """Parent folder; the run's files go to `<run_dir>/<run_id>/`.
+    Allowed: a non-empty path"""
 
     def __post_init__(self) -> None:
         require(self.run_dir != "", "run_dir", self.run_dir, "must be a non-empty path")
@@ -65,9 +76,19 @@ class StatsConfig:
     """
 
     interval: int = 1
+    """Monitor every k-th optimizer step. Unmonitored steps run no statistics, no collective and no detector: a fault on
+    such a step is applied unseen.
+    Allowed: >= 1"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the step's statistics buffer lives: `auto` is CUDA for NCCL groups, else CPU."""
     optimizer_stats_every: int = 10
+    """Per-group weight norms and the prospective Adam update RMS on every k-th monitored step (about one extra Adam
+    step of memory traffic; 0: never). The SDC detector computes the update RMS every monitored step regardless.
+    Allowed: >= 0"""
     own_work: bool = False
+    """Time arc_engine's own work per step, piece by piece (thread CPU time of each hook, the decision, snapshots; CUDA
+    event time of its kernels on CUDA), reported in the run summary's `own_work` ([performance.md](performance.md)).
+    Off: no timer on the hot path; on: about a microsecond per timed call."""
 
     def __post_init__(self) -> None:
         require(self.interval >= 1, "interval", self.interval, "must be an integer >= 1")
@@ -80,7 +101,10 @@ class NonFiniteConfig:
     """NaN/Inf in any rank's loss or local gradient (per parameter group)."""
 
     enabled: bool = True
+    """NaN/Inf in any rank's loss or local (pre-reduction) gradient; the finding names the rank and the first parameter
+    group."""
     action: ActionName = "skip"
+    """What a non-finite step gets."""
 
 
 @dataclass(kw_only=True)
@@ -100,17 +124,38 @@ class LossSpikeConfig:
     """
 
     enabled: bool = True
+    """Loss above a robust running baseline (median and MAD of recent accepted losses)."""
     warmup_steps: int = 20
+    """Accepted steps before the detector can flag.
+    Allowed: >= 3"""
     window: int = 100
+    """Accepted losses in the baseline.
+    Allowed: >= `warmup_steps`"""
     factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) above the median that a spike must exceed.
+    Allowed: > 0"""
     min_relative_increase: float = 0.25
+    """And the fraction of the median it must exceed it by.
+    Allowed: >= 0"""
     action: ActionName = "skip"
+    """What a spike gets."""
     level_shift: bool = True
+    """The level-shift arm: a one-sided CUSUM of the loss above its recent median, in units of the successive-difference
+    noise scale ([detectors.md](detectors.md#loss-level-shifts))."""
     level_reference: int = 20
+    """Accepted losses whose median is the reference level.
+    Allowed: [1, `window`]"""
     level_allowance: float = 1.0
+    """Noise units subtracted from each step's distance (the CUSUM's k).
+    Allowed: >= 0"""
     level_cap: float = 5.0
+    """Largest distance one step adds (a single spike cannot trip the arm).
+    Allowed: > `level_allowance`"""
     level_threshold: float = 15.0
+    """The sum that is a level shift (the CUSUM's h).
+    Allowed: > 0"""
     level_action: ActionName = "warn"
+    """What a level shift gets (once per episode)."""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
@@ -136,15 +181,32 @@ class GradNormConfig:
     ``explosion_action``; a flagged norm never enters the baseline."""
 
     enabled: bool = True
+    """Explosion and vanishing of the global gradient norm (reduced, before clipping)."""
     explosion_threshold: float = 1.0e4
+    """τ_grad of the ARC paper: a norm above it is an explosion.
+    Allowed: > 0"""
     vanishing_threshold: float = 1.0e-10
+    """ε_grad: a norm below it is vanishing.
+    Allowed: >= 0 and < `explosion_threshold`"""
     explosion_action: ActionName = "skip"
+    """What an explosion (either arm) gets."""
     vanishing_action: ActionName = "warn"
+    """What a vanishing gradient gets."""
     relative: bool = True
+    """The relative explosion arm: the pre-clip norm far above the run's own robust baseline of log-norms, whatever the
+    clipping threshold ([detectors.md](detectors.md#relative-gradient-explosion))."""
     warmup_steps: int = 20
+    """Accepted steps before the relative arm can fire.
+    Allowed: >= 3"""
     window: int = 100
+    """Accepted log-norms in the relative arm's baseline.
+    Allowed: >= `warmup_steps`"""
     relative_factor: float = 8.0
+    """Robust standard deviations (1.4826 x MAD of the log-norms) above their median that the relative arm needs.
+    Allowed: > 0"""
     relative_min_ratio: float = 10.0
+    """And the norm at least this many times the baseline median's (clean campaign runs peak at 3x).
+    Allowed: >= 1"""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
@@ -174,9 +236,18 @@ class RecomputeConfig:
     (nothing withheld), every rank recomputes once, then the rule's ``action`` applies if it still fires."""
 
     enabled: bool = False
+    """Withhold a suspect local gradient before the reduction and recompute it on that rank only (DDP, DeepSpeed
+    ZeRO-1/2; megatron-core: on its replica's model-parallel group; needs `recompute_fn` at attach)."""
     gate_factor: float = 8.0
+    """A local gradient norm above this many times its running reference is withheld.
+    Allowed: > 1"""
     peer_rtol: float = 0.01
+    """Relative tolerance of the peer check: the suspect's recomputation and a healthy peer's agree within it (the data
+    caused it) or not (the device is faulty).
+    Allowed: (0, 1)"""
     on_faulty_device: Literal["abort", "exclude"] = "abort"
+    """`abort`: every rank stops with exit code 5; `exclude`: the peer's recomputation replaces the suspect's share and
+    training goes on."""
 
     def __post_init__(self) -> None:
         require(self.gate_factor > 1, "gate_factor", self.gate_factor, "must be > 1")
@@ -202,12 +273,28 @@ class SDCConfig:
     away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
 
     enabled: bool = True
+    """The SDC paper's update-RMS rule (on by default); computes the sampled update RMS on every monitored step."""
     alpha: float = 0.05
+    """α of the rule ΔR_t > μ/(α√ΔG_t); larger is more sensitive.
+    Allowed: (0, 1]"""
     warmup_steps: int = 100
+    """Applied steps over which μ (the mean update-RMS jump) is learned; also the recomputation gate's warm-up.
+    Allowed: >= 1"""
     localize_factor: float = 4.0
+    """On a flagged step, a rank whose local gradient-norm jump exceeds this many times its peers' median jump is named
+    the suspect.
+    Allowed: > 1"""
     action: ActionName = "skip"
+    """What a flagged step gets."""
     update_sample: float = 0.03125
+    """Fraction of each tensor the update RMS is computed on: one contiguous window (at least 256 elements) that moves
+    every monitored step, so every element is covered every ceil(1/update_sample) steps; 1.0 gives the paper's exact
+    R_t.
+    Allowed: (0, 1]"""
     sketch_size: int = 0
+    """Numbers per rank in the signed chunk-sum sketch of the local gradient (0: off, the default; e.g. 256: one more
+    pass over each local gradient bucket per step).
+    Allowed: >= 0"""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
@@ -224,9 +311,16 @@ class TrajectoryMonitorConfig:
     learned from the last ``window`` accepted measurements, after ``warmup_measurements`` of them."""
 
     enabled: bool = True
+    """Measure and alarm (on only where the adapter describes the model's structure)."""
     every: int = 50
+    """Optimizer steps between measurements.
+    Allowed: a multiple of `stats.interval`"""
     warmup_measurements: int = 8
+    """Accepted measurements before the alarms can fire.
+    Allowed: >= 3"""
     window: int = 50
+    """Accepted measurements in each layer's healthy trajectory.
+    Allowed: >= `warmup_measurements`"""
 
     def __post_init__(self) -> None:
         require(self.every >= 1, "every", self.every, "must be an integer >= 1")
@@ -261,14 +355,40 @@ class QKSpectraConfig(TrajectoryMonitorConfig):
     logit per head (Transformer Engine >= 2.9 with ``current_max_attn_logits``), it is reported beside the bound.
     """
 
+    # The inherited keys again, for this family's own docstrings (the defaults are the base's).
+    enabled: bool = True
+    """Attention ΔW and QK-product spectra per head and tensor-parallel shard (Megatron; off elsewhere)."""
+    every: int = 50
+    """δ: optimizer steps between measurements (W_q, W_k at t − δ are kept).
+    Allowed: a multiple of `stats.interval`"""
+    warmup_measurements: int = 8
+    """Accepted measurements before the alarm can fire.
+    Allowed: >= 3"""
     window: int = 16
+    """Accepted measurements in each layer's healthy trajectory.
+    Allowed: >= `warmup_measurements`"""
     allowance: float = 0.05
+    """Relative drop per measurement (mean over layers of each layer's median head below its trend) the accumulated sum
+    absorbs.
+    Allowed: [0, 1)"""
     alarm_drop: float = 0.5
+    """Accumulated drop beyond the allowance that alarms (e.g. 0.5: a sustained 30 % drop alarms on the 3rd
+    measurement).
+    Allowed: > 0"""
     action: ActionName = "warn"
+    """What an alarm gets."""
     logit_growth: float = 1.0
+    """A head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k above its own trend by a factor of more than 1 + this alarms
+    (with `logit_factor`).
+    Allowed: > 0"""
     logit_factor: float = 6.0
+    """... and by more than this many robust standard deviations of the log bound's residuals.
+    Allowed: > 0"""
     logit_warmup_measurements: int = 10
+    """Accepted measurements before the logit-growth alarm can fire (early training moves the bounds fastest).
+    Allowed: 3 to `window`"""
     logit_action: ActionName = "warn"
+    """What a logit-growth alarm gets."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -294,13 +414,27 @@ class RouterConfig(TrajectoryMonitorConfig):
     expert that received tokens in the baseline and none now (``dead_expert_action``).
     """
 
+    enabled: bool = True
+    """MoE router health per MoE layer over every token of the job (Megatron with experts; off elsewhere)."""
     every: int = 10
+    """Optimizer steps between measurements.
+    Allowed: a multiple of `stats.interval`"""
     warmup_measurements: int = 5
+    """Accepted measurements before the alarms can fire.
+    Allowed: >= 3"""
     factor: float = 6.0
+    """Robust standard deviations of change (entropy down, similarity up) that alarm.
+    Allowed: > 0"""
     min_relative_change: float = 0.15
+    """And the fraction of the predicted value the change must exceed.
+    Allowed: >= 0"""
     min_similarity_change: float = 0.05
+    """And, for the similarity (a mean cosine, about 0 for a healthy router), this absolute rise.
+    Allowed: [0, 2]"""
     action: ActionName = "warn"
+    """What an entropy or similarity alarm gets."""
     dead_expert_action: ActionName = "warn"
+    """What an expert gets that was alive in the baseline and receives no token."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -327,14 +461,34 @@ class StragglerConfig:
     stragglers also count as system events of the R-Metric."""
 
     enabled: bool = True
+    """Per-rank straggler scores from each rank's forward-section time (first forward pre-hook to first recorded loss),
+    as nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."""
     every: int = 20
+    """Monitored steps per report: every rank scores its window medians against its stage's fastest (fixed-size
+    reductions on that step only, no per-rank gather).
+    Allowed: >= 3"""
     relative_threshold: float = 0.7
+    """A rank whose fastest-rank-median / own-median (forward or compute, among the ranks of its pipeline stage) falls
+    below this is a straggler.
+    Allowed: in (0, 1)"""
     individual_threshold: float = 0.7
+    """A rank whose best-median-so-far / current median falls below this is a straggler (it slowed down); 0: off.
+    Allowed: in [0, 1)"""
     min_delay_s: float = 0.005
+    """A straggler is also at least this many seconds slower than its reference (timer noise of fast steps never flags).
+    Allowed: >= 0"""
     warmup_reports: int = 2
+    """Reports before ranks can be flagged (the first steps compile and warm caches).
+    Allowed: >= 0"""
     compute_every: int = 5
+    """Monitored steps between samples of each rank's local compute time (modules without a collective; tells a slow
+    tensor/pipeline-parallel peer from the peers that wait for it); 0: off.
+    Allowed: >= 0"""
     compute_modules: int = 64
+    """At most this many leaf modules are timed on a sampled step (spread evenly over the model).
+    Allowed: >= 1"""
     action: ActionName = "warn"
+    """What a new straggler gets (the event names the ranks)."""
 
     def __post_init__(self) -> None:
         require(self.every >= 3, "every", self.every, "must be an integer >= 3 (monitored steps per report)")
@@ -364,22 +518,55 @@ class RMetricConfig:
     the last ``persist`` monitored steps (once per episode: again only after fewer than that were above)."""
 
     enabled: bool = True
+    """The R-Metric early warning: system events λ, worker gradient-norm variance σ², loss drift ΔL, each
+    percentile-normalized ([detectors.md](detectors.md))."""
     lambda_weight: float = 0.10
+    """Weight of norm(λ).
+    Allowed: >= 0"""
     variance_weight: float = 0.45
+    """Weight of norm(σ²).
+    Allowed: >= 0"""
     drift_weight: float = 0.70
+    """Weight of norm(ΔL).
+    Allowed: >= 0 (not all three 0)"""
     threshold: float = 0.57
+    """Alert level of the score.
+    Allowed: > 0"""
     score: Literal["normalized", "paper"] = "normalized"
+    """`normalized`: the weighted sum divided by the weights' sum (0.5 when nothing moves); `paper`: the weighted sum
+    itself, as written (alerts on most steps of a stationary run with the default weights)."""
     window: int = 100
+    """Previous values each percentile rank is taken among.
+    Allowed: >= 2"""
     ema: float = 0.3
+    """Smoothing of the percentile: s = ema * p + (1 - ema) * s.
+    Allowed: in (0, 1]"""
     gain: float = 4.0
+    """Slope of the sigmoid: norm = 1 / (1 + exp(-gain * (s - 0.5))).
+    Allowed: > 0"""
     drift_window: int = 10
+    """Previous losses whose mean ΔL is measured from.
+    Allowed: >= 1"""
     variance_relative: bool = True
+    """σ² read as log σ² minus the median log σ² of the previous `window` values (the ranks' spread grows over a healthy
+    run, which a percentile against the raw history reads as a warning); false: the paper's raw σ²."""
     event_window: int = 100
+    """Monitored steps λ counts system events over.
+    Allowed: >= 1"""
     warmup_steps: int = 30
+    """Applied monitored steps before an alert can fire.
+    Allowed: >= 1"""
     persist: int = 40
+    """Monitored steps the alert looks back over (one alert per episode).
+    Allowed: >= 1"""
     persist_fraction: float = 0.8
+    """Share of those steps whose score must be above the threshold (this step's too); 1: every one of them.
+    Allowed: in (0, 1]"""
     nvml: bool = True
+    """Count NVML ECC, XID and clock-slowdown events of the rank's GPU when `nvidia-ml-py` is installed and the
+    statistics live on CUDA (polled every 10 monitored steps)."""
     action: ActionName = "warn"
+    """What an alert gets."""
 
     def __post_init__(self) -> None:
         for key in ("lambda_weight", "variance_weight", "drift_weight"):
@@ -425,15 +612,36 @@ class DataConfig:
     Skipping cannot bring diverged replicas back together."""
 
     enabled: bool = True
+    """Bad data, found and localized: the ranks' losses on one step parting from each other (the L4 norm of their
+    deviations, from the step's one all-reduce); names the rank with the highest loss and the data position
+    ([detectors.md](detectors.md#bad-data)). Needs 2 or more ranks; off under expert parallelism."""
     warmup_steps: int = 20
+    """Accepted steps before the rule can fire.
+    Allowed: >= 3"""
     window: int = 100
+    """Accepted values in the baseline.
+    Allowed: >= `warmup_steps`"""
     factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) above the baseline's median that a step's deviation must exceed.
+    Allowed: > 0"""
     min_ratio: float = 10.0
+    """And this many times the baseline's median (10: silent on the campaign's clean runs,
+    [results.md](results.md#bad-data)).
+    Allowed: >= 1"""
     min_excess: float = 0.05
+    """The highest-loss rank is named when its loss is at least this fraction above its peers' mean.
+    Allowed: >= 0"""
     action: ActionName = "skip"
+    """What a finding gets; its skips count apart (`policy.max_consecutive_data_skips`)."""
     quarantine: bool = True
+    """After a step skipped for a named rank's bad data, drop only that rank's share of the next steps' gradient (before
+    the reduction) and apply them, while the rule keeps naming it (DDP, ZeRO-1/2; elsewhere: skip)."""
     quarantine_steps: int = 100
+    """Quarantined steps in a row at most; past them the findings skip again.
+    Allowed: >= 1"""
     diverged_action: ActionName = "rollback"
+    """What an alarm gets whose data-parallel replicas' weights differ (not bad data; DDP, ZeRO-1/2): rollback restores
+    identical replicas (without recovery: a stop)."""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
@@ -461,18 +669,51 @@ class ConsistencyConfig:
     position (the replicas of one shard); off under expert parallelism."""
 
     enabled: bool = True
+    """Cross-worker consistency over the data-parallel ranks: loss and local gradient-norm dispersion every monitored
+    step, direction consistency periodically ([detectors.md](detectors.md)). Off by itself under tensor, pipeline,
+    context or expert parallelism."""
     warmup_steps: int = 20
+    """Accepted steps before the alarms can fire.
+    Allowed: >= 3"""
     window: int = 100
+    """Accepted values (gradient-norm CV, C_dir) in the baseline.
+    Allowed: >= warmup_steps"""
     factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) from the baseline's median that alarm.
+    Allowed: > 0"""
     min_cv_ratio: float = 2.0
+    """The gradient-norm CV must also exceed this many times its baseline median.
+    Allowed: >= 1"""
     min_direction_drop: float = 0.1
+    """C_dir must also fall this far below its baseline median (cosine units).
+    Allowed: [0, 2]"""
     persist: int = 3
+    """Consecutive measurements past the limit before an alarm (one alarm per episode); one step's spread has a long
+    tail with few ranks.
+    Allowed: >= 1"""
     direction: bool = True
+    """Measure C_dir, the mean pairwise cosine of the ranks' local gradients, from a gradient sketch (one more pass over
+    the local gradient on its steps)."""
     direction_every: int = 10
+    """Monitored steps between C_dir measurements (the sketch is taken only then; on every monitored step when
+    `detectors.sdc.sketch_size` is set).
+    Allowed: >= 1"""
     sketch_size: int = 256
+    """Numbers in each rank's sketch (`detectors.sdc.sketch_size` wins when set): the estimate's error falls as
+    1/sqrt(size) ([detectors.md](detectors.md)).
+    Allowed: >= 2"""
     exact_max_params: int = 0
+    """Under DDP and FSDP2, a model with at most this many trainable elements sends each rank's whole unit gradient
+    instead of the sketch: C_dir is then exact, and the all-reduce carries that many more numbers on every monitored
+    step (small models and tests); 0: always the sketch. `detectors.sdc.sketch_size` wins when set.
+    Allowed: >= 0"""
     detail_every: int = 100
+    """Monitored steps between readings of the ranges of the ranks' loss and local norm and of the rank farthest from
+    its peers; 0: on alarms only. One MAX reduction of 2 + 2 x positions numbers on those steps (the extreme ranks), not
+    a per-rank gather.
+    Allowed: >= 0"""
     action: ActionName = "warn"
+    """What an alarm gets."""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
@@ -508,25 +749,68 @@ class WeightHealthConfig:
     [2^``hist_min_log2``, 2^``hist_max_log2``) (its normalized entropy is a metric)."""
 
     enabled: bool = False
+    """Weight-matrix health (Frobenius norm, effective rank, sparsity, a score) and per-layer gradient CV and histogram
+    entropy (ARC paper; [detectors.md](detectors.md#weight-health))."""
     every: int = 50
+    """Optimizer steps between measurements; off the schedule its slots stay zero.
+    Allowed: >= 1, a multiple of `stats.interval`"""
     max_tensors: int = 64
+    """Weight matrices (parameters of 2+ dimensions) tracked: all when they fit, else this many spread evenly over the
+    model. Sets the slots' size (8 numbers per matrix).
+    Allowed: [1, 4096]"""
     max_norm: float = 1.0e4
+    """Explosion: a matrix's Frobenius norm above this (or not finite).
+    Allowed: > 0"""
     collapse_ratio: float = 1.0e-3
+    """Collapse: ‖W‖_F / ‖W₀‖_F below this (W₀: the matrix at the family's first measurement); 0: off.
+    Allowed: [0, 1)"""
     sparsity_eps: float = 1.0e-8
+    """Sparsity counts the elements with |w| below this.
+    Allowed: > 0"""
     sparsity_increase: float = 0.1
+    """Sparsity explosion: a matrix's sparsity above its first value plus this.
+    Allowed: (0, 1]"""
     rank_samples: int = 2
+    """Matrices whose effective rank (one SVD each) is computed per measurement, rotating; 0: none. Replicated matrices
+    only.
+    Allowed: [0, max_tensors]"""
     rank_drop: float = 0.5
+    """Alarm when a matrix's effective rank falls by more than this fraction of its reference (`rank_window`).
+    Allowed: (0, 1]"""
     rank_window: int = 5
+    """The rank drop's reference: the largest of the matrix's last this many measured effective ranks (a collapse is a
+    fall within them, not learning's slow compression); 0: its first value, the ARC paper's rule.
+    Allowed: [0, 1000]"""
     cv_max: float = 0.0
+    """Alarm when a layer's gradient σ/|μ| exceeds this; 0: off (the paper's 10 fires on every layer of a healthy
+    model).
+    Allowed: >= 0"""
     hist_bins: int = 48
+    """Equal log2-magnitude bins of the gradient histogram (its normalized entropy is the metric `grad_entropy`).
+    Allowed: [2, 1024]"""
     hist_min_log2: int = -40
+    """Lower edge of the histogram's bins, log2|g|; smaller values (zeros too) count in the first bin.
+    Allowed: < hist_max_log2"""
     hist_max_log2: int = 8
+    """Upper edge of the histogram's bins, log2|g|; larger values count in the last bin.
+    Allowed: > hist_min_log2"""
     norm_weight: float = 0.4
+    """Weight of NormScore (the fraction of matrices with a healthy norm) in the score.
+    Allowed: >= 0 (the three weights sum > 0)"""
     rank_weight: float = 0.3
+    """Weight of RankScore (mean of min(1, rank / first rank)) in the score.
+    Allowed: >= 0"""
     sparsity_weight: float = 0.3
+    """Weight of SparsityScore (mean of 1 − sparsity rise / `sparsity_increase`, clipped to [0, 1]) in the score.
+    Allowed: >= 0"""
     score_min: float = 0.5
+    """Alarm when the weight-health score (in [0, 1]) falls below this; 0: off.
+    Allowed: [0, 1]"""
     action: ActionName = "warn"
+    """What a weight alarm (explosion, collapse, sparsity, rank drop, score) gets; the paper rolls back on a low
+    score."""
     grad_action: ActionName = "warn"
+    """What a gradient-CV alarm gets."""
 
     def __post_init__(self) -> None:
         require(self.every >= 1, "every", self.every, "must be an integer >= 1")
@@ -570,23 +854,61 @@ class DynamicsConfig:
     consecutive measurements, reports that training settled into an attractor (an info event)."""
 
     enabled: bool = False
+    """Training dynamics (ARC paper §3.4): the parameter velocity, the online Lyapunov estimate, the phase and an FFT
+    oscillation check ([detectors.md](detectors.md#training-dynamics)). Each rank keeps a copy of its part of the
+    parameters (1/N of the model under DDP)."""
     every: int = 10
+    """Optimizer steps between velocity measurements (v = ‖θ_t − θ_{t−every}‖).
+    Allowed: >= 1, a multiple of `stats.interval`"""
     lyapunov_window: int = 8
+    """Velocities whose mean log-ratio is the Lyapunov estimate (Algorithm 4's window).
+    Allowed: >= 3"""
     window: int = 32
+    """Velocities kept; the oscillation check's FFT window.
+    Allowed: >= 4 and >= `lyapunov_window`"""
     ema: float = 0.3
+    """Smoothing of the Lyapunov estimate: λ̄ ← ema λ̂ + (1 − ema) λ̄.
+    Allowed: in (0, 1]"""
     divergent: float = 0.2
+    """λ̄ (per optimizer step) above this: divergent, a failure that gets `action` (the paper rolls back).
+    Allowed: > `warning`"""
     warning: float = 0.1
+    """λ̄ above this: unstable, a warning; below minus this: convergent.
+    Allowed: > 0"""
     marginal: float = 0.05
+    """|λ̄| below this: marginal, and the velocity window is checked for an oscillation.
+    Allowed: in (0, `warning`]"""
     oscillation_factor: float = 8.0
+    """An oscillation: the largest FFT power of the velocity window (its mean removed) above this many times the mean
+    power (the paper's 2 fires on white noise).
+    Allowed: > 1"""
     warmup_measurements: int = 4
+    """Velocities before a phase is reported.
+    Allowed: >= 3"""
     stabilize: bool = False
+    """Opt-in (§3.4.6): while λ̄ > `marginal`, scale each monitored step's gradient to g S + (1 − S) clip(g, c), S =
+    exp(−λ̄), on every rank alike."""
     stabilize_strength: float = 0.5
+    """The stabilisation's intervention strength: the clip norm c = (1 − strength) + strength e^{−λ̄}.
+    Allowed: in [0, 1]"""
     attractor_sketch: int = 128
+    """Numbers in the random-sign sketch of each displacement (in the step's one all-reduce) from which the trajectory's
+    positions are tracked; 0: no attractor detection.
+    Allowed: >= 0"""
     attractor_ratio: float = 0.05
+    """An attractor (§3.4.5): over the last `window` positions, the largest distance from their centroid below this
+    times the path length walked; 0: off.
+    Allowed: in [0, 1)"""
     attractor_radius: float = 0.0
+    """An attractor: that largest distance below this (parameter-space units, the paper's τ_attractor); 0: off.
+    Allowed: >= 0"""
     attractor_steps: int = 5
+    """Consecutive measurements inside the attractor rule before it is reported (an info event).
+    Allowed: >= 1"""
     action: ActionName = "warn"
+    """What a divergent trajectory gets."""
     oscillation_action: ActionName = "warn"
+    """What an oscillation gets."""
 
     def __post_init__(self) -> None:
         require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
@@ -623,18 +945,44 @@ class ConformalConfig:
     gradient norm, in log space; its warning ahead uses ``detectors.grad_norm.explosion_threshold``)."""
 
     enabled: bool = False
+    """Conformal loss-forecast intervals with calibrated coverage (ARC paper §3.5;
+    [detectors.md](detectors.md#conformal-loss-intervals))."""
     alpha: float = 0.1
+    """Miscoverage of the warning interval (1 − alpha of the losses inside).
+    Allowed: in (0, 1)"""
     failure_alpha: float = 0.005
+    """Miscoverage of the failure interval: a loss above it is a failure.
+    Allowed: in (0, `alpha`)"""
     window: int = 500
+    """Scores of accepted steps kept as the calibration set.
+    Allowed: >= `min_calibration`"""
     min_calibration: int = 200
+    """Scores before any verdict.
+    Allowed: >= ⌈(1 − failure_alpha) / failure_alpha⌉"""
     level_rate: float = 0.3
+    """The forecast's level smoothing (Holt).
+    Allowed: in (0, 1]"""
     trend_rate: float = 0.05
+    """The forecast's trend smoothing (Holt; 0: no trend).
+    Allowed: in [0, 1]"""
     coverage_window: int = 500
+    """Steps over which the warning interval's coverage is measured.
+    Allowed: >= 10"""
     coverage_tolerance: float = 0.05
+    """Coverage below 1 − alpha − this recalibrates on the newest half of the scores.
+    Allowed: in [0, 1)"""
     explosion_loss: float = 0.0
+    """A forecast upper bound above this loss warns ahead (a preventive checkpoint is advised); 0: off.
+    Allowed: >= 0"""
     signals: list[Literal["loss", "grad_norm"]] = field(default_factory=lambda: ["loss"])
+    """The scalar signals that get conformal intervals: `loss` (the agreed mean loss) and `grad_norm` (the agreed
+    pre-clip global gradient norm, judged in log space; its forecast warns ahead of
+    `detectors.grad_norm.explosion_threshold`). Metrics of a signal other than the loss carry its name as a prefix.
+    Allowed: a list of loss, grad_norm"""
     action: ActionName = "warn"
+    """What a loss above its failure interval gets."""
     forecast_action: ActionName = "checkpoint"
+    """What the forecast's bound crossing `explosion_loss` gets (`checkpoint`: a preventive checkpoint)."""
 
     def __post_init__(self) -> None:
         require(0 < self.alpha < 1, "alpha", self.alpha, "must be in (0, 1)")
@@ -667,19 +1015,49 @@ class FisherConfig:
     ``ewc_decay_steps``), for ``ewc_steps`` applied steps."""
 
     enabled: bool = False
+    """Fisher-aware recovery (ARC paper §3.3, §3.6; [detectors.md](detectors.md#fisher-aware-recovery)): a diagonal
+    Fisher estimate of each rank's own part, the Fisher-Rao drift from the last verified state, the Fisher's effective
+    rank. Memory: 8 bytes per element of the rank's own part (DDP: the whole replica)."""
     every: int = 10
+    """Applied optimizer steps between Fisher updates (and its statistics).
+    Allowed: >= 1, a multiple of `stats.interval`"""
     decay: float = 0.05
+    """F ← decay g² + (1 − decay) F (the first update sets F = g²).
+    Allowed: in (0, 1]"""
     warmup_measurements: int = 20
+    """Measurements before any verdict.
+    Allowed: >= 1"""
     window: int = 64
+    """Healthy Fisher-Rao distances kept; their median scales `drift_factor`.
+    Allowed: >= 3"""
     drift_threshold: float = 0.0
+    """A Fisher-Rao distance from the last verified-stable state above this gets `drift_action`; 0: off.
+    Allowed: >= 0"""
     drift_factor: float = 10.0
+    """A Fisher-Rao distance above this times the median of the healthy ones gets `drift_action`; 0: off.
+    Allowed: 0 or > 1"""
     drift_action: ActionName = "checkpoint"
+    """What a Fisher-Rao drift gets (a preventive checkpoint: the next verified snapshot goes to disk and becomes the
+    new reference)."""
     min_rank_fraction: float = 0.001
+    """The Fisher's effective rank below this fraction of the parameters: a warning; 0: off.
+    Allowed: in [0, 1)"""
     importance_rollback: bool = False
+    """A rollback keeps θ = β θ_ckpt + (1 − β) θ_now, β = sigmoid(sharpness (F / F̄ − 1)): the important parameters
+    restored, the others kept. Needs `recovery.enabled`."""
     sharpness: float = 5.0
+    """The importance weights' sharpness (the paper's λ times F̄).
+    Allowed: > 0"""
     ewc_strength: float = 0.0
+    """λ₀ of the EWC penalty (λ_t / 2) Σ F (θ − θ*)² added after a rollback (its gradient, inside the optimizer step);
+    0: off. Needs `recovery.enabled`.
+    Allowed: >= 0"""
     ewc_decay_steps: float = 50.0
+    """λ_t = λ₀ exp(−t / this), t the applied steps since the rollback.
+    Allowed: > 0"""
     ewc_steps: int = 200
+    """Applied steps the EWC penalty lasts after a rollback.
+    Allowed: >= 1"""
 
     def __post_init__(self) -> None:
         require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
@@ -718,6 +1096,9 @@ class DetectorsConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     r_metric: RMetricConfig = field(default_factory=RMetricConfig)
     plugins: dict[str, Any] = field(default_factory=dict, metadata={"plugin_sections": True})
+    """The section of a monitor family registered as a plugin ([families.md](families.md)), parsed with that family's
+    own config class; `--arc.detectors.<family>.<key>=VALUE` overrides work as for built-in sections.
+    Allowed: a registered family's name and keys"""
 
 
 @dataclass(kw_only=True)
@@ -742,10 +1123,21 @@ class PolicyConfig:
     """
 
     max_consecutive_skips: int = 5
+    """More skipped steps in a row than this escalate: the fault is persistent.
+    Allowed: >= 0"""
     max_consecutive_data_skips: int = 100
+    """More steps in a row than this skipped for bad data (a `detectors.data` finding, a data-ledger position) escalate:
+    the bad data does not end; they do not count towards `max_consecutive_skips`.
+    Allowed: >= 0"""
     max_consecutive_overflow_skips: int = 32
+    """More steps in a row than this that a dynamic loss scaler skipped itself (fp16 overflow at a finite loss)
+    escalate; they do not count towards `max_consecutive_skips`.
+    Allowed: >= 0"""
     on_persistent_failure: Literal["abort", "rollback"] = "rollback"
+    """What escalation does; `rollback` needs `recovery.enabled`, else it aborts (exit code 3)."""
     mode: Literal["act", "observe"] = "act"
+    """`act`: carry the decisions out; `observe`: detect, report and alert only (never skip, roll back, recompute, abort
+    or end a rank; refuses `recovery.enabled` and `detectors.sdc.recompute.enabled`)."""
 
     def __post_init__(self) -> None:
         for key in ("max_consecutive_skips", "max_consecutive_data_skips", "max_consecutive_overflow_skips"):
@@ -755,8 +1147,11 @@ class PolicyConfig:
 @dataclass(kw_only=True)
 class ConsoleSinkConfig:
     enabled: bool = True
+    """Print events to the console."""
     min_severity: SeverityName = "info"
+    """Lowest severity printed."""
     color: Literal["auto", "always", "never"] = "auto"
+    """ANSI colours: `auto` when the output is a terminal."""
 
 
 @dataclass(kw_only=True)
@@ -771,10 +1166,20 @@ class JsonlSinkConfig:
     """
 
     enabled: bool = True
+    """Append events and metrics as JSON lines in the run directory."""
     events_file: str = "events.jsonl"
+    """File name of the event log.
+    Allowed: a plain file name"""
     metrics_file: str = "metrics.jsonl"
+    """File name of the metrics log.
+    Allowed: a plain file name"""
     ranks_file: str = "ranks.jsonl"
+    """File name of the per-rank statistics (the report's per-rank panels).
+    Allowed: a plain file name"""
     ranks_max: int = 64
+    """Per statistic, the values of at most this many ranks: all in a group no larger, else those farthest from the
+    median.
+    Allowed: an integer >= 1"""
 
     def __post_init__(self) -> None:
         for key in ("events_file", "metrics_file", "ranks_file"):
@@ -801,18 +1206,37 @@ class WandbSinkConfig:
     """
 
     enabled: bool = False
+    """Alerts and `arc/` metrics to Weights & Biases, from one rank."""
     project: str = "arc_engine"
+    """Project of the run arc_engine starts when none is active.
+    Allowed: a non-empty name"""
     entity: str | None = None
+    """Entity of that run (null: wandb's default)."""
     name: str | None = None
+    """Display name of that run (null: the arc run id)."""
     group: str | None = None
+    """W&B group of that run."""
     mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode of that run (null: wandb's default or `WANDB_MODE`)."""
     dir: str | None = None
+    """Where that run's files go (null: the arc run directory)."""
     reuse_run: bool = True
+    """Log into a W&B run already active in the job (on whichever rank holds it)."""
     alert_min_severity: SeverityName = "error"
+    """Events at or above it become W&B alerts."""
     alert_wait_s: float = 600.0
+    """Seconds during which repeats of an alert (same detector and ranks) are counted, not sent; also W&B's
+    `wait_duration`.
+    Allowed: >= 0"""
     queue_size: int = 1000
+    """Bounded queue to the W&B thread; overflow is dropped and counted.
+    Allowed: >= 1"""
     init_timeout_s: float = 90.0
+    """Bound on `wandb.init`.
+    Allowed: > 0"""
     close_timeout_s: float = 30.0
+    """Bound on the flush at close.
+    Allowed: > 0"""
 
     def __post_init__(self) -> None:
         require(bool(self.project), "project", self.project, "a non-empty W&B project name")
@@ -835,7 +1259,10 @@ class SinksConfig:
     jsonl: JsonlSinkConfig = field(default_factory=JsonlSinkConfig)
     wandb: WandbSinkConfig = field(default_factory=WandbSinkConfig)
     metrics_interval: int = 10
+    """Send the monitors' metrics to the sinks every k monitored steps (0: never).
+    Allowed: >= 0"""
     all_ranks: bool = False
+    """Every rank writes its own console and JSONL sinks (files get a `.rank<N>` suffix); W&B stays on one rank."""
 
     def __post_init__(self) -> None:
         require(self.metrics_interval >= 0, "metrics_interval", self.metrics_interval, "must be an integer >= 0")
@@ -892,24 +1319,70 @@ class FaultSpec:
     """
 
     kind: FaultKind
+    """What to inject (see [faults.md](faults.md))."""
     rank: int
+    """Global rank to inject on; -1: every rank.
+    Allowed: >= -1"""
     step: int
+    """Step attempt (0-based; keeps counting through rollbacks) at which it starts.
+    Allowed: >= 0"""
     steps: int = 1
+    """Consecutive steps it lasts (1: transient).
+    Allowed: >= 1"""
     param: str | None = None
+    """`nan_grad` / `inf_grad`: the parameter (a `named_parameters()` name; null: the first)."""
     scale: float = 50.0
+    """`loss_scale` / `lr_scale`: the factor; `router_collapse`: what is added to the chosen expert's logit;
+    `grad_scale` / `weight_corruption`: the factor on the chosen gradient / weight elements; `optimizer_state`: the
+    factor on the optimizer state; `collective_corruption`: the factor on the reduced gradient.
+    Allowed: any number"""
     pattern: str | None = None
+    """`bitflip`: fnmatch pattern on the names of the `nn.Linear` modules (and megatron-core's parallel linears) to
+    corrupt; `attention_lowbit` / `router_collapse` / `dead_expert`: on the attention (default `*core_attention`) or
+    router (default `*router`) modules; `grad_scale` / `weight_corruption`: on the `named_parameters()` names (default:
+    every parameter).
+    Allowed: required for `bitflip`"""
     where: Literal["forward", "backward", "weight_grad"] = "backward"
+    """`bitflip`: the GEMM output corrupted: forward output, backward-data output (the layer input's gradient) or weight
+    gradient."""
     bit: int | None = None
+    """`bitflip`: the bit to flip (null: the dtype's default exponent bit); `optimizer_state` / `collective_corruption`:
+    flip this bit in `count` elements of one stepped tensor instead of scaling (null: scale).
+    Allowed: [0, 31] or null"""
     count: int | None = None
+    """`bitflip`, and `optimizer_state` / `collective_corruption` with `bit`: elements flipped per hit (with neither
+    `count` nor `rate`: one); `hardware_events`: system events per step attempt (null: one).
+    Allowed: >= 1 or null; not with `rate` for `bitflip`"""
     rate: float | None = None
+    """`bitflip`: probability that each element is flipped; `grad_scale` / `weight_corruption`: fraction of the elements
+    changed (null: all); `data_corruption`: fraction of the token ids replaced (null: 0.3); `collective_corruption`:
+    probability that a step in the window is corrupted (null: 1).
+    Allowed: (0, 1] or null; not with `count` for `bitflip`"""
     persistent: bool = False
+    """`bitflip`: fire on every call from `step` on, recomputations included (a faulty device); else once per step, on
+    the first GEMM. Mechanism and state faults: active on every step from `step` on."""
     seed: int = 0
+    """`bitflip` and the state faults: seed of their random choices (mixed with the step).
+    Allowed: any integer"""
     seconds: float = 0.0
+    """`stall`: how long the rank sleeps at the step's first forward.
+    Allowed: > 0 for `stall`"""
     bits: int = 6
+    """`attention_lowbit`: the lowest bits of each BF16 word of the attention output and its gradient that are zeroed (a
+    biased rounding toward zero).
+    Allowed: [1, 7]"""
     expert: int = 0
+    """`router_collapse`: the expert whose logit gets `scale` added; `dead_expert`: the expert that receives no token.
+    Allowed: >= 0, below the number of experts"""
     noise: float = 0.0
+    """`grad_scale` / `weight_corruption`: standard deviation of the Gaussian noise added to the chosen elements, in
+    multiples of the tensor's RMS.
+    Allowed: >= 0"""
     state_key: OptimizerStateKey = "exp_avg"
+    """`optimizer_state`: the optimizer state tensor multiplied by `scale` (Adam's first or second moment)."""
     megabytes: float = 0.5
+    """`memory_leak`: MiB allocated and kept on the model's device per step attempt.
+    Allowed: > 0, finite"""
 
     def __post_init__(self) -> None:
         require(self.rank >= -1, "rank", self.rank, "a global rank >= 0, or -1 for every rank")
@@ -935,6 +1408,7 @@ class FaultsConfig:
     """Fault injection, for tests and demos. Empty by default; never enable it in production."""
 
     injections: list[FaultSpec] = field(default_factory=list)
+    """Faults to inject, for tests and demos only; each entry is a fault spec (the `faults.injections[]` keys below)."""
 
 
 @dataclass(kw_only=True)
@@ -956,13 +1430,27 @@ class CheckpointConfig:
     """
 
     enabled: bool = True
+    """The disk tier: sharded async checkpoints of verified-stable states."""
     dir: str | None = None
+    """Checkpoint directory, on a filesystem every rank sees (null: `<run_dir>/<run_id>/checkpoints`).
+    Allowed: a non-empty path or null"""
     every_steps: int = 100
+    """Save a verified-stable state at least this many steps after the previous save (0: never).
+    Allowed: >= 0"""
     keep_last: int = 3
+    """Committed checkpoints kept, besides pinned ones.
+    Allowed: >= 1"""
     commit_timeout_s: float = 600.0
+    """Bound on waiting for every rank's shard before a save is declared failed.
+    Allowed: > 0"""
     resume: bool = True
+    """At attach, load the newest committed checkpoint if there is one."""
     format: Literal["auto", "dcp", "megatron"] = "auto"
+    """Files inside a checkpoint: `auto` (the framework's own where arc_engine writes it: megatron-core
+    `dist_checkpointing`; else DCP), `dcp` (arc_engine's DCP layout), `megatron`."""
     on_error: Literal["raise", "continue"] = "raise"
+    """A checkpoint directory that is not writable at attach: `raise` (every rank exits with code 2 after one line) or
+    `continue` (an error event, no disk tier for the run)."""
 
     def __post_init__(self) -> None:
         require(self.dir is None or self.dir != "", "dir", self.dir, "a non-empty path (or unset)")
@@ -997,18 +1485,47 @@ class RecoveryConfig:
     """
 
     enabled: bool = False
+    """The ARC loop: verified-stable snapshots, rollback, heal, escape, resume."""
     checkpoint_freq: int = 20
+    """Healthy steps between snapshots; a snapshot becomes verified-stable when the next step is healthy.
+    Allowed: >= 1"""
     memory_ring_mb: float | None = None
+    """Host memory per rank for verified-stable snapshots (0: disk tier only; unset: room for two snapshots of the
+    largest rank, within a quarter of the host's memory shared by its ranks). A state that does not fit is a
+    `memory_ring_off` warning event.
+    Allowed: >= 0, or unset"""
     lr_reduction_factor: float = 0.5
+    """Learning rate x this factor per rollback (compounding).
+    Allowed: (0, 1]"""
     lr_recovery_steps: int = 100
+    """Healthy steps over which the learning rate returns linearly to the schedule; also the length of a recovery
+    episode.
+    Allowed: >= 1"""
     skip_data: Literal["window", "none", "stream"] = "window"
+    """`window`: resume the data after the failed batch; `none`: replay the same batches; `stream`: the loader cannot
+    seek, training goes on with its next batches (escapes skip none)."""
     rollback: Literal["in_process", "relaunch"] = "in_process"
+    """`in_process`: restore the state in the running job; `relaunch`: stop every rank (exit code 7) and write
+    `relaunch.json` (the checkpoint to load, the batches to skip) for loops that own the iteration counter
+    (Megatron-LM's `pretrain()`)."""
     heal_clip_grad_norm: float | None = None
+    """While healing, also scale gradients to at most this global norm (null: no extra clipping).
+    Allowed: > 0 or null"""
     max_consecutive_rollbacks: int = 3
+    """Rollbacks without a new verified-stable state before the next failure escapes instead.
+    Allowed: >= 1"""
     perturbation_scale: float = 1.0e-3
+    """Escape: Gaussian noise of this many times each parameter's RMS on the restored weights.
+    Allowed: >= 0"""
     skip_ahead_steps: int = 10
+    """Escape: batches skipped.
+    Allowed: >= 0"""
     max_escapes: int = 2
+    """Escapes in one recovery episode before training stops with exit code 4.
+    Allowed: >= 0"""
     seed: int = 0
+    """Seed of the escape noise (the same on every replica).
+    Allowed: any integer"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -1046,14 +1563,30 @@ class WatchdogConfig:
     """
 
     enabled: bool = True
+    """A thread per rank that reports a hang when no step completes in time."""
     warmup_steps: int = 10
+    """Completed steps before the timeout is derived from step times.
+    Allowed: >= 1"""
     initial_timeout_s: float = 1800.0
+    """The timeout until then (compilation, communicator set-up).
+    Allowed: > 0"""
     safety_factor: float = 5.0
+    """Timeout = this factor x the longest step since the warm-up, clamped.
+    Allowed: >= 1"""
     min_timeout_s: float = 300.0
+    """Lower clamp of the derived timeout.
+    Allowed: > 0"""
     max_timeout_s: float = 3600.0
+    """Upper clamp of the derived timeout.
+    Allowed: >= `min_timeout_s`"""
     dump_stacks: bool = True
+    """On a hang, write every thread's Python stack to `<run_dir>/<run_id>/stacks/rank<N>-iter<I>.txt`."""
     action: Literal["alert", "abort"] = "abort"
+    """`alert`: report the hang only; `abort`: after `abort_after` timeouts in a row, exit with code 6 (every rank's own
+    watchdog does)."""
     abort_after: int = 2
+    """Timeouts in a row without a completed step before `abort` ends the process.
+    Allowed: >= 1"""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
@@ -1077,10 +1610,21 @@ class CurvatureConfig:
     the step, the same on every rank."""
 
     every: int = 0
+    """Optimizer steps between curvature measurements when the training loop asks `arc.curvature_due()`; 0: on demand
+    only ([diagnostics.md](diagnostics.md)).
+    Allowed: >= 0"""
     probes: int = 8
+    """Rademacher vectors of the Hutchinson trace estimate (one Hessian-vector product each).
+    Allowed: >= 1"""
     power_iterations: int = 10
+    """Power-iteration steps for the largest Hessian eigenvalue (one Hessian-vector product each).
+    Allowed: >= 1"""
     sam_rho: float = 0.05
+    """SAM radius: sharpness = L(θ + ρ g/‖g‖) − L(θ); 0: not measured.
+    Allowed: >= 0"""
     seed: int = 0
+    """Seed of the probe vectors (with the step: the same on every rank).
+    Allowed: any integer"""
 
     def __post_init__(self) -> None:
         require(self.every >= 0, "every", self.every, "must be an integer >= 0 (0 = on demand only)")
