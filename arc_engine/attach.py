@@ -189,7 +189,7 @@ class Arc:
         self.close()
 
 class Adapter(Protocol):
-    """One framework's side of the contract (``integrations/``: ``ddp.TorchAdapter``, ``fsdp.FSDPAdapter``,
+    """One framework's side of the contract (``integrations/``: ``torch.ddp.TorchAdapter``, ``torch.fsdp.FSDPAdapter``,
     ``deepspeed.ZeroAdapter``). Built before :func:`wire`; every method runs on every rank."""
 
     name: str                        # for messages, e.g. "DDP", "FSDP2", "DeepSpeed ZeRO-2"
@@ -336,7 +336,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     megatron-core ``DistributedDataParallel`` chunks, one or a list (delegates to
     :func:`arc_engine.integrations.megatron.attach_megatron`; ``optimizer`` is what ``get_megatron_optimizer``
     returned),
-    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.fsdp.attach_fsdp`), a
+    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.torch.fsdp.attach_fsdp`), a
     ``deepspeed.initialize``-d engine (``optimizer`` may be None; delegates to
     :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
     ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
@@ -402,11 +402,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
     check_optimizer_owns(model, optimizer)
     if isinstance(model, FSDPModule):
-        from arc_engine.integrations.fsdp import attach_fsdp
+        from arc_engine.integrations.torch.fsdp import attach_fsdp
 
         return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler,
                            recompute_fn=recompute_fn, grad_scaler=grad_scaler)
-    from arc_engine.integrations.ddp import TorchAdapter
+    from arc_engine.integrations.torch.ddp import TorchAdapter
 
     return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook, grad_scaler), config, group=group,
                 recompute_fn=recompute_fn)

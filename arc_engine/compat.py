@@ -1,6 +1,6 @@
 """The framework releases arc_engine is tested with, and how an integration reports what it cannot read.
 
-Each framework's internals module (``integrations/deepspeed_internals.py``, ``integrations/megatron_internals.py``)
+Each framework's internals module (``integrations/deepspeed/internals.py``, ``integrations/megatron/internals.py``)
 checks at attach what it reads (attributes, signatures, shapes), never a version string; a release outside its
 :class:`TestedRange` only gets a warning. What it found is a :class:`Capabilities`: the features that are off, each
 with what is missing, reported once as a ``compatibility`` lifecycle event. docs/compatibility.md has the matrix.
@@ -111,7 +111,7 @@ def _turned_off(section: Any, path: list[str]) -> Any:
 
 
 #: The torch releases arc_engine is tested with (docs/compatibility.md).
-TORCH = TestedRange("torch", "2.9", "2.16", "integrations/torch_amp.py, arc_engine/recovery/checkpoint.py")
+TORCH = TestedRange("torch", "2.9", "2.16", "integrations/torch/amp.py, arc_engine/recovery/checkpoint.py")
 
 
 class UntestedTorchVersion(UserWarning):

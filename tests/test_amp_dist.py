@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from arc_engine.integrations.torch_amp import ScalerWatch
+from arc_engine.integrations.torch.amp import ScalerWatch
 from tests.amp_training import train_amp
 from tests.dist_harness import run_ranks
 from tests.training import make_config, tiny_model_and_data

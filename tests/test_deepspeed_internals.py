@@ -1,6 +1,6 @@
 """DeepSpeed without monkeypatching: the tested range and the capability checks (a missing attribute turns off its
 feature alone; a release outside the range warns), the structure (every read of ZeRO internals in
-``integrations/deepspeed_internals.py``, no assignment to a DeepSpeed object anywhere in ``integrations/``), and the
+``integrations/deepspeed/internals.py``, no assignment to a DeepSpeed object anywhere in ``integrations/``), and the
 local (pre-reduction) gradient statistics read from DeepSpeed's reduction buckets on real gloo ranks, with every
 attribute write on DeepSpeed's objects recorded while arc_engine runs."""
 
@@ -25,7 +25,7 @@ from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, tiny_model_and_data
 
 INTEGRATIONS = Path(__file__).resolve().parents[1] / "integrations"
-INTERNALS = "deepspeed_internals.py"
+INTERNALS = INTEGRATIONS / "deepspeed" / "internals.py"
 
 #: Names that hold DeepSpeed objects in the integration sources (the ZeRO optimizer, the engine, the loss scaler).
 DEEPSPEED_NAMES = re.compile(r"(self\.)?_?(zero|zero_optimizer|ds_engine|scaler|loss_scaler|bucket)")
@@ -34,7 +34,7 @@ DEEPSPEED_NAMES = re.compile(r"(self\.)?_?(zero|zero_optimizer|ds_engine|scaler|
 #: arc_engine skipped is booked as skipped (the ZeRO optimizer's ``overflow`` flag, which DeepSpeed resets each step).
 ALLOWED_WRITERS = {"restore_engine_counters", "restore_loss_scaler", "mark_step_not_applied"}
 
-#: DeepSpeed's documented surface that integration code may use directly, outside deepspeed_internals.py: of the
+#: DeepSpeed's documented surface that integration code may use directly, outside deepspeed/internals.py: of the
 #: engine (``deepspeed.initialize``'s first result) and of the ZeRO optimizer (its ``engine.optimizer``).
 ENGINE_NAMES = re.compile(r"(self\.)?_?ds_engine")
 PUBLIC_ENGINE_ATTRIBUTES = {"module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps",
@@ -45,7 +45,7 @@ PUBLIC_ZERO_ATTRIBUTES = {"loss_scale", "param_groups", "register_grad_acc_post_
 
 def _sources() -> list[Path]:
     """The DeepSpeed integration's modules (the Megatron integration has its own rules: test_megatron_internals)."""
-    return sorted(p for p in INTEGRATIONS.glob("*.py") if not p.name.startswith("megatron"))
+    return sorted(p for p in INTEGRATIONS.rglob("*.py") if p.parent.name != "megatron")
 
 
 def _functions_by_node(tree: ast.AST) -> dict[ast.AST, str]:
@@ -75,12 +75,12 @@ def _assignment_targets(node: ast.AST) -> Iterator[ast.expr]:
 
 def deepspeed_writes(path: Path) -> list[str]:
     """Assignments (``x.attr = ...``, ``del x.attr``, ``setattr``/``delattr``, ``__dict__``/``vars()`` writes) on
-    a name holding a DeepSpeed object, outside :data:`ALLOWED_WRITERS` in deepspeed_internals.py."""
+    a name holding a DeepSpeed object, outside :data:`ALLOWED_WRITERS` in deepspeed/internals.py."""
     tree = ast.parse(path.read_text())
     owner = _functions_by_node(tree)
     found = []
     for node in ast.walk(tree):
-        allowed = path.name == INTERNALS and owner.get(node) in ALLOWED_WRITERS
+        allowed = path == INTERNALS and owner.get(node) in ALLOWED_WRITERS
         for target in _assignment_targets(node):
             base = target.value if isinstance(target, ast.Attribute | ast.Subscript) else None
             text = ast.unparse(base) if base is not None else ""
@@ -95,7 +95,7 @@ def deepspeed_writes(path: Path) -> list[str]:
 
 
 def private_reads(path: Path) -> list[str]:
-    """Attributes of a DeepSpeed object read outside deepspeed_internals.py that are not public (see
+    """Attributes of a DeepSpeed object read outside deepspeed/internals.py that are not public (see
     :data:`PUBLIC_ENGINE_ATTRIBUTES`): ``x.attr`` and ``getattr(x, "attr", ...)`` / ``hasattr``."""
     tree = ast.parse(path.read_text())
     found = []
@@ -120,7 +120,7 @@ def private_reads(path: Path) -> list[str]:
 def test_check_version_warns_outside_the_tested_range_and_never_raises() -> None:
     import warnings
 
-    from arc_engine.integrations.deepspeed_internals import (
+    from arc_engine.integrations.deepspeed.internals import (
         TESTED_DEEPSPEED_RANGE,
         UntestedDeepSpeedVersion,
         check_version,
@@ -140,7 +140,7 @@ def test_check_version_warns_outside_the_tested_range_and_never_raises() -> None
 
 def test_installed_deepspeed_is_in_the_tested_range() -> None:
     pytest.importorskip("deepspeed")
-    from arc_engine.integrations.deepspeed_internals import check_version
+    from arc_engine.integrations.deepspeed.internals import check_version
 
     assert check_version() is None  # the environment's own release: the integration's tests below ran against it
 
@@ -177,21 +177,21 @@ def fake_zero(stage: int, *, without: str = "") -> SimpleNamespace:
 
 
 def _feature_needs() -> list[tuple[int, str, str]]:
-    from arc_engine.integrations.deepspeed_internals import FEATURES
+    from arc_engine.integrations.deepspeed.internals import FEATURES
 
     return [(stage, feature.name, need) for feature in FEATURES for family, needs in feature.needs.items()
             for stage in ((3,) if family == "zero3" else (1, 2)) for need in needs]
 
 
 def _core_needs() -> list[tuple[int, str]]:
-    from arc_engine.integrations.deepspeed_internals import CORE_NEEDS
+    from arc_engine.integrations.deepspeed.internals import CORE_NEEDS
 
     return [(stage, need) for family, needs in CORE_NEEDS.items() for stage in ((3,) if family == "zero3" else (2,))
             for need in needs]
 
 
 def test_a_complete_zero_optimizer_has_every_feature() -> None:
-    from arc_engine.integrations.deepspeed_internals import check_capabilities
+    from arc_engine.integrations.deepspeed.internals import check_capabilities
 
     for stage in (1, 2, 3):
         capabilities = check_capabilities(fake_zero(stage), stage, installed="0.19.8")
@@ -200,7 +200,7 @@ def test_a_complete_zero_optimizer_has_every_feature() -> None:
 
 @pytest.mark.parametrize(("stage", "feature", "need"), _feature_needs())
 def test_a_missing_attribute_turns_off_exactly_its_feature(stage: int, feature: str, need: str) -> None:
-    from arc_engine.integrations.deepspeed_internals import check_capabilities
+    from arc_engine.integrations.deepspeed.internals import check_capabilities
 
     capabilities = check_capabilities(fake_zero(stage, without=need), stage, installed="0.19.8")
     assert capabilities.off == {feature: [need]}
@@ -211,14 +211,14 @@ def test_a_missing_attribute_turns_off_exactly_its_feature(stage: int, feature: 
 
 @pytest.mark.parametrize(("stage", "need"), _core_needs())
 def test_a_missing_core_attribute_refuses_attach_naming_it(stage: int, need: str) -> None:
-    from arc_engine.integrations.deepspeed_internals import MissingDeepSpeedInternals, check_capabilities
+    from arc_engine.integrations.deepspeed.internals import MissingDeepSpeedInternals, check_capabilities
 
     with pytest.raises(MissingDeepSpeedInternals, match=rf"missing {need}\b"):
         check_capabilities(fake_zero(stage, without=need), stage, installed="0.19.8")
 
 
 def test_a_core_attribute_laid_out_differently_refuses_attach() -> None:
-    from arc_engine.integrations.deepspeed_internals import MissingDeepSpeedInternals, check_capabilities
+    from arc_engine.integrations.deepspeed.internals import MissingDeepSpeedInternals, check_capabilities
 
     zero = fake_zero(2)
     zero.single_partition_of_fp32_groups = []  # a release keeping its partitions elsewhere
@@ -231,7 +231,7 @@ def test_a_core_attribute_laid_out_differently_refuses_attach() -> None:
 
 
 def test_a_release_outside_the_range_warns_and_keeps_what_it_has() -> None:
-    from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion, check_capabilities
+    from arc_engine.integrations.deepspeed.internals import UntestedDeepSpeedVersion, check_capabilities
 
     with pytest.warns(UntestedDeepSpeedVersion, match=r"deepspeed 0\.17\.6 is outside"):
         capabilities = check_capabilities(fake_zero(2, without="register_grad_acc_post_hook"), 2, installed="0.17.6")
@@ -248,7 +248,7 @@ def test_the_adapter_turns_off_only_the_missing_feature_and_recovery_without_rol
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     deepspeed = pytest.importorskip("deepspeed")
     from arc_engine.integrations.deepspeed import ZeroAdapter
-    from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion
+    from arc_engine.integrations.deepspeed.internals import UntestedDeepSpeedVersion
 
     monkeypatch.setattr(deepspeed, "__version__", "0.17.6")  # a test shim: the environment's release is in range
     zero = fake_zero(2, without="update_lp_params")
@@ -284,9 +284,9 @@ def test_the_structural_checks_catch_a_monkeypatch_and_a_private_read(tmp_path: 
 
 
 def test_deepspeed_internals_are_read_in_one_module() -> None:
-    reads = [read for path in _sources() if path.name != INTERNALS and path.name.startswith("deepspeed")
+    reads = [read for path in _sources() if path != INTERNALS and path.parent.name == "deepspeed"
              for read in private_reads(path)]
-    assert reads == [], "DeepSpeed internals read outside deepspeed_internals.py:\n" + "\n".join(reads)
+    assert reads == [], "DeepSpeed internals read outside deepspeed/internals.py:\n" + "\n".join(reads)
 
 
 # ------------------------------------------------------------------ real ranks
@@ -459,7 +459,7 @@ def _outside_range_rank(rank: int, world: int, run_dir: Path) -> dict:
     import deepspeed
 
     from arc_engine.integrations.deepspeed import attach_deepspeed
-    from arc_engine.integrations.deepspeed_internals import UntestedDeepSpeedVersion
+    from arc_engine.integrations.deepspeed.internals import UntestedDeepSpeedVersion
 
     deepspeed.__version__ = "0.17.6"  # a test shim: an older release, as the version check sees it
     model, data = tiny_model_and_data()

@@ -15,7 +15,7 @@ from torch import nn
 from arc_engine.config.schema import ConfigError, FaultSpec
 from arc_engine.faults import FaultInjector
 from arc_engine.faults.mechanism import mask_low_bits
-from arc_engine.integrations.megatron_internals import observe_routing
+from arc_engine.integrations.megatron.internals import observe_routing
 from arc_engine.monitors.router import per_token_entropy
 
 NUM_EXPERTS = 4

@@ -160,7 +160,7 @@ def _untested_release(rank: int, world: int, config: str) -> dict[str, Any]:
     import megatron.core
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from arc_engine.integrations import megatron_internals as mi
+    from arc_engine.integrations.megatron import internals as mi
 
     megatron.core.__version__ = "0.21.0"
     TopKRouter.routing = lambda self, scores, padding_mask=None: None  # type: ignore[method-assign]
@@ -249,7 +249,7 @@ def test_an_sdc_bit_flip_in_a_megatron_gemm_is_caught_named_and_skipped_on_every
 # ------------------------------------------------------------------ EP=2 MoE: router statistics over all tokens
 
 def _ep2_router(rank: int, world: int, config: str) -> dict[str, Any]:
-    from arc_engine.integrations import megatron_internals as mi
+    from arc_engine.integrations.megatron import internals as mi
     from arc_engine.monitors.router import pack_router_partials, router_partials_size, unpack_router_sums
 
     flags = [*SMALL, "--expert-model-parallel-size", "2", "--num-experts", "4", "--use-distributed-optimizer",
@@ -347,7 +347,7 @@ def test_ep2_dp2_a_collapse_of_one_ranks_tokens_is_named_with_its_expert_paralle
 def _tp2_spectra(rank: int, world: int, config: str, groups: int) -> dict[str, Any]:
     from megatron.core import parallel_state
 
-    from arc_engine.integrations import megatron_internals as mi
+    from arc_engine.integrations.megatron import internals as mi
     from arc_engine.monitors.spectra import layer_spectra, split_qkv_rows
 
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--num-query-groups", str(groups), "--arc-config", config]

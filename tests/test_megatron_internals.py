@@ -1,5 +1,5 @@
 """The Megatron integration's structure (no processes): every read of megatron-core internals and every wrapped
-method lives in ``integrations/megatron_internals.py``, checked by what it reads (a release outside the tested range
+method lives in ``integrations/megatron/internals.py``, checked by what it reads (a release outside the tested range
 warns; a missing internal turns off the one feature that reads it); the wrappers run and come off as documented;
 the Megatron-LM launcher's flags parse through a Megatron-style parser."""
 
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from arc_engine.integrations import megatron_internals as mi
+from arc_engine.integrations.megatron import internals as mi
 
 ROOT = Path(__file__).resolve().parent.parent
-OUTSIDE_INTERNALS = [ROOT / "integrations" / name for name in ("megatron.py", "megatron_state.py",
-                                                               "megatron_checkpoint.py", "megatron_recompute.py")]
+OUTSIDE_INTERNALS = [ROOT / "integrations" / "megatron" / name
+                     for name in ("__init__.py", "state.py", "checkpoint.py", "recompute.py")]
 LAUNCHER = ROOT / "launch" / "megatron" / "pretrain_gpt_arc.py"
 
 

@@ -156,7 +156,7 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
     committed = state.arc.engine.recovery.checkpoints.committed()
     out: dict[str, Any] = {"saves": saves, "committed": [info.step for info in committed]}
     if fmt == "megatron":
-        from arc_engine.integrations import megatron_internals as mi
+        from arc_engine.integrations.megatron import internals as mi
 
         layout = mi.dist_checkpoint_layout()
         assert layout is not None

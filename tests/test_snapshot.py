@@ -360,8 +360,8 @@ def test_deepspeed_and_megatron_states_name_their_module_buffers_as_what_the_for
     fenced): without ``forward_written`` every copy would be queued before the forward on the compute stream."""
     from types import SimpleNamespace
 
-    from arc_engine.integrations.deepspeed_state import Zero3TrainState, ZeroTrainState
-    from arc_engine.integrations.megatron_state import MegatronTrainState
+    from arc_engine.integrations.deepspeed.state import Zero3TrainState, ZeroTrainState
+    from arc_engine.integrations.megatron.state import MegatronTrainState
 
     module = torch.nn.BatchNorm1d(3)  # parameters: weight, bias; buffers: running mean, running var, batch count
     partitions = [("fp32_0", torch.zeros(6)), ("state_0_exp_avg", torch.zeros(6))]

@@ -45,8 +45,8 @@ from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
-from arc_engine.integrations.torch_amp import ScalerWatch
-from arc_engine.integrations.torch_optim import ScalerSkips, ScalerSkipsHooks
+from arc_engine.integrations.torch.amp import ScalerWatch
+from arc_engine.integrations.torch.optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
@@ -307,7 +307,7 @@ class FSDPAdapter(ScalerSkipsHooks):
         return lambda: engine.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
-        from arc_engine.integrations.torch_optim import register_optimizer_hooks
+        from arc_engine.integrations.torch.optim import register_optimizer_hooks
 
         producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats,
                                  scaler=self.scaler)
@@ -342,7 +342,7 @@ def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     gradients (default) or from the reduced shards (see the module docstring). Raises ValueError for
     parameters not sharded by ``fully_shard``, N-D meshes, a group with other ranks, gradient faults, and the SDC
     recomputation (not supported under FSDP2). ``grad_scaler``: the ``ShardedGradScaler`` the loop steps the
-    optimizer with (fp16): statistics are unscaled and its own skips reported (:mod:`.torch_amp`).
+    optimizer with (fp16): statistics are unscaled and its own skips reported (:mod:`.amp`).
     """
     return wire(FSDPAdapter(model, optimizer, pre_reduce_stats=pre_reduce_stats, lr_scheduler=lr_scheduler,
                             grad_scaler=grad_scaler), config, group=group, recompute_fn=recompute_fn)

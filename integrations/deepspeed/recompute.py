@@ -2,7 +2,7 @@
 
 Gate slots are the module's trainable parameters (in ``bit16_groups`` order); :class:`LocalGradHooks` judges each
 micro-batch's local gradient before DeepSpeed accumulates and reduces it. The reduced gradient lives in this rank's
-partition: at the moment arc_engine decides (the torch optimizer's pre-hook for group 0, see ``deepspeed.py``)
+partition: at the moment arc_engine decides (the torch optimizer's pre-hook for group 0, see ``__init__.py``)
 group 0's gradient is final (divided by DeepSpeed's loss scale x clip factor) and the later groups' are raw (loss
 scale, unclipped). :meth:`ZeroGradientTarget.apply` therefore:
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations import deepspeed_internals
 from arc_engine.integrations.deepspeed import ZeroPartitionStats, grad_divisor
+from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.recovery.recompute import ReplicaTarget
 
 

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from arc_engine.compat import Capabilities, TestedRange
 
 #: The DeepSpeed releases arc_engine's integration is tested with: floor <= version < ceiling.
-TESTED_DEEPSPEED_RANGE = TestedRange("deepspeed", "0.18.0", "0.20.0", "integrations/deepspeed_internals.py")
+TESTED_DEEPSPEED_RANGE = TestedRange("deepspeed", "0.18.0", "0.20.0", "integrations/deepspeed/internals.py")
 
 #: The releases the tests ran on: the floor and the newest 0.19.x.
 TESTED_DEEPSPEED_VERSIONS = ("0.18.0", "0.19.8")
@@ -197,7 +197,7 @@ def check_capabilities(zero: Any, stage: int, installed: str | None = None) -> C
         raise MissingDeepSpeedInternals(
             f"arc_engine's DeepSpeed integration cannot read this ZeRO-{stage} optimizer (deepspeed {installed}; "
             f"tested: {TESTED_DEEPSPEED_RANGE.text()}): {'; '.join(errors)}. Every step's gradient, weight and update "
-            f"statistics are read from these (integrations/deepspeed_internals.py). Install a tested release or "
+            f"statistics are read from these (integrations/deepspeed/internals.py). Install a tested release or "
             f"train without arc_engine's DeepSpeed integration.")
     found = Capabilities(TESTED_DEEPSPEED_RANGE, installed, {f.name: (f.description, f.without) for f in FEATURES})
     for feature in FEATURES:

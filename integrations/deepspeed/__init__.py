@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages 1, 2 and 3: statistics on each rank's own partition, decided inside the optimizer step.
 
-Stage 3 differs only in where its partitions live (sub-groups); see ``deepspeed_zero3.py``. Below, stages 1/2.
+Stage 3 differs only in where its partitions live (sub-groups); see ``zero3.py``. Below, stages 1/2.
 
 What DeepSpeed 0.19.8 holds (``deepspeed/runtime/zero/stage_1_and_2.py``, the ground truth): per parameter group
 ``j`` a flat fp32 master partition ``single_partition_of_fp32_groups[j]`` that the wrapped torch optimizer steps,
@@ -20,7 +20,7 @@ a NaN is named on the rank that produced it.
 
 arc_engine replaces no DeepSpeed method and assigns no DeepSpeed attribute (a rollback's restore aside): it uses
 DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds, and reads the rest through
-:mod:`arc_engine.integrations.deepspeed_internals` (one module, checked at attach by what it reads; its
+:mod:`arc_engine.integrations.deepspeed.internals` (one module, checked at attach by what it reads; its
 docstring says why no public hook serves and which releases are tested).
 
 Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
@@ -47,9 +47,9 @@ from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
-from arc_engine.integrations import deepspeed_internals
-from arc_engine.integrations.deepspeed_local import LocalGradHooks
-from arc_engine.integrations.torch_optim import OVERFLOW_MONITORS, drop_gradients
+from arc_engine.integrations.deepspeed import internals as deepspeed_internals
+from arc_engine.integrations.deepspeed.local import LocalGradHooks
+from arc_engine.integrations.torch.optim import OVERFLOW_MONITORS, drop_gradients
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
@@ -255,7 +255,7 @@ class ZeroStepHooks:
         self.zero = ds_engine.optimizer
         stage = int(ds_engine.zero_optimization_stage())
         if stage == 3:
-            from arc_engine.integrations.deepspeed_zero3 import Zero3PartitionStats
+            from arc_engine.integrations.deepspeed.zero3 import Zero3PartitionStats
 
             self.stats: ZeroPartitionStats | Zero3PartitionStats = Zero3PartitionStats(engine, self.zero)
         else:
@@ -365,7 +365,7 @@ class ZeroAdapter:
         self.zero = ds_engine.optimizer
         self.stage = int(ds_engine.zero_optimization_stage())
         if self.stage == 3:
-            from arc_engine.integrations.deepspeed_zero3 import check_supported
+            from arc_engine.integrations.deepspeed.zero3 import check_supported
 
             check_supported(self.zero)
         elif self.stage not in (1, 2):
@@ -434,7 +434,7 @@ class ZeroAdapter:
         return requested
 
     def train_state(self) -> TrainState:
-        from arc_engine.integrations.deepspeed_state import Zero3TrainState, ZeroTrainState
+        from arc_engine.integrations.deepspeed.state import Zero3TrainState, ZeroTrainState
 
         state_type = Zero3TrainState if self.stage == 3 else ZeroTrainState
         return state_type(self.ds_engine, rank=runtime.global_rank(), lr_scheduler=self.lr_scheduler)
@@ -461,7 +461,7 @@ class ZeroAdapter:
         self.hooks = hooks = ZeroStepHooks(engine, self.ds_engine, local_grads)
         engine.use_partition_parts(hooks.stats.parameter_parts)  # per-parameter partition views (weight health)
         if recompute_fn is not None:
-            from arc_engine.integrations.deepspeed_recompute import ZeroGradientTarget
+            from arc_engine.integrations.deepspeed.recompute import ZeroGradientTarget
 
             target = ZeroGradientTarget(engine, self.ds_engine, hooks.stats, param_groups)
             hooks.recompute_target = target
@@ -499,10 +499,10 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     ``recompute_fn``: see :func:`arc_engine.attach` (``detectors.sdc.recompute``, ZeRO-1/2; it gets
     ``engine.module``; with gradient accumulation call ``record_loss`` once per micro-batch).
     Raises ValueError for ZeRO-0 and for offloaded optimizer states (not supported yet), and
-    :class:`~arc_engine.integrations.deepspeed_internals.MissingDeepSpeedInternals` where the ZeRO optimizer lacks
+    :class:`~arc_engine.integrations.deepspeed.internals.MissingDeepSpeedInternals` where the ZeRO optimizer lacks
     what every step's statistics read. A release outside the tested range (``deepspeed_internals.
     TESTED_DEEPSPEED_RANGE``) gets a warning; features whose internals it lacks are turned off and named in one
-    ``compatibility`` lifecycle event (see ``deepspeed_internals.py``).
+    ``compatibility`` lifecycle event (see ``internals.py``).
     ``lr_scheduler``: a scheduler the loop steps itself, outside the engine (e.g. the Hugging Face Trainer's):
     recovery snapshots and restores it with the engine; step it only when ``arc.last_step_applied``. Refused
     (ValueError) next to an engine that steps a scheduler of its own.

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations import deepspeed_internals
+from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.stats import names
 

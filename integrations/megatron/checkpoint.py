@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from arc_engine.integrations import megatron_internals as mi
+from arc_engine.integrations.megatron import internals as mi
 from arc_engine.recovery.commit import CommitInfo
 
 RNG_PREFIX = "arc_rng/rank"

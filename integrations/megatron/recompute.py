@@ -10,7 +10,7 @@
 * **The recomputation** is the user's ``recompute_fn(model_chunks, data_rank)``: it runs Megatron's
   ``forward_backward_func`` on the micro-batches data-parallel rank ``data_rank`` trained on in the current step
   (at ``arc.data_position``), as the training loop did. It runs inside
-  :class:`~arc_engine.integrations.megatron_internals.IsolatedBackward`: the grad buffers are saved and zeroed, no
+  :class:`~arc_engine.integrations.megatron.internals.IsolatedBackward`: the grad buffers are saved and zeroed, no
   bucket starts its reduction and the schedule finalizes nothing, so each ``main_grad`` then holds the pass's local
   gradient, and the step's buffers come back afterwards. The RNG state includes Megatron's model-parallel RNG
   tracker (tensor-parallel dropout).
@@ -35,7 +35,7 @@ import torch
 
 from arc_engine import runtime
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations import megatron_internals as mi
+from arc_engine.integrations.megatron import internals as mi
 from arc_engine.recovery.recompute import CorrectionGroup, RecomputeFn, Units, rng_state, set_rng_state
 
 

@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch_amp import ScalerWatch
-from arc_engine.integrations.torch_optim import (
+from arc_engine.integrations.torch.amp import ScalerWatch
+from arc_engine.integrations.torch.optim import (
     ScalerSkips,
     ScalerSkipsHooks,
     optimizer_stats,

@@ -19,7 +19,7 @@ parameters (:meth:`Zero3TrainState.load_extra_state`, collective: every rank res
 The fp32 partitions and moments are rank-local: their checkpoint keys carry the rank, and a checkpoint loads only
 into a job with the same data-parallel size (``reshardable = False``; DeepSpeed's universal checkpoint is the tool
 for changing it). The bit16 parameters of ZeRO-1/2 are replicated and written once. ZeRO's partitions, the loss
-scaler and the engine's counters are reached through :mod:`arc_engine.integrations.deepspeed_internals`.
+scaler and the engine's counters are reached through :mod:`arc_engine.integrations.deepspeed.internals`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from arc_engine.integrations import deepspeed_internals
+from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.recovery.state import (
     add_relative_noise,
     group_hyperparameters,

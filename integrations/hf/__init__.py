@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from arc_engine.attach import Arc, attach
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.loops import end_with, stream_config
+from arc_engine.integrations.torch.loops import end_with, stream_config
 from arc_engine.policy.decision import ArcAbort
 
 try:

@@ -1,4 +1,4 @@
-"""What the trainer callbacks (``hf.py``, ``lightning.py``) share: loops arc_engine does not own, whose loader cannot
+"""What the trainer callbacks (``hf``, ``lightning``) share: loops arc_engine does not own, whose loader cannot
 seek and whose stop must end the process with arc_engine's exit code."""
 
 from __future__ import annotations

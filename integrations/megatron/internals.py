@@ -58,7 +58,7 @@ import torch.distributed as dist
 from arc_engine.compat import Capabilities, TestedRange
 
 #: The megatron-core releases arc_engine's Megatron integration is tested with: floor <= version < ceiling.
-TESTED_MEGATRON_CORE_RANGE = TestedRange("megatron-core", "0.16.1", "0.20.0", "integrations/megatron_internals.py")
+TESTED_MEGATRON_CORE_RANGE = TestedRange("megatron-core", "0.16.1", "0.20.0", "integrations/megatron/internals.py")
 
 #: The releases the tests ran on: 0.16.1 (Python 3.11 lane) and 0.19.2 (Python 3.12 lane).
 TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
@@ -339,7 +339,7 @@ def check_capabilities(chunks: list[Any], optimizer: Any, installed: str | None 
         raise MissingMegatronInternals(
             f"arc_engine's Megatron integration cannot read this megatron-core ({installed}; tested: "
             f"{TESTED_MEGATRON_CORE_RANGE.text()}): missing {', '.join(errors)}. Every decision reads these "
-            f"(integrations/megatron_internals.py). Install a tested release or train without arc_engine's Megatron "
+            f"(integrations/megatron/internals.py). Install a tested release or train without arc_engine's Megatron "
             f"integration.")
     found = Capabilities(TESTED_MEGATRON_CORE_RANGE, installed,
                          {f.name: (f.description, f.without) for f in FEATURES})

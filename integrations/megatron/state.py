@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from arc_engine.integrations import megatron_internals as mi
-from arc_engine.integrations.megatron_checkpoint import MegatronDiskFormat
+from arc_engine.integrations.megatron import internals as mi
+from arc_engine.integrations.megatron.checkpoint import MegatronDiskFormat
 from arc_engine.recovery.state import add_relative_noise, materialize_optimizer_state
 
 

@@ -21,13 +21,13 @@ optimizer ``get_megatron_optimizer`` returns (a ``ChainedOptimizer`` of ``Distri
 
 With ``detectors.sdc.recompute`` (and a ``recompute_fn``), each bucket's local gradient is also judged by the SDC gate
 as its group starts reducing (a withheld bucket contributes zeros), and the suspect replica's model-parallel group
-recomputes the step (:mod:`arc_engine.integrations.megatron_recompute`).
+recomputes the step (:mod:`arc_engine.integrations.megatron.recompute`).
 
 Under bf16 and fp32 stock megatron-core has no non-finite check (found_inf needs a grad scaler): with arc_engine a
 NaN loss or gradient on any rank is skipped by all ranks. The prospective Adam update is computed on the unclipped
 gradient (the decision comes before Megatron clips). Everything read of Megatron's internals, and the methods
 wrapped on instances (``start_grad_sync``, ``prepare_grads``, ``step``, and the routers' ``routing`` with
-``detectors.router``), live in :mod:`arc_engine.integrations.megatron_internals`, which checks at attach what the
+``detectors.router``), live in :mod:`arc_engine.integrations.megatron.internals`, which checks at attach what the
 installed megatron-core holds (tested: 0.16.1 .. 0.19.x): a release outside that range gets a warning, and a feature
 whose internals are missing is turned off alone (its detectors off in the engine's copy of the config) and named in
 one ``compatibility`` lifecycle event.
@@ -48,8 +48,8 @@ from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults.bitflip import register_gemm_type
-from arc_engine.integrations import megatron_internals as mi
-from arc_engine.integrations.megatron_state import MegatronTrainState
+from arc_engine.integrations.megatron import internals as mi
+from arc_engine.integrations.megatron.state import MegatronTrainState
 from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
@@ -381,7 +381,7 @@ class MegatronAdapter:
         engine.use_partition_parts(self.partition_parts)
         removers = [*self._routing_removers]
         if recompute_fn is not None:
-            from arc_engine.integrations.megatron_recompute import MegatronGradientTarget
+            from arc_engine.integrations.megatron.recompute import MegatronGradientTarget
 
             sdc = engine.config.detectors.sdc
             self._gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
@@ -540,15 +540,15 @@ def attach_megatron(model: Any, optimizer: Any, config: ArcConfig | str | Path |
     ``recompute_fn(model_chunks, data_rank)``: required by ``detectors.sdc.recompute``; runs Megatron's
     ``forward_backward_func`` (``forward_only=False``) over ``model_chunks`` on the micro-batches data-parallel rank
     ``data_rank`` trained on in the current step (at :attr:`Arc.data_position`), as the training loop does, and
-    returns nothing (see :mod:`arc_engine.integrations.megatron_recompute`).
+    returns nothing (see :mod:`arc_engine.integrations.megatron.recompute`).
 
     ``checkpoint_args``: returns what disk checkpoints in Megatron's format store as ``args`` (Megatron-LM's own
     arguments: the launcher passes ``megatron.training.get_args``, so a Megatron-LM ``--load`` also restores its data
     position); default: the model's shape and parallel layout.
 
-    Raises :class:`~arc_engine.integrations.megatron_internals.MissingMegatronInternals` where the installed
+    Raises :class:`~arc_engine.integrations.megatron.internals.MissingMegatronInternals` where the installed
     megatron-core (or these objects) lack what every decision reads. A release outside the tested range
     (``megatron_internals.TESTED_MEGATRON_CORE_RANGE``) gets a warning; features whose internals it lacks are turned
-    off and named in one ``compatibility`` lifecycle event (see ``megatron_internals.py``)."""
+    off and named in one ``compatibility`` lifecycle event (see ``internals.py``)."""
     return wire(MegatronAdapter(model, optimizer, lr_scheduler, checkpoint_args), config, group=group,
                 recompute_fn=recompute_fn)
