@@ -101,8 +101,8 @@ class ArcEngine:
         self._step_open = self._diagnosing = self._closed = False
         self._loss_count = 0
         self._sketch_due = (-1, False)  # (step, wants_sketch() on it)
-        for piece in ("on_step_start", "record_loss", "decide", "finish_step", "skip_by_framework"):
-            setattr(self, piece, self.own_work.wrap(piece, getattr(self, piece)))
+        for method in (self.on_step_start, self.record_loss, self.decide, self.finish_step, self.skip_by_framework):
+            setattr(self, method.__name__, self.own_work.wrap(method.__name__, method))
 
     # ------------------------------------------------------------------ setup
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 #: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
 #: back-propagated. It must not call ``backward`` itself. Under Megatron it is ``recompute_fn(model_chunks,
 #: data_rank)`` with ``data_rank`` the data-parallel rank, and it runs Megatron's ``forward_backward_func`` on
-#: those batches itself (see :mod:`arc_engine.integrations.megatron_recompute`).
+#: those batches itself (see :mod:`arc_engine.integrations.megatron.recompute`).
 RecomputeFn = Callable[[Any, int], Iterable[torch.Tensor] | None]
 
 QUARANTINE_FILE = "quarantine.json"
@@ -101,8 +101,8 @@ class CorrectionGroup:
 
 
 class GradientTarget(Protocol):
-    """What an integration exposes to the recomputation (DDP: ``integrations/ddp.py``; ZeRO:
-    ``deepspeed_recompute.py``; Megatron: ``megatron_recompute.py``)."""
+    """What an integration exposes to the recomputation (DDP: ``integrations/torch/ddp.py``; ZeRO:
+    ``deepspeed/recompute.py``; Megatron: ``megatron/recompute.py``)."""
 
     module: Any                      # what ``recompute_fn`` runs (the unwrapped module; Megatron: the chunks)
     params: list[torch.Tensor]       # its trainable parameters, in the same order on every rank of a reduction

@@ -7,7 +7,7 @@ they never gather a full model. The protocol has two views of the same state:
 * ``dcp_state_dict()``: a torch.distributed.checkpoint state dict with stable keys, for the disk tier.
 
 :class:`TorchTrainState` serves plain modules, DDP and FSDP2 with any ``torch.optim`` optimizer; DeepSpeed ZeRO
-has its own in ``arc_engine.integrations.deepspeed_state``.
+has its own in ``arc_engine.integrations.deepspeed.state``.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.deepspeed import ZeroPartitionStats, grad_divisor
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
+from arc_engine.integrations.deepspeed.partition import ZeroPartitionStats, grad_divisor
 from arc_engine.recovery.recompute import ReplicaTarget
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.deepspeed import PersistentPieces, add_pre_clip_grad_sq, device_divisor
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
+from arc_engine.integrations.deepspeed.partition import PersistentPieces, add_pre_clip_grad_sq, device_divisor
 from arc_engine.stats.optim_stats import AdamHyper, AdamViews, is_decoupled, step_count
 from arc_engine.stats.producers import record_optimizer_stats
 from arc_engine.stats.sampling import WindowCache

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import runtime
-from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
@@ -62,6 +61,7 @@ from arc_engine.stats.partition import owned_ids
 from arc_engine.stats.producers import record_optimizer_stats
 from arc_engine.stats.sampling import WindowCache
 from arc_engine.stats.timing import local_compute_modules
+from arc_engine.wiring import Arc, wire
 
 
 class _Group:

@@ -40,7 +40,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from arc_engine import runtime
-from arc_engine.attach import Arc, wire
 from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
@@ -52,6 +51,7 @@ from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+from arc_engine.wiring import Arc, wire
 
 #: fault kinds injected through tensor hooks on the parameters, which FSDP2's sharded parameters never run
 TENSOR_HOOK_FAULTS = ("nan_grad", "inf_grad", "grad_scale")

@@ -1,0 +1,327 @@
+"""``arc_engine.wiring``: the one place that wires arc_engine into a training step, for every framework.
+
+Every framework is a small :class:`Adapter` in ``integrations/``: what each rank owns of parameters, gradients and
+optimizer state, where the step hooks sit, how a step is dropped or applied, what a rollback restores. :func:`wire`
+does the rest once for all of them (config, engine, fault injection, recovery, the SDC recomputation, the watchdog,
+the sinks) and returns the :class:`Arc` the loop holds. :func:`arc_engine.attach.attach` picks the adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from arc_engine import runtime
+from arc_engine.config import EXIT_BAD_CONFIG, ArcConfig, ArcSetupError, load_config
+from arc_engine.diagnostics import curvature
+from arc_engine.engine import ArcEngine
+from arc_engine.events import Severity
+from arc_engine.faults import FaultInjector
+from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
+from arc_engine.recovery.rollback import Recovery
+from arc_engine.recovery.state import TrainState
+from arc_engine.stats import Reduce
+from arc_engine.stats.timing import ComputeProbe, is_compiled, local_compute_modules
+
+
+@dataclass
+class Arc:
+    """What :func:`attach` returns: the engine plus the hooks it installed."""
+
+    engine: ArcEngine
+    faults: FaultInjector
+    _removers: list[Any]
+    adapter: Any = field(default=None, repr=False)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """See :meth:`ArcEngine.record_loss`."""
+        before = getattr(self.adapter, "before_record_loss", None)
+        if before is not None:  # e.g. DeepSpeed: close the steps it skipped on its own
+            before()
+        self.engine.record_loss(loss)
+
+    def record_validation_loss(self, loss: float | torch.Tensor) -> None:
+        """See :meth:`ArcEngine.record_validation_loss`."""
+        self.engine.record_validation_loss(loss)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (applied or skipped)."""
+        return self.engine.step
+
+    @property
+    def last_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters (False after a skip, a rollback, or a step the
+        framework skipped on its own, e.g. DeepSpeed's fp16 overflow -- known here as soon as its ``step()``
+        returns; local, never a collective)."""
+        pending = getattr(self.adapter, "framework_skip_pending", None)
+        if pending is not None and pending():
+            return False
+        return self.engine.last_step_applied
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps whose update reached the parameters: :attr:`step` less the skipped ones (arc_engine's and
+        the framework's own), going back with a rollback to the restored state's count. What a loop that keeps its
+        own step counter (a Trainer's ``global_step``) should show. Local."""
+        return self.engine.applied_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps closed without their update so far: arc_engine's skips, the framework's own (e.g. loss-scaler
+        overflows; a step both skipped counts once) and the steps that triggered a rollback. Never goes back.
+        Local; identical on every rank."""
+        return self.engine.unapplied_steps
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks (escapes included) carried out so far; 0 without ``recovery.enabled``. A loop learns that one
+        happened when this grows across an optimizer step (or from its events: :meth:`ArcEngine.sinks` takes a sink
+        of your own). Local; identical on every rank."""
+        recovery = self.engine.recovery
+        return recovery.rollbacks if recovery is not None else 0
+
+    @property
+    def data_position(self) -> int:
+        """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
+        on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
+        return self.engine.data_position
+
+    def batch_generator(self, seed: int = 0) -> torch.Generator:
+        """For loops that draw random batches (nanoGPT's ``get_batch``): a CPU generator seeded from ``seed``, this
+        step's :attr:`data_position` and this rank, so the batch of each data position is a fixed draw. Draw with
+        it (``torch.randint(n, (batch,), generator=arc.batch_generator())``) and a rollback skips or replays exactly
+        the batches ``recovery.skip_data`` says, and a resumed run draws what the first run would have. Local."""
+        return torch.Generator().manual_seed((seed * 1_000_003 + self.data_position) * 65_537 + runtime.global_rank())
+
+    def measure_curvature(self, loss_fn: Callable[[], torch.Tensor]) -> dict[str, float]:
+        """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
+        rank of the decision group, with ``loss_fn`` computing this rank's loss on a held micro-batch through the
+        model as you train it (a DDP-wrapped model works: Hessian-vector products never reach ``.grad``, so DDP
+        reduces nothing; a DeepSpeed engine works, its forward standing aside for the measurement). Returns the
+        ranks' mean ``hessian_trace``, ``lambda_max``, ``sam_sharpness`` and ``loss``, also reported as a
+        ``curvature`` event and ``arc/curvature/...`` metrics. The parameters, gradients and RNG
+        state are left as they were. ValueError where the parameters are sharded (FSDP2, DeepSpeed ZeRO-3,
+        megatron-core model parallelism): a Hessian-vector product needs each rank's whole model."""
+        module = self.adapter.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        parts = getattr(self.adapter, "parts", None)
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or \
+                (parts is not None and parts.model_parallel_size > 1):
+            raise ValueError(f"arc.measure_curvature: {self.adapter.name} holds sharded parameters; curvature "
+                             "diagnostics need each rank's whole model (DDP, DeepSpeed ZeRO-1/2, a plain module, "
+                             "megatron-core without model parallelism)")
+        diagnosing = getattr(self.adapter, "diagnosing", None)
+        engine, config = self.engine, self.engine.config.diagnostics.curvature
+        with diagnosing() if diagnosing is not None else contextlib.nullcontext(), engine.between_steps():
+            result = curvature.measure_agreed(loss_fn, params, group=engine.group, device=engine.pipeline.device,
+                                              probes=config.probes, iterations=config.power_iterations,
+                                              rho=config.sam_rho, seed=config.seed * 1_000_003 + engine.step)
+        engine.emit_lifecycle("curvature", f"Hessian trace {result['hessian_trace']:.4g}, largest eigenvalue "
+                              f"{result['lambda_max']:.4g}, SAM sharpness {result['sam_sharpness']:.4g} at loss "
+                              f"{result['loss']:.4g} (mean over {result['ranks']} rank(s))", result)
+        if engine.reporter.emits:
+            engine.sinks.log_metrics(engine.step, {f"arc/curvature/{key}": result[key] for key in curvature.KEYS})
+        return {key: result[key] for key in curvature.KEYS}
+
+    def curvature_due(self) -> bool:
+        """Whether the step about to run is one of the periodic curvature measurements (every
+        ``diagnostics.curvature.every`` optimizer steps; never when 0): ``if arc.curvature_due():
+        arc.measure_curvature(held_loss)`` between steps."""
+        every = self.engine.config.diagnostics.curvature.every
+        return every > 0 and self.engine.step % every == 0
+
+    def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A known long phase between steps (evaluation, a checkpoint of your own): the hang watchdog does not count
+        its time. ``with arc.watchdog_paused(): evaluate()``."""
+        watchdog = self.engine.watchdog
+        return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
+
+    def summary(self) -> dict[str, Any]:
+        return self.engine.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+    def close(self) -> None:
+        """Remove the optimizer hooks and fault hooks, emit the summary, close sinks. Local, idempotent.
+        (A DDP comm hook cannot be unregistered; after close it only performs the default all-reduce.)"""
+        before_close = getattr(self.adapter, "before_close", None)
+        if before_close is not None and not self.engine.closed:  # e.g. a last step the loss scaler skipped
+            before_close()
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        self.faults.remove()
+        if self.adapter is not None:
+            _mark_attached(self.adapter.module, False)
+        self.engine.close()
+
+    def __enter__(self) -> Arc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+class Adapter(Protocol):
+    """One framework's side of the contract (``integrations/``: ``torch.ddp.TorchAdapter``, ``torch.fsdp.FSDPAdapter``,
+    ``deepspeed.ZeroAdapter``). Built before :func:`wire`; every method runs on every rank."""
+
+    name: str                        # for messages, e.g. "DDP", "FSDP2", "DeepSpeed ZeRO-2"
+    module: torch.nn.Module          # the unwrapped model: fault hooks, the step-start hook, recompute_fn
+    group_names: list[str]           # the optimizer's parameter groups (G slots per gradient statistic)
+    shard_reduce: Reduce             # SUM: each rank holds its shard / owned part; REPLICATED: the whole value
+    params: list[torch.Tensor]       # this rank's trainable parameters as held (family producers read them)
+    recompute_group: dist.ProcessGroup | None  # what the decision group must be for the SDC recomputation
+    supports_recompute: bool
+    # optional: ``parts`` (a :class:`~arc_engine.monitors.family.ModelParts`), the model's structure for the
+    # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
+    # optional: ``compute_modules(limit)``, the modules whose forward makes no collective, for the straggler
+    # family's compute probe (default: the leaf modules with parameters of ``module``).
+    # optional: ``diagnosing()``, a context manager around a curvature measurement (DeepSpeed: the engine's forward
+    # without its backward machinery, which a Hessian-vector product would otherwise set off).
+    # optional: ``effective_config(config)``, the config with what the installed framework release cannot serve
+    # turned off (a copy; e.g. a detector whose internals are missing), reported by the adapter at install.
+    # optional: ``before_step_start()``, called at every forward before the engine opens a step, and
+    # ``before_close()``, called by ``Arc.close``: where the framework skips steps without an optimizer hook firing
+    # (a GradScaler's overflow), to close them; ``framework_skip_pending()`` says whether one is open.
+
+    def check_config(self, config: ArcConfig) -> None:
+        """ValueError for a setting this framework cannot honour (before anything is registered)."""
+
+    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The decision group to use (None: the whole job), ValueError for one this framework cannot serve."""
+
+    def train_state(self) -> TrainState:
+        """What a rollback restores (``recovery.enabled``); ValueError when this framework cannot roll back."""
+
+    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
+        """The step attempt that fault injection is timed by (after recovery resumed, if it did)."""
+
+    def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
+        """Register the statistics producers and the optimizer-step hooks (decide, drop or apply the step, heal);
+        with ``recompute_fn``, wire the SDC recomputation. After the fault hooks, so producers see their output.
+        Returns the removers."""
+
+
+def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist.ProcessGroup | None = None,
+         recompute_fn: RecomputeFn | None = None) -> Arc:
+    """The common wiring of every framework: collective, on every rank, once. Validates the config against the
+    adapter, builds and starts the engine over the decision group (agreeing on the run id, the layout and the sinks;
+    the watchdog starts with it), enables recovery (which may resume from a checkpoint), installs fault injection,
+    then the adapter's hooks, then the step-start hook."""
+    if not isinstance(config, ArcConfig):
+        config = load_config(config)
+    effective_config = getattr(adapter, "effective_config", None)
+    if effective_config is not None:  # what the installed framework release cannot serve is off (an event says so)
+        config = effective_config(config)
+    if _is_attached(adapter.module):
+        raise ValueError("arc_engine.attach: this model already has an arc_engine attached; two engines would both "
+                         "hook and decide every step (call arc.close() on the first one before attaching again)")
+    adapter.check_config(config)
+    engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
+                       shard_reduce=adapter.shard_reduce, params=adapter.params,
+                       parts=getattr(adapter, "parts", None),
+                       exact_sketch_size=getattr(adapter, "exact_sketch_size", 0),
+                       local_grad_hooks=getattr(adapter, "local_grad_hooks", False))
+    wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
+                                       required_group=adapter.recompute_group)
+    engine.start()
+    if config.recovery.enabled:
+        try:
+            recovery = Recovery(engine, adapter.train_state())
+            engine.use_recovery(recovery)
+            recovery.start()  # collective; may resume: counters move
+        except ArcSetupError as err:
+            _end_setup(engine, err)
+    injector = FaultInjector(config.faults.injections, runtime.global_rank(), adapter.fault_step(engine),
+                             recomputing=lambda: engine.recomputing)
+    error: ValueError | None = None
+    try:  # a fault's parameter may exist on some ranks only (pipeline stages): agree before training starts
+        injector.install(adapter.module)
+    except ValueError as err:
+        error = err
+    runtime.raise_on_every_rank(error, engine.group, "installing the configured faults")
+    removers = adapter.install(engine, recompute_fn if wants_recompute else None)
+    engine.add_lr_multiplier(injector.lr_multiplier)
+    if injector.acts_before_update:  # only then: heal_step walks no parameter list for faults in normal training
+        engine.add_update_hook(injector.before_update)
+    if injector.reports_events:
+        engine.add_event_source(injector.system_events)
+    removers.append(register_step_start(engine, adapter.module, getattr(adapter, "before_step_start", None)))
+    straggler = config.detectors.straggler
+    compiled = straggler.enabled and straggler.compute_every and is_compiled([adapter.module])
+    if compiled:  # the probe adds and removes module hooks every few steps: a compiled forward may ignore them
+        engine.emit_action(engine.step, "compute_probe_off", Severity.WARNING,
+                           "detectors.straggler: the model runs through torch.compile, which ignores module hooks "
+                           "added after compilation: the compute probe is off (forward sections are still timed; "
+                           "set detectors.straggler.compute_every: 0 to silence this)", {}, detector="straggler")
+    if straggler.enabled and straggler.compute_every and not compiled:  # after the fault hooks (a slowed module)
+        limit = straggler.compute_modules
+        compute = getattr(adapter, "compute_modules", None)
+        modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)
+        engine.use_probe(ComputeProbe(modules, engine.pipeline.device,
+                                      config.stats.interval * straggler.compute_every))
+    _mark_attached(adapter.module, True)
+    return Arc(engine, injector, removers, adapter)
+
+
+def _end_setup(engine: ArcEngine, err: ArcSetupError) -> None:
+    """End every rank of a job that cannot start (the error was agreed, so every rank is here): one line on the
+    decision group's first rank, an error event, the engine closed (watchdog stopped), ``SystemExit(2)``."""
+    message = f"arc_engine: cannot start: {err}"
+    engine.emit_action(engine.step, "setup_failed", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
+                       detector="setup")
+    engine.close()
+    if engine.rank == engine.pipeline.leader:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_CONFIG)
+
+
+_ATTACHED = "_arc_engine_attached"
+
+
+def _is_attached(module: Any) -> bool:
+    return bool(getattr(module, _ATTACHED, False))
+
+
+def _mark_attached(module: Any, attached: bool) -> None:
+    with contextlib.suppress(AttributeError, TypeError):  # an object without a __dict__: no guard
+        object.__setattr__(module, _ATTACHED, attached)
+
+
+def check_optimizer_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds none of ``model``'s trainable parameters (built for another model, or for
+    the parameters before FSDP2 replaced them): nothing would train and every NaN would look persistent."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    owned = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+    if trainable and not trainable & owned:
+        raise ValueError(f"arc_engine.attach: the optimizer holds none of the model's {len(trainable)} trainable "
+                         "parameters (built for another model, or before DDP/FSDP2 wrapped it? build the optimizer "
+                         "from the model you pass to attach)")
+
+
+def register_step_start(engine: ArcEngine, model: torch.nn.Module,
+                        before: Callable[[], None] | None = None) -> Any:
+    """A forward pre-hook that opens each step (:meth:`ArcEngine.on_step_start`), ahead of any hook a wrapper
+    (FSDP2's all-gather) registered; ``before()`` (the adapter's) runs first at every forward. Returns the hook's
+    remover."""
+
+    def start(module: torch.nn.Module, args: object) -> None:
+        if before is not None:
+            before()
+        engine.on_step_start()
+
+    handle = model.register_forward_pre_hook(start, prepend=True)
+    return handle.remove

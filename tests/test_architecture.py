@@ -1,0 +1,109 @@
+"""The shape of the code, checked: no import cycle among arc_engine's modules (the integrations included, lazy and
+type-checking imports too), no ``hasattr``/``getattr`` dispatch in the engine, the configuration reference
+generated from the schema (no hand-kept module). Read from the source, nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ((ROOT / "arc_engine", "arc_engine"), (ROOT / "integrations", "arc_engine.integrations"))
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of arc_engine as installed."""
+    out = {}
+    for base, prefix in PACKAGES:
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The arc_engine modules ``name`` imports anywhere in its source (``from package import module`` counts as the
+    module; ``from module import name`` as the module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            for alias in node.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+    return {module for module in found if module in known and module != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_arc_engine_modules() -> None:
+    known = module_files()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert graph["arc_engine.engine"], "the import reader found nothing: it is broken"
+    assert cycles(graph) == []
+
+
+def test_the_engine_dispatches_on_no_attribute_lookup() -> None:
+    source = (ROOT / "arc_engine" / "engine.py").read_text(encoding="utf-8")
+    calls = [node.func.id for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    assert "hasattr" not in calls and "getattr" not in calls
+
+
+def test_the_configuration_reference_is_generated_from_the_schema() -> None:
+    assert not (ROOT / "arc_engine" / "config" / "reference.py").exists()
+    assert (ROOT / "arc_engine" / "config" / "docs.py").exists()
