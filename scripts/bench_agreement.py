@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from arc_engine.config import load_config
 from arc_engine.engine import ArcEngine
-from arc_engine.monitors.numerics import nonfinite_ranks
+from arc_engine.monitors.non_finite import nonfinite_ranks
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.

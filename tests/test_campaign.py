@@ -38,7 +38,8 @@ def _detection(iteration: int, severity: str = "error", action: str = "warn") ->
 def test_observe_arm_turns_every_action_into_a_warning_and_recovery_off() -> None:
     observe = load_config(base=observe_config(PROTECT))
     assert not observe.recovery.enabled and load_config(base=PROTECT).recovery.enabled
-    assert observe.detectors.non_finite.action == "warn" and observe.detectors.grad_norm.explosion_action == "warn"
+    assert observe.detectors.plugins["non_finite"].action == "warn"
+    assert observe.detectors.grad_norm.explosion_action == "warn"
     assert observe.detectors.conformal.forecast_action == "warn" and observe.detectors.fisher.drift_action == "warn"
     assert observe.detectors.fisher.min_rank_fraction == load_config(base=PROTECT).detectors.fisher.min_rank_fraction
     assert not observe.detectors.sdc.recompute.enabled

@@ -107,3 +107,18 @@ def test_link_checker_sees_links_only_outside_code() -> None:
     assert links(text) == ["a.md", "img/d.png"]
     assert heading_anchors("# FSDP2 (`fully_shard`)\n## DeepSpeed ZeRO-1/2/3\n## `sinks.wandb`\n# A\n# A") == {
         "fsdp2-fully_shard", "deepspeed-zero-123", "sinkswandb", "a", "a-1"}
+
+
+def test_the_family_example_in_families_md_is_the_non_finite_module() -> None:
+    """docs/families.md shows ``arc_engine/monitors/non_finite.py`` as the shape of a family: every line of its
+    example is a line of the module, in the module's order (bodies left out)."""
+    page = (REPO / "docs" / "families.md").read_text(encoding="utf-8")
+    section = page.split("## A family in one module: `non_finite`", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    module = (REPO / "arc_engine" / "monitors" / "non_finite.py").read_text(encoding="utf-8").splitlines()
+    position = 0
+    for line in (line for line in example.splitlines() if line.strip()):
+        try:
+            position = module.index(line, position) + 1
+        except ValueError:
+            pytest.fail(f"docs/families.md's non_finite example: {line!r} is not the module's next such line")

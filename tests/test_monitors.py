@@ -9,16 +9,11 @@ from collections import deque
 import numpy as np
 import pytest
 
-from arc_engine.config.schema import GradNormConfig, LossSpikeConfig, NonFiniteConfig, PolicyConfig
+from arc_engine.config.schema import GradNormConfig, LossSpikeConfig, PolicyConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.loss_spike import LossSpikeMonitor, mean_loss, robust_baseline, spike_threshold
-from arc_engine.monitors.numerics import (
-    GradNormMonitor,
-    NonFiniteMonitor,
-    classify_grad_norm,
-    global_grad_norm,
-    nonfinite_ranks,
-)
+from arc_engine.monitors.non_finite import NonFiniteConfig, NonFiniteMonitor
+from arc_engine.monitors.numerics import GradNormMonitor, classify_grad_norm, global_grad_norm
 from arc_engine.policy.decision import DecisionPolicy
 from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 
@@ -65,16 +60,6 @@ def single_loss(loss: float) -> AgreedStats:
 # ------------------------------------------------------------------ numerics: pure functions
 
 
-def test_nonfinite_ranks_reports_loss_grad_and_first_group():
-    loss_r = np.array([1.0, math.nan, 2.0, math.inf])
-    count_r = np.array([1, 1, 1, 1])
-    nonfinite_rg = np.array([[0, 0], [0, 0], [0, 3], [1, 2]])
-    assert nonfinite_ranks(loss_r, count_r, nonfinite_rg) == [(1, "loss", None), (2, "grad", 1),
-                                                               (3, "loss+grad", 0)]
-    # a rank that recorded no loss this step is not blamed for its (unset) loss value
-    assert nonfinite_ranks(np.array([math.nan]), np.array([0]), np.zeros((1, 2))) == []
-
-
 def test_global_grad_norm_and_its_classification_as_ok_explosion_vanishing_nonfinite():
     assert global_grad_norm(np.array([9.0, 16.0])) == pytest.approx(5.0)
     assert math.isnan(global_grad_norm(np.array([1.0, math.nan])))
@@ -87,46 +72,6 @@ def test_global_grad_norm_and_its_classification_as_ok_explosion_vanishing_nonfi
 
 
 # ------------------------------------------------------------------ numerics: monitors
-
-
-def test_nan_loss_on_one_rank_names_that_rank():
-    monitor = NonFiniteMonitor(NonFiniteConfig(action="skip"), GROUP_NAMES)
-    (finding,) = monitor.evaluate(3, gathered_stats([2.0, math.nan, 2.1]))
-    assert finding.ranks == (1,)
-    assert finding.action == Action.SKIP
-    assert finding.severity == Severity.ERROR
-    assert "rank 1 loss" in finding.message
-    assert "rank 0" not in finding.message and "rank 2" not in finding.message
-    monitor.commit(3, applied=False)
-    assert monitor.count == 1
-
-
-def test_nan_gradient_names_rank_and_group():
-    monitor = NonFiniteMonitor(NonFiniteConfig(action="abort"), GROUP_NAMES)
-    nonfinite_rg = np.zeros((3, 2))
-    nonfinite_rg[2, 1] = 1
-    (finding,) = monitor.evaluate(0, gathered_stats([2.0, 2.0, 2.0], nonfinite_rg=nonfinite_rg))
-    assert finding.ranks == (2,)
-    assert finding.action == Action.ABORT
-    assert "rank 2 grad" in finding.message
-    assert "group 1" in finding.message and "no_decay" in finding.message
-    assert finding.values["first_group_name"] == "no_decay"
-    assert finding.values["nonfinite_params_per_rank"] == [0.0, 0.0, 1.0]
-
-
-def test_rows_map_to_global_ranks():
-    monitor = NonFiniteMonitor(NonFiniteConfig(), GROUP_NAMES)
-    (finding,) = monitor.evaluate(0, gathered_stats([1.0, math.inf], ranks=(4, 6)))
-    assert finding.ranks == (6,)
-    assert "rank 6 loss" in finding.message
-
-
-def test_inf_counts_as_nonfinite():
-    monitor = NonFiniteMonitor(NonFiniteConfig(action="warn"), GROUP_NAMES)
-    (finding,) = monitor.evaluate(0, gathered_stats([math.inf, 1.0]))
-    assert finding.ranks == (0,) and finding.action == Action.WARN
-    (finding,) = monitor.evaluate(1, gathered_stats([-math.inf, 1.0]))
-    assert finding.ranks == (0,)
 
 
 def test_healthy_step_has_no_finding():
@@ -392,16 +337,6 @@ def test_robust_baseline_adapts_to_noisier_losses():
     assert ours[1] == 0 < lightning[1]
     # the price of adapting: a 2x spike inside the noisier, steep early phase may pass unflagged
     assert ours[0] >= len(spikes) - 1
-
-
-def test_nonfinite_reduced_gradient_with_finite_local_gradients_is_caught():
-    # e.g. corruption inside the all-reduce: every rank's own gradient was finite
-    monitor = NonFiniteMonitor(NonFiniteConfig(action="skip"), GROUP_NAMES)
-    stats = gathered_stats([2.0, 2.0], grad_sq_g=[1.0, float("nan")])
-    (finding,) = monitor.evaluate(3, stats)
-    assert finding.action == Action.SKIP and finding.ranks == (0, 1)
-    assert finding.values["first_group_name"] == "no_decay" and finding.values["reduced"] is True
-    assert monitor.evaluate(4, gathered_stats([2.0, 2.0])) == []
 
 
 def test_a_relative_gradient_explosion_below_the_fixed_ceiling_is_found_against_the_runs_own_log_norms() -> None:

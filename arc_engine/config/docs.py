@@ -276,16 +276,29 @@ def render_sections(cls: type, prefix: str, pages: dict[str, str] | None = None)
     maps a dotted prefix to the manual page its sections link to (a subsection takes its parent's). Raises
     RuntimeError when a key's field has no docstring, or its ``Allowed:`` line is missing (a number) or repeats the
     type (a choice, a bool)."""
+    return _render(_sections(cls, prefix), pages or {})
+
+
+def _render(sections: list[tuple[str, type, list[SchemaKey]]], pages: dict[str, str]) -> str:
     lines: list[str] = []
-    for title, section_cls, rows in _sections(cls, prefix):
+    for title, section_cls, rows in sections:
         if rows:
-            lines += _section(title, section_cls, rows, pages or {})
+            lines += _section(title, section_cls, rows, pages)
     return "\n".join(lines)
 
 
 def render() -> str:
-    """The whole page (docs/configuration.md). Raises RuntimeError as :func:`render_sections` does."""
-    return "\n".join([INTRO, render_sections(ArcConfig, "", SECTION_PAGES)]).rstrip("\n") + "\n"
+    """The whole page (docs/configuration.md): the schema's sections, with the sections of the built-in families
+    that bring their own config class first among the ``detectors`` ones. Raises RuntimeError as
+    :func:`render_sections` does."""
+    from arc_engine.monitors.registry import builtin_families
+
+    sections = _sections(ArcConfig, "")
+    first = next(i for i, (title, _, _) in enumerate(sections) if title.startswith("detectors."))
+    own = [section for family in builtin_families() if family.config_class is not None
+           for section in _sections(family.config_class, f"detectors.{family.name}")]
+    sections[first:first] = own
+    return "\n".join([INTRO, _render(sections, SECTION_PAGES)]).rstrip("\n") + "\n"
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ the value and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -66,6 +67,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str | None = Non
             raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(key), fields)}; allowed keys here: "
                               f"{allowed}", source)
         kwargs[key] = _coerce(hints[key], value, dotted, source)
+    if plugin_field in kwargs:  # a section equal to its defaults is kept as absent (the family reads its defaults)
+        kwargs[plugin_field] = {name: section for name, section in kwargs[plugin_field].items()
+                                if not _is_default(section)}
     missing = [
         name for name, f in fields.items()
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -88,28 +92,55 @@ def did_you_mean(key: str, allowed: Iterable[str]) -> str:
 def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str, Any]:
     """Parse ``{family name: section}`` with each registered plugin family's config class (ConfigError for a name
     that no built-in field and no registered family has)."""
-    from arc_engine.monitors.registry import plugin_names, plugin_section_class
+    from arc_engine.monitors.registry import section_class, sectioned_names
 
     if not isinstance(sections, Mapping):
         raise ConfigError(prefix or "<root>", sections, "expected a mapping of plugin family sections", source)
     parsed: dict[str, Any] = {}
     for name, value in sections.items():
         dotted = f"{prefix}.{name}" if prefix else str(name)
-        section_class = plugin_section_class(str(name))
-        if section_class is None:
-            known = ", ".join(plugin_names()) or "none registered"
+        family_class = section_class(str(name))
+        if family_class is None:
+            known = ", ".join(sectioned_names())
             candidates = [f.name for f in dataclasses.fields(DetectorsConfig) if not f.metadata.get("plugin_sections")]
-            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(name), [*candidates, *plugin_names()])}"
-                              f"; not a built-in section nor a registered monitor family (plugin families: {known})",
+            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(name), [*candidates, *sectioned_names()])}"
+                              f"; not a built-in section nor a registered monitor family (families with a "
+                              f"config class of their own: {known})",
                               source)
-        parsed[str(name)] = value if isinstance(value, section_class) else \
-            from_dict(section_class, {} if value is None else value, source=source, prefix=dotted)
+        parsed[str(name)] = value if isinstance(value, family_class) else \
+            from_dict(family_class, {} if value is None else value, source=source, prefix=dotted)
     return parsed
 
 
+def _is_default(section: Any) -> bool:
+    try:
+        return bool(section == type(section)())
+    except (TypeError, ValueError, ConfigError):  # a config class with required keys
+        return False
+
+
 def to_dict(config: Any) -> dict[str, Any]:
-    """The plain nested-dict form of a config dataclass (what :func:`from_dict` accepts back)."""
-    return dataclasses.asdict(config)
+    """The plain nested-dict form of a config dataclass (what :func:`from_dict` accepts back); the sections of
+    families with a config class of their own are written where the YAML has them (``detectors.<name>``), every
+    registered one, its defaults where the config has none."""
+    return _lift_sections(config, dataclasses.asdict(config))
+
+
+def _lift_sections(config: Any, plain: dict[str, Any]) -> dict[str, Any]:
+    from arc_engine.monitors.registry import section_class, sectioned_names
+
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.metadata.get("plugin_sections"):
+            given = plain.pop(field.name)
+            for name in sectioned_names():
+                if name not in given:
+                    with contextlib.suppress(TypeError, ValueError, ConfigError):  # (a class with required keys)
+                        given[name] = dataclasses.asdict(section_class(name)())  # type: ignore[misc]
+            plain.update(given)
+        elif dataclasses.is_dataclass(value):
+            _lift_sections(value, plain[field.name])
+    return plain
 
 
 def leaf_keys(cls: type = ArcConfig, prefix: str = "") -> list[tuple[str, Any]]:
@@ -118,10 +149,10 @@ def leaf_keys(cls: type = ArcConfig, prefix: str = "") -> list[tuple[str, Any]]:
     plugin_fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("plugin_sections")}
     for name, hint in get_type_hints(cls).items():
         if name in plugin_fields:  # each registered plugin family's keys, under its own section name
-            from arc_engine.monitors.registry import plugin_names, plugin_section_class
+            from arc_engine.monitors.registry import section_class, sectioned_names
 
-            for family in plugin_names():
-                out.extend(leaf_keys(plugin_section_class(family), f"{prefix}.{family}" if prefix else family))
+            for family in sectioned_names():
+                out.extend(leaf_keys(section_class(family), f"{prefix}.{family}" if prefix else family))
             continue
         dotted = f"{prefix}.{name}" if prefix else name
         if dataclasses.is_dataclass(hint):

@@ -97,17 +97,6 @@ class StatsConfig:
 
 
 @dataclass(kw_only=True)
-class NonFiniteConfig:
-    """NaN/Inf in any rank's loss or local gradient (per parameter group)."""
-
-    enabled: bool = True
-    """NaN/Inf in any rank's loss or local (pre-reduction) gradient; the finding names the rank and the first parameter
-    group."""
-    action: ActionName = "skip"
-    """What a non-finite step gets."""
-
-
-@dataclass(kw_only=True)
 class LossSpikeConfig:
     """Loss spike against a robust running baseline (median and MAD of recent accepted losses).
 
@@ -1081,7 +1070,6 @@ class DetectorsConfig:
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
     keeps it in ``plugins`` (never written as a key of its own)."""
 
-    non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
     sdc: SDCConfig = field(default_factory=SDCConfig)
@@ -1679,7 +1667,6 @@ __all__ = [
     "GradNormConfig",
     "JsonlSinkConfig",
     "LossSpikeConfig",
-    "NonFiniteConfig",
     "PolicyConfig",
     "RecoveryConfig",
     "RunConfig",

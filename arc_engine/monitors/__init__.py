@@ -2,7 +2,8 @@
 
 from arc_engine.monitors.base import Monitor, missing_stats
 from arc_engine.monitors.loss_spike import LossSpikeMonitor
-from arc_engine.monitors.numerics import GradNormMonitor, NonFiniteMonitor
+from arc_engine.monitors.non_finite import NonFiniteMonitor
+from arc_engine.monitors.numerics import GradNormMonitor
 from arc_engine.monitors.optimizer import OptimizerStatsMonitor
 from arc_engine.monitors.sdc import SDCMonitor
 

@@ -18,7 +18,8 @@ def builtin_families() -> list[MonitorFamily]:
     from arc_engine.monitors.dynamics import DynamicsFamily
     from arc_engine.monitors.fisher import FisherFamily
     from arc_engine.monitors.loss_spike import LossSpikeFamily
-    from arc_engine.monitors.numerics import GradNormFamily, NonFiniteFamily
+    from arc_engine.monitors.non_finite import NonFiniteFamily
+    from arc_engine.monitors.numerics import GradNormFamily
     from arc_engine.monitors.optimizer import OptimizerStatsFamily
     from arc_engine.monitors.qk_spectra import QKSpectraFamily
     from arc_engine.monitors.r_metric import RMetricFamily
@@ -57,9 +58,15 @@ def families() -> list[MonitorFamily]:
     return [*builtin_families(), *_plugins]
 
 
-def plugin_section_class(name: str) -> type | None:
-    """The config dataclass of the registered plugin family ``name`` (None when there is none)."""
-    return next((f.config_class for f in _plugins if f.name == name), None)
+def section_class(name: str) -> type | None:
+    """The config dataclass of family ``name`` when the family brings its own (a plugin, or a built-in in that
+    shape: ``detectors.<name>`` is parsed with it and kept in ``detectors.plugins``); None otherwise."""
+    return next((f.config_class for f in families() if f.name == name and f.config_class is not None), None)
+
+
+def sectioned_names() -> list[str]:
+    """The families that bring their own config class, built-ins first."""
+    return [f.name for f in families() if f.config_class is not None]
 
 
 def plugin_names() -> list[str]:

@@ -38,7 +38,8 @@ import numpy as np
 from arc_engine.config.schema import SDCConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, section_of
+from arc_engine.monitors.non_finite import NonFiniteFamily
 from arc_engine.monitors.optimizer import optimizer_statistics
 from arc_engine.monitors.sdc_local import cosine_to_peers
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
@@ -209,7 +210,7 @@ class SDCFamily(FamilyBase):
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         # with the recomputation on, the non-finite case stays the rule's: its finding is what makes every rank
         # recompute a step whose reduced gradient is not finite (nothing withheld), instead of skipping it
-        defer = ctx.config.detectors.non_finite.enabled and not ctx.section.recompute.enabled
+        defer = section_of(ctx.config, NonFiniteFamily()).enabled and not ctx.section.recompute.enabled
         return [SDCMonitor(ctx.section, defer_nonfinite=defer)]
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
