@@ -71,7 +71,8 @@ class ArcEngine:
         self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)
         self.assembly = assemble(config, self.layout, group_names=self.group_names, shard_reduce=shard_reduce,
                                  parts=parts, exact_sketch_size=exact_sketch_size,
-                                 local_grad_hooks=local_grad_hooks, wrap=self.own_work.wrap)
+                                 local_grad_hooks=local_grad_hooks, wrap=self.own_work.wrap,
+                                 current_step=lambda: self.step)
         self.monitors = self.assembly.monitors
         self.hooks = MonitorHooks()  # the monitors' optional methods, gathered at start
         self.policy = DecisionPolicy(config.policy)

@@ -41,14 +41,15 @@ class Assembly:
 
 
 def assemble(config: ArcConfig, layout: StatLayout, *, group_names: list[str], shard_reduce: Reduce,
-             parts: ModelParts | None, exact_sketch_size: int, local_grad_hooks: bool, wrap: Wrap) -> Assembly:
+             parts: ModelParts | None, exact_sketch_size: int, local_grad_hooks: bool, wrap: Wrap,
+             current_step: Callable[[], int] = lambda: 0) -> Assembly:
     """Ask every registered family (:func:`~arc_engine.monitors.registry.families`) whether it is enabled; add the
     enabled ones' statistics to ``layout`` and gather their producers (each wrapped by ``wrap(name, write)``) and
     monitors."""
     assembly = Assembly()
     for family in families():
         context = FamilyContext(config, section_of(config, family), group_names, shard_reduce, parts,
-                                exact_sketch_size, local_grad_hooks)
+                                exact_sketch_size, local_grad_hooks, current_step)
         if not family.enabled(context):
             continue
         assembly.families.append((family, context))

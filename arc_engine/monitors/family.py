@@ -109,7 +109,6 @@ class ModelParts:
     ep_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     observe_routing: Callable[[RouterShard, Callable[[torch.Tensor, torch.Tensor], None]], Callable[[], None]] | \
         None = None  # observe_routing(shard, fn): call fn(logits, routing_map) at each routing; returns a remover
-    current_step: Callable[[], int] | None = None  # the optimizer step being computed (set by the adapter)
     #: ranks holding different shards of one replica (tensor x pipeline x context x expert parallel): above 1, a
     #: rank's local gradient is one shard of its replica's
     model_parallel_size: int = 1
@@ -158,6 +157,8 @@ class FamilyContext:
     #: a tensor hook on each of the engine's ``params`` sees this rank's whole local gradient before any reduction,
     #: and what it returns is what gets reduced (DDP, DeepSpeed ZeRO-1/2; not FSDP2's or ZeRO-3's shards)
     local_grad_hooks: bool = False
+    #: the optimizer step being computed (the engine's counter; for what runs inside the forward pass)
+    current_step: Callable[[], int] = lambda: 0
 
 
 @dataclass

@@ -99,13 +99,13 @@ class RMetricMonitor:
     name = "r_metric"
 
     def __init__(self, config: RMetricConfig, variance: bool, hardware: HardwareEvents | None = None,
-                 positions: int = 1, position: int = 0) -> None:
+                 positions: int = 1, position: int = 0, write_moments: bool = True) -> None:
         self.config = config
         self.variance = variance  # σ² measurable (ranks comparable: whole gradients, or shards by position)
         self.moments = WorkerMoments(positions, position)
         #: whether this family writes the shared worker moments (not when the consistency family does: the same
         #: values, written once per step)
-        self.write_moments = True
+        self.write_moments = write_moments
         self.hardware = hardware
         self.normalizers = {term: Normalizer(config.window, config.ema, config.gain) for term in TERMS}
         self.events: deque[float] = deque(maxlen=config.event_window)
@@ -307,8 +307,8 @@ class RMetricFamily(FamilyBase):
             variance = where is not None
             device = stats_device(None, ctx.config.stats.device) if ctx.section.nvml else torch.device("cpu")
             hardware = HardwareEvents(device, True) if device.type == "cuda" else None
-            monitor = RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0)))
-            monitor.write_moments = not ctx.config.detectors.consistency.enabled  # it writes them then
+            monitor = RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0)),
+                                     write_moments=not ctx.config.detectors.consistency.enabled)  # (it writes them)
             self._monitor = (id(ctx), monitor)
         return self._monitor[1]
 

@@ -61,9 +61,10 @@ WATCHED = (("entropy_mean", -1.0), ("similarity", 1.0), ("rank_min_entropy", -1.
 class RouterObserver:
     """Accumulates this rank's router partials on measured steps and writes them at the agreement."""
 
-    def __init__(self, parts: ModelParts, every: int, rank: int = 0) -> None:
+    def __init__(self, parts: ModelParts, every: int, rank: int = 0,
+                 current_step: Callable[[], int] = lambda: 0) -> None:
         check_rank(rank)
-        self.parts, self.every, self.rank = parts, every, rank
+        self.parts, self.every, self.rank, self.current_step = parts, every, rank, current_step
         self.size = router_partials_size(parts.num_experts)
         self.accumulated: dict[int, torch.Tensor] = {}
         self.removers: list[Callable[[], None]] = []
@@ -72,8 +73,7 @@ class RouterObserver:
                 self.removers.append(parts.observe_routing(shard, self._observer(shard)))
 
     def due(self) -> bool:
-        step = self.parts.current_step() if self.parts.current_step is not None else 0
-        return step % self.every == 0
+        return self.current_step() % self.every == 0
 
     def _observer(self, shard: RouterShard) -> Callable[[torch.Tensor, torch.Tensor], None]:
         @torch.no_grad()
@@ -239,7 +239,7 @@ class RouterFamily(FamilyBase):
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         assert ctx.parts is not None
-        observer = RouterObserver(ctx.parts, ctx.section.every, runtime.global_rank())
+        observer = RouterObserver(ctx.parts, ctx.section.every, runtime.global_rank(), ctx.current_step)
         return [Producer("before_agreement", observer.write)]
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:

@@ -18,10 +18,11 @@ Per group, as partial sums over this rank's partition (``Reduce.SUM``: summed ov
 (DETAIL and SUM slots) are this rank's own gradient, read just before ZeRO reduces it (:class:`LocalGradHooks`), so
 a NaN is named on the rank that produced it.
 
-arc_engine replaces no DeepSpeed method and assigns no DeepSpeed attribute (a rollback's restore aside): it uses
-DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds, and reads the rest through
-:mod:`arc_engine.integrations.deepspeed.internals` (one module, checked at attach by what it reads; its
-docstring says why no public hook serves and which releases are tested).
+arc_engine assigns DeepSpeed objects in three places only (all listed in docs/architecture.md): a rollback's
+restore of the engine's step counters and loss scaler, the ZeRO optimizer's overflow flag after a step it skipped
+(DeepSpeed then books the step as skipped), and the engine's ``forward`` during a curvature measurement (restored
+after). Everything else is DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds; the private
+state it reads is read in :mod:`arc_engine.integrations.deepspeed.internals` (checked at attach by what it reads).
 
 Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
 torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step, gathers

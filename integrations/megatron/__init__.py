@@ -35,6 +35,7 @@ one ``compatibility`` lifecycle event.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -343,7 +344,7 @@ class MegatronAdapter:
                              f"internals this release ({self.capabilities.version}) lacks ({', '.join(missing)}); "
                              f"use auto or dcp (tested range {mi.TESTED_MEGATRON_CORE_RANGE.text()})")
         if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
-            self.parts.matrices = self._weight_matrices()
+            self.parts = dataclasses.replace(self.parts, matrices=self._weight_matrices())
         if config.recovery.enabled and overlaps_param_gather(self.chunks):
             raise ValueError("arc_engine.attach_megatron: recovery.enabled with overlap_param_gather: a snapshot at a "
                              "step's start would read the bf16 parameters while their all-gather from the previous "
@@ -377,7 +378,6 @@ class MegatronAdapter:
         if compatibility is not None:  # one event naming every feature that is off (and an untested release)
             message, values = compatibility
             engine.emit_lifecycle("compatibility", message, values)
-        self.parts.current_step = lambda: engine.step
         engine.use_partition_parts(self.partition_parts)
         removers = [*self._routing_removers]
         if recompute_fn is not None:
