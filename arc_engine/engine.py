@@ -22,11 +22,10 @@ import torch.distributed as dist
 from arc_engine import runtime
 from arc_engine.config.schema import ArcConfig
 from arc_engine.data_ledger import LEDGER_FILE, DataLedger
-from arc_engine.events import Action, Event, Finding, Severity
+from arc_engine.events import Action, Finding, Severity
+from arc_engine.gathering import StepGathering
 from arc_engine.lost_peers import LostPeerWatch
-from arc_engine.monitors import missing_stats
-from arc_engine.monitors.assembly import assemble
-from arc_engine.monitors.family import ModelParts, StepView
+from arc_engine.monitors.family import ModelParts
 from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.own_work import OwnWork
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
@@ -34,23 +33,17 @@ from arc_engine.policy.decision import gradient_nonfinite, loss_finite, with_exi
 from arc_engine.progress import Counted, Progress
 from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
-from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names
+from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.pipeline import model_device, stats_device
-from arc_engine.stats.timing import ComputeProbe, SectionClock
 from arc_engine.step_hooks import Recovering, StatsResolver, StepHooks
 from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, start_watchdog
 
 log = logging.getLogger("arc_engine")
 
-PartitionParts = Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]
-
 
 class ArcEngine:
-    """Per-rank engine. Construct on every rank of ``group`` (the decision group; None: the whole job) with the
-    same arguments, then :meth:`start`. The adapter says how its statistics combine (``shard_reduce``), which
-    parameters this rank holds (``params``), the model's structure (``parts``), whether it can write the local
-    gradient whole as the sketch (``exact_sketch_size``) and whether tensor hooks see local gradients
-    (``local_grad_hooks``)."""
+    """Per-rank engine: construct on every rank of ``group`` (the decision group; None: the whole job) with the
+    same arguments, then :meth:`start`. The adapter's arguments are :class:`arc_engine.gathering.StepGathering`'s."""
 
     step, iteration, data_position, applied_steps = Counted(), Counted(), Counted(), Counted()
     unapplied_steps, monitored_steps, framework_skipped_steps = Counted(), Counted(), Counted()
@@ -62,21 +55,17 @@ class ArcEngine:
                  local_grad_hooks: bool = False) -> None:
         self.config, self.group, self.rank = config, group, runtime.global_rank()
         self.group_names = list(group_names or ["group0"])
-        self.params = list(params)
-        self.layout = StatLayout()
-        for name, size, reduce in names.adapter_statistics(len(self.group_names), shard_reduce):
-            self.layout.add(name, size, reduce)
-        device = stats_device(group, config.stats.device, model_device(self.params))
+        device = stats_device(group, config.stats.device, model_device(params))
         self.own_work = OwnWork(config.stats.own_work, device)  # stats.own_work: arc_engine's own time, by piece
-        self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)
-        self.assembly = assemble(config, self.layout, group_names=self.group_names, shard_reduce=shard_reduce,
-                                 parts=parts, exact_sketch_size=exact_sketch_size,
-                                 local_grad_hooks=local_grad_hooks, wrap=self.own_work.wrap,
-                                 current_step=lambda: self.step)
+        self.gathering = StepGathering(config, group, device, self.own_work, group_names=self.group_names,
+                                       shard_reduce=shard_reduce, params=params, parts=parts,
+                                       exact_sketch_size=exact_sketch_size, local_grad_hooks=local_grad_hooks,
+                                       current_step=lambda: self.step)
+        self.layout, self.pipeline, self.assembly = (self.gathering.layout, self.gathering.pipeline,
+                                                     self.gathering.assembly)
         self.monitors = self.assembly.monitors
         self.hooks = MonitorHooks()  # the monitors' optional methods, gathered at start
         self.policy = DecisionPolicy(config.policy)
-        self.pipeline = StatsPipeline(self.layout, group, device)
         self.reporter = Reporter(config, self.rank, sinks)
         self.buffer: StatBuffer | None = None
         self.run_id, self.run_dir = "", Path(config.run.run_dir)
@@ -86,8 +75,6 @@ class ArcEngine:
         self.locations: dict[int, str] = {}  # global rank -> "host:device"
         self.recovery: Recovering | None = None
         self.sdc_recompute: StatsResolver | None = None
-        self.probe: ComputeProbe | None = None
-        self.partition_parts: PartitionParts | None = None  # where the optimizer partitions parameters (ZeRO)
         self.lr_multipliers: list[Callable[[], float]] = []
         self.update_hooks: list[Callable[[list[dict[str, Any]], Mapping[Any, Any] | None], None]] = []
         self.event_sources: list[Callable[[], int]] = []
@@ -96,12 +83,8 @@ class ArcEngine:
         self.watchdog: HangWatchdog | None = None
         self.lost_peers: LostPeerWatch | None = None
         self._step_hooks: list[StepHooks] = []
-        self._folds: list[Callable[[], None]] = []
         self._restat: Callable[[], None] | None = None
-        self._recomputed: list[torch.Tensor] | None = None  # record_loss while a recomputation runs
         self._step_open = self._diagnosing = self._closed = False
-        self._loss_count = 0
-        self._sketch_due = (-1, False)  # (step, wants_sketch() on it)
         for method in (self.on_step_start, self.record_loss, self.decide, self.finish_step, self.skip_by_framework):
             setattr(self, method.__name__, self.own_work.wrap(method.__name__, method))
 
@@ -114,15 +97,8 @@ class ArcEngine:
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
         self.locations = runtime.gather_locations(self.group)
-        for monitor in list(self.monitors):
-            lacking = missing_stats(monitor, self.layout)
-            if lacking:
-                log.warning("arc_engine: monitor %s disabled: statistics %s are not produced", monitor.name, lacking)
-                self.monitors.remove(monitor)
-        self.hooks = MonitorHooks.gather(self.monitors)
-        for on_start in self.hooks.on_start:
-            on_start(self.locations)
-        self.buffer = self.pipeline.start()
+        self.hooks = self.assembly.start(self.layout, self.locations)
+        self.buffer = self.gathering.start(self.hooks.before_agreement)
         leader = self.rank == self.pipeline.leader
         self.ledger.open_shared(self.run_dir / LEDGER_FILE, leader=leader, group=self.group,
                                 num_ranks=self.pipeline.num_ranks)
@@ -144,48 +120,35 @@ class ArcEngine:
         self._step_hooks.insert(0, recovery)
 
     def use_recompute(self, resolver: StatsResolver, restat: Callable[[], None]) -> None:
-        """Resolve the statistics of suspect steps with ``resolver`` (``detectors.sdc.recompute``); ``restat``
-        re-records the reduced-gradient statistics after a correction."""
+        """``resolver`` judges suspect steps (``detectors.sdc.recompute``); ``restat`` re-records after a fix."""
         self.sdc_recompute, self._restat = resolver, restat
         self._step_hooks.append(resolver)
 
-    def use_probe(self, probe: ComputeProbe) -> None:
-        """A sampled local compute time, read into each monitored step's :class:`StepView` (``compute``)."""
-        self.probe = probe
-        self._step_hooks.append(probe)
-
-    def use_partition_parts(self, parts: PartitionParts) -> None:
-        """Where the optimizer partitions the parameters: ``parts(param)`` = this rank's (master values, final
-        gradient) pieces, for the families (:attr:`StepView.partition_parts`)."""
-        self.partition_parts = parts
-
-    def add_fold(self, fold: Callable[[], None]) -> None:
-        """``fold()`` runs once per monitored step before the agreement (an adapter's queued per-bucket results)."""
-        self._folds.append(fold)
+    def add_step_hooks(self, hooks: StepHooks) -> None:
+        """``hooks.on_step_start(step)`` at every step attempt's start, ``hooks.close()`` at close."""
+        self._step_hooks.append(hooks)
 
     def add_lr_multiplier(self, multiplier: Callable[[], float]) -> None:
-        """Multiply each step's learning rate by ``multiplier()`` (e.g. an injected learning-rate fault)."""
+        """Each step's learning rate times ``multiplier()`` (:func:`arc_engine.recovery.heal.step_lr_factor`)."""
         self.lr_multipliers.append(multiplier)
 
     def add_update_hook(self, hook: Callable[[list[dict[str, Any]], Mapping[Any, Any] | None], None]) -> None:
-        """``hook(param_groups, state)`` in every applied optimizer step before the update
-        (:func:`arc_engine.recovery.heal.heal_step`). Local; e.g. injected optimizer-state faults."""
+        """``hook(param_groups, state)`` before every applied update (:func:`arc_engine.recovery.heal.heal_step`)."""
         self.update_hooks.append(hook)
 
     def add_event_source(self, source: Callable[[], int]) -> None:
-        """Add ``source()`` to :attr:`local_events` at each step attempt's start (e.g. injected hardware events)."""
+        """``source()``'s system events added to :attr:`local_events` at each step attempt's start."""
         self.event_sources.append(source)
 
     # ------------------------------------------------------------------ per step
 
     def on_step_start(self) -> None:
-        """At the first forward pass of each step attempt, on every rank (a forward pre-hook): the step hooks run
-        (a pending rollback, a due snapshot, the recomputation's RNG capture, the probe), outside the watchdog's
-        count."""
+        """At each step attempt's first forward, on every rank: the step hooks run (a pending rollback, a due
+        snapshot, the recomputation's RNG capture, the probe) outside the watchdog's count."""
         if self._step_open or self._diagnosing:  # (a diagnostic's forward pass is not a step)
             return
         self._step_open = True
-        self.clock.start()
+        self.gathering.clock.start()
         if self.watchdog is not None:
             self.watchdog.reached(STEP_STARTED)
         with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
@@ -207,43 +170,18 @@ class ArcEngine:
         return self.is_monitored() and self.assembly.optimizer_stats_due(self.step)[1]
 
     def wants_sketch(self) -> bool:
-        """Whether the adapters add the local gradient sketch on the current step (cached per step)."""
-        if self._sketch_due[0] != self.step:
-            due = names.GRAD_SKETCH_LOCAL in self.layout and self.is_monitored() and \
-                self.assembly.sketch_due(self.step)
-            self._sketch_due = (self.step, due)
-        return self._sketch_due[1]
+        """Whether the adapters add the local gradient sketch on the current step."""
+        return self.is_monitored() and self.gathering.sketch_due(self.step)
 
     @property
     def recomputing(self) -> bool:
         """True while a recomputation re-runs the step (reduction-side hooks and faults stand aside)."""
-        return self._recomputed is not None
-
-    @contextlib.contextmanager
-    def recording_recomputation(self) -> Iterator[list[torch.Tensor]]:
-        """While a recomputation runs, :meth:`record_loss` appends to the yielded list instead."""
-        self._recomputed = []
-        try:
-            yield self._recomputed
-        finally:
-            self._recomputed = None
+        return self.gathering.recomputing
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Record this rank's loss for the current step (once per micro-batch; the mean is used). Device-side, no
-        host sync."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"record_loss expects the loss as a torch.Tensor (one number, e.g. the micro-batch's "
-                            f"mean loss); got {type(loss).__name__}")
-        if self._recomputed is not None:
-            self._recomputed.append(loss.detach().float().reshape(()))
-            return
-        if self.watchdog is not None:
+        """This rank's loss for the current step (once per micro-batch; the mean is used). No host sync."""
+        if self.gathering.record_loss(loss, self.is_monitored()) and self.watchdog is not None:
             self.watchdog.reached(LOSS_RECORDED)
-        self.clock.loss()  # on every step: on CUDA a monitored step reads the previous step's marks
-        if self.buffer is None or not self.is_monitored():
-            return
-        self.buffer.add(names.LOSS, loss.detach().float())
-        self._loss_count += 1
 
     def record_validation_loss(self, loss: float | torch.Tensor) -> None:
         """A validation loss (read to the host here), for the monitors that take one. Local."""
@@ -251,28 +189,16 @@ class ArcEngine:
         for take in self.hooks.validation:
             take(value)
 
-    @property
-    def micro_batches_recorded(self) -> int:
-        """Losses recorded so far in the current step."""
-        return self._loss_count
-
     def decide(self, extra_findings: tuple[Finding, ...] = (), only: tuple[str, ...] | None = None, *,
                overflow: Finding | None = None,
                overflow_if_nonfinite: Callable[[], Finding] | None = None) -> Decision:
-        """Collective on monitored steps: gather, judge, decide, report; once per optimizer step on every rank,
-        after gradients are reduced and before they are applied. Raises :class:`ArcAbort` on every rank on ABORT.
-
-        ``extra_findings``: agreed verdicts from outside the monitors; ``only``: the monitors to run (partial
-        statistics). ``overflow``: the framework's loss scaler skipped this step; ``overflow_if_nonfinite``: it
-        skips it when the agreed gradient is non-finite, and this makes the finding."""
-        assert self.buffer is not None, "ArcEngine.start() was not called"
+        """Collective on monitored steps, once per optimizer step on every rank, before the update: agree, judge,
+        decide, report; :class:`ArcAbort` on every rank on ABORT. ``extra_findings``: agreed verdicts from outside;
+        ``only``: the monitors to run; ``overflow``: the loss scaler skipped this step (``overflow_if_nonfinite``:
+        it does when the agreed gradient is non-finite, and this makes the finding)."""
         if not self.is_monitored():
             return Decision(self.step, Action.NONE)
-        if self._loss_count:
-            self.buffer.view(names.LOSS).div_(self._loss_count)
-        self.buffer.put(names.LOSS_COUNT, float(self._loss_count))
-        self.buffer.put(names.LOSS_RANKS, float(self._loss_count > 0))
-        stats = self._agree()
+        stats = self.gathering.agree(self.step, self.local_events, self._waiting)
         monitors = [m for m in self.monitors if only is None or m.name in only]
 
         def evaluate(agreed: AgreedStats) -> list[Finding]:
@@ -301,34 +227,14 @@ class ArcEngine:
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
 
-    def _agree(self) -> AgreedStats:
-        """Collective: the adapters' folds, the families' producers, the monitors' own values, then agree."""
-        assert self.buffer is not None
-        for fold in self._folds:
-            fold()
-        if self.assembly.producers:
-            view = StepView(self.step, self.params, self.clock.times(), self.local_events,
-                            tuple(self.probe.take()) if self.probe is not None else (), self.partition_parts)
-            for producer in self.assembly.producers:
-                producer.write(self.buffer, view)
-        for name, prepare in self.hooks.before_agreement:
-            with self.own_work.section(f"{name}.before_agreement"):
-                prepare(self.buffer)
+    def _waiting(self) -> None:
         if self.watchdog is not None:  # a peer's hang report shows this rank as waiting for the others
             self.watchdog.reached(AGREEING)
-        with self.own_work.section("agree"):
-            return self.pipeline.agree(self.buffer, reduce_max=self.assembly.max_due(self.step))
 
     def _regather(self) -> AgreedStats:
-        """Collective: after a correction of the reduced gradient, re-record the reduced statistics (keeping the
-        pre-reduction ones, except a recomputing rank's own) and agree again."""
-        assert self.buffer is not None and self.sdc_recompute is not None and self._restat is not None
-        for name in names.REDUCED_GRADIENT_SLOTS:
-            if name in self.layout:
-                self.buffer.view(name).zero_()
-        self.sdc_recompute.write_local_stats(self.buffer)
-        self._restat()
-        return self._agree()
+        assert self.sdc_recompute is not None and self._restat is not None
+        return self.gathering.regather(self.step, self.local_events, self._waiting,
+                                       self.sdc_recompute.write_local_stats, self._restat)
 
     def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:
         if decision.action != Action.ABORT:
@@ -368,9 +274,7 @@ class ArcEngine:
         self._close_step(decision)
 
     def _close_step(self, decision: Decision | None) -> None:
-        if self.buffer is not None:
-            self.buffer.reset()
-        self._loss_count = 0
+        self.gathering.reset()
         self._step_open = False
         self.progress.close_step(decision is None or decision.applies_update)
         if self.recovery is not None:
@@ -413,24 +317,16 @@ class ArcEngine:
     # ------------------------------------------------------------------ reporting
 
     def _report(self, decision: Decision) -> None:
-        skipped = self.policy.skipped_steps + int(decision.action == Action.SKIP and not decision.overflow)
-        self.reporter.decision(decision, self.iteration, skipped)
+        self.reporter.decision(decision, self.iteration, self.policy.skipped_steps)
 
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
-        """From the watchdog thread: a hang or a lost rank (critical), or a hang's end (info)."""
-        self.local_events += int(kind == "hang")
-        severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
-        self.reporter.emit(Event(self.run_id, self.step, "detection", "hang", severity, "none", message,
-                                 (self.rank,), values, iteration=self.iteration))
+        self.local_events += int(kind == "hang")  # (a system event: the R-Metric's λ counts it)
+        self.reporter.hang(self.step, self.iteration, kind, message, values)
 
     @property
     def sinks(self) -> SinkSet:
         """This rank's sinks (add one of your own with ``engine.sinks.add(sink)``)."""
         return self.reporter.sinks
-
-    @property
-    def event_counts(self) -> Counter[str]:
-        return self.reporter.event_counts
 
     def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
         """A lifecycle event (resume, checkpoint, ...) through this rank's sinks."""
@@ -439,30 +335,20 @@ class ArcEngine:
     def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any], *,
                     detector: str = "recovery") -> None:
         """An action a subsystem took (rollback, escape, a failed checkpoint save...) for ``step``."""
-        self.reporter.emit(Event(self.run_id, step, "action", detector, severity, action, message, (), values,
-                                 iteration=self.iteration))
-
-    def emit_finding(self, finding: Finding) -> None:
-        """A finding made outside the per-step path (e.g. by an on-demand diagnostic)."""
-        self.reporter.finding(self.step, self.iteration, finding)
-
-    def log_warning(self, message: str) -> None:
-        """A local warning through Python logging."""
-        log.warning("arc_engine rank %d: %s", self.rank, message)
+        self.reporter.action(step, self.iteration, detector, severity, action, message, values)
 
     def summary(self) -> dict[str, Any]:
         """Counts for the end-of-run report (identical on every rank)."""
         summary = {"steps": self.step, "iterations": self.iteration, "monitored_steps": self.monitored_steps,
                    "skipped_steps": self.policy.skipped_steps,
-                   "framework_skipped_steps": self.framework_skipped_steps, "detections": dict(self.event_counts),
+                   "framework_skipped_steps": self.framework_skipped_steps,
+                   "detections": dict(self.reporter.event_counts),
                    "collectives": self.pipeline.collectives, "detail_fetches": self.pipeline.detail_fetches,
                    "follow_ups": self.pipeline.follow_ups, "run_dir": str(self.run_dir)}
         if self.recovery is not None:
             summary["recovery"] = self.recovery.summary()
         if self.own_work.enabled:
-            report = self.own_work.report()
-            summary["own_work"] = {"host_ms": report.host_ms, "device_ms": report.device_ms,
-                                   "step_ms": report.step_ms, "fraction": report.fraction, "pieces": report.pieces}
+            summary["own_work"] = self.own_work.report().summary()
         return summary
 
     @property
@@ -480,32 +366,15 @@ class ArcEngine:
             self.lost_peers.remove()
         for hooks in reversed(self._step_hooks):
             hooks.close()
-        summary = self.summary()
-        if self.own_work.enabled:  # stats.own_work: the per-piece table, one line per piece
-            lines = self.own_work.report().lines()
-            for line in lines:
-                log.info("arc_engine rank %d: %s", self.rank, line)
-            self.emit_lifecycle("own_work", f"rank {self.rank}: {lines[0]}", summary["own_work"])
-        detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
-        self.emit_lifecycle("summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
-                            f"detections: {detections}", summary)
-        self.reporter.close()
+        own_work = self.own_work.report().lines() if self.own_work.enabled else []
+        self.reporter.close_run(self.step, self.iteration, self.summary(), own_work)
 
     # ------------------------------------------------------------------ state
-
-    def monitor_state_dict(self) -> dict[str, Any]:
-        """The detectors' baselines (what a rollback restores with the training state)."""
-        return {m.name: m.state_dict() for m in self.monitors}
-
-    def load_monitor_state_dict(self, state: dict[str, Any]) -> None:
-        for monitor in self.monitors:
-            if monitor.name in state:
-                monitor.load_state_dict(state[monitor.name])
 
     def counters_state_dict(self) -> dict[str, Any]:
         """Cumulative counters a rollback keeps but a restart restores."""
         return {**self.progress.counters(), "policy": self.policy.state_dict(),
-                "event_counts": dict(self.event_counts), "data_ledger": self.ledger.state_dict()}
+                "event_counts": dict(self.reporter.event_counts), "data_ledger": self.ledger.state_dict()}
 
     def load_counters_state_dict(self, state: dict[str, Any]) -> None:
         self.progress.load_counters(state)
@@ -516,11 +385,11 @@ class ArcEngine:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""
         return {"step": self.step, "data_position": self.data_position, "applied_steps": self.applied_steps,
-                "monitors": self.monitor_state_dict(), **self.counters_state_dict()}
+                "monitors": self.assembly.state_dict(), **self.counters_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rewind(int(state["step"]), int(state.get("data_position", state["step"])),
                     state.get("applied_steps", state["step"]))
-        self.load_monitor_state_dict(state["monitors"])
+        self.assembly.load_state_dict(state["monitors"])
         self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})
 

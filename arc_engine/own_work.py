@@ -59,6 +59,11 @@ class OwnWorkReport:
         """Own host work as a fraction of the step (0 when no step time was measured)."""
         return self.host_ms / self.step_ms if self.step_ms > 0 else 0.0
 
+    def summary(self) -> dict[str, Any]:
+        """The figures for the run summary's ``own_work``."""
+        return {"host_ms": self.host_ms, "device_ms": self.device_ms, "step_ms": self.step_ms,
+                "fraction": self.fraction, "pieces": self.pieces}
+
     def lines(self) -> list[str]:
         """A human-readable table: the total, then every piece by depth (nested ones indented), costliest first."""
         out = [f"arc_engine work: {self.host_ms:.3f} ms per step = {self.fraction * 100:.3f}% of the step "

@@ -9,6 +9,7 @@ local (no communication) and never raise into training (a failing sink is disabl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from arc_engine.policy import Decision
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
 from arc_engine.sinks.wandb_sink import WandbSink, active_wandb_run
 
+log = logging.getLogger("arc_engine")
 
 def farthest_from_median(per_rank: dict[int, float], limit: int) -> dict[int, float]:
     """``per_rank`` when it has at most ``limit`` ranks, else the ``limit`` ranks farthest from the median (a
@@ -95,8 +97,16 @@ class Reporter:
                         action or finding.action.name.lower(), finding.message, finding.ranks, finding.values,
                         iteration=iteration))
 
-    def decision(self, decision: Decision, iteration: int, skipped_so_far: int) -> None:
-        """Every finding of ``decision``, then the action taken when it stops the update (skip or abort)."""
+    def action(self, step: int, iteration: int, detector: str, severity: Severity, action: str, message: str,
+               values: dict[str, Any]) -> None:
+        """An action a subsystem took for ``step`` (rollback, escape, a failed checkpoint save...)."""
+        self.emit(Event(self.run_id, step, "action", detector, severity, action, message, (), values,
+                        iteration=iteration))
+
+    def decision(self, decision: Decision, iteration: int, skipped_before: int) -> None:
+        """Every finding of ``decision``, then the action taken when it stops the update (skip or abort);
+        ``skipped_before``: the policy's count of skipped steps before this one."""
+        skipped_so_far = skipped_before + int(decision.action == Action.SKIP and not decision.overflow)
         action = decision.action.name.lower()
         for finding in decision.findings:
             self.finding(decision.step, iteration, finding, action)
@@ -146,6 +156,24 @@ class Reporter:
                 values[f"{monitor.name}/{name}"] = farthest_from_median(per_rank, self.config.sinks.jsonl.ranks_max)
         if values:
             self.sinks.log_ranks(step, iteration, values, ranks)
+
+    def hang(self, step: int, iteration: int, kind: str, message: str, values: dict[str, Any]) -> None:
+        """From the watchdog thread: a hang or a lost rank (critical), or a hang's end (info), on this rank."""
+        severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
+        self.emit(Event(self.run_id, step, "detection", "hang", severity, "none", message, (self.rank,), values,
+                        iteration=iteration))
+
+    def close_run(self, step: int, iteration: int, summary: dict[str, Any], own_work: list[str]) -> None:
+        """The end of the run on this rank: its own-work table (``stats.own_work``: logged, and its first line as an
+        event), the summary event, the sinks closed."""
+        for line in own_work:
+            log.info("arc_engine rank %d: %s", self.rank, line)
+        if own_work:
+            self.lifecycle(step, iteration, "own_work", f"rank {self.rank}: {own_work[0]}", summary["own_work"])
+        detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
+        self.lifecycle(step, iteration, "summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
+                       f"detections: {detections}", summary)
+        self.close()
 
     def close(self) -> None:
         self.sinks.close()

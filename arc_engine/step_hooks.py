@@ -7,12 +7,9 @@ compute probe). They in turn see the engine only as :class:`EngineAccess`, so ne
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -20,6 +17,8 @@ if TYPE_CHECKING:
     from arc_engine.config.schema import ArcConfig
     from arc_engine.data_ledger import DataLedger
     from arc_engine.events import Finding, Severity
+    from arc_engine.gathering import StepGathering
+    from arc_engine.monitors.assembly import Assembly
     from arc_engine.monitors.hooks import MonitorHooks
     from arc_engine.own_work import OwnWork
     from arc_engine.policy import Decision, DecisionPolicy
@@ -94,6 +93,8 @@ class EngineAccess(Protocol):
     ledger: DataLedger
     own_work: OwnWork
     hooks: MonitorHooks
+    gathering: StepGathering
+    assembly: Assembly
     buffer: StatBuffer | None
     last_decision: Decision | None
     last_stats: AgreedStats | None
@@ -103,16 +104,8 @@ class EngineAccess(Protocol):
 
     def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None: ...
 
-    def log_warning(self, message: str) -> None: ...
-
     def rewind(self, step: int, data_position: int, applied_steps: int | None = None,
                iteration: int | None = None) -> None: ...
-
-    def recording_recomputation(self) -> contextlib.AbstractContextManager[list[torch.Tensor]]: ...
-
-    def monitor_state_dict(self) -> dict[str, Any]: ...
-
-    def load_monitor_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def counters_state_dict(self) -> dict[str, Any]: ...
 

@@ -271,8 +271,9 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         limit = straggler.compute_modules
         compute = getattr(adapter, "compute_modules", None)
         modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)
-        engine.use_probe(ComputeProbe(modules, engine.pipeline.device,
-                                      config.stats.interval * straggler.compute_every))
+        probe = ComputeProbe(modules, engine.pipeline.device, config.stats.interval * straggler.compute_every)
+        engine.gathering.use_probe(probe)  # its times go into the families' StepView
+        engine.add_step_hooks(probe)       # it samples at the steps' starts
     _mark_attached(adapter.module, True)
     return Arc(engine, injector, removers, adapter)
 

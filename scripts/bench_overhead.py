@@ -295,7 +295,7 @@ def measure_models(args: argparse.Namespace, data: CharDataset, rank: int, confi
         if os.environ.get("ARC_BENCH_DEBUG"):
             print([[round(t[0] * 1e3) for t in series] for series in times])
         backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
-        tensors = len(arc.engine.params)
+        tensors = len(arc.engine.gathering.params)
         print(f"model: GPT ({args.model}) {args.layers} layers, d_model {args.d_model}, {tensors} parameter tensors, "
               f"seq {args.seq_len}, micro-batch {args.micro_batch}; buckets "
               f"{'default' if args.bucket_mb is None else f'{args.bucket_mb:g} MB'}; {backend}, AdamW, clip 1.0, "

@@ -1,6 +1,6 @@
 """The shape of the code, checked: no import cycle among arc_engine's modules (the integrations included, lazy and
-type-checking imports too), no ``hasattr``/``getattr`` dispatch in the engine, the configuration reference
-generated from the schema (no hand-kept module). Read from the source, nothing imported."""
+type-checking imports too), an engine under 400 lines with no ``hasattr``/``getattr`` dispatch, the configuration
+reference generated from the schema (no hand-kept module). Read from the source, nothing imported."""
 
 from __future__ import annotations
 
@@ -107,3 +107,8 @@ def test_the_engine_dispatches_on_no_attribute_lookup() -> None:
 def test_the_configuration_reference_is_generated_from_the_schema() -> None:
     assert not (ROOT / "arc_engine" / "config" / "reference.py").exists()
     assert (ROOT / "arc_engine" / "config" / "docs.py").exists()
+
+
+def test_the_engine_is_small_enough_to_hold_in_ones_head() -> None:
+    lines = (ROOT / "arc_engine" / "engine.py").read_text(encoding="utf-8").count("\n")
+    assert lines < 400, f"arc_engine/engine.py has {lines} lines: move what is not the commit point out"

@@ -507,7 +507,7 @@ def _straggler(rank: int, world: int, config: str, layout: list[str], steps: int
             if finding.detector == "straggler" and decision.step == step:
                 findings[step] = {"ranks": list(finding.ranks), "message": finding.message,
                                   "kinds": {str(k): v for k, v in finding.values["kinds"].items()}}
-    probe = state.arc.engine.probe
+    probe = state.arc.engine.gathering.probe
     timed = [type(m).__name__ for m in probe.modules] if probe is not None else []
     state.arc.close()
     return {"findings": findings, "timed": timed, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),

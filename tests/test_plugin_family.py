@@ -134,7 +134,7 @@ def _train(rank: int, world: int, config_path: Path, every: int = 1) -> dict[str
     guard = next(m for m in arc.engine.monitors if m.name == "weight_guard")
     out = {"actions": actions, "threshold": config.detectors.plugins["weight_guard"].threshold,
            "collectives": arc.engine.pipeline.collectives, "steps": len(actions), "flags": guard.flags,
-           "state": arc.engine.monitor_state_dict()["weight_guard"], "lasts": lasts}
+           "state": arc.engine.assembly.state_dict()["weight_guard"], "lasts": lasts}
     arc.close()
     return out
 

@@ -350,7 +350,7 @@ def test_a_compiled_model_turns_the_compute_probe_off_with_an_event_and_still_tr
     compiled = torch.compile(model, backend="eager")
     optimizer = make_optimizer(model)
     with arc_engine.attach(compiled, optimizer, make_config(tmp_path, "stats.interval=1")) as arc:
-        assert arc.engine.probe is None
+        assert arc.engine.gathering.probe is None
         for step in range(3):
             loss = compiled(*data.batch(step, 0, BATCH))
             arc.record_loss(loss)

@@ -4,14 +4,19 @@ when they want the optional statistics (the engine asks this, never a family).""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from arc_engine.config.schema import ArcConfig
-from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.base import Monitor, missing_stats
 from arc_engine.monitors.family import HOOKS, FamilyContext, ModelParts, MonitorFamily, Producer, section_of
+from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.monitors.registry import families
 from arc_engine.stats import Reduce, StatLayout
+
+log = logging.getLogger("arc_engine")
 
 Wrap = Callable[[str, Callable[..., None]], Callable[..., None]]
 
@@ -34,6 +39,28 @@ class Assembly:
         """Whether some family wants the local gradient sketch on ``step``."""
         return any(getattr(family, "sketch_due", None) is not None and family.sketch_due(context, step)
                    for family, context in self.families)
+
+    def start(self, layout: StatLayout, locations: dict[int, str]) -> MonitorHooks:
+        """At the engine's start: a monitor whose statistics nobody produces is disabled (a warning), the others'
+        optional methods gathered, their ``on_start(locations)`` called."""
+        for monitor in list(self.monitors):
+            lacking = missing_stats(monitor, layout)
+            if lacking:
+                log.warning("arc_engine: monitor %s disabled: statistics %s are not produced", monitor.name, lacking)
+                self.monitors.remove(monitor)
+        hooks = MonitorHooks.gather(self.monitors)
+        for on_start in hooks.on_start:
+            on_start(locations)
+        return hooks
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitors' baselines (what a rollback restores with the training state)."""
+        return {m.name: m.state_dict() for m in self.monitors}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for monitor in self.monitors:
+            if monitor.name in state:
+                monitor.load_state_dict(state[monitor.name])
 
     def max_due(self, step: int) -> bool:
         """Whether ``step``'s agreement reduces the MAX slots (any of them due; a function of the step)."""

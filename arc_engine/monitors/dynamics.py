@@ -23,7 +23,7 @@ marginal, where the last ``window`` velocities are checked for an oscillation (�
 
 With ``stabilize`` (opt-in, §3.4.6) the monitor also scales each monitored step's gradient while λ̄ > ``marginal``
 (:meth:`DynamicsMonitor.gradient_coefficient`, applied by the integrations through
-:meth:`~arc_engine.engine.ArcEngine.gradient_coefficient`).
+:func:`arc_engine.recovery.heal.gradient_coefficient`).
 """
 
 from __future__ import annotations

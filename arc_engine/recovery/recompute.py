@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -54,6 +55,8 @@ from arc_engine.stats.grad_stats import accumulate_grad_stats
 
 if TYPE_CHECKING:
     from arc_engine.step_hooks import EngineAccess, Evaluate
+
+log = logging.getLogger("arc_engine")
 
 #: ``recompute_fn(module, data_rank)``: yield the loss of each micro-batch that rank ``data_rank`` trained on in the
 #: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
@@ -212,8 +215,8 @@ def recompute_wanted(engine: EngineAccess, recompute_fn: RecomputeFn | None, bac
         raise ValueError("detectors.sdc.recompute.enabled: pass recompute_fn=(module, data_rank) to attach (it "
                          "re-runs a rank's forward for the current step; see docs/recovery.md)")
     if recompute_fn is not None and not wanted:
-        engine.log_warning("recompute_fn has no effect: detectors.sdc.enabled and detectors.sdc.recompute.enabled "
-                           "are not both true")
+        log.warning("arc_engine rank %d: recompute_fn has no effect: detectors.sdc.enabled and "
+                    "detectors.sdc.recompute.enabled are not both true", engine.rank)
     return wanted
 
 
@@ -409,14 +412,15 @@ class SDCRecompute:
         try:
             if rng is not None:
                 self.target.set_rng_state(rng)
-            with torch.enable_grad(), self.engine.recording_recomputation() as recorded:
+            with torch.enable_grad(), self.engine.gathering.recording_recomputation() as recorded:
                 for micro_batch, loss, grads in self.target.gradients(self.recompute_fn, data_rank):
                     if loss is not None:
                         yielded.append(loss.detach().float().reshape(()))
                     self._accumulate(result, micro_batch, grads, share_from)
             self.calls += 1
         except Exception as err:  # reported to every rank by the next collective
-            self.engine.log_warning(f"sdc recompute for data rank {data_rank} failed: {type(err).__name__}: {err}")
+            log.warning("arc_engine rank %d: sdc recompute for data rank %d failed: %s: %s", self.engine.rank,
+                        data_rank, type(err).__name__, err)
             return Recomputed(total_p=[None] * len(params), energy=math.nan, healthy=False, failed=True)
         finally:
             self.target.set_rng_state(saved)

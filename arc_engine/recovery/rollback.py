@@ -228,7 +228,7 @@ class Recovery:
                                          into=self.ring.spare_buffers(), tensors=self.ring.capacity > 0)
 
     def _arc_extra(self) -> dict[str, Any]:
-        return {"data_position": self.engine.data_position, "monitors": self.engine.monitor_state_dict(),
+        return {"data_position": self.engine.data_position, "monitors": self.engine.assembly.state_dict(),
                 "step": self.engine.step, "iteration": self.engine.iteration,
                 "applied_steps": self.engine.applied_steps}
 
@@ -424,7 +424,7 @@ class Recovery:
         self.engine.hooks.before_restore()
         if pending.snapshot is not None:
             extra = restore(pending.snapshot, self.state)
-            self.engine.load_monitor_state_dict(extra["monitors"])
+            self.engine.assembly.load_state_dict(extra["monitors"])
             self.restores["memory"] += 1
         else:
             assert self.checkpoints is not None
@@ -465,7 +465,7 @@ class Recovery:
         else:
             log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
                         info.world_size, self._world())
-        self.engine.load_monitor_state_dict(shared["arc"]["monitors"])
+        self.engine.assembly.load_state_dict(shared["arc"]["monitors"])
         applied = shared["arc"].get("applied_steps")
         if not full:
             self.engine.rewind(self.engine.step, self.engine.data_position, applied)

@@ -282,7 +282,7 @@ class ZeroAdapter:
         buckets = self.stage in (1, 2) and self.capabilities.has("bucket_local_statistics")
         local_grads = LocalGradHooks(engine, param_groups, gate, self.zero if buckets else None)
         self.hooks = hooks = ZeroStepHooks(engine, self.ds_engine, local_grads)
-        engine.use_partition_parts(hooks.stats.parameter_parts)  # per-parameter partition views (weight health)
+        engine.gathering.use_partition_parts(hooks.stats.parameter_parts)  # per-parameter views (weight health)
         if recompute_fn is not None:
             from arc_engine.integrations.deepspeed.recompute import ZeroGradientTarget
 

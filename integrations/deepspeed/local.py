@@ -240,7 +240,7 @@ class LocalGradHooks:
                 self._fold()
             if self.gate is None:
                 return None
-            withheld = self.gate.check(index, norm.square(), micro_batch=max(engine.micro_batches_recorded - 1, 0))
+            withheld = self.gate.check(index, norm.square(), micro_batch=max(engine.gathering.losses - 1, 0))
             return zero_where(withheld, grad.clone()) if grad.device.type != "cpu" or bool(withheld) else None
 
         return hook

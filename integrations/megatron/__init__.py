@@ -378,7 +378,7 @@ class MegatronAdapter:
         if compatibility is not None:  # one event naming every feature that is off (and an untested release)
             message, values = compatibility
             engine.emit_lifecycle("compatibility", message, values)
-        engine.use_partition_parts(self.partition_parts)
+        engine.gathering.use_partition_parts(self.partition_parts)
         removers = [*self._routing_removers]
         if recompute_fn is not None:
             from arc_engine.integrations.megatron.recompute import MegatronGradientTarget

@@ -13,7 +13,7 @@ Per bucket, on monitored steps only:
 
 Each bucket adds one fused norm kernel (``torch._foreach_norm`` over its views) before the reduction and one after;
 the results are queued and folded into the statistics buffer once per step, right before the agreement
-(:meth:`ArcEngine.add_fold`), with a handful of batched kernels instead of a handful per bucket.
+(:meth:`arc_engine.gathering.StepGathering.add_fold`), with a handful of batched kernels, not a handful per bucket.
 
 On the steps a family asks for it (``detectors.sdc.sketch_size`` > 0: every monitored step; the consistency
 family's C_dir: every ``direction_every`` monitored steps), each rank also adds its bucket's gradient sketch
@@ -292,7 +292,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     if sdc.enabled and sdc.recompute.enabled:
         state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
     model.register_comm_hook(state, engine.own_work.wrap("ddp.comm_hook", stats_allreduce_hook))
-    engine.add_fold(engine.own_work.wrap("ddp.fold", state.fold))
+    engine.gathering.add_fold(engine.own_work.wrap("ddp.fold", state.fold))
     return state
 
 
