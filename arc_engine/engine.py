@@ -83,7 +83,7 @@ class ArcEngine:
         self.watchdog: HangWatchdog | None = None
         self.lost_peers: LostPeerWatch | None = None
         self._step_hooks: list[StepHooks] = []
-        self._restat: Callable[[], None] | None = None
+        self._rerecord: Callable[[], None] | None = None
         self._step_open = self._diagnosing = self._closed = False
         for method in (self.on_step_start, self.record_loss, self.decide, self.finish_step, self.skip_by_framework):
             setattr(self, method.__name__, self.own_work.wrap(method.__name__, method))
@@ -119,9 +119,10 @@ class ArcEngine:
         self.policy.can_rollback = True
         self._step_hooks.insert(0, recovery)
 
-    def use_recompute(self, resolver: StatsResolver, restat: Callable[[], None]) -> None:
-        """``resolver`` judges suspect steps (``detectors.sdc.recompute``); ``restat`` re-records after a fix."""
-        self.sdc_recompute, self._restat = resolver, restat
+    def use_recompute(self, resolver: StatsResolver, rerecord: Callable[[], None]) -> None:
+        """``resolver`` judges suspect steps (``detectors.sdc.recompute``); ``rerecord`` records the reduced
+        gradient's statistics again after a fix."""
+        self.sdc_recompute, self._rerecord = resolver, rerecord
         self._step_hooks.append(resolver)
 
     def add_step_hooks(self, hooks: StepHooks) -> None:
@@ -232,9 +233,9 @@ class ArcEngine:
             self.watchdog.reached(AGREEING)
 
     def _regather(self) -> AgreedStats:
-        assert self.sdc_recompute is not None and self._restat is not None
+        assert self.sdc_recompute is not None and self._rerecord is not None
         return self.gathering.regather(self.step, self.local_events, self._waiting,
-                                       self.sdc_recompute.write_local_stats, self._restat)
+                                       self.sdc_recompute.write_local_stats, self._rerecord)
 
     def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:
         if decision.action != Action.ABORT:

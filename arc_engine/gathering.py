@@ -112,15 +112,15 @@ class StepGathering:
         return self._agree(step, local_events, waiting)
 
     def regather(self, step: int, local_events: int, waiting: Callable[[], None], write_local: Prepare,
-                 restat: Callable[[], None]) -> AgreedStats:
-        """Collective, after a correction of the reduced gradient: the reduced slots recorded again (``restat``),
+                 rerecord: Callable[[], None]) -> AgreedStats:
+        """Collective, after a correction of the reduced gradient: the reduced slots recorded again (``rerecord``),
         the pre-reduction ones kept except what ``write_local`` replaces, and agreed again."""
         assert self.buffer is not None
         for name in names.REDUCED_GRADIENT_SLOTS:
             if name in self.layout:
                 self.buffer.view(name).zero_()
         write_local(self.buffer)
-        restat()
+        rerecord()
         return self._agree(step, local_events, waiting)
 
     def _agree(self, step: int, local_events: int, waiting: Callable[[], None]) -> AgreedStats:

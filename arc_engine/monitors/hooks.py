@@ -8,7 +8,7 @@ called at that point of every step (locally, with values identical on every rank
 * ``observe(decision)``: every agreed decision after its commit, the framework's own skips included;
 * ``record_validation_loss(value)``: a validation loss the loop recorded;
 * ``rank_metrics()``: per-rank values for ``ranks.jsonl`` on the steps that gathered them;
-* ``gradient_coefficient(stats)``: a factor for this step's gradients (a stabiliser);
+* ``gradient_coefficient(stats)``: a factor for this step's gradients;
 * the :class:`UpdateShaper` methods: it reads or edits the update and takes part in a rollback.
 """
 
@@ -61,7 +61,7 @@ class MonitorHooks:
     observers: list[Callable[[Decision], None]] = field(default_factory=list)
     validation: list[Callable[[float], None]] = field(default_factory=list)
     rank_reporters: list[Any] = field(default_factory=list)
-    stabilisers: list[Callable[[AgreedStats], float]] = field(default_factory=list)
+    gradient_factors: list[Callable[[AgreedStats], float]] = field(default_factory=list)
     shapers: list[UpdateShaper] = field(default_factory=list)
 
     @classmethod
@@ -79,16 +79,16 @@ class MonitorHooks:
             if getattr(monitor, "rank_metrics", None) is not None:
                 hooks.rank_reporters.append(monitor)
             if (method := getattr(monitor, "gradient_coefficient", None)) is not None:
-                hooks.stabilisers.append(method)
+                hooks.gradient_factors.append(method)
             if getattr(monitor, "before_update", None) is not None:
                 hooks.shapers.append(monitor)  # type: ignore[arg-type]
         return hooks
 
-    def stabilise(self, stats: AgreedStats) -> float:
-        """The product of the stabilisers' gradient coefficients for this step's agreed statistics."""
+    def gradient_factor(self, stats: AgreedStats) -> float:
+        """The product of the monitors' gradient coefficients for this step's agreed statistics."""
         coefficient = 1.0
-        for stabilise in self.stabilisers:
-            coefficient *= stabilise(stats)
+        for factor in self.gradient_factors:
+            coefficient *= factor(stats)
         return coefficient
 
     @property

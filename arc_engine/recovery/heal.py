@@ -42,8 +42,8 @@ def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]],
               state: Mapping[Any, Any] | None = None) -> list[Any] | None:
     """Before an applied optimizer step (or one DeepSpeed parameter group's call), after the decision: the engine's
     update hooks (e.g. injected optimizer-state faults) see ``param_groups`` and ``state``; the gradients are scaled
-    by the step's coefficient (healing clip, a stabiliser); the update shapers see them (the Fisher estimate, the
-    EWC penalty); the learning rates are scaled by the step's factor. Returns the saved learning rates for
+    by the step's coefficient (the healing clip, a monitor's factor); the update shapers see them (the Fisher
+    estimate, the EWC penalty); the learning rates are scaled by the step's factor. Returns the saved learning rates for
     :func:`restore_learning_rates`, or None when none was scaled. Local; in normal training it walks nothing."""
     for hook in engine.update_hooks:  # first: an injected wrong reduction precedes anything the step does
         hook(param_groups, state)
@@ -59,12 +59,12 @@ def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]],
 
 def gradient_coefficient(engine: ArcEngine) -> float:
     """What this step's gradients are multiplied by before the update (1.0 in normal training): recovery's healing
-    clip times the monitors' stabilisation, from this step's agreed statistics, so every rank scales alike."""
+    clip times the monitors' gradient factors, from this step's agreed statistics, so every rank scales alike."""
     coefficient = engine.recovery.clip_coefficient() if engine.recovery is not None else 1.0
     stats, decision = engine.last_stats, engine.last_decision
     if stats is None or decision is None or decision.step != engine.step:
         return coefficient
-    return coefficient * engine.hooks.stabilise(stats)
+    return coefficient * engine.hooks.gradient_factor(stats)
 
 
 def step_lr_factor(engine: ArcEngine) -> float:
