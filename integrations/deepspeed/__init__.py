@@ -170,7 +170,7 @@ CONFIG_OFF: dict[str, tuple[str, ...]] = {"rollback": ("recovery.enabled",)}
 
 
 class ZeroAdapter:
-    """:class:`arc_engine.attach.Adapter` for a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3:
+    """:class:`arc_engine.wiring.Adapter` for a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3:
     every slot is a partial sum over the ranks' partitions (``Reduce.SUM``); the decision is taken in the step
     pre-hook of the torch optimizer ZeRO wraps."""
 

@@ -95,7 +95,7 @@ def _group_names(labels: list[str]) -> list[str]:
 
 
 class MegatronAdapter:
-    """:class:`arc_engine.attach.Adapter` for megatron-core DDP chunks and a Megatron optimizer (see module
+    """:class:`arc_engine.wiring.Adapter` for megatron-core DDP chunks and a Megatron optimizer (see module
     docstring). Every method runs on every rank."""
 
     name = "Megatron"
@@ -333,7 +333,7 @@ class MegatronAdapter:
     # ----------------------------------------------------------------------------------------- contract
     def effective_config(self, config: ArcConfig) -> ArcConfig:
         """``config`` with the detectors whose Megatron internals this release lacks turned off (a copy; the same
-        object when every feature is available). Local; :func:`arc_engine.attach.wire` calls it."""
+        object when every feature is available). Local; :func:`arc_engine.wiring.wire` calls it."""
         return self.capabilities.effective_config(config, CONFIG_OFF)
 
     def check_config(self, config: ArcConfig) -> None:

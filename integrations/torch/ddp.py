@@ -340,7 +340,7 @@ class DDPGradientTarget(ReplicaTarget):
 # --------------------------------------------------------------------------------------------- the adapter
 
 class TorchAdapter(ScalerSkipsHooks):
-    """:class:`arc_engine.attach.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
+    """:class:`arc_engine.wiring.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
     ``torch.optim`` optimizer. Under DDP, statistics come from the comm hook and each replicated parameter's
     reduced statistics from its owner in DDP's process group (``Reduce.SUM``); a plain module's come from
     ``param.grad`` on every rank (``Reduce.REPLICATED``)."""

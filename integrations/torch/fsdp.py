@@ -261,7 +261,7 @@ def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
 
 
 class FSDPAdapter(ScalerSkipsHooks):
-    """:class:`arc_engine.attach.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
+    """:class:`arc_engine.wiring.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
     ``torch.optim`` optimizer: every slot is a partial sum over the ranks' shards (``Reduce.SUM``)."""
 
     name = "FSDP2"

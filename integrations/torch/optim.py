@@ -172,7 +172,7 @@ class ScalerSkips:
 
 
 class ScalerSkipsHooks:
-    """The adapter methods (:class:`arc_engine.attach.Adapter`'s optional ones) that close a GradScaler's skipped
+    """The adapter methods (:class:`arc_engine.wiring.Adapter`'s optional ones) that close a GradScaler's skipped
     steps, for adapters holding a :class:`ScalerSkips` as ``scaler_skips`` (None without a scaler)."""
 
     scaler_skips: ScalerSkips | None = None
