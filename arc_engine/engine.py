@@ -10,7 +10,6 @@ numbers, so every rank takes the same action at the same step. The engine knows 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,8 +36,6 @@ from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.pipeline import model_device, stats_device
 from arc_engine.step_hooks import Recovering, StatsResolver, StepHooks
 from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatchdog, start_watchdog
-
-log = logging.getLogger("arc_engine")
 
 
 class ArcEngine:
