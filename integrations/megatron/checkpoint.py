@@ -4,7 +4,9 @@ Each committed checkpoint directory is a ``dist_checkpointing`` checkpoint (back
 ``metadata.json``, plus ``common.pt`` before megatron-core 0.19, which keeps the common state in the DCP files) with
 Megatron-LM's top-level layout, so Megatron users load it with their own
 tools (``dist_checkpointing.load`` with the model's and optimizer's sharded state dicts, or Megatron-LM's
-``--load`` pointed at it with ``--no-load-rng``)::
+``--load`` pointed at it with ``--no-load-rng``: the RNG is ``arc_rng``, not Megatron-LM's ``rng_state``; and with
+torch's Adam, no Transformer Engine or apex, ``--no-load-optim``: Megatron-LM's optimizer load asserts on a fresh
+Adam)::
 
     model (model0, model1, ... with several chunks)   the sharded model state dict (ShardedTensors)
     optimizer                                         the optimizer's, DistributedOptimizer shards ``dp_reshardable``

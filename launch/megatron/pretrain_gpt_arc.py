@@ -31,7 +31,9 @@ What it adds, and nothing else:
   skips such a step on every rank;
 * **rollback by relaunch**: ``pretrain()`` owns the iteration counter and the data, so with ``recovery.enabled`` a
   rollback stops every rank with exit code 7 once the newest disk checkpoint (Megatron-LM's format) is committed,
-  and prints the ``--load`` / ``--iterations-to-skip`` flags of the relaunch (also in ``relaunch.json``).
+  and prints the flags of the relaunch (also in ``relaunch.json``: ``megatron_lm_args``): ``--load``,
+  ``--iterations-to-skip`` and :data:`RELAUNCH_LOAD_FLAGS` (the optimizer and the RNG come from arc_engine's own
+  resume of the same checkpoint, whose RNG the launcher puts back when the loop starts: :meth:`ArcHooks.loop_starts`).
 
 Four functions of Megatron-LM's ``megatron.training.training`` module are replaced for this process, because no
 public hook hands over the optimizer or marks evaluation: ``setup_model_and_optimizer`` (wrapped: it attaches
@@ -55,6 +57,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shlex
 import sys
 from functools import partial
 from pathlib import Path
@@ -62,6 +65,8 @@ from typing import Any, NamedTuple
 
 import arc_engine
 from arc_engine.policy.decision import EXIT_RELAUNCH
+from arc_engine.recovery.rollback import RELAUNCH_FILE
+from arc_engine.recovery.snapshot import rng_state, set_rng_state
 
 HERE = Path(__file__).resolve().parent
 
@@ -135,6 +140,7 @@ class ArcHooks:
     def __init__(self) -> None:
         self.arc: arc_engine.Arc | None = None
         self.evaluating = False
+        self.resumed_rng: dict[str, Any] | None = None  # arc_engine's resumed RNG, until pretrain()'s loop starts
 
     def wrap_setup(self, setup: Any) -> Any:
         """``setup_model_and_optimizer`` that attaches arc_engine to what it returns."""
@@ -154,6 +160,8 @@ class ArcHooks:
             start = int(getattr(get_args(), "iteration", 0) or 0)
             if engine.step != start:
                 engine.rewind(start, engine.data_position - engine.step + start)
+            elif start > 0:  # arc_engine resumed the checkpoint Megatron-LM loaded (a relaunch)
+                self.resumed_rng = rng_state()
             return model, optimizer, scheduler
 
         return setup_model_and_optimizer
@@ -184,11 +192,22 @@ class ArcHooks:
 
         return save_paused
 
+    def loop_starts(self) -> None:
+        """At the first iteration of ``pretrain()``'s loop (trained or skipped), the RNG arc_engine resumed is put
+        back: between ``setup_model_and_optimizer`` (where it resumed) and the loop ``pretrain()`` builds its data
+        iterators, and each ``iter(DataLoader)`` draws a seed from torch's default generator. An uninterrupted
+        run makes those draws before its first iteration, so without this a resumed run's dropout would run that
+        many draws ahead of it."""
+        if self.resumed_rng is not None:
+            set_rng_state(self.resumed_rng)
+            self.resumed_rng = None
+
     def wrap_skip(self, dummy_step: Any) -> Any:
         """``dummy_train_step``, Megatron-LM's pass over an iteration of ``--iterations-to-skip``: arc_engine's step
         counter moves with the iteration (no decision: nothing trains)."""
 
         def skipped(*args: Any, **kwargs: Any) -> Any:
+            self.loop_starts()
             result = dummy_step(*args, **kwargs)
             if self.arc is not None:
                 engine = self.arc.engine
@@ -201,6 +220,8 @@ class ArcHooks:
         """``forward_step`` whose loss function also records a training micro-batch's per-token loss."""
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if not self.evaluating:
+                self.loop_starts()
             output, loss_func = forward_step(*args, **kwargs)
             if self.arc is None or self.evaluating:
                 return output, loss_func
@@ -231,14 +252,35 @@ def relaunch_config(config: arc_engine.ArcConfig) -> arc_engine.ArcConfig:
     return dataclasses.replace(config, recovery=dataclasses.replace(recovery, rollback="relaunch"))
 
 
-def relaunch_flags(run_dir: Path) -> str:
-    """The Megatron-LM flags that carry out ``relaunch.json``: ``--load`` its checkpoint directory and
-    ``--iterations-to-skip`` the iterations of the steps it skips (arc_engine's step s is iteration s + 1)."""
-    plan = json.loads((run_dir / "relaunch.json").read_text())
-    flags = f"--load {plan['checkpoint_dir']}"
+#: What Megatron-LM's ``--load`` leaves to arc_engine in a relaunch. Its load of the optimizer cannot run in a fresh
+#: job with torch's Adam (no Transformer Engine or apex: ``DistributedOptimizer.state_dict()`` asserts one Adam
+#: ``step`` among parameters that have no state yet, before it reads anything), and the checkpoint keeps each
+#: rank's RNG under arc_engine's key, not Megatron-LM's ``rng_state`` (a missing key). arc_engine's own resume
+#: (``recovery.enabled``, right after ``setup_model_and_optimizer``) restores the optimizer, the LR scheduler (which
+#: ``--no-load-optim`` also leaves out) and the Python / NumPy / torch RNG from the same checkpoint.
+RELAUNCH_LOAD_FLAGS = ("--no-load-optim", "--no-load-rng")
+
+
+def relaunch_flags(plan: dict[str, Any]) -> list[str]:
+    """The Megatron-LM flags that carry out a ``relaunch.json`` plan: ``--load`` its checkpoint directory,
+    ``--iterations-to-skip`` the iterations of the steps it skips (arc_engine's step s is iteration s + 1), and
+    :data:`RELAUNCH_LOAD_FLAGS`."""
+    flags = ["--load", plan["checkpoint_dir"]]
     if plan["skip_steps"]:
-        flags += " --iterations-to-skip " + " ".join(str(step + 1) for step in plan["skip_steps"])
-    return flags
+        flags += ["--iterations-to-skip", *(str(step + 1) for step in plan["skip_steps"])]
+    return [*flags, *RELAUNCH_LOAD_FLAGS]
+
+
+def publish_relaunch_flags(run_dir: Path) -> str:
+    """Add the relaunch's Megatron-LM flags to ``relaunch.json`` (``megatron_lm_args``, replaced whole: a reader
+    never sees half of it) and return them as one shell-quoted line. First rank only, after it wrote the plan."""
+    path = run_dir / RELAUNCH_FILE
+    plan = json.loads(path.read_text())
+    plan["megatron_lm_args"] = relaunch_flags(plan)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    os.replace(tmp, path)
+    return shlex.join(plan["megatron_lm_args"])
 
 
 def run_pretrain(steps: GPTSteps, forward_step: Any) -> None:
@@ -281,8 +323,10 @@ def main() -> None:
         print(f"[arc_engine] {abort}", file=sys.stderr, flush=True)
         if abort.exit_code == EXIT_RELAUNCH and hooks.arc is not None and os.environ.get("RANK", "0") == "0":
             # the first rank wrote relaunch.json before it stopped
-            print(f"[arc_engine] relaunch with: {relaunch_flags(hooks.arc.engine.run_dir)}", file=sys.stderr,
-                  flush=True)
+            print(f"[arc_engine] relaunch with: {publish_relaunch_flags(hooks.arc.engine.run_dir)}\n"
+                  "[arc_engine] (--load: the model, the iteration and the data position; arc_engine's resume, with "
+                  "the same --arc-config: the optimizer, the LR scheduler and the RNG of the same checkpoint)",
+                  file=sys.stderr, flush=True)
         sys.exit(abort.exit_code)
     finally:
         if hooks.arc is not None:
