@@ -72,12 +72,16 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     state, e.g. PowerSGD's error feedback).
 
     ``grad_scaler``: the ``torch.amp.GradScaler`` (FSDP2: ``ShardedGradScaler``) that steps ``optimizer`` under fp16
-    mixed precision. Required when the loop scales the loss: arc_engine then judges unscaled statistics (the scale
+    mixed precision. Pass it when the loop scales the loss: arc_engine then judges unscaled statistics (the scale
     of each step's backward divided out), reports the steps the scaler skips for overflow as the scaler's
     (``grad_scaler_overflow``, never escalated while the scaler searches its scale: ``policy``), and rolls the
     scaler back with the training state. Any order of ``scale``, ``unscale_``, clipping, ``step``, ``update``
     works. Record the unscaled loss. Not with ``detectors.sdc.recompute``. DeepSpeed and megatron-core scale the
-    loss themselves: pass nothing.
+    loss themselves: pass nothing. A scaler that was not passed is found calling the first ``optimizer.step()``
+    (on every rank, no communication) and used from there on as if passed, with one ``grad_scaler`` warning event;
+    under an optimizer that unscales in its fused kernel, or with ``detectors.sdc.recompute``, that first step
+    raises :class:`arc_engine.ArcAbort` (exit code 2) on every rank instead, naming ``grad_scaler=``
+    (:class:`arc_engine.integrations.torch.amp.ScalerFinder`).
     """
     from torch.nn.parallel import DistributedDataParallel
 

@@ -18,14 +18,16 @@ SEARCH_SCALE = 2.0**30
 
 def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "ddp", dtype: str = "float16",
               scaler: bool = True, order: str = "step", init_scale: float = SEARCH_SCALE, fused: bool = False,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, pass_scaler: bool = True) -> dict[str, Any]:
     """Train the tiny GPT for ``steps`` steps (process group already initialised unless ``wrap`` is "plain").
 
     ``wrap``: "ddp", "fsdp" (FSDP2 ``fully_shard``, ``ShardedGradScaler``) or "plain". ``order``: "step"
     (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) or "clip" (``unscale_``, then
-    ``clip_grad_norm_``, then ``step`` and ``update``). Returns the final parameters, per step whether the
-    parameters changed, the norm torch measured after ``unscale_`` ("clip" only), the scale before each step, and
-    with arc_engine each monitored step's decision, agreed gradient norm and the summary."""
+    ``clip_grad_norm_``, then ``step`` and ``update``). ``pass_scaler``: False attaches without ``grad_scaler=``
+    (the scaler still scales the loss and steps the optimizer: a forgotten argument). Returns the final
+    parameters, per step whether the parameters changed, the norm torch measured after ``unscale_`` ("clip" only),
+    the scale before each step, and with arc_engine each monitored step's decision, agreed gradient norm and the
+    summary."""
     model, data = tiny_model_and_data(seed)
     if wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -49,7 +51,8 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
             grad_scaler = ShardedGradScaler("cpu", init_scale=init_scale)
         else:
             grad_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    arc = arc_engine.attach(wrapped, optimizer, config, grad_scaler=grad_scaler) if config is not None else None
+    passed = grad_scaler if pass_scaler else None
+    arc = arc_engine.attach(wrapped, optimizer, config, grad_scaler=passed) if config is not None else None
     changed, clip_norms, scales, decisions, grad_norms = [], [], [], [], []
     if arc is not None:  # every decision the policy commits (a scaler's skip is closed at the next forward)
         commit = arc.engine.policy.commit

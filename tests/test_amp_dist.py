@@ -207,3 +207,68 @@ def test_a_torch_outside_the_tested_range_is_warned_about_not_refused() -> None:
         assert warn_if_untested_torch("2.8.0")
     with pytest.warns(UserWarning, match=r"torch 2\.16\.0 is outside"):
         assert warn_if_untested_torch("2.16.0")
+
+
+# ----------------------------------------------------------------- a GradScaler not passed to attach (grad_scaler=)
+
+FORGOTTEN_SCALE = 2.0**19  # the tiny GPT's fp16 backward overflows at this scale twice before the scaler steps
+
+
+def _grad_scaler_events(run_dir: Path) -> list[dict]:
+    from arc_engine.sinks import read_jsonl
+
+    return [e for e in read_jsonl(run_dir / "test" / "events.jsonl") if e.get("detector") == "grad_scaler"]
+
+
+def _forgotten_scaler(rank: int, world: int, run_dir: Path) -> dict:
+    """The same DDP fp16 run with its GradScaler passed to attach, not passed, and not passed under a fused AdamW."""
+    cases = {"passed": {}, "forgotten": {"pass_scaler": False}, "fused": {"pass_scaler": False, "fused": True}}
+    return {label: train_amp(rank, 6, make_config(run_dir / label, "stats.interval=1"), wrap="ddp",
+                             init_scale=FORGOTTEN_SCALE, **kwargs) for label, kwargs in cases.items()}
+
+
+def test_a_grad_scaler_not_passed_is_found_at_the_first_step_and_used_as_if_passed(tmp_path: Path) -> None:
+    """Issue 47: without grad_scaler= the comm hook's statistics carried the loss scale, a clean run was stopped
+    for a gradient explosion. Now the scaler is found at the first optimizer.step() on every rank, with one
+    warning: every step the scaler applies is applied, bitwise as with the scaler passed, the agreed norms unscaled."""
+    results = run_ranks(_forgotten_scaler, 2, tmp_path)
+    skipped = [step for step, changed in enumerate(results[0]["passed"]["changed"]) if not changed]
+    assert skipped == [0, 1], "the scaler must search its scale before arc_engine finds it"
+    for result in results:
+        passed, forgotten = result["passed"], result["forgotten"]
+        assert "aborted_at" not in forgotten, forgotten.get("message")
+        assert torch.equal(forgotten["params"], passed["params"]) and forgotten["changed"] == passed["changed"]
+        assert forgotten["decisions"] == results[0]["forgotten"]["decisions"], "ranks disagree"
+        # its first skips merged into step 0 (the step stayed open: no hook saw them); from there on, as if passed
+        assert all(action == "NONE" and not findings for _, action, _, findings in forgotten["decisions"])
+        assert len(forgotten["decisions"]) == 6 - len(skipped) and forgotten["summary"]["skipped_steps"] == 0
+        applied_norms = [norm for step, norm in passed["grad_norms"] if step >= len(skipped)]
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in
+                   zip([norm for _, norm in forgotten["grad_norms"]], applied_norms, strict=True))
+    (warning,) = _grad_scaler_events(tmp_path / "forgotten")
+    assert (warning["severity"], warning["action"], warning["step"]) == ("warning", "found", 0)
+    assert "grad_scaler=" in warning["message"]
+    assert _grad_scaler_events(tmp_path / "passed") == []
+    # a fused AdamW unscales inside its kernel: refused at the first step on every rank, before any update
+    if getattr(torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True), "_step_supports_amp_scaling",
+               False):
+        for result in results:
+            fused = result["fused"]
+            assert (fused["aborted_at"], fused["exit_code"], fused["changed"]) == (0, 2, [])
+            assert "grad_scaler=" in fused["message"] and "fused" in fused["message"]
+        (refusal,) = _grad_scaler_events(tmp_path / "fused")
+        assert refusal["severity"] == "error"
+
+
+def test_a_plain_module_with_a_grad_scaler_not_passed_trains_as_with_it_passed(tmp_path: Path) -> None:
+    """Without DDP the statistics come from .grad at the step, already unscaled: only the scaler's own skips were
+    unseen (merged into the next step). Found at the first step, a later skip is closed as the scaler's."""
+    faults = "faults.injections=[{kind: nan_grad, rank: 0, step: 3, param: blocks.0.ln1.weight}]"
+    kwargs = {"wrap": "plain", "init_scale": 1024.0}
+    passed = train_amp(0, 8, make_config(tmp_path / "a", "stats.interval=1", faults), **kwargs)
+    forgotten = train_amp(0, 8, make_config(tmp_path / "b", "stats.interval=1", faults), pass_scaler=False, **kwargs)
+    assert torch.equal(forgotten["params"], passed["params"]) and forgotten["changed"] == passed["changed"]
+    assert forgotten["decisions"] == passed["decisions"] and _overflow_steps(forgotten) == [3]
+    assert forgotten["summary"]["framework_skipped_steps"] == 1 and forgotten["summary"]["skipped_steps"] == 0
+    (warning,) = _grad_scaler_events(tmp_path / "b")
+    assert warning["severity"] == "warning" and "grad_scaler=" in warning["message"]

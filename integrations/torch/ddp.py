@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch.amp import ScalerWatch
+from arc_engine.integrations.torch.amp import ScalerFinder, ScalerWatch
 from arc_engine.integrations.torch.optim import (
     ScalerSkips,
     ScalerSkipsHooks,
@@ -116,6 +116,27 @@ class _StepQueue:
     exact_values: list[torch.Tensor] = field(default_factory=list)  # copies of the buckets' local gradients
     exact_index: list[torch.Tensor] = field(default_factory=list)
     inverse_scale: torch.Tensor | None = None  # 1 / the loss scale the step's gradients carry (a GradScaler's)
+    buckets: set[int] = field(default_factory=set)  # the buckets the current backward has queued
+    backward_start: tuple[int, int, int, int] = (0, 0, 0, 0)  # where its entries begin in the four lists
+
+    def note_bucket(self, index: int) -> None:
+        """Before queueing bucket ``index``: a bucket seen again means another backward began (each backward
+        reduces each bucket once, and DDP waits for every bucket's reduction before its backward returns)."""
+        if index in self.buckets:
+            self.buckets.clear()
+            self.backward_start = (len(self.local_norms), len(self.reduced_norms), len(self.sums),
+                                   len(self.exact_values))
+        self.buckets.add(index)
+
+    def keep_last_backward(self) -> None:
+        """Drop what the step's earlier backwards queued (iterations a GradScaler skipped before arc_engine knew
+        it: the step stayed open through them)."""
+        local, reduced, sums, exact = self.backward_start
+        for values, start in ((self.local_norms, local), (self.local_index, local), (self.reduced_norms, reduced),
+                              (self.reduced_index, reduced), (self.sums, sums), (self.sum_index, sums),
+                              (self.exact_values, exact), (self.exact_index, exact)):
+            del values[:start]
+        self.backward_start = (0, 0, 0, 0)
 
 
 @dataclass
@@ -169,6 +190,15 @@ class StatsHookState:
         self._checked[index] = (buffer, buffer.data_ptr(), buffer.numel())
         return plan
 
+    def adopt_scaler(self, scaler: ScalerWatch) -> None:
+        """A GradScaler found at the step (:class:`~arc_engine.integrations.torch.amp.ScalerFinder`): divide its
+        scale out from now on, this step's queued gradients included, keeping only the step's last backward (the
+        one the scaler is stepping)."""
+        self.scaler = scaler
+        if self._queue.step == self.engine.step:
+            self._queue.keep_last_backward()
+            self._queue.inverse_scale = scaler.inverse_scale(self.engine.step)
+
     def queue(self) -> _StepQueue:
         """This step's queue (emptied first when it holds another step's results: a step that never agreed), with
         the loss scale of the step's backward."""
@@ -216,6 +246,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         buffer = bucket.buffer()
         plan = state.plan(bucket, buffer)
         queue = state.queue()
+        queue.note_bucket(bucket.index())
         with engine.own_work.section("ddp.local_norms"):  # one fused kernel; folded with the others at the step
             norms = torch.stack(torch._foreach_norm(plan.grads(buffer, bucket), 2, dtype=torch.float32))
             queue.local_norms.append(norms)
@@ -352,6 +383,8 @@ class TorchAdapter(ScalerSkipsHooks):
         self.ddp_comm_hook = ddp_comm_hook
         self.scaler = ScalerWatch(grad_scaler, optimizer) if grad_scaler is not None else None
         self.scaler_skips: ScalerSkips | None = None
+        self.hook_state: StatsHookState | None = None
+        self.state: TorchTrainState | None = None  # what a rollback restores (recovery.enabled)
         self.is_ddp = isinstance(model, DistributedDataParallel)
         self.name = "DDP" if self.is_ddp else "a plain (non-DDP) module"
         self.module = model.module if self.is_ddp else model
@@ -375,18 +408,23 @@ class TorchAdapter(ScalerSkipsHooks):
         return requested
 
     def train_state(self) -> TorchTrainState:
-        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
-                               grad_scaler=self.scaler.scaler if self.scaler is not None else None,
-                               replicated=self.is_ddp, replica_group=self.data_parallel_group)
+        self.state = TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
+                                     grad_scaler=self.scaler.scaler if self.scaler is not None else None,
+                                     replicated=self.is_ddp, replica_group=self.data_parallel_group)
+        return self.state
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
+        removers = []
+        if self.scaler is None:  # a GradScaler the loop forgot to pass is found at the first step (before deciding)
+            removers.append(ScalerFinder(engine, self.optimizer, lambda watch: self.adopt_scaler(engine, watch)
+                                         ).remove)
         if self.is_ddp:
             inner_hook, inner_state = self.ddp_comm_hook if self.ddp_comm_hook is not None else (None, None)
-            hook_state = register_stats_hook(engine, self.model, self.groups, inner_hook, inner_state,
-                                             owned=self.owned, scaler=self.scaler)
+            hook_state = self.hook_state = register_stats_hook(engine, self.model, self.groups, inner_hook,
+                                                               inner_state, owned=self.owned, scaler=self.scaler)
             if recompute_fn is not None:
                 target = DDPGradientTarget(self.model, hook_state, self.optimizer)
                 engine.use_recompute(SDCRecompute(engine, engine.config.detectors.sdc.recompute, hook_state.gate,
@@ -395,7 +433,19 @@ class TorchAdapter(ScalerSkipsHooks):
                                          owned=self.owned, scaler=self.scaler)
         if self.scaler is not None:
             self.scaler_skips = ScalerSkips(engine, self.scaler)
-        return [hooks.remove]
+        return [*removers, hooks.remove]
+
+    def adopt_scaler(self, engine: ArcEngine, scaler: ScalerWatch) -> None:
+        """A GradScaler that was not passed, found stepping the optimizer (:class:`ScalerFinder`): from this step on
+        as if passed -- the comm hook's statistics unscaled (this step's too), its skipped steps closed, its state
+        rolled back with the training state. ValueError (before anything changes) for what it rules out."""
+        check_scaler_config(scaler, engine.config)
+        self.scaler = scaler
+        if self.hook_state is not None:
+            self.hook_state.adopt_scaler(scaler)
+        self.scaler_skips = ScalerSkips(engine, scaler)
+        if self.state is not None:
+            self.state.grad_scaler = scaler.scaler
 
 
 def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..., Any], object] | None,

@@ -44,7 +44,7 @@ from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
-from arc_engine.integrations.torch.amp import ScalerWatch
+from arc_engine.integrations.torch.amp import ScalerFinder, ScalerWatch
 from arc_engine.integrations.torch.optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
@@ -238,6 +238,14 @@ class FSDPGradStats:
                 places = self._places[i] = torch.arange(self.offsets[i], self.offsets[i + 1], device=slot.device)
             slot.index_add_(0, places, values.to(slot.device))
 
+    def adopt_scaler(self, scaler: ScalerWatch) -> None:
+        """A ShardedGradScaler found at the step (:class:`~arc_engine.integrations.torch.amp.ScalerFinder`): divide
+        its scale out from this step's flush on, keeping only the step's last backward's local gradients (the
+        earlier ones are iterations the scaler skipped before arc_engine knew it: the step stayed open)."""
+        self.scaler = scaler
+        self.local_done_norm_p.zero_()
+        self._sketch_done.clear()
+
     def remove_hooks(self) -> None:
         """Stop collecting and remove the hooks on unsharded parameters (local, idempotent)."""
         self.active = False
@@ -272,6 +280,8 @@ class FSDPAdapter(ScalerSkipsHooks):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.scaler = ScalerWatch(grad_scaler, optimizer) if grad_scaler is not None else None
         self.scaler_skips: ScalerSkips | None = None
+        self.producer: FSDPGradStats | None = None
+        self.state: TorchTrainState | None = None  # what a rollback restores (recovery.enabled)
         self.module = model
         self.pre_reduce_stats = pre_reduce_stats
         self.sharded = [p for p in model.parameters() if p.requires_grad]  # in or outside the optimizer (group 0)
@@ -300,8 +310,9 @@ class FSDPAdapter(ScalerSkipsHooks):
         return requested or self.data_parallel_group
 
     def train_state(self) -> TorchTrainState:
-        return TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
-                               grad_scaler=self.scaler.scaler if self.scaler is not None else None)
+        self.state = TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
+                                     grad_scaler=self.scaler.scaler if self.scaler is not None else None)
+        return self.state
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -309,11 +320,15 @@ class FSDPAdapter(ScalerSkipsHooks):
     def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
         from arc_engine.integrations.torch.optim import register_optimizer_hooks
 
-        producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats,
-                                 scaler=self.scaler)
+        producer = self.producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats,
+                                                 scaler=self.scaler)
         timed = engine.own_work.wrap
         on_reduced_grad = timed("fsdp.reduced_grad", producer.on_reduced_grad)
         handles = [p.register_post_accumulate_grad_hook(on_reduced_grad) for p in self.sharded]
+        removers = []
+        if self.scaler is None:  # a ShardedGradScaler the loop forgot to pass: found at the first step (before flush)
+            removers.append(ScalerFinder(engine, self.optimizer, lambda watch: self.adopt_scaler(engine, watch)
+                                         ).remove)
         for module in self.model.modules():
             if self.pre_reduce_stats and isinstance(module, FSDPModule):
                 index_by_name = {n: producer.position[id(p)] for n, p in module.named_parameters()
@@ -326,7 +341,17 @@ class FSDPAdapter(ScalerSkipsHooks):
                                          local_shards=True, scaler=self.scaler)
         if self.scaler is not None:  # a skipped step's norms are flushed where it is closed
             self.scaler_skips = ScalerSkips(engine, self.scaler, (producer.flush,))
-        return [producer.remove_hooks, *(h.remove for h in handles), hooks.remove]
+        return [producer.remove_hooks, *removers, *(h.remove for h in handles), hooks.remove]
+
+    def adopt_scaler(self, engine: ArcEngine, scaler: ScalerWatch) -> None:
+        """A ShardedGradScaler that was not passed, found stepping the optimizer (:class:`ScalerFinder`): from this
+        step on as if passed (statistics unscaled, its skipped steps closed, its state rolled back)."""
+        assert self.producer is not None, "found at a step, after install"
+        self.scaler = scaler
+        self.producer.adopt_scaler(scaler)
+        self.scaler_skips = ScalerSkips(engine, scaler, (self.producer.flush,))
+        if self.state is not None:
+            self.state.grad_scaler = scaler.scaler
 
 
 def attach_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
