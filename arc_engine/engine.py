@@ -62,7 +62,7 @@ class ArcEngine:
                                                      self.gathering.assembly)
         self.monitors = self.assembly.monitors
         self.hooks = MonitorHooks()  # the monitors' optional methods, gathered at start
-        self.policy = DecisionPolicy(config.policy)
+        self.policy = DecisionPolicy(config.policy, num_ranks=self.pipeline.num_ranks)
         self.reporter = Reporter(config, self.rank, sinks)
         self.buffer: StatBuffer | None = None
         self.run_id, self.run_dir = "", Path(config.run.run_dir)
@@ -117,8 +117,7 @@ class ArcEngine:
         self._step_hooks.insert(0, recovery)
 
     def use_recompute(self, resolver: StatsResolver, rerecord: Callable[[], None]) -> None:
-        """``resolver`` judges suspect steps (``detectors.sdc.recompute``); ``rerecord`` records the reduced
-        gradient's statistics again after a fix."""
+        """``resolver`` judges suspect steps; ``rerecord`` records the reduced gradient's statistics again."""
         self.sdc_recompute, self._rerecord = resolver, rerecord
         self._step_hooks.append(resolver)
 
@@ -134,29 +133,27 @@ class ArcEngine:
         """``hook(param_groups, state)`` before every applied update (:func:`arc_engine.recovery.heal.heal_step`)."""
         self.update_hooks.append(hook)
 
-    def add_event_source(self, source: Callable[[], int]) -> None:
-        """``source()``'s system events added to :attr:`local_events` at each step attempt's start."""
+    def add_event_source(self, source: Callable[[], int]) -> None:  # its events join local_events at step start
         self.event_sources.append(source)
 
     # ------------------------------------------------------------------ per step
 
     def on_step_start(self) -> None:
-        """At each step attempt's first forward, on every rank: the step hooks run (a pending rollback, a due
-        snapshot, the recomputation's RNG capture, the probe) outside the watchdog's count."""
+        """At each step attempt's first forward, every rank: the step hooks (a due snapshot, the recomputation's
+        RNG capture, the probe), the watchdog paused."""
         if self._step_open or self._diagnosing:  # (a diagnostic's forward pass is not a step)
             return
         self._step_open = True
         self.gathering.clock.start()
         if self.watchdog is not None:
             self.watchdog.reached(STEP_STARTED)
-        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+        with self._paused():
             for hooks in self._step_hooks:
                 hooks.on_step_start(self.step)
         for source in self.event_sources:
             self.local_events += source()
 
-    def is_monitored(self) -> bool:
-        """Whether the current step gathers statistics (every ``stats.interval`` steps)."""
+    def is_monitored(self) -> bool:  # the current step gathers statistics (every ``stats.interval`` steps)
         return self.step % self.config.stats.interval == 0
 
     def wants_optimizer_stats(self) -> bool:
@@ -172,8 +169,7 @@ class ArcEngine:
         return self.is_monitored() and self.gathering.sketch_due(self.step)
 
     @property
-    def recomputing(self) -> bool:
-        """True while a recomputation re-runs the step (reduction-side hooks and faults stand aside)."""
+    def recomputing(self) -> bool:  # a recomputation re-runs the step (reduction-side hooks and faults stand aside)
         return self.gathering.recomputing
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -249,8 +245,8 @@ class ArcEngine:
 
     def skip_by_framework(self, finding: Finding, *, overflow: bool = False) -> None:
         """Close the current (unmonitored) step as one the framework itself did not apply (e.g. DeepSpeed's overflow
-        check). Local: only with facts every rank shares. The finding goes through the policy (a run of them
-        escalates); no monitor folds the step into its baseline. Raises ArcAbort on escalation."""
+        check), after its step returned. Local: only with facts every rank shares. The finding goes through the
+        policy (a run of them escalates); no monitor folds the step into its baseline. Raises ArcAbort on escalation."""
         decision = self.policy.decide(self.step, [finding], overflow=overflow)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
@@ -262,21 +258,32 @@ class ArcEngine:
         self.framework_skipped_steps += 1
         self._close_step(decision)
 
-    def finish_step(self, *, framework_skipped: bool = False) -> None:
-        """Close the current step (after the optimizer step ran or was skipped; ``framework_skipped``: the framework
-        skipped it on its own after a decision was taken). Local."""
+    def finish_step(self, *, framework_skipped: bool = False, settle: bool = True) -> None:
+        """Close the current step (``framework_skipped``: the framework skipped it after a decision). Local, but a
+        rollback decided here is carried out (:meth:`settle`) unless ``settle=False``: the framework's step goes on
+        after this call (DeepSpeed's), and the adapter settles where it returns."""
         self.framework_skipped_steps += int(framework_skipped)
         decision = self.last_decision if self.last_decision and self.last_decision.step == self.step else None
         if decision is not None:
             self._commit(decision)
-        self._close_step(decision)
+        self._close_step(decision, settle=settle)
 
-    def _close_step(self, decision: Decision | None) -> None:
+    def settle(self) -> None:
+        """Where the framework's step returned, every rank: carry out a rollback it decided (tensors and counters
+        together; the watchdog paused)."""
+        if self.recovery is None:
+            return
+        with self._paused():
+            self.recovery.settle()
+
+    def _close_step(self, decision: Decision | None, *, settle: bool = True) -> None:
         self.gathering.reset()
         self._step_open = False
         self.progress.close_step(decision is None or decision.applies_update)
         if self.recovery is not None:
             self.recovery.on_step_end(decision)
+            if settle:
+                self.settle()
         if self.watchdog is not None:
             self.watchdog.heartbeat()
         self.own_work.end_step()
@@ -297,10 +304,13 @@ class ArcEngine:
         """A diagnostic runs the model between steps: its forward opens no step; the watchdog does not count it."""
         self._diagnosing = True
         try:
-            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            with self._paused():
                 yield
         finally:
             self._diagnosing = False
+
+    def _paused(self) -> contextlib.AbstractContextManager[None]:  # the watchdog does not count this
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     def rewind(self, step: int, data_position: int, applied_steps: int | None = None,
                iteration: int | None = None) -> None:
@@ -308,8 +318,7 @@ class ArcEngine:
         self.progress.rewind(step, data_position, applied_steps, iteration)
 
     @property
-    def last_step_applied(self) -> bool:
-        """False when the previous step's update was skipped (e.g. to gate an LR-scheduler step)."""
+    def last_step_applied(self) -> bool:  # False when the previous step's update was skipped
         return self.progress.last_applied
 
     # ------------------------------------------------------------------ reporting
@@ -322,8 +331,7 @@ class ArcEngine:
         self.reporter.hang(self.step, self.iteration, kind, message, values)
 
     @property
-    def sinks(self) -> SinkSet:
-        """This rank's sinks (add one of your own with ``engine.sinks.add(sink)``)."""
+    def sinks(self) -> SinkSet:  # this rank's sinks (add one of your own with ``engine.sinks.add(sink)``)
         return self.reporter.sinks
 
     def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
@@ -349,9 +357,7 @@ class ArcEngine:
             summary["own_work"] = self.own_work.report().summary()
         return summary
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    closed = property(lambda self: self._closed)
 
     def close(self) -> None:
         """Stop the step hooks and the watchdog, emit the summary, close the sinks (idempotent, local)."""

@@ -35,11 +35,16 @@ class StepHooks(Protocol):
 
 class Recovering(StepHooks, Protocol):
     """The rollback loop (:class:`arc_engine.recovery.rollback.Recovery`): it may turn a decision into a rollback,
-    carries one out at the next step's start, and heals the steps after it."""
+    carries one out when the framework's step has returned, and heals the steps after it."""
 
     def on_decision(self, decision: Decision) -> Decision: ...
 
     def on_step_end(self, decision: Decision | None) -> None: ...
+
+    def settle(self) -> None:
+        """Carry out the rollback planned in the step just closed (tensors and counters together; collective for
+        the disk tier). Nothing to do without one."""
+        ...
 
     def clip_coefficient(self) -> float:
         """The healing gradient clip of the current step (1.0 in normal training)."""

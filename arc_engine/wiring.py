@@ -52,6 +52,16 @@ class Arc:
         """See :meth:`ArcEngine.record_validation_loss`."""
         self.engine.record_validation_loss(loss)
 
+    def end_step(self) -> None:
+        """Where the loop's optimizer step has returned, loss scaler included (after ``scaler.update()``; the
+        trainer callbacks call it at their step end): a step the framework skipped on its own (a GradScaler's
+        overflow) is closed now instead of at the next forward, so a rollback or stop it escalates to happens here:
+        :class:`~arc_engine.ArcAbort` is raised from this call. Every rank (collective when the step was
+        monitored); nothing to do after a step the framework took."""
+        close = getattr(self.adapter, "close_framework_skips", None)
+        if close is not None and not self.engine.closed:
+            close()
+
     @property
     def step(self) -> int:
         """Optimizer steps completed (applied or skipped)."""
@@ -88,6 +98,14 @@ class Arc:
         of your own). Local; identical on every rank."""
         recovery = self.engine.recovery
         return recovery.rollbacks if recovery is not None else 0
+
+    @property
+    def lr_factor(self) -> float:
+        """The healing factor on the learning rate after a rollback (1.0 in normal training and without
+        ``recovery.enabled``): the LR each step applies is the scheduler's times this. Local; identical on every
+        rank."""
+        recovery = self.engine.recovery
+        return recovery.lr_factor if recovery is not None else 1.0
 
     @property
     def data_position(self) -> int:
@@ -195,7 +213,8 @@ class Adapter(Protocol):
     # turned off (a copy; e.g. a detector whose internals are missing), reported by the adapter at install.
     # optional: ``before_step_start()``, called at every forward before the engine opens a step, and
     # ``before_close()``, called by ``Arc.close``: where the framework skips steps without an optimizer hook firing
-    # (a GradScaler's overflow), to close them; ``framework_skip_pending()`` says whether one is open.
+    # (a GradScaler's overflow), to close them; ``framework_skip_pending()`` says whether one is open, and
+    # ``close_framework_skips()`` (``Arc.end_step``) closes it where the loop's step has returned.
 
     def check_config(self, config: ArcConfig) -> None:
         """ValueError for a setting this framework cannot honour (before anything is registered)."""

@@ -17,7 +17,7 @@ import json
 import torch
 from _outcome import add_example_args, run, save_outcome
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from arc_engine.config.cli_args import add_arc_args, config_from_args
 from arc_engine.demo.corpus import CharDataset, generate_corpus
@@ -40,6 +40,20 @@ class CharWindows(Dataset):
         return {"input_ids": window, "labels": window}
 
 
+class Timeline(TrainerCallback):
+    """For the tests (``--result``): the parameters at the end of each step that advanced the global step, by global
+    step (a step reached again after a rollback replaces the earlier): what a save at that global step must write."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+        self.last = -1
+
+    def on_step_end(self, args: object, state: object, control: object, model: object = None, **kwargs: object) -> None:
+        if state.global_step > self.last:
+            self.at[state.global_step] = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+        self.last = state.global_step
+
+
 def main() -> None:
     parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (ZeRO-1/2/3)")
@@ -47,6 +61,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast with Accelerate's GradScaler")
     parser.add_argument("--output-dir", default="hf_trainer_out")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: none)")
+    parser.add_argument("--logging-steps", type=int, default=1)
     args = parser.parse_args()
     if args.fsdp and not torch.cuda.is_available():
         parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")
@@ -60,7 +76,8 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+        warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
         seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
         ddp_backend=None if torch.cuda.is_available() else "gloo", deepspeed=args.deepspeed, bf16=args.bf16,
         fp16=args.fp16,
@@ -68,13 +85,15 @@ def main() -> None:
         fsdp=bool(args.fsdp),
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if args.fsdp else None)
     callback = None if config is None else ArcCallback(config)
-    callbacks = [] if callback is None else [callback]
+    timeline = Timeline() if args.result else None
+    callbacks = [c for c in (callback, timeline) if c is not None]
     trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
 
     save_outcome(args.result, training.process_index, trainer.model.parameters(), callback,
                  global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),
-                 scheduler_last_epoch=trainer.lr_scheduler.last_epoch)
+                 scheduler_last_epoch=trainer.lr_scheduler.last_epoch,
+                 timeline=timeline.at if timeline is not None and args.save_steps else None)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import lightning as L
 import torch
 from _outcome import add_example_args, run, save_outcome
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from arc_engine.config.cli_args import add_arc_args, config_from_args
@@ -71,6 +72,7 @@ def main() -> None:
     parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--strategy", default="ddp", help="ddp, or deepspeed_stage_1/2/3 (CUDA GPUs only)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. 16-mixed on GPUs")
+    parser.add_argument("--csv-log", default=None, help="log every step with Lightning's CSVLogger into this folder")
     args = parser.parse_args()
 
     config = None if args.no_arc else config_from_args(args)
@@ -81,7 +83,9 @@ def main() -> None:
     trainer = L.Trainer(accelerator="auto", devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
                         strategy=args.strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=args.grad_accum, gradient_clip_val=1.0,
-                        callbacks=[] if callback is None else [callback], logger=False, enable_checkpointing=False,
+                        callbacks=[] if callback is None else [callback], enable_checkpointing=False,
+                        logger=CSVLogger(args.csv_log, name="", version="") if args.csv_log else False,
+                        log_every_n_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
                         deterministic=True)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False))

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from arc_engine import ArcAbort
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, tiny_model_and_data
 
@@ -54,8 +55,10 @@ def _train(rank: int, world: int, precision: str, config: Any, steps: int) -> di
             commit(decision)
 
         arc.engine.policy.commit = record
-    applied, norms = [], {}
+    applied, norms, stopped = [], {}, None
     for step in range(steps):
+        if stopped is not None:
+            break
         inputs, targets = data.batch(step, rank, BATCH)
         loss = engine(inputs, targets)
         if arc is not None:
@@ -63,7 +66,10 @@ def _train(rank: int, world: int, precision: str, config: Any, steps: int) -> di
             arc.record_loss(loss)
         engine.backward(loss)
         before = [p.detach().clone() for p in engine.module.parameters()]
-        engine.step()
+        try:
+            engine.step()
+        except ArcAbort as abort:  # (raised where DeepSpeed's step returns, once it closed the skipped step)
+            stopped = (abort.step, abort.exit_code, str(abort))
         # applied: the parameters moved. DeepSpeed's own was_step_applied() is not the measure: from 0.19 it skips a
         # non-finite gradient norm itself, while 0.18 under bf16 runs a step whose gradients arc_engine dropped
         applied.append(any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True)))
@@ -76,12 +82,17 @@ def _train(rank: int, world: int, precision: str, config: Any, steps: int) -> di
         arc.close()
         summary = arc.summary()
     params = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
-    return {"params": params, "applied": applied, "decisions": decisions, "norms": norms, "summary": summary}
+    return {"params": params, "applied": applied, "decisions": decisions, "norms": norms, "summary": summary,
+            "stopped": stopped}
 
 
-def _rank(rank: int, world: int, precision: str, config: Any, faulted: Any) -> dict[str, Any]:
-    return {"plain": _train(rank, world, precision, None, STEPS), "arc": _train(rank, world, precision, config, STEPS),
+def _rank(rank: int, world: int, precision: str, config: Any, faulted: Any,
+          persistent: Any = None) -> dict[str, Any]:
+    runs = {"plain": _train(rank, world, precision, None, STEPS), "arc": _train(rank, world, precision, config, STEPS),
             "faulted": _train(rank, world, precision, faulted, STEPS)}
+    if persistent is not None:
+        runs["persistent"] = _train(rank, world, precision, persistent, STEPS + 4)
+    return runs
 
 
 def test_deepspeed_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bitwise(tmp_path: Path) -> None:
@@ -89,7 +100,11 @@ def test_deepspeed_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bit
     nan_step = 7
     faulted = make_config(tmp_path / "b", "stats.interval=1", "faults.injections=[{kind: nan_grad, rank: 1, step: "
                                           f"{nan_step}, param: blocks.0.ln1.weight}}]")
-    results = run_ranks(_rank, 2, "fp16", config, faulted, timeout_s=280)
+    # a NaN gradient on rank 1 at every step from 6: not the scaler's routine, a fault stopped after 2 skips
+    persistent = make_config(tmp_path / "c", "stats.interval=1", "policy.max_consecutive_skips=2",
+                             "faults.injections=[{kind: nan_grad, rank: 1, step: 6, steps: 100, "
+                             "param: blocks.0.ln1.weight}]")
+    results = run_ranks(_rank, 2, "fp16", config, faulted, persistent, timeout_s=280)
     for rank, result in enumerate(results):
         plain, watched = result["plain"], result["arc"]
         skipped = [step for step, ok in enumerate(plain["applied"]) if not ok]
@@ -114,6 +129,10 @@ def test_deepspeed_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bit
         step, action, overflow, findings = next(d for d in faulty["decisions"] if d[0] == nan_step)
         assert action == "SKIP" and overflow and ("non_finite", (1,), "WARNING") in findings, findings
         assert faulty["decisions"] == results[0]["faulted"]["decisions"], "ranks disagree"
+        stopped = result["persistent"]
+        assert stopped["stopped"] is not None and stopped["stopped"][:2] == (8, 3), stopped["stopped"]
+        assert "rank 1 only" in stopped["stopped"][2], stopped["stopped"]
+        assert stopped["summary"]["framework_skipped_steps"] == len(skipped) + 2, stopped["summary"]
 
 
 def test_deepspeed_bf16_is_bitwise_unchanged_and_a_nan_loss_is_skipped_on_every_rank(tmp_path: Path) -> None:

@@ -104,3 +104,48 @@ def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_p
     stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, expect=1)
     assert_stopped_at_step_3_with_exit_code_3(stopped)
     assert not list((tmp_path / "stopped" / "trainer").glob("checkpoint-*"))
+
+
+SAVE_STEPS, BURST = 4, (5, 3)  # a NaN gradient on rank 1 at attempts 5, 6 and 7
+NAN_BURST = (f"--arc.faults.injections=[{{kind: nan_grad, rank: 1, step: {BURST[0]}, steps: {BURST[1]}}}]",
+             "--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1", "--arc.policy.max_consecutive_skips=2",
+             "--save-steps", str(SAVE_STEPS), "--logging-steps", "2")
+
+
+@pytest.mark.parametrize("framework", ["ddp", "zero2"])
+def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_the_rejected_state(
+        tmp_path: Path, framework: str) -> None:
+    """A NaN gradient on rank 1 for three attempts, two skips allowed: the third rolls back to a verified snapshot
+    whose global step is a save step, and training goes on to max_steps (under DeepSpeed too: its own step counter
+    and overflow skips are restored with the tensors, so no skip is counted twice). Every Trainer checkpoint on disk
+    holds the weights the surviving run had at that global step (none of the rejected state), no global step is
+    logged twice, and the healed learning rate is in the logs."""
+    extra, _ = FRAMEWORKS[framework]
+    run = _train(tmp_path, "burst", *NAN_BURST, "--steps", "12", *extra)
+    events = run["events"][0]
+    assert decisions(events) == decisions(run["events"][1]), "ranks disagree"
+    rollback = next(e for e in events if e["detector"] == "recovery" and e["action"] == "rollback")
+    target = rollback["values"]["target_step"]
+    assert target % SAVE_STEPS == 0 and rollback["step"] == sum(BURST) - 1, rollback
+    # one finding per faulted attempt: DeepSpeed's own skips are not closed again after the rollback
+    nonfinite = [e for e in events if e["detector"] in ("non_finite", "deepspeed_overflow")]
+    assert {e["step"] for e in nonfinite} <= set(range(BURST[0], sum(BURST))), nonfinite
+    assert len({e["step"] for e in nonfinite}) == BURST[1], nonfinite
+    for rank in range(2):
+        outcome = run["ranks"][rank]
+        assert outcome is not None and outcome["global_step"] == 12, rank
+        steps = [entry["step"] for entry in _train_logs(outcome)]
+        assert steps == sorted(set(steps)), steps
+        last = _train_logs(outcome)[-1]
+        assert 0.5 <= last["arc_lr_factor"] < 1 and last["arc_rollbacks"] == 1, last  # healing: x 0.5, rising
+    from safetensors.torch import load_file
+
+    timeline = run["ranks"][0]["timeline"]
+    saved = sorted(run["dir"].glob("trainer/checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert [int(path.name.split("-")[1]) for path in saved] == [4, 8, 12], saved
+    for path in saved:
+        written = load_file(str(path / "model.safetensors"))
+        expected = timeline[int(path.name.split("-")[1])]
+        assert len(written.keys() & expected.keys()) == len(expected), (sorted(written), sorted(expected))
+        for name in expected:  # (DeepSpeed writes the tied lm_head too)
+            assert torch.equal(written[name].float(), expected[name]), (path.name, name)

@@ -4,6 +4,7 @@ Lightning's step counter, LR schedule and parameters are checked against what ar
 
 from __future__ import annotations
 
+import csv
 import itertools
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_lightnings_counters_true(
               f"{{kind: loss_scale, rank: -1, step: {SPIKE_STEP}, scale: 30.0}}]")
     faulted = _train(tmp_path, "faulted", faults, "--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
                      "--arc.detectors.loss_spike.action=rollback", "--arc.detectors.loss_spike.warmup_steps=3",
-                     "--precision", precision)
+                     "--precision", precision, "--csv-log", str(tmp_path / "csv"))
     assert decisions(faulted["events"][0]) == decisions(faulted["events"][1]), "ranks disagree"
     decided = set(decisions(faulted["events"][0]))
     assert (NAN_STEP, "non_finite", "skip") in decided and (SPIKE_STEP, "loss_spike", "rollback") in decided
@@ -67,6 +68,10 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_lightnings_counters_true(
         assert lrs[NAN_STEP + 1] == lrs[NAN_STEP]  # no scheduler step for the skipped one
         assert torch.isfinite(outcome["params"]).all()
     assert torch.equal(faulted["ranks"][0]["params"], faulted["ranks"][1]["params"])
+    # the CSVLogger's rows are numbered by applied steps: the last is the last applied step's (not 3 batches later)
+    with (tmp_path / "csv" / "metrics.csv").open() as rows:
+        steps = [int(row["step"]) for row in csv.DictReader(rows) if row.get("train_loss")]
+    assert max(steps) == steps[-1] == STEPS - 1 and len(steps) == STEPS + 3, steps
 
 
 def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_path: Path) -> None:

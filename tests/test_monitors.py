@@ -221,6 +221,43 @@ def test_policy_resets_after_a_healthy_step():
     assert policy.skipped_steps == 5 and policy.consecutive_skips == 1
 
 
+def test_one_ranks_non_finite_gradients_behind_a_loss_scaler_escalate_like_any_persistent_fault():
+    """Overflow skips (a dynamic loss scaler's) that blame the same rank, not every rank, count as a persistent fault
+    past max_consecutive_skips, naming the rank; overflows on every rank (a scale too high) stay the scaler's routine,
+    and another rank's overflow starts the count again."""
+    def overflow_on(*ranks: int) -> list[Finding]:
+        return [Finding("non_finite", Action.SKIP, Severity.ERROR, "non-finite", ranks=ranks),
+                Finding("grad_scaler_overflow", Action.SKIP, Severity.WARNING, "the scaler skipped", by_framework=True)]
+
+    def run(policy: DecisionPolicy, blamed: list[tuple[int, ...]]) -> list[Action]:
+        decided = []
+        for step, ranks in enumerate(blamed):
+            decision = policy.decide(step, overflow_on(*ranks), overflow=True)
+            policy.commit(decision)
+            decided.append(decision.action)
+        return decided
+
+    config = PolicyConfig(max_consecutive_skips=2, max_consecutive_overflow_skips=32, on_persistent_failure="abort")
+    everywhere = run(DecisionPolicy(config, num_ranks=4), [(0, 1, 2, 3)] * 10)
+    assert everywhere == [Action.SKIP] * 10  # a scale search: routine
+    alternating = run(DecisionPolicy(config, num_ranks=4), [(1,), (2,)] * 5)
+    assert alternating == [Action.SKIP] * 10  # no rank's fault persists
+    policy = DecisionPolicy(config, num_ranks=4)
+    assert run(policy, [(1,), (1,), (1,)]) == [Action.SKIP, Action.SKIP, Action.ABORT]
+    escalation = policy.decide(3, overflow_on(1), overflow=True)  # (the policy's state after the abort was reset)
+    assert escalation.action == Action.SKIP
+    single = DecisionPolicy(config, num_ranks=1)  # one rank: every overflow is every rank's
+    assert run(single, [(0,)] * 5) == [Action.SKIP] * 5
+    blamed = DecisionPolicy(config, num_ranks=2)
+    run(blamed, [(1,), (1,)])
+    stop = blamed.decide(2, overflow_on(1), overflow=True)
+    note = stop.findings[-1]
+    assert stop.action == Action.ABORT and note.ranks == (1,) and "rank 1 only" in note.message, note
+    restored = DecisionPolicy(config, num_ranks=2)
+    restored.load_state_dict(blamed.state_dict())
+    assert restored.decide(2, overflow_on(1), overflow=True).action == Action.ABORT
+
+
 def test_zero_skips_allowed_aborts_on_first_skip():
     assert run_policy(DecisionPolicy(PolicyConfig(max_consecutive_skips=0)), [Action.SKIP]) == [Action.ABORT]
 

@@ -90,10 +90,10 @@ def deepspeed_job(engine: Any, config: ArcConfig | None, params: Callable[[], li
     return Job(forward or engine, backward_and_step, params, arc)
 
 
-def zero2_job(config: ArcConfig | None, rank: int, world: int) -> tuple[Job, Any]:
+def zero2_job(config: ArcConfig | None, rank: int, world: int, stage: int = 2) -> tuple[Job, Any]:
     from tests.test_deepspeed_dist import ds_engine
 
-    engine, data = ds_engine(rank, world, 2, clip=1.0)
+    engine, data = ds_engine(rank, world, stage, clip=1.0)
     return deepspeed_job(engine, config, lambda: [p.detach() for p in engine.module.parameters()]), data
 
 
@@ -106,7 +106,7 @@ def make_job(backend: str, config: ArcConfig | None, rank: int, world: int) -> t
         from tests.test_deepspeed_zero3_recovery_dist import zero3_job
 
         return zero3_job(config, rank, world, bf16=backend == "zero3")
-    return zero2_job(config, rank, world)
+    return zero2_job(config, rank, world, stage=1 if backend == "zero1" else 2)
 
 
 def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = None,
@@ -203,6 +203,60 @@ def test_lr_spike_is_rolled_back_and_healed(tmp_path: Path, backend: str) -> Non
     rollback = next(e for e in found if e["detector"] == "recovery")
     assert rollback["values"]["target_step"] == 25 and rollback["values"]["lr_factor"] == 0.5
     assert rollback["values"]["data_position"] == spike_at + 2  # the failing batch is skipped
+
+
+# ------------------------------------------------------------------ a NaN burst: one transaction, on every backend
+
+NAN_AT, NAN_STEPS = 8, 3  # a NaN gradient on rank 1 at attempts 8, 9, 10: two skips, then a rollback to step 7
+
+
+def _nan_burst(rank: int, world: int, backend: str, config: ArcConfig, steps: int) -> dict[str, Any]:
+    """Train through the burst; also what every rank holds when the optimizer step (DeepSpeed's ``engine.step()``)
+    that decided the rollback returns."""
+    job, data = make_job(backend, config, rank, world)
+    step_and_return, returned = job.backward_and_step, {}
+
+    def stepping(loss: torch.Tensor) -> None:
+        rollbacks = job.arc.rollbacks
+        step_and_return(loss)
+        if job.arc.rollbacks > rollbacks and not returned:
+            returned.update(step=job.arc.step, data_position=job.arc.data_position,
+                            params=[p.clone() for p in job.params()])
+
+    job.backward_and_step = stepping
+    result = train(job, data, rank, steps, record_at=NAN_AT - 1)
+    return {**result, "returned": returned}
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_a_nan_burst_is_rolled_back_in_one_transaction_and_training_goes_on(tmp_path: Path, backend: str) -> None:
+    """NaN gradients on one rank for three attempts, two skips allowed: the third attempt rolls back to the snapshot
+    of step 7, and when the optimizer step that decided it returns every rank already holds that snapshot's
+    parameters bitwise with the step counter and data position rewound (under DeepSpeed its own step counter too,
+    so none of its overflow skips is closed twice); training then reaches its step target with equal, finite
+    replicas, and the NaN steps are the only non-finite findings."""
+    steps = 16
+    kind = "nan_loss" if backend == "fsdp" else "nan_grad"  # (FSDP2's sharded parameters fire no tensor hooks)
+    config = recovery_config(tmp_path / "burst", "recovery.checkpoint_freq=1", "policy.max_consecutive_skips=2",
+                             f"faults.injections=[{{kind: {kind}, rank: 1, step: {NAN_AT}, steps: {NAN_STEPS}}}]")
+    results = run_ranks(_nan_burst, 2, backend, config, steps, timeout_s=280)
+    found = events(tmp_path / "burst")
+    rollback = next(e for e in found if e["detector"] == "recovery" and e["action"] == "rollback")
+    assert rollback["values"]["target_step"] == NAN_AT - 1 and rollback["step"] == NAN_AT + NAN_STEPS - 1, rollback
+    nonfinite = {e["step"] for e in found if e["detector"] in ("non_finite", "deepspeed_overflow")}
+    assert nonfinite == set(range(NAN_AT, NAN_AT + NAN_STEPS)), sorted(nonfinite)
+    for rank in range(2):
+        result = results[rank]
+        assert "aborted_at" not in result, result
+        returned = result["returned"]
+        assert returned["step"] == NAN_AT - 1 and returned["data_position"] == NAN_AT + NAN_STEPS, returned
+        for restored, snapshot in zip(returned["params"], result["params_at"], strict=True):
+            assert torch.equal(restored, snapshot)
+        assert result["summary"]["recovery"]["rollbacks"] == 1 and result["summary"]["steps"] == steps
+        assert all(torch.isfinite(p).all() for p in result["params"])
+    if backend not in ("fsdp", "zero3"):  # (there the parameters compared are each rank's own shards)
+        for mine, theirs in zip(results[0]["params"], results[1]["params"], strict=True):
+            assert torch.equal(mine, theirs)
 
 
 # ------------------------------------------------------------------ persistent fault: escape, then a clean stop

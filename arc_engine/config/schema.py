@@ -1102,7 +1102,9 @@ class PolicyConfig:
     ``max_consecutive_overflow_skips``: the same bound for the steps a dynamic loss scaler skips itself (torch.amp
     ``GradScaler``, DeepSpeed and megatron-core fp16) for non-finite gradients at a finite loss: a scaler searching
     its scale skips a few steps in a row, halving the scale each time, so these count apart and escalate only past
-    this bound (32 halvings take Megatron's initial scale 2^32 to 1).
+    this bound (32 halvings take Megatron's initial scale 2^32 to 1). Not when the same ranks, not every rank, hold
+    the non-finite gradients step after step: no scale cures one rank's NaN, so those count as ordinary skips and
+    escalate past ``max_consecutive_skips``, naming the ranks.
     ``mode``: ``act`` carries the decisions out; ``observe`` detects, reports and alerts exactly as ``act`` would
     (every finding, every event, W&B alerts, the action ``act`` would have taken) but never skips, rolls back,
     recomputes, aborts or ends a rank: every step the framework applies is applied, the hang watchdog only alerts,
@@ -1119,7 +1121,8 @@ class PolicyConfig:
     Allowed: >= 0"""
     max_consecutive_overflow_skips: int = 32
     """More steps in a row than this that a dynamic loss scaler skipped itself (fp16 overflow at a finite loss)
-    escalate; they do not count towards `max_consecutive_skips`.
+    escalate; they do not count towards `max_consecutive_skips`, except while the same ranks (not every rank) hold
+    the non-finite gradients each time: that is a fault on those ranks, bounded by `max_consecutive_skips`.
     Allowed: >= 0"""
     on_persistent_failure: Literal["abort", "rollback"] = "rollback"
     """What escalation does; `rollback` needs `recovery.enabled`, else it aborts (exit code 3)."""

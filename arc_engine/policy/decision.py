@@ -50,6 +50,8 @@ class Decision:
     overflow: bool = False
     #: skipped for bad data (a ``bad_data`` finding among those asking for the skip): counted apart
     data: bool = False
+    #: an overflow skip's findings blamed these ranks only (not every rank): a run of them is a fault (the policy's)
+    overflow_ranks: tuple[int, ...] = ()
     #: ``policy.mode: observe``: the step's verdict as ``act`` would have carried it out, before escalation (an
     #: observer keeps no run of skips); ``action`` is then what happened: NONE, or the framework's own skip.
     #: None under ``act``
@@ -67,21 +69,38 @@ class DecisionPolicy:
 
     A step a dynamic loss scaler skipped itself (``overflow=True``) is routine while the scaler searches its scale:
     it is a SKIP whose findings are reported as warnings at most, counted apart from the other skips and escalated
-    only past ``max_consecutive_overflow_skips``. A skip that a ``bad_data`` finding asks for skips that data: those
-    count apart too, up to ``max_consecutive_data_skips``.
+    only past ``max_consecutive_overflow_skips``. Except where the same ranks, and not all of the ``num_ranks``,
+    hold the non-finite values step after step: a scale too high overflows wherever the gradients are large, and a
+    halved scale ends it, but one rank's NaN survives any scale (a faulty device, that rank's data). Such a run counts
+    like any other skip, and escalates past ``max_consecutive_skips`` naming those ranks, before the scaler's scale
+    collapses. A skip that a ``bad_data`` finding asks for skips that data: those count apart too, up to
+    ``max_consecutive_data_skips``.
 
     Under ``policy.mode: observe`` the decision records what ``act`` would have done (``observed``) and carries out
     nothing: its action is NONE, or SKIP where the framework already skipped the step (an overflow, a finding
     ``by_framework``), and nothing escalates.
     """
 
-    def __init__(self, config: PolicyConfig, *, can_rollback: bool = False) -> None:
+    def __init__(self, config: PolicyConfig, *, can_rollback: bool = False, num_ranks: int = 1) -> None:
         self.config = config
         self.can_rollback = can_rollback
+        self.num_ranks = num_ranks
         self.consecutive_skips = 0
         self.consecutive_overflow_skips = 0
         self.consecutive_data_skips = 0
         self.skipped_steps = 0
+        # the ranks a run of overflow skips blamed, each time the same (not every rank), and the run's length
+        self.overflow_ranks: tuple[int, ...] = ()
+        self.overflow_ranks_run = 0
+
+    def _blamed_overflow(self, findings: list[Finding]) -> tuple[tuple[int, ...], int]:
+        """The ranks this overflow's findings blame when not every rank, and how many overflows in a row blamed
+        exactly them (this one included); ((), 0) otherwise."""
+        ranks = tuple(sorted({rank for f in findings if not f.by_framework and f.action >= Action.SKIP
+                              for rank in f.ranks}))
+        if not ranks or len(ranks) >= self.num_ranks:
+            return (), 0
+        return ranks, (self.overflow_ranks_run + 1 if ranks == self.overflow_ranks else 1)
 
     def decide(self, step: int, findings: list[Finding], *, overflow: bool = False) -> Decision:
         if overflow:
@@ -96,7 +115,13 @@ class DecisionPolicy:
         extra: list[Finding] = []
         data = not overflow and action == Action.SKIP and any(f.bad_data and f.action == Action.SKIP
                                                               for f in findings)
-        if overflow:
+        blamed, run = self._blamed_overflow(findings) if overflow else ((), 0)
+        if overflow and run > self.config.max_consecutive_skips:
+            count, bound, key = run - 1, self.config.max_consecutive_skips, "max_consecutive_skips"
+            what = (f"steps the loss scaler would skip for non-finite gradients on rank {', '.join(map(str, blamed))} "
+                    "only")
+            cause = "lowering the loss scale does not end it: a fault on those ranks, not the scaler's search"
+        elif overflow:
             count, bound, key = (self.consecutive_overflow_skips, self.config.max_consecutive_overflow_skips,
                                  "max_consecutive_overflow_skips")
             what, cause = "steps would be skipped for a loss-scale overflow", "the fault is persistent"
@@ -114,20 +139,23 @@ class DecisionPolicy:
             extra.append(Finding(
                 "policy", action, Severity.CRITICAL,
                 f"{count + 1} consecutive {what} (policy.{key} = {bound}): {cause}",
-                values={"consecutive_skips": count + 1, "overflow": overflow, "bad_data": data}))
+                ranks=blamed, values={"consecutive_skips": count + 1, "overflow": overflow, "bad_data": data}))
         if action == Action.ROLLBACK and not self.can_rollback:
             action = Action.ABORT
             extra.append(Finding("policy", Action.ABORT, Severity.CRITICAL,
                                  "rollback requested but recovery is not enabled (recovery.enabled: false): "
                                  "stopping instead"))
         return Decision(step, action, (*findings, *extra), overflow=overflow and action == Action.SKIP,
-                        data=data and action == Action.SKIP)
+                        data=data and action == Action.SKIP, overflow_ranks=blamed)
 
     def commit(self, decision: Decision) -> None:
         """Record that ``decision`` was carried out. ``skipped_steps`` counts arc_engine's own skips; a scaler's
         overflow skip neither counts there nor ends a run of them."""
         if decision.overflow:
             self.consecutive_overflow_skips += 1
+            same = decision.overflow_ranks and decision.overflow_ranks == self.overflow_ranks
+            self.overflow_ranks_run = self.overflow_ranks_run + 1 if same else int(bool(decision.overflow_ranks))
+            self.overflow_ranks = decision.overflow_ranks
         elif decision.action == Action.SKIP and decision.data:
             self.consecutive_data_skips += 1
             self.skipped_steps += 1
@@ -138,17 +166,22 @@ class DecisionPolicy:
             self.consecutive_skips = 0
             self.consecutive_overflow_skips = 0
             self.consecutive_data_skips = 0
+        if not decision.overflow:
+            self.overflow_ranks, self.overflow_ranks_run = (), 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
                 "consecutive_overflow_skips": self.consecutive_overflow_skips,
-                "consecutive_data_skips": self.consecutive_data_skips}
+                "consecutive_data_skips": self.consecutive_data_skips,
+                "overflow_ranks": list(self.overflow_ranks), "overflow_ranks_run": self.overflow_ranks_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_overflow_skips = int(state.get("consecutive_overflow_skips", 0))
         self.consecutive_data_skips = int(state.get("consecutive_data_skips", 0))
+        self.overflow_ranks = tuple(int(rank) for rank in state.get("overflow_ranks", ()))
+        self.overflow_ranks_run = int(state.get("overflow_ranks_run", 0))
 
 
 def loss_finite(stats: AgreedStats) -> bool:

@@ -2,18 +2,21 @@
 
 How a step flows (every rank, same order, driven by agreed decisions only):
 
-1. **step start** (:meth:`Recovery.on_step_start`, a forward pre-hook: nothing of the step has run yet). A
-   pending rollback is carried out here: every state tensor is copied back in place (memory ring, else the newest
-   committed disk checkpoint), with RNG, scheduler, framework counters and the detectors' baselines; an escape
-   then perturbs the weights. Otherwise, when ``checkpoint_freq`` healthy steps have passed, a *candidate*
-   snapshot of this state is taken.
+1. **step start** (:meth:`Recovery.on_step_start`, a forward pre-hook: nothing of the step has run yet). When
+   ``checkpoint_freq`` healthy steps have passed, a *candidate* snapshot of this state is taken (after the loop
+   stepped its scheduler: the state the next step starts from).
 2. **decision** (:meth:`Recovery.on_decision`, inside the optimizer step, before anything is applied). The
    candidate is verified-stable if this step, computed from exactly that state, is healthy: it enters the ring,
    and every ``checkpoint.every_steps`` it is also saved to disk (async: the live tensors are staged, the write
    runs in the background). A ROLLBACK decision is resolved into rollback / escape / abort here.
-3. **step end** (:meth:`Recovery.on_step_end`, after the optimizer step). For a rollback it picks the target,
-   sets the engine's step and data position (so the training loop's next batch is the right one), and leaves the
-   restore pending for the next step start, when the framework is between steps.
+3. **step end** (:meth:`Recovery.on_step_end`, after the optimizer step). For a rollback it picks the target;
+   :meth:`Recovery.settle` then carries it out where the framework's own step has returned (the torch optimizer's
+   step post-hook, megatron-core's ``optimizer.step()``, DeepSpeed's ``engine.step()``): every state tensor is
+   copied back in place (memory ring, else the newest committed disk checkpoint, loaded collectively there), with
+   RNG, scheduler, framework counters and the detectors' baselines, and the engine's step and data position are
+   set together with them, so nothing outside arc_engine (a trainer's save, log or evaluation) ever sees a rewound
+   counter beside the rejected tensors. An escape then perturbs the weights. A restore not settled by the step's
+   end (an adapter that cannot tell it) is carried out at the next step start as a fallback.
 
 The healing learning-rate factor and the optional tighter clipping are applied by the integrations around each
 optimizer step (:attr:`Recovery.lr_factor`, :meth:`Recovery.clip_coefficient`).
@@ -69,12 +72,14 @@ RELAUNCH_FILE = "relaunch.json"
 
 @dataclass
 class PendingRestore:
-    """A rollback decided at step end, carried out at the next step start."""
+    """A rollback planned at step end, carried out when the framework's step has returned (:meth:`Recovery.settle`)."""
 
     snapshot: Snapshot | None  # memory tier; None: disk tier
     disk_step: int | None
     escape: bool
     data_position: int         # where the data resumes (independent of the restored state)
+    step: int                  # the restored state's step
+    applied_steps: int | None  # the restored state's applied steps (where it recorded them)
 
 
 class Recovery:
@@ -211,13 +216,11 @@ class Recovery:
     # ------------------------------------------------------------------ step start
 
     def on_step_start(self, step: int) -> None:
-        """At the first forward of step ``step`` (every rank). Carries out a pending rollback, or takes the candidate
-        snapshot when one is due. May be collective (the first capture sizes the ring with one all-reduce; a disk
-        restore loads through DCP)."""
+        """At the first forward of step ``step`` (every rank). Takes the candidate snapshot when one is due (or
+        carries out a rollback that no :meth:`settle` did). May be collective (the first capture sizes the ring with
+        one all-reduce)."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            with self.engine.own_work.section("recovery.restore"):
-                self._carry_out(pending)
+            self.settle()
         elif self.capture_due:
             self.capture_due = False
             with self.engine.own_work.section("recovery.snapshot"):
@@ -366,7 +369,7 @@ class Recovery:
                                       reason=f"rolled back to step {step} and resumed the data at {data_position}")
         data = "the data goes on with the loader's next batch (it cannot seek)" if stream else \
             f"data resumes at batch {data_position}"
-        self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position)
+        self.pending = PendingRestore(snapshot, disk_step, decision.escape, data_position, step, applied)
         where = f"memory snapshot of step {step}" if snapshot is not None else f"disk checkpoint of step {step}"
         kind = "escape" if decision.escape else "rollback"
         self.engine.emit_action(decision.step, kind, Severity.ERROR,
@@ -378,7 +381,6 @@ class Recovery:
                                  "tier": "memory" if snapshot is not None else "disk",
                                  "lr_factor": self.controller.lr_factor, "rollbacks": self.controller.rollbacks,
                                  "escapes": self.controller.escapes})
-        self.engine.rewind(step, data_position, applied)
 
     def _relaunch(self, decision: Decision) -> Decision:
         """``recovery.rollback: relaunch``: the rollback is a stop with :data:`EXIT_RELAUNCH` once the newest disk
@@ -420,11 +422,22 @@ class Recovery:
 
     # ------------------------------------------------------------------ carrying out
 
+    def settle(self) -> None:
+        """Carry out the rollback planned in this step, where the framework's step has returned: tensors, python
+        state and the engine's counters together (see the module docstring). Every rank, at the same point; a
+        disk-tier restore is collective (DCP or the backend's format). Nothing to do without a pending rollback."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        with self.engine.own_work.section("recovery.restore"):
+            self._carry_out(pending)
+
     def _carry_out(self, pending: PendingRestore) -> None:
         self.engine.hooks.before_restore()
         if pending.snapshot is not None:
             extra = restore(pending.snapshot, self.state)
             self.engine.assembly.load_state_dict(extra["monitors"])
+            self.engine.rewind(pending.step, pending.data_position, pending.applied_steps)
             self.restores["memory"] += 1
         else:
             assert self.checkpoints is not None

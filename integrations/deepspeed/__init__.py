@@ -18,14 +18,16 @@ Per group, as partial sums over this rank's partition (``Reduce.SUM``: summed ov
 (DETAIL and SUM slots) are this rank's own gradient, read just before ZeRO reduces it (:class:`LocalGradHooks`), so
 a NaN is named on the rank that produced it.
 
-arc_engine assigns DeepSpeed objects in three places only (all listed in docs/architecture.md): a rollback's
+arc_engine assigns DeepSpeed objects in four places only (all listed in docs/architecture.md): a rollback's
 restore of the engine's step counters and loss scaler, the ZeRO optimizer's overflow flag after a step it skipped
-(DeepSpeed then books the step as skipped), and the engine's ``forward`` during a curvature measurement (restored
-after). Everything else is DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds; the private
-state it reads is read in :mod:`arc_engine.integrations.deepspeed.internals` (checked at attach by what it reads).
+(DeepSpeed then books the step as skipped), the engine's ``forward`` during a curvature measurement (restored
+after), and the engine instance's ``step`` (a wrapper that settles the step when DeepSpeed's returns: a rollback is
+carried out there, and a step DeepSpeed skipped itself is closed there; removed at ``close``). Everything else is
+DeepSpeed's public surface and torch's hooks on the objects DeepSpeed builds; the private state it reads is read
+in :mod:`arc_engine.integrations.deepspeed.internals` (checked at attach by what it reads).
 
 Steps DeepSpeed skips itself (gradient overflow: fp16 loss scaling, or a NaN/Inf norm in fp32) never reach the
-torch optimizer. arc_engine notices them from ``engine.global_steps`` at the next ``record_loss`` or step, gathers
+torch optimizer. arc_engine notices them from ``engine.global_steps`` when ``engine.step()`` returns, gathers
 what the ranks recorded for that step, and reports a ``deepspeed_overflow`` event plus the ``non_finite`` finding
 naming the rank (every rank sees the same DeepSpeed verdict). Outside fp16 dynamic loss scaling they count as
 skips, so a persistent overflow escalates per ``policy.max_consecutive_skips``; under it they are the scaler's
@@ -156,7 +158,16 @@ class ZeroStepHooks:
             if self.skip_this_step:  # DeepSpeed books it as skipped too: its own LR scheduler does not step
                 deepspeed_internals.mark_step_not_applied(self.zero)
                 self.marked = True
-            self.engine.finish_step()
+            # DeepSpeed's step goes on after this hook (bit16 copies, its counters, its scheduler): a rollback
+            # decided here is carried out when engine.step() returns (after_engine_step)
+            self.engine.finish_step(settle=False)
+
+    def after_engine_step(self) -> None:
+        """When ``engine.step()`` returns (every rank, each call; DeepSpeed's step is complete): carry out a rollback
+        this step decided, then close a step DeepSpeed skipped on its own (which may decide and carry out one), so
+        that when ``step()`` returns every counter, DeepSpeed's included, agrees with the tensors."""
+        self.engine.settle()
+        self.catch_up()
 
     def unmark(self, *_: Any) -> None:
         """At the next forward: lower the flag :meth:`post_step` raised (see ``mark_step_not_applied``)."""
@@ -293,13 +304,19 @@ class ZeroAdapter:
         handles = [self.torch_optimizer.register_step_pre_hook(timed("deepspeed.pre_step", hooks.pre_step)),
                    self.torch_optimizer.register_step_post_hook(timed("deepspeed.post_step", hooks.post_step)),
                    self.ds_engine.module.register_forward_pre_hook(hooks.unmark)]
-        return [*(h.remove for h in handles), local_grads.remove]
+        return [*(h.remove for h in handles), local_grads.remove,
+                deepspeed_internals.after_engine_step(self.ds_engine, hooks.after_engine_step)]
 
     def framework_skip_pending(self) -> bool:
         """Whether DeepSpeed skipped a step (overflow) that arc_engine has not closed yet (local: DeepSpeed's
         public step counter against arc_engine's; the closing itself, collective, runs at the next record_loss or
         optimizer step)."""
         return self.hooks is not None and self.hooks.skip_pending()
+
+    def close_framework_skips(self) -> None:
+        """Close the steps DeepSpeed skipped on its own (normally already closed when its ``step()`` returned)."""
+        if self.hooks is not None:
+            self.hooks.catch_up()
 
     def before_record_loss(self) -> None:
         """Close the steps DeepSpeed skipped on its own before this micro-batch (see ZeroStepHooks.catch_up)."""

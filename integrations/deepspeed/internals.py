@@ -490,6 +490,31 @@ def engine_counters(ds_engine: Any) -> dict[str, int]:
     return {name: int(getattr(ds_engine, name)) for name in ENGINE_COUNTERS}
 
 
+def after_engine_step(ds_engine: Any, settle: Callable[[], None]) -> Callable[[], None]:
+    """Wrap this engine instance's ``step`` so that ``settle()`` runs each time it returns (the class is untouched;
+    DeepSpeed offers no step post-hook, and its optimizer's post-hook fires before its step copies the partitions
+    into the bit16 parameters and counts the step). Returns the remover (:func:`restore_engine_step`)."""
+    own = vars(ds_engine).get("step")  # an instance-level step of somebody else's, kept
+    step = ds_engine.step
+
+    @functools.wraps(step)
+    def settling_step(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        settle()
+        return result
+
+    setattr(ds_engine, "step", settling_step)  # noqa: B010 - the one write this function exists for
+    return functools.partial(restore_engine_step, ds_engine, own)
+
+
+def restore_engine_step(ds_engine: Any, own: Any) -> None:
+    """Undo :func:`after_engine_step`: the instance's own ``step`` back, or none (the class's)."""
+    if own is not None:
+        setattr(ds_engine, "step", own)  # noqa: B010
+    elif "step" in vars(ds_engine):
+        delattr(ds_engine, "step")
+
+
 def restore_engine_counters(ds_engine: Any, counters: dict[str, int]) -> None:
     """Write back :func:`engine_counters` (public engine attributes, as DeepSpeed's checkpoint loading does)."""
     for name in ENGINE_COUNTERS:

@@ -37,14 +37,45 @@ import torch
 import torch.distributed as dist
 
 from arc_engine.attach import Arc, attach
+from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, stream_config
+from arc_engine.integrations.torch.loops import end_with, report_capabilities, stream_config
 from arc_engine.policy.decision import ArcAbort
 
 try:
     from transformers import Trainer, TrainerCallback
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("arc_engine.integrations.hf needs transformers (pip install 'arc-engine[hf]')") from error
+
+
+#: The transformers releases the tests run (docs/compatibility.md): others get a warning.
+TESTED_TRANSFORMERS_RANGE = TestedRange("transformers", "5.0.0", "5.25.0", "integrations/hf/__init__.py")
+
+#: What each feature reads of the Trainer's private surface: (what it does, what being off means), then the members.
+FEATURES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
+    "logged_loss": (("the logged loss leaves out the steps arc_engine did not apply",
+                     "the logged loss and train_loss include undone steps"), ("_tr_loss",)),
+    "log_counter": (("a rollback takes the Trainer's logging counter back with global_step",
+                     "the first log after a rollback averages over a wrong number of steps"),
+                    ("_globalstep_last_logged",)),
+    "watchdog_pauses": (("the hang watchdog does not count evaluation and checkpoint saves",
+                         "a slow evaluation or save counts toward a hang"), ("_evaluate", "_save_checkpoint")),
+}
+
+
+def check_trainer(trainer: Any) -> Capabilities:
+    """What this Trainer (its installed transformers) holds of what the callback reads. Warns outside the tested
+    range; never raises. Local."""
+    import transformers
+
+    version = transformers.__version__
+    TESTED_TRANSFORMERS_RANGE.check(version, UserWarning)
+    found = Capabilities(TESTED_TRANSFORMERS_RANGE, version, {name: info for name, (info, _) in FEATURES.items()})
+    for name, (_, members) in FEATURES.items():
+        absent = [member for member in members if not hasattr(trainer, member)]
+        if absent:
+            found.off[name] = [f"Trainer.{member}" for member in absent]
+    return found
 
 
 def _calling_trainer() -> Any | None:
@@ -79,6 +110,8 @@ class ArcCallback(TrainerCallback):
         self._abort: ArcAbort | None = None
         self._step_offset = 0  # the Trainer's global_step when arc_engine attached (a resumed run's)
         self._loss_sum: torch.Tensor | None = None
+        self._rollbacks = 0
+        self._capabilities: Capabilities | None = None
 
     # ------------------------------------------------------------------ the Trainer's events
 
@@ -103,29 +136,52 @@ class ArcCallback(TrainerCallback):
         self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
                           lr_scheduler=trainer.lr_scheduler, grad_scaler=None if deepspeed else scaler)
         self._step_offset = state.global_step - self.arc.applied_steps
+        self._capabilities = check_trainer(trainer)
+        report_capabilities(self.arc, self._capabilities)
         self._wrap(trainer)
 
+    def _has(self, feature: str) -> bool:
+        return self._capabilities is not None and self._capabilities.has(feature)
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        loss_sum = getattr(self._trainer, "_tr_loss", None)  # the Trainer's running sum of logged losses
-        self._loss_sum = loss_sum.detach().clone() if isinstance(loss_sum, torch.Tensor) else None
+        if self._has("logged_loss"):  # the Trainer's running sum of logged losses, kept to take undone steps out
+            loss_sum = self._trainer._tr_loss
+            self._loss_sum = loss_sum.detach().clone() if isinstance(loss_sum, torch.Tensor) else None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.arc is None:
+        if self.arc is None or self._abort is not None:
+            return
+        try:  # the optimizer step and its loss scaler returned: a step the scaler skipped is closed here
+            self.arc.end_step()
+        except ArcAbort as abort:
+            self._abort = abort
             return
         # the Trainer adds 1 to global_step right after this event: leave it one short of the applied count
         state.global_step = self._step_offset + self.arc.applied_steps - 1
-        logged = getattr(self._trainer, "_globalstep_last_logged", None)
-        if isinstance(logged, int) and logged > state.global_step + 1:  # a rollback: the next log counts from here
-            self._trainer._globalstep_last_logged = state.global_step + 1
-        loss_sum = getattr(self._trainer, "_tr_loss", None)
+        if self.arc.rollbacks != self._rollbacks:  # the undone steps leave the Trainer's history
+            self._rollbacks = self.arc.rollbacks
+            state.log_history = [entry for entry in state.log_history
+                                 if entry.get("step", 0) <= state.global_step + 1]
+            if self._has("log_counter") and self._trainer._globalstep_last_logged > state.global_step + 1:
+                self._trainer._globalstep_last_logged = state.global_step + 1  # the next log counts from here
+        loss_sum = self._trainer._tr_loss if self._has("logged_loss") else None
         if not self.arc.last_step_applied and self._loss_sum is not None and isinstance(loss_sum, torch.Tensor):
             loss_sum.copy_(self._loss_sum)  # the logged loss averages the applied steps only
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._abort is not None:  # nothing of the failed state is saved or evaluated
             control.should_training_stop = True
-            control.should_save = False
-            control.should_evaluate = False
+            control.should_save = control.should_evaluate = control.should_log = False
+        elif self.arc is not None and not self.arc.last_step_applied:
+            # a skip or a rollback: global_step did not advance past a step already saved, logged and evaluated
+            # (a rollback's restored step was, when it was first reached)
+            control.should_save = control.should_evaluate = control.should_log = False
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._abort is not None:  # the epoch's save and evaluation would be of the stopped state
+            control.should_training_stop = True
+            control.should_save = control.should_evaluate = control.should_log = False
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -182,9 +238,8 @@ class ArcCallback(TrainerCallback):
         accelerator.__class__ = type(base.__name__, (base,), {"__module__": base.__module__,
                                                               "optimizer_step_was_skipped": property(step_was_skipped)})
 
-        if hasattr(trainer, "_evaluate"):
+        if self._has("watchdog_pauses"):
             trainer._evaluate = _paused(arc, trainer._evaluate)
-        if hasattr(trainer, "_save_checkpoint"):
             trainer._save_checkpoint = _paused(arc, trainer._save_checkpoint)
 
         trainer_log = trainer.log
@@ -193,7 +248,7 @@ class ArcCallback(TrainerCallback):
         def logging(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
             if "loss" in logs:  # a training log
                 logs = {**logs, "arc_skipped_steps": arc.skipped_steps, "arc_rollbacks": arc.rollbacks,
-                        "arc_applied_steps": arc.applied_steps}
+                        "arc_applied_steps": arc.applied_steps, "arc_lr_factor": arc.lr_factor}
             return trainer_log(logs, *args, **kwargs)
 
         trainer.log = logging

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from arc_engine.attach import Arc, attach
+from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, stream_config
+from arc_engine.integrations.torch.loops import end_with, report_capabilities, stream_config
 from arc_engine.policy.decision import ArcAbort
 
 try:
@@ -48,9 +49,35 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
         from error
 
 
+#: The lightning releases the tests run (docs/compatibility.md): others get a warning.
+TESTED_LIGHTNING_RANGE = TestedRange("lightning", "2.5.0", "2.7.0", "integrations/lightning/__init__.py")
+
+#: What each feature reads of Lightning's loop internals: (what it does, what being off means).
+FEATURES = {"step_counter": ("trainer.global_step counts applied steps",
+                             "global_step and max_steps count every step, skipped or rolled back"),
+            "logging_step": ("the loggers' step counts applied steps",
+                             "after a skip or rollback the loggers' rows are numbered by batches")}
+
+
 def _step_progress(trainer: Any) -> Any:
     """Lightning's count of optimizer steps, the one ``trainer.global_step`` reads (automatic optimization)."""
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+
+def check_trainer(trainer: Any) -> Capabilities:
+    """What this Lightning trainer holds of what the callback reads. Warns outside the tested range; never raises."""
+    import lightning
+
+    version = lightning.__version__
+    TESTED_LIGHTNING_RANGE.check(version, UserWarning)
+    found = Capabilities(TESTED_LIGHTNING_RANGE, version, dict(FEATURES))
+    try:
+        _step_progress(trainer).completed  # noqa: B018 - read to check it is there
+    except AttributeError:
+        found.off["step_counter"] = ["fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step"]
+    if not isinstance(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None), int):
+        found.off["logging_step"] = ["fit_loop.epoch_loop._batches_that_stepped"]
+    return found
 
 
 class ArcCallback(Callback):
@@ -69,7 +96,9 @@ class ArcCallback(Callback):
         self.arc: Arc | None = None
         self._abort: ArcAbort | None = None
         self._step_offset = 0
+        self._log_offset = 0  # the loggers' step when arc_engine attached
         self._paused: Any = None  # the watchdog's pause during validation
+        self._capabilities: Capabilities | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None:
@@ -93,11 +122,24 @@ class ArcCallback(Callback):
         self.arc = attach(model, None if deepspeed else trainer.optimizers[0], stream_config(config),
                           group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         self._step_offset = trainer.global_step - self.arc.applied_steps
+        self._capabilities = found = check_trainer(trainer)
+        report_capabilities(self.arc, found)
+        if found.has("logging_step"):
+            self._log_offset = trainer.fit_loop.epoch_loop._batches_that_stepped - self.arc.applied_steps
         self._wrap(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.arc is not None:
-            _step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
+        if self.arc is not None and self._abort is None:
+            try:  # the optimizer step and its loss scaler returned: a step the scaler skipped is closed here
+                self.arc.end_step()
+            except ArcAbort as abort:
+                self._abort = abort
+        if self.arc is not None and self._capabilities is not None:
+            if self._capabilities.has("step_counter"):
+                _step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
+            if self._capabilities.has("logging_step") and not trainer.fit_loop._should_accumulate():
+                # Lightning adds 1 after this batch's logs: they carry the applied steps before this one's
+                trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.applied_steps - 1
         if self._abort is not None:
             trainer.should_stop = True
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
+from arc_engine.compat import Capabilities
 from arc_engine.config import ArcConfig
 from arc_engine.policy.decision import ArcAbort
+
+if TYPE_CHECKING:
+    from arc_engine.wiring import Arc
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +29,14 @@ def stream_config(config: ArcConfig) -> ArcConfig:
     return dataclasses.replace(config, recovery=dataclasses.replace(recovery, skip_data="stream"))
 
 
+def report_capabilities(arc: Arc, found: Capabilities) -> None:
+    """One ``compatibility`` event naming the trainer features whose internals are missing (and an untested
+    release); nothing when the release is tested and everything is there. Local (every rank finds the same)."""
+    report = found.report()
+    if report is not None:
+        arc.engine.emit_lifecycle("compatibility", *report)
+
+
 def end_with(abort: ArcAbort, *, exit_on_abort: bool) -> NoReturn:
     """After the trainer wound down from ``abort``: end the process with its exit code, or raise it."""
     if not exit_on_abort:
@@ -33,4 +45,4 @@ def end_with(abort: ArcAbort, *, exit_on_abort: bool) -> NoReturn:
     raise SystemExit(abort.exit_code)
 
 
-__all__ = ["end_with", "stream_config"]
+__all__ = ["end_with", "report_capabilities", "stream_config"]

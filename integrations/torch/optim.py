@@ -186,6 +186,12 @@ class ScalerSkipsHooks:
         """Whether the scaler skipped the open step (local)."""
         return self.scaler_skips is not None and self.scaler_skips.pending()
 
+    def close_framework_skips(self) -> None:
+        """After the loop's ``scaler.step``/``scaler.update``: close a step the scaler skipped now, not at the next
+        forward (collective over the decision group when it was monitored)."""
+        if self.scaler_skips is not None:
+            self.scaler_skips.before_step_start()
+
     def before_close(self) -> None:
         """Close a last step the scaler skipped (local)."""
         if self.scaler_skips is not None and self.scaler_skips.pending():
