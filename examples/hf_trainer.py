@@ -54,6 +54,13 @@ class Timeline(TrainerCallback):
         self.last = state.global_step
 
 
+def scheduler_steps(scheduler: object) -> int:
+    """How many times the LR scheduler stepped: torch's ``last_epoch``, or a DeepSpeed scheduler's (its config's
+    ``"scheduler"``, inside Accelerate's wrapper) ``last_batch_iteration`` + 1."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    return inner.last_epoch if hasattr(inner, "last_epoch") else inner.last_batch_iteration + 1
+
+
 def main() -> None:
     parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (ZeRO-1/2/3)")
@@ -92,7 +99,7 @@ def main() -> None:
 
     save_outcome(args.result, training.process_index, trainer.model.parameters(), callback,
                  global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),
-                 scheduler_last_epoch=trainer.lr_scheduler.last_epoch,
+                 scheduler_last_epoch=scheduler_steps(trainer.lr_scheduler),
                  timeline=timeline.at if timeline is not None and args.save_steps else None)
 
 

@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = {"ddp": ((), "DDP"),
               "zero1": (("--deepspeed", str(ROOT / "examples" / "ds_zero1.json")), "DeepSpeed ZeRO-1"),
               "zero2": (("--deepspeed", str(ROOT / "examples" / "ds_zero2.json")), "DeepSpeed ZeRO-2"),
-              "zero3": (("--deepspeed", str(ROOT / "examples" / "ds_zero3.json")), "DeepSpeed ZeRO-3")}
+              "zero3": (("--deepspeed", str(ROOT / "examples" / "ds_zero3.json")), "DeepSpeed ZeRO-3"),
+              # the common HF DeepSpeed configs: the optimizer and the LR scheduler in the DeepSpeed config
+              "zero2-sections": (("--deepspeed", str(ROOT / "examples" / "ds_zero2_scheduler.json")),
+                                 "DeepSpeed ZeRO-2")}
 STEPS = 10
 NAN_STEP, SPIKE_STEP = 3, 6  # arc_engine's steps (0-based attempts)
 FAULTS = (f"--arc.faults.injections=[{{kind: nan_loss, rank: 0, step: {NAN_STEP}}}, "
@@ -112,7 +115,7 @@ NAN_BURST = (f"--arc.faults.injections=[{{kind: nan_grad, rank: 1, step: {BURST[
              "--save-steps", str(SAVE_STEPS), "--logging-steps", "2")
 
 
-@pytest.mark.parametrize("framework", ["ddp", "zero2"])
+@pytest.mark.parametrize("framework", ["ddp", "zero2", "zero2-sections"])
 def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_the_rejected_state(
         tmp_path: Path, framework: str) -> None:
     """A NaN gradient on rank 1 for three attempts, two skips allowed: the third rolls back to a verified snapshot
@@ -134,6 +137,7 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
     for rank in range(2):
         outcome = run["ranks"][rank]
         assert outcome is not None and outcome["global_step"] == 12, rank
+        assert outcome["scheduler_last_epoch"] == 12, rank  # stepped once per applied step (DeepSpeed's own too)
         steps = [entry["step"] for entry in _train_logs(outcome)]
         assert steps == sorted(set(steps)), steps
         last = _train_logs(outcome)[-1]

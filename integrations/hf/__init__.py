@@ -133,8 +133,11 @@ class ArcCallback(TrainerCallback):
         model = trainer.model_wrapped
         deepspeed = type(model).__module__.startswith("deepspeed.")
         scaler = getattr(trainer.accelerator, "scaler", None)
+        scheduler = trainer.lr_scheduler
+        if deepspeed and model.lr_scheduler is not None and getattr(scheduler, "scheduler", None) is model.lr_scheduler:
+            scheduler = None  # a DeepSpeed config's "scheduler": the engine's own, which it steps and recovery restores
         self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
-                          lr_scheduler=trainer.lr_scheduler, grad_scaler=None if deepspeed else scaler)
+                          lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         self._step_offset = state.global_step - self.arc.applied_steps
         self._capabilities = check_trainer(trainer)
         report_capabilities(self.arc, self._capabilities)
