@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="hf_trainer_out")
     parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: none)")
     parser.add_argument("--logging-steps", type=int, default=1)
+    parser.add_argument("--resume-from", default=None, help="the Trainer's resume_from_checkpoint")
     args = parser.parse_args()
     if args.fsdp and not torch.cuda.is_available():
         parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")
@@ -95,7 +96,7 @@ def main() -> None:
     timeline = Timeline() if args.result else None
     callbacks = [c for c in (callback, timeline) if c is not None]
     trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from)
 
     save_outcome(args.result, training.process_index, trainer.model.parameters(), callback,
                  global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,27 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
         assert len(written.keys() & expected.keys()) == len(expected), (sorted(written), sorted(expected))
         for name in expected:  # (DeepSpeed writes the tied lm_head too)
             assert torch.equal(written[name].float(), expected[name]), (path.name, name)
+
+
+def test_two_resumes_that_disagree_are_refused_naming_both_steps_and_one_flag_picks_one(tmp_path: Path) -> None:
+    """A run with the Trainer's checkpoints (every 4 steps) and arc_engine's disk checkpoints, then relaunched from
+    the Trainer's checkpoint-4 while arc_engine's newest is later: every rank stops with exit code 2 before training,
+    the message naming both steps and the flag; with arc_engine's resume turned off the same relaunch trains on
+    from the Trainer's step 4 to max_steps."""
+    disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
+            "--arc.recovery.checkpoint.every_steps=3", "--save-steps", "4")
+    first = _train(tmp_path, "resume", *disk, "--steps", "8")
+    assert first["ranks"][0]["global_step"] == 8
+    checkpoint = str(first["dir"] / "trainer" / "checkpoint-4")
+    refused = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from", checkpoint, expect=1)
+    output = refused["output"]
+    assert "two resumes disagree" in output and "the Trainer (resume_from_checkpoint) resumed step 4" in output, \
+        output[-3000:]
+    assert "--arc.recovery.checkpoint.resume=false" in output
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-3000:]
+    picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from", checkpoint,
+                    "--arc.recovery.checkpoint.resume=false")
+    for rank in range(2):
+        outcome = picked["ranks"][rank]
+        assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
+        assert min(entry["step"] for entry in _train_logs(outcome)) <= 5  # the log history from checkpoint-4 on

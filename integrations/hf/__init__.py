@@ -39,7 +39,7 @@ import torch.distributed as dist
 from arc_engine.attach import Arc, attach
 from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, report_capabilities, stream_config
+from arc_engine.integrations.torch.loops import end_with, one_resume, report_capabilities, stream_config
 from arc_engine.policy.decision import ArcAbort
 
 try:
@@ -138,6 +138,7 @@ class ArcCallback(TrainerCallback):
             scheduler = None  # a DeepSpeed config's "scheduler": the engine's own, which it steps and recovery restores
         self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
                           lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
+        one_resume(self.arc, state.global_step, "the Trainer (resume_from_checkpoint)")
         self._step_offset = state.global_step - self.arc.applied_steps
         self._capabilities = check_trainer(trainer)
         report_capabilities(self.arc, self._capabilities)

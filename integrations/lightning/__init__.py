@@ -39,7 +39,7 @@ import torch.distributed as dist
 from arc_engine.attach import Arc, attach
 from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, report_capabilities, stream_config
+from arc_engine.integrations.torch.loops import end_with, one_resume, report_capabilities, stream_config
 from arc_engine.policy.decision import ArcAbort
 
 try:
@@ -121,6 +121,7 @@ class ArcCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.arc = attach(model, None if deepspeed else trainer.optimizers[0], stream_config(config),
                           group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
+        one_resume(self.arc, trainer.global_step, "Lightning (ckpt_path)")
         self._step_offset = trainer.global_step - self.arc.applied_steps
         self._capabilities = found = check_trainer(trainer)
         report_capabilities(self.arc, found)

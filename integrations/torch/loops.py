@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from typing import TYPE_CHECKING, NoReturn
 
 from arc_engine.compat import Capabilities
-from arc_engine.config import ArcConfig
+from arc_engine.config import EXIT_BAD_CONFIG, ArcConfig
+from arc_engine.events import Severity
 from arc_engine.policy.decision import ArcAbort
 
 if TYPE_CHECKING:
@@ -37,6 +39,35 @@ def report_capabilities(arc: Arc, found: Capabilities) -> None:
         arc.engine.emit_lifecycle("compatibility", *report)
 
 
+def one_resume(arc: Arc, trainer_step: int, resumed_by: str) -> None:
+    """At a trainer callback's start, after attach: the trainer's step counter (``trainer_step``, the step its own
+    checkpoint resumed, 0 for none) against what arc_engine's own resume restored (``recovery.checkpoint.resume``:
+    its applied steps, 0 for none). Where both resumed, or arc_engine alone, the run must continue from one state:
+    the same step is one event; another step ends every rank with exit code 2 and one message naming both steps and
+    the flag that picks one (the two counters are the same on every rank, so every rank refuses alike). The trainer
+    resuming alone (arc_engine had no checkpoint) is the trainer's resume."""
+    restored = arc.applied_steps
+    if restored == 0:
+        return
+    if restored == trainer_step:
+        arc.engine.emit_lifecycle("resume_agreed", f"arc_engine's checkpoint and {resumed_by} resumed the same "
+                                  f"step {restored}: one state", {"step": restored})
+        return
+    message = (f"arc_engine: two resumes disagree: arc_engine resumed its checkpoint of step {restored} and "
+               + (f"{resumed_by} resumed step {trainer_step}" if trainer_step else f"{resumed_by} starts from step 0")
+               + ": the weights, optimizer and scheduler would be arc_engine's, the step counter and the data "
+               f"position the trainer's. Resume from one state: {resumed_by} from its checkpoint of step {restored}, "
+               "or arc_engine's checkpoints off for this run (--arc.recovery.checkpoint.resume=false, "
+               "recovery.checkpoint.resume: false) to train on from the trainer's")
+    arc.engine.emit_action(arc.engine.step, "resume_refused", Severity.ERROR, message,
+                           {"arc_engine_step": restored, "trainer_step": trainer_step,
+                            "exit_code": EXIT_BAD_CONFIG}, detector="setup")
+    arc.close()
+    if arc.engine.rank == arc.engine.pipeline.leader:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_CONFIG)
+
+
 def end_with(abort: ArcAbort, *, exit_on_abort: bool) -> NoReturn:
     """After the trainer wound down from ``abort``: end the process with its exit code, or raise it."""
     if not exit_on_abort:
@@ -45,4 +76,4 @@ def end_with(abort: ArcAbort, *, exit_on_abort: bool) -> NoReturn:
     raise SystemExit(abort.exit_code)
 
 
-__all__ = ["end_with", "report_capabilities", "stream_config"]
+__all__ = ["end_with", "one_resume", "report_capabilities", "stream_config"]
