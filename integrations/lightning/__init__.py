@@ -75,8 +75,12 @@ def check_trainer(trainer: Any) -> Capabilities:
         _step_progress(trainer).completed  # noqa: B018 - read to check it is there
     except AttributeError:
         found.off["step_counter"] = ["fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step"]
-    if not isinstance(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None), int):
-        found.off["logging_step"] = ["fit_loop.epoch_loop._batches_that_stepped"]
+    checks = (("fit_loop.epoch_loop._batches_that_stepped",
+               isinstance(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None), int)),
+              ("fit_loop._should_accumulate", callable(getattr(trainer.fit_loop, "_should_accumulate", None))))
+    missing = [name for name, present in checks if not present]
+    if missing:
+        found.off["logging_step"] = missing
     return found
 
 
