@@ -335,10 +335,13 @@ def check_optimizer_owns(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def register_step_start(engine: ArcEngine, model: torch.nn.Module,
                         before: Callable[[], None] | None = None) -> Any:
     """A forward pre-hook that opens each step (:meth:`ArcEngine.on_step_start`), ahead of any hook a wrapper
-    (FSDP2's all-gather) registered; ``before()`` (the adapter's) runs first at every forward. Returns the hook's
-    remover."""
+    (FSDP2's all-gather) registered; ``before()`` (the adapter's) runs first at every training forward. A forward
+    without gradients (an evaluation, a generation, a probe -- on some ranks only, between steps) is not a step: it
+    runs nothing of arc_engine's, no collective. Returns the hook's remover."""
 
     def start(module: torch.nn.Module, args: object) -> None:
+        if not torch.is_grad_enabled():
+            return
         if before is not None:
             before()
         engine.on_step_start()

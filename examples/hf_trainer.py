@@ -27,15 +27,15 @@ from arc_engine.integrations.hf import ArcCallback
 class CharWindows(Dataset):
     """Fixed windows of a generated character corpus, as causal-LM examples (labels = inputs)."""
 
-    def __init__(self, seq_len: int, count: int) -> None:
+    def __init__(self, seq_len: int, count: int, offset: int = 0) -> None:
         self.text = CharDataset(generate_corpus(600), seq_len)
-        self.seq_len, self.count = seq_len, count
+        self.seq_len, self.count, self.offset = seq_len, count, offset
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start = (index * 7919) % (self.text.tokens.numel() - self.seq_len)
+        start = ((self.offset + index) * 7919) % (self.text.tokens.numel() - self.seq_len)
         window = self.text.tokens[start:start + self.seq_len]
         return {"input_ids": window, "labels": window}
 
@@ -52,6 +52,21 @@ class Timeline(TrainerCallback):
         if state.global_step > self.last:
             self.at[state.global_step] = {name: p.detach().float().clone() for name, p in model.named_parameters()}
         self.last = state.global_step
+
+
+class Rank0Generation(TrainerCallback):
+    """``--generate-steps N``: every N global steps, rank 0 alone samples a few tokens from the model (a generation
+    callback as users write them: no gradients, on one rank, between steps); counts them for the tests."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.done = every, 0
+
+    def on_step_end(self, args: object, state: object, control: object, model: object = None, **kwargs: object) -> None:
+        if state.is_world_process_zero and state.global_step % self.every == 0:
+            prompt = torch.zeros(1, 4, dtype=torch.long, device=next(model.parameters()).device)
+            with torch.no_grad():
+                model.generate(prompt, max_new_tokens=4, do_sample=True, pad_token_id=0)
+            self.done += 1
 
 
 def scheduler_steps(scheduler: object) -> int:
@@ -71,6 +86,9 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: none)")
     parser.add_argument("--logging-steps", type=int, default=1)
     parser.add_argument("--resume-from", default=None, help="the Trainer's resume_from_checkpoint")
+    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
+    parser.add_argument("--generate-steps", type=int, default=0,
+                        help="rank 0 alone generates from the model every N steps (0: never)")
     args = parser.parse_args()
     if args.fsdp and not torch.cuda.is_available():
         parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")
@@ -86,6 +104,8 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=args.batch_size,
         seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
         ddp_backend=None if torch.cuda.is_available() else "gloo", deepspeed=args.deepspeed, bf16=args.bf16,
         fp16=args.fp16,
@@ -94,14 +114,17 @@ def main() -> None:
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if args.fsdp else None)
     callback = None if config is None else ArcCallback(config)
     timeline = Timeline() if args.result else None
-    callbacks = [c for c in (callback, timeline) if c is not None]
-    trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
+    generation = Rank0Generation(args.generate_steps) if args.generate_steps else None
+    callbacks = [c for c in (callback, timeline, generation) if c is not None]
+    evaluation = CharWindows(seq_len=32, count=4 * args.batch_size, offset=1_000) if args.eval_steps else None
+    trainer = Trainer(model=model, args=training, train_dataset=dataset, eval_dataset=evaluation, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=args.resume_from)
 
     save_outcome(args.result, training.process_index, trainer.model.parameters(), callback,
                  global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),
                  scheduler_last_epoch=scheduler_steps(trainer.lr_scheduler),
-                 timeline=timeline.at if timeline is not None and args.save_steps else None)
+                 timeline=timeline.at if timeline is not None and args.save_steps else None,
+                 generations=generation.done if generation is not None else 0)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import lightning as L
 import torch
 from _outcome import add_example_args, run, save_outcome
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
@@ -45,11 +46,11 @@ class CharWindows(Dataset):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, vocab_size: int, steps: int, lr: float) -> None:
+    def __init__(self, vocab_size: int, steps: int, lr: float, interval: str = "step") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = GPT(GPTConfig(vocab_size=vocab_size, seq_len=SEQ_LEN, num_layers=2, d_model=32, num_heads=2))
-        self.steps, self.lr = steps, lr
+        self.steps, self.lr, self.interval = steps, lr, interval
         self.lrs: list[float] = []  # the learning rate of every step the optimizer ran
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -58,6 +59,10 @@ class TinyGPT(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", self.model(inputs, targets), sync_dist=True)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
@@ -65,6 +70,9 @@ class TinyGPT(L.LightningModule):
         optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=self.lr)
         cosine = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, self.steps) / self.steps)))
+        if self.interval == "epoch":  # a step decay per epoch
+            return {"optimizer": optimizer, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), "interval": "epoch"}}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
 
 
@@ -73,25 +81,41 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", help="ddp, or deepspeed_stage_1/2/3 (CUDA GPUs only)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. 16-mixed on GPUs")
     parser.add_argument("--csv-log", default=None, help="log every step with Lightning's CSVLogger into this folder")
+    parser.add_argument("--val-every", type=int, default=0, help="validate (one batch) every N batches (0: never)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="ModelCheckpoint every N steps into --checkpoint-dir, every one kept (0: none)")
+    parser.add_argument("--checkpoint-dir", default="lightning_checkpoints")
+    parser.add_argument("--min-steps", type=int, default=None, help="the Trainer's min_steps")
+    parser.add_argument("--epoch-batches", type=int, default=0, help="batches per epoch and rank (0: enough for all)")
+    parser.add_argument("--scheduler-interval", default="step", choices=("step", "epoch"),
+                        help="step: cosine over --steps; epoch: the LR halves at every epoch end")
     args = parser.parse_args()
 
     config = None if args.no_arc else config_from_args(args)
-    data = CharWindows(count=args.steps * args.batch_size * args.grad_accum * 8)
-    module = TinyGPT(data.text.vocab_size, args.steps, args.lr)
-    callback = None if config is None else ArcCallback(config)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = CharWindows(count=args.epoch_batches * args.batch_size * world if args.epoch_batches
+                       else args.steps * args.batch_size * args.grad_accum * 8)
+    module = TinyGPT(data.text.vocab_size, args.steps, args.lr, args.scheduler_interval)
+    callbacks: list[L.Callback] = [] if config is None else [ArcCallback(config)]
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=args.checkpoint_every))
+    validation = DataLoader(CharWindows(count=args.batch_size), batch_size=args.batch_size) if args.val_every else None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's: Lightning checks devices x nodes against it
     trainer = L.Trainer(accelerator="auto", devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
                         strategy=args.strategy, precision=args.precision,
-                        max_steps=args.steps, accumulate_grad_batches=args.grad_accum, gradient_clip_val=1.0,
-                        callbacks=[] if callback is None else [callback], enable_checkpointing=False,
+                        max_steps=args.steps, min_steps=args.min_steps, accumulate_grad_batches=args.grad_accum,
+                        gradient_clip_val=1.0, callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                         logger=CSVLogger(args.csv_log, name="", version="") if args.csv_log else False,
-                        log_every_n_steps=1,
+                        log_every_n_steps=1, val_check_interval=args.val_every or None,
+                        check_val_every_n_epoch=None if args.val_every else 1, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
                         deterministic=True)
-    trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False))
+    trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False), validation)
+    callback = callbacks[0] if config is not None else None
 
     save_outcome(args.result, trainer.global_rank, module.model.parameters(), callback,
-                 global_step=trainer.global_step, lrs=module.lrs,
+                 global_step=trainer.global_step, lrs=module.lrs, epochs=trainer.current_epoch,
                  scheduler_last_epoch=trainer.lr_scheduler_configs[0].scheduler.last_epoch)
 
 

@@ -18,13 +18,15 @@ SEARCH_SCALE = 2.0**30
 
 def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "ddp", dtype: str = "float16",
               scaler: bool = True, order: str = "step", init_scale: float = SEARCH_SCALE, fused: bool = False,
-              seed: int = 0, pass_scaler: bool = True) -> dict[str, Any]:
+              seed: int = 0, pass_scaler: bool = True, end_step: bool = False) -> dict[str, Any]:
     """Train the tiny GPT for ``steps`` steps (process group already initialised unless ``wrap`` is "plain").
 
     ``wrap``: "ddp", "fsdp" (FSDP2 ``fully_shard``, ``ShardedGradScaler``) or "plain". ``order``: "step"
     (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) or "clip" (``unscale_``, then
     ``clip_grad_norm_``, then ``step`` and ``update``). ``pass_scaler``: False attaches without ``grad_scaler=``
-    (the scaler still scales the loss and steps the optimizer: a forgotten argument). Returns the final
+    (the scaler still scales the loss and steps the optimizer: a forgotten argument). ``end_step``: call
+    ``arc.end_step()`` after ``scaler.update()`` (as the trainer callbacks do) and record the scaler's state at each
+    step's start (first visit) and after each rollback's step. Returns the final
     parameters, per step whether the parameters changed, the norm torch measured after ``unscale_`` ("clip" only),
     the scale before each step, and with arc_engine each monitored step's decision, agreed gradient norm and the
     summary."""
@@ -67,8 +69,13 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
 
         arc.engine.policy.commit = record
     precision = getattr(torch, dtype)
+    scaler_at: dict[int, dict] = {}
+    after_rollbacks: list[tuple[int, dict]] = []
     try:
         for step in range(steps):
+            if end_step and grad_scaler is not None:
+                scaler_at.setdefault(arc.step, grad_scaler.state_dict())
+                rollbacks = arc.rollbacks
             before = _flat(wrapped)
             inputs, targets = data.batch(step, rank, BATCH)
             with torch.autocast("cpu", dtype=precision):
@@ -85,6 +92,10 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
             if grad_scaler is not None:
                 grad_scaler.step(optimizer)
                 grad_scaler.update()
+                if end_step:
+                    arc.end_step()
+                    if arc.rollbacks > rollbacks:
+                        after_rollbacks.append((arc.step, grad_scaler.state_dict()))
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -97,7 +108,8 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
         arc.close()
         summary = arc.summary()
     return {"params": _flat(wrapped), "changed": changed, "clip_norms": clip_norms, "scales": scales,
-            "decisions": decisions, "grad_norms": grad_norms, "summary": summary}
+            "decisions": decisions, "grad_norms": grad_norms, "summary": summary, "scaler_at": scaler_at,
+            "after_rollbacks": after_rollbacks}
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:

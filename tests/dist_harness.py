@@ -34,7 +34,10 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
-           collective_timeout_s: float, backend: str = "gloo") -> None:
+           collective_timeout_s: float, backend: str, environ: dict[str, str]) -> None:
+    # A fork of the fork server holds the server's environment: take the test's, as a spawned rank would have.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     faulthandler.enable()  # a native crash prints this rank's Python stack to the test's captured stderr
     try:
@@ -59,16 +62,32 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
         os._exit(0)
 
 
+def _context(backend: str) -> Any:
+    """The ranks' start method: forks of one fork server per test session that has imported torch, arc_engine and
+    the frameworks once (``tests/rank_preload.py``); each rank still gets the test's ``sys.path``, working directory
+    and environment. On a machine with a CUDA device, and for NCCL, every rank is spawned from scratch (a fork of a
+    process whose imports may have touched the driver is no place to start CUDA); ``ARC_TEST_START=spawn`` does the
+    same anywhere."""
+    method = os.environ.get("ARC_TEST_START", "forkserver")
+    if backend != "gloo" or torch.cuda.is_available():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["tests.rank_preload"])
+    return ctx
+
+
 def _start(fn: Callable[..., Any], world: int, args: tuple, collective_timeout_s: float,
            backend: str = "gloo") -> tuple[list[Any], Any, Any]:
-    """Spawn ``world`` ranks running ``fn`` through :func:`_entry`; their processes, the result queue and the
+    """Start ``world`` ranks running ``fn`` through :func:`_entry`; their processes, the result queue and the
     rendezvous store. The parent binds the store on port 0 and keeps it open while the ranks run, so no other
     process can take the port between its choice and its use (a free port picked then bound later could be)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=collective_timeout_s))
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store.port, queue, args, collective_timeout_s, backend))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store.port, queue, args, collective_timeout_s, backend,
+                                                dict(os.environ)))
              for r in range(world)]
     for proc in procs:
         proc.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,26 @@ def test_a_rollback_restores_the_grad_scalers_scale() -> None:
     assert scaler.get_scale() == 2.0
     state.load_extra_state(saved)
     assert scaler.get_scale() == 1024.0 and scaler.state_dict() == saved["grad_scaler"]
+
+
+def _rollback_under_scaler(rank: int, world: int, config: Any) -> dict[str, Any]:
+    return train_amp(rank, 16, config, end_step=True, init_scale=1024.0)
+
+
+def test_after_a_rollback_step_the_scaler_holds_the_snapshots_state_not_one_update_later(tmp_path: Path) -> None:
+    """DDP, fp16 with a GradScaler, a loss spike rolled back: when ``arc.end_step()`` returns after the
+    rollback's ``scaler.update()``, every rank's scaler holds exactly the state it had when the restored step
+    first started (that update, which ran after the restore inside the same step, would have moved the growth
+    tracker on)."""
+    config = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint_freq=1",
+                         "recovery.checkpoint.every_steps=0", "detectors.loss_spike.warmup_steps=4",
+                         "detectors.loss_spike.action=rollback", "stats.optimizer_stats_every=0",
+                         "faults.injections=[{kind: loss_scale, rank: -1, step: 8, scale: 30.0}]")
+    for result in run_ranks(_rollback_under_scaler, 2, config):
+        assert "aborted_at" not in result, result
+        assert result["after_rollbacks"], result["decisions"]
+        for step, state in result["after_rollbacks"]:
+            assert state == result["scaler_at"][step], (step, state, result["scaler_at"][step])
 
 
 def test_attach_refuses_a_scaler_it_cannot_read_and_sdc_recomputation_with_a_scaler(tmp_path: Path) -> None:

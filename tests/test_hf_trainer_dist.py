@@ -113,7 +113,8 @@ def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_p
 SAVE_STEPS, BURST = 4, (5, 3)  # a NaN gradient on rank 1 at attempts 5, 6 and 7
 NAN_BURST = (f"--arc.faults.injections=[{{kind: nan_grad, rank: 1, step: {BURST[0]}, steps: {BURST[1]}}}]",
              "--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1", "--arc.policy.max_consecutive_skips=2",
-             "--save-steps", str(SAVE_STEPS), "--logging-steps", "2")
+             "--save-steps", str(SAVE_STEPS), "--logging-steps", "2", "--eval-steps", str(SAVE_STEPS),
+             "--generate-steps", "2")
 
 
 @pytest.mark.parametrize("framework", ["ddp", "zero2", "zero2-sections"])
@@ -123,7 +124,8 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
     whose global step is a save step, and training goes on to max_steps (under DeepSpeed too: its own step counter
     and overflow skips are restored with the tensors, so no skip is counted twice). Every Trainer checkpoint on disk
     holds the weights the surviving run had at that global step (none of the rejected state), no global step is
-    logged twice, and the healed learning rate is in the logs."""
+    logged or evaluated twice (evaluation every 4 steps), and the healed learning rate is in the logs. Rank 0 alone
+    generates from the model every 2 steps (no gradients, between steps): the run is the same."""
     extra, _ = FRAMEWORKS[framework]
     run = _train(tmp_path, "burst", *NAN_BURST, "--steps", "12", *extra)
     events = run["events"][0]
@@ -141,6 +143,9 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
         assert outcome["scheduler_last_epoch"] == 12, rank  # stepped once per applied step (DeepSpeed's own too)
         steps = [entry["step"] for entry in _train_logs(outcome)]
         assert steps == sorted(set(steps)), steps
+        evaluated = [entry["step"] for entry in outcome["log_history"] if "eval_loss" in entry]
+        assert evaluated == [4, 8, 12], evaluated  # not again at step 4 after the skips and the rollback
+        assert (outcome["generations"] > 0) == (rank == 0), outcome["generations"]
         last = _train_logs(outcome)[-1]
         assert 0.5 <= last["arc_lr_factor"] < 1 and last["arc_rollbacks"] == 1, last  # healing: x 0.5, rising
     from safetensors.torch import load_file

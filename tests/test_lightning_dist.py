@@ -68,12 +68,39 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_lightnings_counters_true(
         assert lrs[NAN_STEP + 1] == lrs[NAN_STEP]  # no scheduler step for the skipped one
         assert torch.isfinite(outcome["params"]).all()
     assert torch.equal(faulted["ranks"][0]["params"], faulted["ranks"][1]["params"])
-    # the CSVLogger's rows are numbered by applied steps: the last is the last applied step's (not 3 batches later)
+    # the CSVLogger's rows are numbered by applied steps (the last is the last applied step's, not 3 batches later),
+    # one row per applied step: none for the skip or the rolled-back attempt, the step the rollback undid twice
     with (tmp_path / "csv" / "metrics.csv").open() as rows:
         steps = [int(row["step"]) for row in csv.DictReader(rows) if row.get("train_loss")]
-    assert max(steps) == steps[-1] == STEPS - 1 and len(steps) == STEPS + 3, steps
+    assert max(steps) == steps[-1] == STEPS - 1 and len(steps) == STEPS + 1, steps
+    assert sorted(set(steps)) == list(range(STEPS)), steps
+
+
+def test_an_epoch_scheduler_steps_once_per_epoch_when_the_epochs_last_batch_is_skipped(tmp_path: Path) -> None:
+    """Epochs of 4 batches, an LR that halves at every epoch end, a NaN skipped on the first epoch's last batch:
+    the scheduler still steps at that epoch's end (it follows epochs, not applied steps): the 11 batches of 10
+    applied steps make two whole epochs and part of a third (which max_steps ends, with no epoch-end step), so it
+    stepped twice and the third epoch trains at a quarter of the first's LR, on both ranks."""
+    skipped = _train(tmp_path, "epochs", "--arc.faults.injections=[{kind: nan_loss, rank: 0, step: 3}]",
+                     "--epoch-batches", "4", "--scheduler-interval", "epoch")
+    assert (3, "non_finite", "skip") in set(decisions(skipped["events"][0]))
+    for rank in range(2):
+        outcome = skipped["ranks"][rank]
+        assert outcome["global_step"] == STEPS, outcome["global_step"]
+        assert outcome["scheduler_last_epoch"] == 2, outcome["scheduler_last_epoch"]
+        assert outcome["lrs"] == [3e-3] * 4 + [1.5e-3] * 4 + [7.5e-4] * 3, outcome["lrs"]
 
 
 def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_path: Path) -> None:
-    stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, expect=1)
+    """A stop with ``min_steps`` beyond it, validation after every batch and a ModelCheckpoint every step: every
+    rank ends with exit code 3, no traceback from the loop (min_steps does not hold it open); the checkpoints and
+    validations are those of the applied steps 1 and 2 only (none for the skipped step, none after the stop)."""
+    stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, "--min-steps", str(STEPS), "--val-every", "1",
+                     "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--csv-log",
+                     str(tmp_path / "csv"), expect=1)
     assert_stopped_at_step_3_with_exit_code_3(stopped)
+    assert 'lightning_trainer.py", line' not in stopped["output"], stopped["output"][-3000:]  # no rank's traceback
+    assert sorted(path.name for path in (tmp_path / "ckpt").glob("*.ckpt")) == ["step=1.ckpt", "step=2.ckpt"]
+    with (tmp_path / "csv" / "metrics.csv").open() as rows:
+        validated = [int(row["step"]) for row in csv.DictReader(rows) if row.get("val_loss")]
+    assert len(validated) == 2, validated

@@ -23,7 +23,7 @@ import arc_engine
 from arc_engine.config import ArcConfig
 from arc_engine.sinks import read_jsonl
 from tests.dist_harness import run_ranks
-from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
+from tests.training import BATCH, count_c10d_ops, make_config, make_optimizer, tiny_model_and_data
 
 pytestmark = pytest.mark.timeout(300)
 EVAL_BATCHES = [(10_000 + i, r) for i in range(4) for r in range(2)]
@@ -257,6 +257,41 @@ def test_a_nan_burst_is_rolled_back_in_one_transaction_and_training_goes_on(tmp_
     if backend not in ("fsdp", "zero3"):  # (there the parameters compared are each rank's own shards)
         for mine, theirs in zip(results[0]["params"], results[1]["params"], strict=True):
             assert torch.equal(mine, theirs)
+
+
+# ------------------------------------------------------------------ forwards between steps
+
+def _probed(rank: int, world: int, config: ArcConfig, steps: int, probe: bool) -> dict[str, Any]:
+    """Train under DDP; with ``probe``, rank 0 alone runs a forward without gradients (an evaluation, a generation
+    in a callback) before every step attempt, on the module inside DDP, counting the collectives it issues."""
+    job, data = make_job("ddp", config, rank, world)
+    inner, counts = job.forward.module, []
+
+    def at_step_start(arc: Any) -> None:
+        if probe and rank == 0:
+            def forward() -> None:
+                with torch.no_grad():
+                    inner(*data.batch(50_000 + arc.step, rank, BATCH))
+            counts.append(count_c10d_ops(forward))
+
+    result = train(job, data, rank, steps, at_step_start=at_step_start)
+    return {**result, "counts": counts}
+
+
+def test_a_forward_between_steps_on_one_rank_opens_no_step_and_changes_nothing(tmp_path: Path) -> None:
+    """A forward without gradients between steps is not a step: on rank 0 only, before every attempt (snapshot
+    captures due, the first one sizing the ring collectively, and a rolled-back spike among them) it issues no
+    collective, and the run ends bitwise where the same run without those forwards ends, with the same decisions."""
+    steps, spike = 16, lr_spike(9)
+    probed = run_ranks(_probed, 2, recovery_config(tmp_path / "probed", spike), steps, True)
+    plain = run_ranks(_probed, 2, recovery_config(tmp_path / "plain", spike), steps, False)
+    assert len(probed[0]["counts"]) == probed[0]["iterations"] > steps  # (the rollback repeats attempts)
+    assert set(probed[0]["counts"]) == {0}, probed[0]["counts"]
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(probed[rank]["params"], plain[rank]["params"], strict=True))
+        assert probed[rank]["summary"]["recovery"]["rollbacks"] == plain[rank]["summary"]["recovery"]["rollbacks"] == 1
+    assert [e["action"] for e in events(tmp_path / "probed") if e["kind"] == "action"] == \
+        [e["action"] for e in events(tmp_path / "plain") if e["kind"] == "action"]
 
 
 # ------------------------------------------------------------------ persistent fault: escape, then a clean stop

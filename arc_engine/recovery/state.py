@@ -139,6 +139,7 @@ class TorchTrainState:
         self.lr_scheduler = lr_scheduler
         self.rank = rank
         self.grad_scaler = grad_scaler  # a torch.amp GradScaler: its scale and growth tracker roll back too
+        self._scaler_restored: dict[str, Any] | None = None  # loaded again once the step's update() has run
         #: DDP: parameters and optimizer state are identical on every rank of ``replica_group`` (None: the default)
         self._replicated, self._replica_group = replicated, replica_group
 
@@ -179,6 +180,15 @@ class TorchTrainState:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+            self._scaler_restored = state["grad_scaler"]
+
+    def settle_scaler(self) -> None:
+        """Where the loop's ``scaler.update()`` has returned (``Arc.end_step``, else the next forward): a restore
+        inside ``scaler.step()`` was followed by that update, which moved the restored scale and growth tracker on;
+        load the restored state again. Local; nothing to do without a restore."""
+        if self._scaler_restored is not None and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(self._scaler_restored)
+        self._scaler_restored = None
 
     def dcp_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -60,7 +60,30 @@ FEATURES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
                     ("_globalstep_last_logged",)),
     "watchdog_pauses": (("the hang watchdog does not count evaluation and checkpoint saves",
                          "a slow evaluation or save counts toward a hang"), ("_evaluate", "_save_checkpoint")),
+    "per_token_loss": (("the recorded loss is each rank's per-token loss under num_items_in_batch",
+                        "with variable-length batches a rank's recorded loss follows its share of the tokens"),
+                       ("compute_loss", "model_accepts_loss_kwargs", "compute_loss_func", "_loss_shifts_labels",
+                        "get_tp_size")),
 }
+
+
+def per_token_factor(trainer: Any, inputs: Any, num_items_in_batch: Any) -> torch.Tensor | None:
+    """What turns the loss the Trainer hands to ``backward`` for this micro-batch into the micro-batch's own
+    per-token loss, when the Trainer normalised it by ``num_items_in_batch`` (the tokens of every micro-batch of the
+    step, on every rank): ``num_items_in_batch / (scale x local tokens)``, the local tokens counted as the Trainer
+    counts them (shifted labels other than -100) and ``scale`` its multiplier for averaging tokens across devices.
+    None where the Trainer did not normalise so (the loss is then the micro-batch's mean, divided by the
+    accumulation steps). A device-side scalar: no host read."""
+    if num_items_in_batch is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
+        return None
+    if not isinstance(inputs, dict) or ("labels" not in inputs and "shift_labels" not in inputs):
+        return None
+    labels = inputs["shift_labels"] if "shift_labels" in inputs else \
+        inputs["labels"][..., 1:] if trainer._loss_shifts_labels else inputs["labels"]
+    scale = trainer.accelerator.num_processes // trainer.get_tp_size() \
+        if trainer.args.average_tokens_across_devices else 1
+    local = labels.ne(-100).sum().clamp(min=1)
+    return torch.as_tensor(num_items_in_batch, device=local.device).double() / (scale * local).double()
 
 
 def check_trainer(trainer: Any) -> Capabilities:
@@ -217,14 +240,28 @@ class ArcCallback(TrainerCallback):
             return call
 
         backward = trainer.accelerator.backward
+        per_token: list[torch.Tensor | None] = [None]  # the current micro-batch's (compute_loss -> backward)
 
         @functools.wraps(backward)
         def recording_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
             loss = arc.faults.on_loss(loss)
-            steps = getattr(trainer, "current_gradient_accumulation_steps", None) or \
-                trainer.args.gradient_accumulation_steps
-            arc.record_loss(loss.detach() * steps)
+            factor, per_token[0] = per_token[0], None
+            if factor is None:  # the micro-batch's mean, divided by the accumulation steps
+                factor = getattr(trainer, "current_gradient_accumulation_steps", None) or \
+                    trainer.args.gradient_accumulation_steps
+            arc.record_loss((loss.detach().double() * factor).to(loss.dtype))
             return backward(loss, **kwargs)
+
+        if self._has("per_token_loss"):
+            compute_loss = trainer.compute_loss
+
+            @functools.wraps(compute_loss)
+            def counting_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+                items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
+                per_token[0] = per_token_factor(trainer, inputs, items)
+                return compute_loss(model, inputs, *args, **kwargs)
+
+            trainer.compute_loss = counting_compute_loss
 
         trainer.accelerator.backward = catching(recording_backward)
         trainer.optimizer.step = catching(trainer.optimizer.step)

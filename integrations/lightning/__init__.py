@@ -15,12 +15,17 @@ the first LR scheduler) and keeps Lightning honest, on every rank alike:
   optimizer then gets its result), so the decision sees this step's gradients.
 - **the step counter**: ``trainer.global_step`` counts applied steps (:attr:`Arc.applied_steps`): a skipped step
   does not advance it, a rollback takes it back, so ``max_steps`` means applied steps.
-- **the LR scheduler** steps on applied steps only (``lr_scheduler_step`` is held back otherwise), and a rollback
-  restores it (under DeepSpeed too: Lightning steps it outside the engine).
+- **the LR scheduler** steps on applied steps only when its interval is ``"step"`` (``lr_scheduler_step`` is held
+  back otherwise); an ``"epoch"`` one steps once per epoch whatever the epoch's last batch did. A rollback restores
+  it (under DeepSpeed too: Lightning steps it outside the engine).
 - **the data**: Lightning's loader cannot seek: after a rollback training goes on with the next batches
   (``recovery.skip_data: stream``).
-- **a stop**: :class:`~arc_engine.ArcAbort` sets ``trainer.should_stop``; once ``fit`` has wound down the callback
-  ends the process with the abort's exit code (``exit_on_abort=False``: ``fit`` raises the ``ArcAbort``).
+- **a stop**: :class:`~arc_engine.ArcAbort` ends ``fit`` where the step returns, on every rank: arc_engine closes,
+  Lightning finalizes its loggers and tears down (its ``on_exception`` path), and the process ends with the abort's
+  exit code (``exit_on_abort=False``: ``fit`` raises the ``ArcAbort``). No validation, checkpoint or epoch-end hook
+  runs on the stopped state, and ``min_steps``/``min_epochs`` cannot hold the loop open.
+- **the logs and validation** follow applied steps: a step not applied (a skip, a rollback) writes no logger row
+  and triggers no validation (the weights are those of a step already logged and validated).
 - **the watchdog** does not count validation or checkpoint saves.
 
 Strategies: DDP (and a single device) and DeepSpeed ZeRO-1/2/3. Lightning's ``FSDPStrategy`` wraps with FSDP1, which
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,7 +61,9 @@ TESTED_LIGHTNING_RANGE = TestedRange("lightning", "2.5.0", "2.7.0", "integration
 FEATURES = {"step_counter": ("trainer.global_step counts applied steps",
                              "global_step and max_steps count every step, skipped or rolled back"),
             "logging_step": ("the loggers' step counts applied steps",
-                             "after a skip or rollback the loggers' rows are numbered by batches")}
+                             "after a skip or rollback the loggers' rows are numbered by batches"),
+            "applied_only": ("a step not applied writes no logger row and runs no validation",
+                             "a skipped or rolled-back step is logged and validated like an applied one")}
 
 
 def _step_progress(trainer: Any) -> Any:
@@ -81,6 +88,13 @@ def check_trainer(trainer: Any) -> Capabilities:
     missing = [name for name, present in checks if not present]
     if missing:
         found.off["logging_step"] = missing
+    applied_only = (("_logger_connector.update_train_step_metrics",
+                     callable(getattr(trainer._logger_connector, "update_train_step_metrics", None))),
+                    ("fit_loop.epoch_loop._skip_next_val",
+                     isinstance(getattr(trainer.fit_loop.epoch_loop, "_skip_next_val", None), bool)))
+    missing = [name for name, present in applied_only if not present]
+    if missing:
+        found.off["applied_only"] = missing
     return found
 
 
@@ -134,19 +148,30 @@ class ArcCallback(Callback):
         self._wrap(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.arc is not None and self._abort is None:
-            try:  # the optimizer step and its loss scaler returned: a step the scaler skipped is closed here
-                self.arc.end_step()
-            except ArcAbort as abort:
-                self._abort = abort
-        if self.arc is not None and self._capabilities is not None:
-            if self._capabilities.has("step_counter"):
-                _step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
-            if self._capabilities.has("logging_step") and not trainer.fit_loop._should_accumulate():
-                # Lightning adds 1 after this batch's logs: they carry the applied steps before this one's
-                trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.applied_steps - 1
-        if self._abort is not None:
-            trainer.should_stop = True
+        if self.arc is None:
+            return
+        try:  # the optimizer step and its loss scaler returned: a step the scaler skipped is closed here
+            self.arc.end_step()
+        except ArcAbort as abort:
+            self._stop(abort)
+        if self._capabilities is None or trainer.fit_loop._should_accumulate():
+            return
+        if self._capabilities.has("step_counter"):
+            _step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
+        if self._capabilities.has("logging_step"):
+            # Lightning adds 1 after this batch's logs: they carry the applied steps before this one's
+            trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.applied_steps - 1
+        if self._capabilities.has("applied_only") and not self.arc.last_step_applied:
+            trainer.fit_loop.epoch_loop._skip_next_val = True  # the weights of a step already validated
+
+    def _stop(self, abort: ArcAbort) -> NoReturn:
+        """End ``fit`` now, on every rank alike (the verdict is agreed): Lightning's exception path finalizes the
+        loggers and tears down, and nothing of the loop (validation, checkpoints, epoch ends, ``min_steps``) runs on
+        the stopped state."""
+        self._abort = abort
+        if self.arc is not None:
+            self.arc.close()
+        end_with(abort, exit_on_abort=self.exit_on_abort)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None and self._paused is None:  # Arc.watchdog_paused(), held across the two events
@@ -161,11 +186,9 @@ class ArcCallback(Callback):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None:
             self.arc.close()
-        if self._abort is not None:
-            end_with(self._abort, exit_on_abort=self.exit_on_abort)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.arc is not None and not isinstance(exception, SystemExit):
+        if self.arc is not None and self._abort is None:
             self.arc.close()
 
     # ------------------------------------------------------------------ what the callback wraps
@@ -192,23 +215,23 @@ class ArcCallback(Callback):
 
         @functools.wraps(optimizer_step)
         def closure_first(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-            if self._abort is not None:
-                return None
             if optimizer_closure is not None:
                 result = optimizer_closure()  # forward and backward now: the step's pre-hooks see its gradients
                 optimizer_closure = functools.partial(lambda value: value, result)
             try:
                 return optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
             except ArcAbort as abort:
-                self._abort = abort
-                trainer.should_stop = True
-                return None
+                self._stop(abort)
 
         scheduler_step = pl_module.lr_scheduler_step
 
+        intervals = {id(config.scheduler): config.interval for config in trainer.lr_scheduler_configs}
+
         @functools.wraps(scheduler_step)
         def applied_only(scheduler: Any, metric: Any) -> Any:
-            if self._abort is not None or not arc.last_step_applied:
+            # a step-interval scheduler follows applied steps; an epoch-interval one (plateau included) steps once
+            # per epoch, whatever the epoch's last batch did
+            if intervals.get(id(scheduler), "step") == "step" and not arc.last_step_applied:
                 return None
             return scheduler_step(scheduler, metric)
 
@@ -223,6 +246,15 @@ class ArcCallback(Callback):
                 return save(*args, **kwargs)
 
         trainer.save_checkpoint = paused_save
+        if self._capabilities is not None and self._capabilities.has("applied_only"):
+            step_metrics = trainer._logger_connector.update_train_step_metrics
+
+            @functools.wraps(step_metrics)
+            def applied_rows_only() -> None:
+                if arc.last_step_applied:  # a skipped or rolled-back step writes no row
+                    step_metrics()
+
+            trainer._logger_connector.update_train_step_metrics = applied_rows_only
 
 
 __all__ = ["ArcCallback"]

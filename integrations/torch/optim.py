@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
 from arc_engine.stats.optim_stats import adam_views
 from arc_engine.stats.producers import record_optimizer_stats
 from arc_engine.stats.sampling import WindowCache
+
+if TYPE_CHECKING:
+    from arc_engine.recovery.state import TorchTrainState
 
 
 @dataclass
@@ -176,9 +180,12 @@ class ScalerSkipsHooks:
     steps, for adapters holding a :class:`ScalerSkips` as ``scaler_skips`` (None without a scaler)."""
 
     scaler_skips: ScalerSkips | None = None
+    state: TorchTrainState | None = None  # what a rollback restores, the scaler's state included
 
     def before_step_start(self) -> None:
         """At each forward: close a step the scaler skipped (see :class:`ScalerSkips`)."""
+        if self.state is not None:
+            self.state.settle_scaler()
         if self.scaler_skips is not None:
             self.scaler_skips.before_step_start()
 
@@ -188,7 +195,10 @@ class ScalerSkipsHooks:
 
     def close_framework_skips(self) -> None:
         """After the loop's ``scaler.step``/``scaler.update``: close a step the scaler skipped now, not at the next
-        forward (collective over the decision group when it was monitored)."""
+        forward (collective over the decision group when it was monitored). After a rollback the scaler holds the
+        snapshot's state again (its ``update()`` ran after the restore, inside the same step)."""
+        if self.state is not None:
+            self.state.settle_scaler()
         if self.scaler_skips is not None:
             self.scaler_skips.before_step_start()
 

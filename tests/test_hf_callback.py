@@ -1,0 +1,83 @@
+"""The Hugging Face Trainer callback in one process (no torch.distributed): what it records of the Trainer's loss.
+
+The multi-rank runs under torchrun are ``tests/test_hf_trainer_dist.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.training import make_config
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+class VariableLengths(torch.utils.data.Dataset):
+    """Token sequences of 4 to 23 tokens: micro-batches padded to their longest, with different token counts."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        length = 4 + (index * 7) % 20
+        ids = (torch.arange(length) * (index + 3)) % 50
+        return {"input_ids": ids, "labels": ids}
+
+
+def pad(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    longest = max(len(example["input_ids"]) for example in examples)
+    ids = torch.zeros(len(examples), longest, dtype=torch.long)
+    labels = torch.full((len(examples), longest), -100)
+    mask = torch.zeros(len(examples), longest, dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = example["input_ids"], example["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def test_the_recorded_loss_is_each_micro_batchs_per_token_loss_under_num_items_in_batch(tmp_path: Path) -> None:
+    """Padded variable-length batches, 2 accumulation steps: the Trainer normalises each micro-batch's loss by the
+    tokens of the whole step (``num_items_in_batch``), so ``loss x accumulation steps`` would follow a micro-batch's
+    share of the tokens; what arc_engine records is the micro-batch's own per-token loss, equal to the model's mean
+    over its tokens (computed beside it, without gradients)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from arc_engine.integrations.hf import ArcCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    # a GPT-2 built from a config names no loss type, and the Trainer then counts unshifted labels for
+    # num_items_in_batch (the recorded loss follows the Trainer's count, whatever it is); name it, as hub models do
+    model.loss_type = "ForCausalLM"
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=3, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    recorded: list[float] = []
+
+    class Capture(TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            arc = callback.arc
+            record = arc.record_loss
+            arc.record_loss = lambda loss: (recorded.append(float(loss)), record(loss))[1]
+
+    callback = ArcCallback(make_config(tmp_path / "arc", "stats.interval=1"))
+    trainer = Trainer(model=model, args=args, train_dataset=VariableLengths(), data_collator=pad,
+                      callbacks=[callback, Capture()])
+    expected: list[float] = []
+    compute_loss = trainer.compute_loss
+
+    def beside(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            expected.append(float(model(**inputs).loss))  # the mean over this micro-batch's tokens
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = beside
+    trainer.train()
+    assert trainer.model_accepts_loss_kwargs and trainer._loss_shifts_labels  # normalised by num_items_in_batch
+    assert len(recorded) == len(expected) == 6
+    assert recorded == pytest.approx(expected, rel=1e-5), (recorded, expected)
