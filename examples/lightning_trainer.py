@@ -76,6 +76,21 @@ class TinyGPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
 
 
+class Timeline(L.Callback):
+    """For the tests (``--result`` with ``--checkpoint-every``): the parameters at the end of each batch that moved
+    the global step, by global step (a step reached again after a rollback replaces the earlier): what a
+    checkpoint of that step must hold."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+        self.last = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.global_step != self.last:
+            self.at[trainer.global_step] = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+        self.last = trainer.global_step
+
+
 def main() -> None:
     parser = add_example_args(add_arc_args(argparse.ArgumentParser(description=__doc__, allow_abbrev=False)))
     parser.add_argument("--strategy", default="ddp", help="ddp, or deepspeed_stage_1/2/3 (CUDA GPUs only)")
@@ -86,6 +101,7 @@ def main() -> None:
                         help="ModelCheckpoint every N steps into --checkpoint-dir, every one kept (0: none)")
     parser.add_argument("--checkpoint-dir", default="lightning_checkpoints")
     parser.add_argument("--min-steps", type=int, default=None, help="the Trainer's min_steps")
+    parser.add_argument("--ckpt-path", default=None, help="resume from this Lightning checkpoint (fit's ckpt_path)")
     parser.add_argument("--epoch-batches", type=int, default=0, help="batches per epoch and rank (0: enough for all)")
     parser.add_argument("--scheduler-interval", default="step", choices=("step", "epoch"),
                         help="step: cosine over --steps; epoch: the LR halves at every epoch end")
@@ -97,6 +113,9 @@ def main() -> None:
                        else args.steps * args.batch_size * args.grad_accum * 8)
     module = TinyGPT(data.text.vocab_size, args.steps, args.lr, args.scheduler_interval)
     callbacks: list[L.Callback] = [] if config is None else [ArcCallback(config)]
+    timeline = Timeline() if args.result and args.checkpoint_every else None
+    if timeline is not None:
+        callbacks.append(timeline)
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{step}", save_top_k=-1,
                                          every_n_train_steps=args.checkpoint_every))
@@ -111,11 +130,13 @@ def main() -> None:
                         check_val_every_n_epoch=None if args.val_every else 1, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
                         deterministic=True)
-    trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False), validation)
+    trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False), validation,
+                ckpt_path=args.ckpt_path)
     callback = callbacks[0] if config is not None else None
+    timeline_at = timeline.at if timeline is not None else None
 
     save_outcome(args.result, trainer.global_rank, module.model.parameters(), callback,
-                 global_step=trainer.global_step, lrs=module.lrs, epochs=trainer.current_epoch,
+                 global_step=trainer.global_step, lrs=module.lrs, epochs=trainer.current_epoch, timeline=timeline_at,
                  scheduler_last_epoch=trainer.lr_scheduler_configs[0].scheduler.last_epoch)
 
 

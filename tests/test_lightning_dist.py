@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,42 @@ def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_p
     with (tmp_path / "csv" / "metrics.csv").open() as rows:
         validated = [int(row["step"]) for row in csv.DictReader(rows) if row.get("val_loss")]
     assert len(validated) == 2, validated
+
+
+def test_a_resume_from_ckpt_path_that_disagrees_with_arc_engines_is_refused_and_one_flag_picks_one(
+        tmp_path: Path) -> None:
+    """A run with a ModelCheckpoint every 4 steps and arc_engine's disk checkpoints every 3, a loss spike at the
+    attempt after the step-4 save rolled back to step 3 (the newest verified state): the rollback removes the
+    step-4 file (it held the undone state) and the step is saved again when reached, so every checkpoint holds the
+    surviving run's weights at its step. Relaunched with ``ckpt_path`` at step 4 while arc_engine's newest is
+    later: every rank stops with exit code 2 before training, naming both steps and the flag; with arc_engine's
+    resume off the same relaunch trains on from Lightning's step 4 to max_steps."""
+    disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
+            "--arc.recovery.checkpoint.every_steps=3", "--arc.detectors.loss_spike.action=rollback",
+            "--arc.detectors.loss_spike.warmup_steps=3", "--checkpoint-every", "4",
+            "--checkpoint-dir", str(tmp_path / "ckpt"))
+    first = _train(tmp_path, "resume", *disk, "--steps", "8",
+                   "--arc.faults.injections=[{kind: loss_scale, rank: -1, step: 4, scale: 30.0}]")
+    assert (4, "loss_spike", "rollback") in set(decisions(first["events"][0]))
+    assert first["ranks"][0]["global_step"] == 8
+    removed = [e for e in first["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "checkpoints_removed"]
+    assert [Path(p).name for e in removed for p in e["values"]["paths"]] == ["step=4.ckpt"], removed
+    timeline = first["ranks"][0]["timeline"]
+    saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert [path.name for path in saved] == ["step=4.ckpt", "step=8.ckpt"], saved
+    for path in saved:
+        written = torch.load(path, weights_only=False)
+        expected = timeline[written["global_step"]]
+        assert all(torch.equal(written["state_dict"][name], tensor) for name, tensor in expected.items()), path
+    checkpoint = str(tmp_path / "ckpt" / "step=4.ckpt")
+    refused = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", checkpoint, expect=1)
+    output = refused["output"]
+    assert "two resumes disagree" in output and "Lightning (ckpt_path) resumed step 4" in output, output[-3000:]
+    assert "--arc.recovery.checkpoint.resume=false" in output
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-3000:]
+    picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", checkpoint,
+                    "--arc.recovery.checkpoint.resume=false")
+    for rank in range(2):
+        outcome = picked["ranks"][rank]
+        assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
+        assert len(outcome["lrs"]) == 8  # the steps from 4 to 12 only

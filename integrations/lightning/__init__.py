@@ -24,6 +24,8 @@ the first LR scheduler) and keeps Lightning honest, on every rank alike:
   Lightning finalizes its loggers and tears down (its ``on_exception`` path), and the process ends with the abort's
   exit code (``exit_on_abort=False``: ``fit`` raises the ``ArcAbort``). No validation, checkpoint or epoch-end hook
   runs on the stopped state, and ``min_steps``/``min_epochs`` cannot hold the loop open.
+- **checkpoints**: a rollback to global step G removes the trainer checkpoints saved after G (they hold the state
+  it undid) and re-arms ``ModelCheckpoint``, so each step's checkpoint is the surviving run's.
 - **the logs and validation** follow applied steps: a step not applied (a skip, a rollback) writes no logger row
   and triggers no validation (the weights are those of a step already logged and validated).
 - **the watchdog** does not count validation or checkpoint saves.
@@ -63,7 +65,9 @@ FEATURES = {"step_counter": ("trainer.global_step counts applied steps",
             "logging_step": ("the loggers' step counts applied steps",
                              "after a skip or rollback the loggers' rows are numbered by batches"),
             "applied_only": ("a step not applied writes no logger row and runs no validation",
-                             "a skipped or rolled-back step is logged and validated like an applied one")}
+                             "a skipped or rolled-back step is logged and validated like an applied one"),
+            "checkpoint_rewind": ("a rollback removes the checkpoints saved after its target and re-arms their saves",
+                                  "a checkpoint saved after a rollback's target keeps the state the rollback undid")}
 
 
 def _step_progress(trainer: Any) -> Any:
@@ -95,6 +99,11 @@ def check_trainer(trainer: Any) -> Capabilities:
     missing = [name for name, present in applied_only if not present]
     if missing:
         found.off["applied_only"] = missing
+    missing = [f"{type(callback).__name__}.{member}" for callback in trainer.checkpoint_callbacks
+               for member in ("_last_global_step_saved", "best_k_models", "best_model_path", "last_model_path")
+               if not hasattr(callback, member)]
+    if missing:
+        found.off["checkpoint_rewind"] = missing
     return found
 
 
@@ -117,6 +126,8 @@ class ArcCallback(Callback):
         self._log_offset = 0  # the loggers' step when arc_engine attached
         self._paused: Any = None  # the watchdog's pause during validation
         self._capabilities: Capabilities | None = None
+        self._saves: list[tuple[int, str]] = []  # (global step, path) of every trainer.save_checkpoint
+        self._rollbacks = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.arc is not None:
@@ -163,6 +174,35 @@ class ArcCallback(Callback):
             trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.applied_steps - 1
         if self._capabilities.has("applied_only") and not self.arc.last_step_applied:
             trainer.fit_loop.epoch_loop._skip_next_val = True  # the weights of a step already validated
+        if self.arc.rollbacks != self._rollbacks:
+            self._rollbacks = self.arc.rollbacks
+            if self._capabilities.has("checkpoint_rewind"):
+                self._rewind_checkpoints(trainer)
+
+    def _rewind_checkpoints(self, trainer: Any) -> None:
+        """After a rollback to global step G: a checkpoint saved at a later step holds a state the rollback undid
+        (the run reaches that step again with other weights), and ModelCheckpoint would not save it again (it
+        remembers its last saved step). Remove those files (every rank alike; the strategy removes on rank 0), drop
+        them from the callbacks' records and re-arm their saves, so each step's checkpoint is the surviving run's."""
+        target = trainer.global_step
+        stale = [path for step, path in self._saves if step > target]
+        self._saves = [(step, path) for step, path in self._saves if step <= target]
+        for path in dict.fromkeys(stale):
+            trainer.strategy.remove_checkpoint(path)
+        for callback in trainer.checkpoint_callbacks:
+            callback._last_global_step_saved = min(callback._last_global_step_saved, target)
+            for path in stale:
+                callback.best_k_models.pop(path, None)
+            if callback.best_model_path in stale:
+                callback.best_model_path = ""
+            if callback.last_model_path in stale:
+                callback.last_model_path = ""
+        if stale:
+            assert self.arc is not None
+            self.arc.engine.emit_lifecycle(
+                "checkpoints_removed", f"the rollback to step {target} removed {len(stale)} trainer checkpoint(s) "
+                f"saved after it (they held the state it undid; they are saved again when their step is reached): "
+                f"{', '.join(stale)[:400]}", {"global_step": target, "paths": stale})
 
     def _stop(self, abort: ArcAbort) -> NoReturn:
         """End ``fit`` now, on every rank alike (the verdict is agreed): Lightning's exception path finalizes the
@@ -241,9 +281,10 @@ class ArcCallback(Callback):
         save = trainer.save_checkpoint
 
         @functools.wraps(save)
-        def paused_save(*args: Any, **kwargs: Any) -> Any:
+        def paused_save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            self._saves.append((trainer.global_step, str(filepath)))
             with arc.watchdog_paused():
-                return save(*args, **kwargs)
+                return save(filepath, *args, **kwargs)
 
         trainer.save_checkpoint = paused_save
         if self._capabilities is not None and self._capabilities.has("applied_only"):
