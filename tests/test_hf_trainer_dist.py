@@ -103,11 +103,19 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_the_trainers_counters_tru
 
 def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_path: Path) -> None:
     """NaN losses on rank 1 at steps 2 and 3, one skip allowed: every rank decides to stop at step 3, the first rank
-    to exit does so with exit code 3 (torchrun then ends the others and exits 1 itself), and the Trainer saves no
-    checkpoint of the failed state."""
-    stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, expect=1)
+    to exit does so with exit code 3 (torchrun then ends the others and exits 1 itself), and the Trainer, saving
+    every step, saves the two applied steps only (nothing for the skip or the stop). A relaunch from the last
+    checkpoint, the fault gone, trains on from its step to max_steps."""
+    stopped = _train(tmp_path, "stopped", *PERSISTENT_FAULT, "--save-steps", "1", expect=1)
     assert_stopped_at_step_3_with_exit_code_3(stopped)
-    assert not list((tmp_path / "stopped" / "trainer").glob("checkpoint-*"))
+    saved = sorted(path.name for path in (tmp_path / "stopped" / "trainer").glob("checkpoint-*"))
+    assert saved == ["checkpoint-1", "checkpoint-2"], saved
+    resumed = _train(tmp_path, "resumed", "--resume-from", str(tmp_path / "stopped" / "trainer" / "checkpoint-2"))
+    for rank in range(2):
+        outcome = resumed["ranks"][rank]
+        assert outcome["global_step"] == STEPS and outcome["scheduler_last_epoch"] == STEPS, rank
+        # the history checkpoint-2 carried (steps 1, 2), then the resumed steps: each step logged once
+        assert [entry["step"] for entry in _train_logs(outcome)] == list(range(1, STEPS + 1)), rank
 
 
 SAVE_STEPS, BURST = 4, (5, 3)  # a NaN gradient on rank 1 at attempts 5, 6 and 7
@@ -162,14 +170,28 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
 
 
 def test_two_resumes_that_disagree_are_refused_naming_both_steps_and_one_flag_picks_one(tmp_path: Path) -> None:
-    """A run with the Trainer's checkpoints (every 4 steps) and arc_engine's disk checkpoints, then relaunched from
-    the Trainer's checkpoint-4 while arc_engine's newest is later: every rank stops with exit code 2 before training,
+    """A run with the Trainer's checkpoints (every 4 steps) and arc_engine's disk checkpoints, a loss spike on the
+    attempt after the step-4 save rolled back to step 3 (checkpoint-4 removed, saved again when reached, every
+    checkpoint the surviving run's weights), then relaunched from the Trainer's checkpoint-4 while arc_engine's
+    newest is later: every rank stops with exit code 2 before training,
     the message naming both steps and the flag; with arc_engine's resume turned off the same relaunch trains on
     from the Trainer's step 4 to max_steps."""
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
             "--arc.recovery.checkpoint.every_steps=3", "--save-steps", "4")
-    first = _train(tmp_path, "resume", *disk, "--steps", "8")
+    first = _train(tmp_path, "resume", *disk, "--steps", "8", "--arc.detectors.loss_spike.action=rollback",
+                   "--arc.detectors.loss_spike.warmup_steps=3",
+                   "--arc.faults.injections=[{kind: loss_scale, rank: -1, step: 4, scale: 30.0}]")
     assert first["ranks"][0]["global_step"] == 8
+    # the spike on the attempt after the step-4 save rolls back to step 3: checkpoint-4 held the undone state
+    assert (4, "loss_spike", "rollback") in set(decisions(first["events"][0]))
+    removed = [e for e in first["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "checkpoints_removed"]
+    assert [Path(p).name for e in removed for p in e["values"]["paths"]] == ["checkpoint-4"], removed
+    from safetensors.torch import load_file
+
+    for step in (4, 8):  # saved again when reached: the surviving run's weights
+        written = load_file(str(first["dir"] / "trainer" / f"checkpoint-{step}" / "model.safetensors"))
+        assert all(torch.equal(written[name].float(), tensor)
+                   for name, tensor in first["ranks"][0]["timeline"][step].items()), step
     checkpoint = str(first["dir"] / "trainer" / "checkpoint-4")
     refused = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from", checkpoint, expect=1)
     output = refused["output"]

@@ -29,6 +29,7 @@ attaches arc_engine to it. It then keeps the Trainer honest, on every rank alike
 from __future__ import annotations
 
 import functools
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -189,11 +190,33 @@ class ArcCallback(TrainerCallback):
             self._rollbacks = self.arc.rollbacks
             state.log_history = [entry for entry in state.log_history
                                  if entry.get("step", 0) <= state.global_step + 1]
+            self._remove_undone_checkpoints(args, state, state.global_step + 1)
             if self._has("log_counter") and self._trainer._globalstep_last_logged > state.global_step + 1:
                 self._trainer._globalstep_last_logged = state.global_step + 1  # the next log counts from here
         loss_sum = self._trainer._tr_loss if self._has("logged_loss") else None
         if not self.arc.last_step_applied and self._loss_sum is not None and isinstance(loss_sum, torch.Tensor):
             loss_sum.copy_(self._loss_sum)  # the logged loss averages the applied steps only
+
+    def _remove_undone_checkpoints(self, args: Any, state: Any, target: int) -> None:
+        """After a rollback to global step ``target``: the Trainer's checkpoints of later steps hold the state the
+        rollback undid. The ranks that save remove them (the step's checkpoint is written again when the run
+        reaches it; a stop before then leaves the last checkpoint the run still stands behind), with one event."""
+        if not args.should_save:
+            return
+        stale = sorted((path for path in Path(args.output_dir).glob("checkpoint-*")
+                        if path.name.removeprefix("checkpoint-").isdigit()
+                        and int(path.name.removeprefix("checkpoint-")) > target),
+                       key=lambda path: int(path.name.removeprefix("checkpoint-")))
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        if state.best_model_checkpoint is not None and Path(state.best_model_checkpoint) in stale:
+            state.best_model_checkpoint = None
+        if stale and self.arc is not None:
+            self.arc.engine.emit_lifecycle(
+                "checkpoints_removed", f"the rollback to global step {target} removed {len(stale)} Trainer "
+                f"checkpoint(s) saved after it (they held the state it undid; each is saved again when its step is "
+                f"reached): {', '.join(path.name for path in stale)}",
+                {"global_step": target, "paths": [str(path) for path in stale]})
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._abort is not None:  # nothing of the failed state is saved or evaluated
