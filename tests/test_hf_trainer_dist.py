@@ -169,15 +169,15 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
             assert torch.equal(written[name].float(), expected[name]), (path.name, name)
 
 
-def test_two_resumes_that_disagree_are_refused_naming_both_steps_and_one_flag_picks_one(tmp_path: Path) -> None:
-    """A run with the Trainer's checkpoints (every 4 steps) and arc_engine's disk checkpoints, a loss spike on the
-    attempt after the step-4 save rolled back to step 3 (checkpoint-4 removed, saved again when reached, every
-    checkpoint the surviving run's weights), then relaunched from the Trainer's checkpoint-4 while arc_engine's
-    newest is later: every rank stops with exit code 2 before training,
-    the message naming both steps and the flag; with arc_engine's resume turned off the same relaunch trains on
-    from the Trainer's step 4 to max_steps."""
+def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_step_or_refuses(tmp_path: Path) -> None:
+    """A run with the Trainer's checkpoints every step and arc_engine's disk checkpoints every 2 (it keeps those of
+    steps 3, 5 and 7), a loss spike on the attempt after the step-4 save rolled back to step 3 (checkpoint-4
+    removed, saved again when reached, every checkpoint the surviving run's weights). Relaunched without the
+    Trainer's checkpoint while arc_engine has its own: every rank stops with exit code 2 before training, naming
+    both steps and the flag. Relaunched from the Trainer's checkpoint-5: arc_engine takes its own checkpoint of step
+    5 (not its newest), removes the newer one, and the run goes on from one state to max_steps."""
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
-            "--arc.recovery.checkpoint.every_steps=3", "--save-steps", "4")
+            "--arc.recovery.checkpoint.every_steps=2", "--save-steps", "1")
     first = _train(tmp_path, "resume", *disk, "--steps", "8", "--arc.detectors.loss_spike.action=rollback",
                    "--arc.detectors.loss_spike.warmup_steps=3",
                    "--arc.faults.injections=[{kind: loss_scale, rank: -1, step: 4, scale: 30.0}]")
@@ -188,20 +188,22 @@ def test_two_resumes_that_disagree_are_refused_naming_both_steps_and_one_flag_pi
     assert [Path(p).name for e in removed for p in e["values"]["paths"]] == ["checkpoint-4"], removed
     from safetensors.torch import load_file
 
-    for step in (4, 8):  # saved again when reached: the surviving run's weights
+    for step in range(1, 9):  # (checkpoint-4 saved again when reached) the surviving run's weights
         written = load_file(str(first["dir"] / "trainer" / f"checkpoint-{step}" / "model.safetensors"))
         assert all(torch.equal(written[name].float(), tensor)
                    for name, tensor in first["ranks"][0]["timeline"][step].items()), step
-    checkpoint = str(first["dir"] / "trainer" / "checkpoint-4")
-    refused = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from", checkpoint, expect=1)
+    refused = _train(tmp_path, "resume", *disk, "--steps", "12", expect=1)
     output = refused["output"]
-    assert "two resumes disagree" in output and "the Trainer (resume_from_checkpoint) resumed step 4" in output, \
+    assert "two resumes disagree" in output and "the Trainer (resume_from_checkpoint) starts from step 0" in output, \
         output[-3000:]
     assert "--arc.recovery.checkpoint.resume=false" in output
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-3000:]
-    picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from", checkpoint,
-                    "--arc.recovery.checkpoint.resume=false")
+    agreed = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from",
+                    str(first["dir"] / "trainer" / "checkpoint-5"))
+    lifecycle = {e["detector"]: e for e in agreed["events"][0] if e["kind"] == "lifecycle"}
+    assert lifecycle["resume_agreed"]["values"]["step"] == 5, lifecycle
+    discarded = [Path(path).name for path in lifecycle["checkpoints_discarded"]["values"]["paths"]]
+    assert discarded == ["step_00000007"], discarded  # the first run's commit past step 5
     for rank in range(2):
-        outcome = picked["ranks"][rank]
+        outcome = agreed["ranks"][rank]
         assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
-        assert min(entry["step"] for entry in _train_logs(outcome)) <= 5  # the log history from checkpoint-4 on

@@ -107,14 +107,14 @@ def test_a_persistent_fault_stops_every_rank_with_the_documented_exit_code(tmp_p
     assert len(validated) == 2, validated
 
 
-def test_a_resume_from_ckpt_path_that_disagrees_with_arc_engines_is_refused_and_one_flag_picks_one(
-        tmp_path: Path) -> None:
+def test_a_relaunch_with_ckpt_path_resumes_arc_engines_checkpoint_of_that_step_or_refuses(tmp_path: Path) -> None:
     """A run with a ModelCheckpoint every 4 steps and arc_engine's disk checkpoints every 3, a loss spike at the
     attempt after the step-4 save rolled back to step 3 (the newest verified state): the rollback removes the
     step-4 file (it held the undone state) and the step is saved again when reached, so every checkpoint holds the
-    surviving run's weights at its step. Relaunched with ``ckpt_path`` at step 4 while arc_engine's newest is
-    later: every rank stops with exit code 2 before training, naming both steps and the flag; with arc_engine's
-    resume off the same relaunch trains on from Lightning's step 4 to max_steps."""
+    surviving run's weights at its step. Relaunched without ``ckpt_path`` while arc_engine has its own checkpoints:
+    every rank stops with exit code 2 before training, naming both steps and the flag. Relaunched with
+    ``ckpt_path`` at step 4: arc_engine takes its own checkpoint of step 4 (not its newest) and the run goes on from
+    one state to max_steps."""
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
             "--arc.recovery.checkpoint.every_steps=3", "--arc.detectors.loss_spike.action=rollback",
             "--arc.detectors.loss_spike.warmup_steps=3", "--checkpoint-every", "4",
@@ -132,15 +132,15 @@ def test_a_resume_from_ckpt_path_that_disagrees_with_arc_engines_is_refused_and_
         written = torch.load(path, weights_only=False)
         expected = timeline[written["global_step"]]
         assert all(torch.equal(written["state_dict"][name], tensor) for name, tensor in expected.items()), path
-    checkpoint = str(tmp_path / "ckpt" / "step=4.ckpt")
-    refused = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", checkpoint, expect=1)
+    refused = _train(tmp_path, "resume", *disk, "--steps", "12", expect=1)
     output = refused["output"]
-    assert "two resumes disagree" in output and "Lightning (ckpt_path) resumed step 4" in output, output[-3000:]
+    assert "two resumes disagree" in output and "Lightning (ckpt_path) starts from step 0" in output, output[-3000:]
     assert "--arc.recovery.checkpoint.resume=false" in output
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-3000:]
-    picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", checkpoint,
-                    "--arc.recovery.checkpoint.resume=false")
+    agreed = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", str(tmp_path / "ckpt" / "step=4.ckpt"))
+    lifecycle = {e["detector"]: e for e in agreed["events"][0] if e["kind"] == "lifecycle"}
+    assert lifecycle["resume_agreed"]["values"]["step"] == 4, lifecycle
     for rank in range(2):
-        outcome = picked["ranks"][rank]
+        outcome = agreed["ranks"][rank]
         assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
         assert len(outcome["lrs"]) == 8  # the steps from 4 to 12 only

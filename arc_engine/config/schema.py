@@ -1412,7 +1412,8 @@ class CheckpointConfig:
     ``every_steps``: save a verified-stable state to disk at the first one at least this many steps after the
     previous save (0 = no disk checkpoints). ``keep_last``: committed checkpoints kept (pinned ones are kept
     besides). ``commit_timeout_s``: bound on waiting for every rank's shard before a save is declared failed.
-    ``resume``: on attach, load the newest committed checkpoint if there is one. ``format``: the files inside a
+    ``resume``: on attach, load the newest committed checkpoint if there is one (of ``resume_step`` applied steps
+    where a trainer resumed that step and one was committed). ``format``: the files inside a
     checkpoint: ``auto`` is the framework's own where arc_engine writes one (megatron-core: ``dist_checkpointing``,
     which Megatron users load with their tools), else arc_engine's DCP layout; ``dcp`` and ``megatron`` force one.
     ``on_error``: a directory that is not writable at attach ends the job with exit code 2 and one line
@@ -1436,6 +1437,11 @@ class CheckpointConfig:
     Allowed: > 0"""
     resume: bool = True
     """At attach, load the newest committed checkpoint if there is one."""
+    resume_step: int | None = None
+    """The step a trainer resumed from its own checkpoint (applied steps; the HF and Lightning callbacks set it): at
+    attach, resume the committed checkpoint of that step when there is one -- the newer ones, of the run that went
+    past it, are removed -- else the newest. Unset: the newest.
+    Allowed: >= 0, or unset"""
     format: Literal["auto", "dcp", "megatron"] = "auto"
     """Files inside a checkpoint: `auto` (the framework's own where arc_engine writes it: megatron-core
     `dist_checkpointing`; else DCP), `dcp` (arc_engine's DCP layout), `megatron`."""
@@ -1448,6 +1454,8 @@ class CheckpointConfig:
         require(self.every_steps >= 0, "every_steps", self.every_steps, "must be an integer >= 0 (0 = never)")
         require(self.keep_last >= 1, "keep_last", self.keep_last, "must be an integer >= 1")
         require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0 seconds")
+        require(self.resume_step is None or self.resume_step >= 0, "resume_step", self.resume_step,
+                "must be an integer >= 0 (or unset)")
         require(self.format in ("auto", "dcp", "megatron"), "format", self.format, "one of auto, dcp, megatron")
 
 

@@ -45,12 +45,14 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from arc_engine.recovery.commit import (
     DCP_METADATA_NAME,
+    LATEST_NAME,
     CheckpointError,
     CommitInfo,
     apply_retention,
     await_rank_reports,
     commit_checkpoint,
     file_checksum,
+    fsync_dir,
     gather_rank_reports,
     list_committed,
     metadata_problems,
@@ -59,6 +61,7 @@ from arc_engine.recovery.commit import (
     remove_checkpoint,
     step_dir_name,
     verify_files,
+    write_atomic,
     write_marker,
     write_rank_report,
 )
@@ -408,7 +411,8 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------------- loading
 
     def load_latest(self, build_state_dict: Callable[[CommitInfo], dict[str, Any]], *,
-                    max_step: int | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
+                    max_step: int | None = None,
+                    applied_steps: int | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
         """Load the newest committed checkpoint (of step <= ``max_step`` if given) that verifies. Collective over the
         checkpoint group; every rank takes the same checkpoint.
 
@@ -417,12 +421,17 @@ class CheckpointManager:
         agrees on the verdict, then ``state_dict = build_state_dict(info)`` is loaded in place by ``dcp.load``.
         A bad file or a ``dcp.load`` failure is logged (naming the file), recorded in ``last_load_errors`` on every
         rank, and the next older commit is tried. A ValueError from ``build_state_dict`` (e.g. an impossible
-        reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads."""
+        reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads.
+        ``applied_steps``: only the commits of that many applied steps (their marker's metadata), where there are
+        some; else every commit."""
         self._check_open()
         if not self.wait(self.commit_timeout_s):
             raise CheckpointError(f"{self._job.step_dir}: a save is still in flight; not loading")
         self.last_load_errors = []
         candidates = self._agreed_candidates(max_step)
+        if applied_steps is not None:
+            candidates = [info for info in candidates
+                          if info.metadata.get("applied_steps") == applied_steps] or candidates
         for info in candidates:
             problems = self._agreed_problems(info)
             if not problems:
@@ -435,6 +444,26 @@ class CheckpointManager:
         if not candidates:
             return None
         raise CheckpointError(f"{self.root}: no committed checkpoint loads: {'; '.join(self.last_load_errors)}")
+
+    def discard_after(self, info: CommitInfo) -> list[Path]:
+        """Remove the commits made after ``info`` (a resume went back to it: they hold a run that went past it),
+        point ``latest`` at ``info`` and refresh the backend's index. Collective over the checkpoint group (rank
+        0's list is everyone's); rank 0 removes. Returns the removed directories, on every rank."""
+        self._check_open()
+        newer = [other.path for other in self._agreed_candidates(None) if other.sequence > info.sequence]
+        if self.rank == 0 and newer:
+            with self._lock:
+                for path in newer:
+                    remove_checkpoint(path)
+                write_atomic(self.root / LATEST_NAME, f"{info.path.name}\n".encode())
+                fsync_dir(self.root)
+                if self.disk_format is not None:
+                    try:
+                        self.disk_format.publish(self.root, list_committed(self.root))
+                    except OSError as err:
+                        logger.warning("checkpoint %s: publishing for %s failed: %s", self.root,
+                                       self.disk_format.name, err)
+        return newer
 
     def _agreed_candidates(self, max_step: int | None) -> list[CommitInfo]:
         candidates = [info for info in reversed(self.committed()) if max_step is None or info.step <= max_step]

@@ -202,12 +202,21 @@ class Recovery:
 
     def _resume(self) -> None:
         assert self.checkpoints is not None
-        loaded = self.checkpoints.load_latest(self._build_disk_state)
+        wanted = self.config.checkpoint.resume_step  # the trainer's resumed step, where a trainer callback set it
+        loaded = self.checkpoints.load_latest(self._build_disk_state, applied_steps=wanted)
         if loaded is None:
             return
         info, state_dict = loaded
         skipped = list(self.checkpoints.last_load_errors)
         self._apply_disk_state(info, state_dict, full=True)
+        if wanted is not None and info.metadata.get("applied_steps") == wanted:
+            discarded = self.checkpoints.discard_after(info)
+            if discarded:
+                self.engine.emit_lifecycle(
+                    "checkpoints_discarded", f"resumed the checkpoint of the trainer's step {wanted}: removed the "
+                    f"{len(discarded)} newer checkpoint(s) of the run that went past it "
+                    f"({', '.join(path.name for path in discarded)})",
+                    {"applied_steps": wanted, "paths": [str(path) for path in discarded]})
         self._step_end_rng = rng_state()  # the checkpoint's: what the next snapshot must record
         note = f"; {len(skipped)} newer checkpoint problem(s) skipped: {'; '.join(skipped)[:400]}" if skipped else ""
         self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path}){note}",

@@ -40,7 +40,13 @@ import torch.distributed as dist
 from arc_engine.attach import Arc, attach
 from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, one_resume, report_capabilities, stream_config
+from arc_engine.integrations.torch.loops import (
+    end_with,
+    one_resume,
+    report_capabilities,
+    resume_at,
+    stream_config,
+)
 from arc_engine.policy.decision import ArcAbort
 
 try:
@@ -153,7 +159,7 @@ class ArcCallback(TrainerCallback):
                                "run a new ArcCallback")
         self._trainer = trainer
         config = self.config if isinstance(self.config, ArcConfig) else load_config(self.config)
-        config = stream_config(config)
+        config = resume_at(stream_config(config), state.global_step)
         model = trainer.model_wrapped
         deepspeed = type(model).__module__.startswith("deepspeed.")
         scaler = getattr(trainer.accelerator, "scaler", None)

@@ -46,7 +46,13 @@ import torch.distributed as dist
 from arc_engine.attach import Arc, attach
 from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import end_with, one_resume, report_capabilities, stream_config
+from arc_engine.integrations.torch.loops import (
+    end_with,
+    one_resume,
+    report_capabilities,
+    resume_at,
+    stream_config,
+)
 from arc_engine.policy.decision import ArcAbort
 
 try:
@@ -148,7 +154,8 @@ class ArcCallback(Callback):
         schedulers = trainer.lr_scheduler_configs
         scheduler = schedulers[0].scheduler if schedulers else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.arc = attach(model, None if deepspeed else trainer.optimizers[0], stream_config(config),
+        self.arc = attach(model, None if deepspeed else trainer.optimizers[0],
+                          resume_at(stream_config(config), trainer.global_step),
                           group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         one_resume(self.arc, trainer.global_step, "Lightning (ckpt_path)")
         self._step_offset = trainer.global_step - self.arc.applied_steps
