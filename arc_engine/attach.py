@@ -43,7 +43,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     megatron-core ``DistributedDataParallel`` chunks, one or a list (delegates to
     :func:`arc_engine.integrations.megatron.attach_megatron`; ``optimizer`` is what ``get_megatron_optimizer``
     returned),
-    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.torch.fsdp.attach_fsdp`), a
+    an FSDP2 (``fully_shard``) model (delegates to :func:`arc_engine.integrations.pytorch.fsdp.attach_fsdp`), a
     ``deepspeed.initialize``-d engine (``optimizer`` may be None; delegates to
     :func:`arc_engine.integrations.deepspeed.attach_deepspeed`), or a plain module (statistics come from
     ``param.grad``). ``config``: an :class:`ArcConfig`, a YAML path,
@@ -81,7 +81,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
     (on every rank, no communication) and used from there on as if passed, with one ``grad_scaler`` warning event;
     under an optimizer that unscales in its fused kernel, or with ``detectors.sdc.recompute``, that first step
     raises :class:`arc_engine.ArcAbort` (exit code 2) on every rank instead, naming ``grad_scaler=``
-    (:class:`arc_engine.integrations.torch.amp.ScalerFinder`).
+    (:class:`arc_engine.integrations.pytorch.amp.ScalerFinder`).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -113,11 +113,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = Non
         raise ValueError("arc_engine.attach: an optimizer is required (except for a DeepSpeed engine)")
     check_optimizer_owns(model, optimizer)
     if isinstance(model, FSDPModule):
-        from arc_engine.integrations.torch.fsdp import attach_fsdp
+        from arc_engine.integrations.pytorch.fsdp import attach_fsdp
 
         return attach_fsdp(model, optimizer, config, group=group, lr_scheduler=lr_scheduler,
                            recompute_fn=recompute_fn, grad_scaler=grad_scaler)
-    from arc_engine.integrations.torch.ddp import TorchAdapter
+    from arc_engine.integrations.pytorch.ddp import TorchAdapter
 
     return wire(TorchAdapter(model, optimizer, lr_scheduler, ddp_comm_hook, grad_scaler), config, group=group,
                 recompute_fn=recompute_fn)

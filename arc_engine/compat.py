@@ -111,7 +111,7 @@ def _turned_off(section: Any, path: list[str]) -> Any:
 
 
 #: The torch releases arc_engine is tested with (docs/compatibility.md).
-TORCH = TestedRange("torch", "2.9", "2.16", "integrations/torch/amp.py, arc_engine/recovery/checkpoint.py")
+TORCH = TestedRange("torch", "2.9", "2.16", "integrations/pytorch/amp.py, arc_engine/recovery/checkpoint.py")
 
 
 class UntestedTorchVersion(UserWarning):

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_overhead  # the benchmark's model, arguments and step loop
 
 import arc_engine.engine as engine_module
-import arc_engine.integrations.torch.ddp as ddp_module
-import arc_engine.integrations.torch.optim as optim_module
+import arc_engine.integrations.pytorch.ddp as ddp_module
+import arc_engine.integrations.pytorch.optim as optim_module
 import arc_engine.stats.pipeline as pipeline_module
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from arc_engine.integrations.torch.amp import ScalerWatch
+from arc_engine.integrations.pytorch.amp import ScalerWatch
 from tests.amp_training import train_amp
 from tests.dist_harness import run_ranks
 from tests.training import make_config, tiny_model_and_data

@@ -338,7 +338,7 @@ def _run_fsdp(rank: int, world: int, run_dir: Path, exact: bool) -> dict[str, An
     holding the full weights (gathered for the test) and gathered, for the exact C_dir."""
     from torch.distributed.fsdp import fully_shard
 
-    from arc_engine.integrations.torch.fsdp import attach_fsdp
+    from arc_engine.integrations.pytorch.fsdp import attach_fsdp
 
     model, data = tiny_model_and_data(seed=1)
     plain = deepcopy(model)

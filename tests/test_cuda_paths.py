@@ -32,7 +32,7 @@ def _train(rank: int, wrap: str, config: Any, steps: int, counter: Any = None) -
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from arc_engine.integrations.torch.fsdp import attach_fsdp
+    from arc_engine.integrations.pytorch.fsdp import attach_fsdp
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)

@@ -20,7 +20,7 @@ from arc_engine.config import ConfigError, load_config
 from arc_engine.config.schema import FaultSpec
 from arc_engine.faults import FaultInjector
 from arc_engine.faults.state_faults import MIB, corrupt_tokens, perturb, seeded_generator
-from arc_engine.integrations.torch.fsdp import FSDPAdapter
+from arc_engine.integrations.pytorch.fsdp import FSDPAdapter
 from arc_engine.recovery.heal import heal_step
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
 

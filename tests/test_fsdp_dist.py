@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import arc_engine
 from arc_engine.config import ArcConfig
-from arc_engine.integrations.torch.fsdp import FSDPAdapter, attach_fsdp
+from arc_engine.integrations.pytorch.fsdp import FSDPAdapter, attach_fsdp
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import names
 from arc_engine.stats.optim_stats import AdamHyper, update_sq_sums
@@ -306,7 +306,7 @@ def test_a_stall_fault_under_fsdp2_fires_the_watchdog(tmp_path: Path) -> None:
 def _hooks_never_run(rank: int, world: int, steps: int, config: ArcConfig, hookless_config: ArcConfig
                      ) -> dict[str, Any]:
     """As compiled autograd runs: no Python tensor hook of arc_engine's fires (their bodies are no-ops here)."""
-    from arc_engine.integrations.torch import fsdp
+    from arc_engine.integrations.pytorch import fsdp
 
     plain = train_fsdp(rank, steps, config)
     fsdp.FSDPGradStats.on_reduced_grad = lambda self, param: None

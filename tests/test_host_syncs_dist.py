@@ -73,7 +73,7 @@ def _torch_native(rank: int, world: int, run_dir: Path) -> dict[str, list[str]]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from arc_engine.integrations.torch.fsdp import attach_fsdp
+    from arc_engine.integrations.pytorch.fsdp import attach_fsdp
 
     out = {}
     for name, overrides in (("default", DEFAULT), ("every_family", EVERY_FAMILY)):

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 import arc_engine
 from arc_engine.config import ConfigError, load_config
 from arc_engine.events import Action
-from arc_engine.integrations.torch.fsdp import attach_fsdp
+from arc_engine.integrations.pytorch.fsdp import attach_fsdp
 from arc_engine.monitors.family import FamilyContext, ModelParts
 from arc_engine.monitors.weight_health import GRAD, GRAD_HIST, RANK, WEIGHT, WeightHealthFamily, WeightHealthMonitor
 from arc_engine.monitors.weight_stats import (

@@ -104,7 +104,7 @@ class CorrectionGroup:
 
 
 class GradientTarget(Protocol):
-    """What an integration exposes to the recomputation (DDP: ``integrations/torch/ddp.py``; ZeRO:
+    """What an integration exposes to the recomputation (DDP: ``integrations/pytorch/ddp.py``; ZeRO:
     ``deepspeed/recompute.py``; Megatron: ``megatron/recompute.py``)."""
 
     module: Any                      # what ``recompute_fn`` runs (the unwrapped module; Megatron: the chunks)

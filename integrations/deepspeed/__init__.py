@@ -52,7 +52,7 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.integrations.deepspeed.local import LocalGradHooks
 from arc_engine.integrations.deepspeed.partition import ZeroPartitionStats
-from arc_engine.integrations.torch.optim import OVERFLOW_MONITORS, drop_gradients
+from arc_engine.integrations.pytorch.optim import OVERFLOW_MONITORS, drop_gradients
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from arc_engine.attach import Arc, attach
 from arc_engine.compat import Capabilities, TestedRange
 from arc_engine.config import ArcConfig, load_config
-from arc_engine.integrations.torch.loops import (
+from arc_engine.integrations.pytorch.loops import (
     end_with,
     one_resume,
     report_capabilities,

@@ -44,8 +44,8 @@ from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
-from arc_engine.integrations.torch.amp import ScalerFinder, ScalerWatch
-from arc_engine.integrations.torch.optim import ScalerSkips, ScalerSkipsHooks
+from arc_engine.integrations.pytorch.amp import ScalerFinder, ScalerWatch
+from arc_engine.integrations.pytorch.optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
@@ -239,7 +239,7 @@ class FSDPGradStats:
             slot.index_add_(0, places, values.to(slot.device))
 
     def adopt_scaler(self, scaler: ScalerWatch) -> None:
-        """A ShardedGradScaler found at the step (:class:`~arc_engine.integrations.torch.amp.ScalerFinder`): divide
+        """A ShardedGradScaler found at the step (:class:`~arc_engine.integrations.pytorch.amp.ScalerFinder`): divide
         its scale out from this step's flush on, keeping only the step's last backward's local gradients (the
         earlier ones are iterations the scaler skipped before arc_engine knew it: the step stayed open)."""
         self.scaler = scaler
@@ -318,7 +318,7 @@ class FSDPAdapter(ScalerSkipsHooks):
         return lambda: engine.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
-        from arc_engine.integrations.torch.optim import register_optimizer_hooks
+        from arc_engine.integrations.pytorch.optim import register_optimizer_hooks
 
         producer = self.producer = FSDPGradStats(engine, self.groups, self.sharded, pre_reduce=self.pre_reduce_stats,
                                                  scaler=self.scaler)

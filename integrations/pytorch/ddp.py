@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from arc_engine import runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch.amp import ScalerFinder, ScalerWatch
-from arc_engine.integrations.torch.optim import (
+from arc_engine.integrations.pytorch.amp import ScalerFinder, ScalerWatch
+from arc_engine.integrations.pytorch.optim import (
     ScalerSkips,
     ScalerSkipsHooks,
     optimizer_stats,
@@ -191,7 +191,7 @@ class StatsHookState:
         return plan
 
     def adopt_scaler(self, scaler: ScalerWatch) -> None:
-        """A GradScaler found at the step (:class:`~arc_engine.integrations.torch.amp.ScalerFinder`): divide its
+        """A GradScaler found at the step (:class:`~arc_engine.integrations.pytorch.amp.ScalerFinder`): divide its
         scale out from now on, this step's queued gradients included, keeping only the step's last backward (the
         one the scaler is stepping)."""
         self.scaler = scaler

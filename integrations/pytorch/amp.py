@@ -160,7 +160,7 @@ class ScalerFinder:
     No communication, so a run without a scaler pays nothing: the verdict rests on what every rank of a
     data-parallel job shares -- under DDP and FSDP2 every rank's scaler judges the same reduced gradients, so every
     rank's scaler calls its first ``optimizer.step()`` at the same iteration, with the same optimizer class and
-    config (the fact :class:`~arc_engine.integrations.torch.optim.ScalerSkips` rests on too): every rank adopts, or
+    config (the fact :class:`~arc_engine.integrations.pytorch.optim.ScalerSkips` rests on too): every rank adopts, or
     every rank refuses, at the same step."""
 
     def __init__(self, engine: ArcEngine, optimizer: torch.optim.Optimizer,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from arc_engine.engine import ArcEngine
-from arc_engine.integrations.torch.amp import ScalerWatch, fused_grad_scale
+from arc_engine.integrations.pytorch.amp import ScalerWatch, fused_grad_scale
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import names
 from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
@@ -140,7 +140,7 @@ OVERFLOW_MONITORS = ("non_finite", "loss_spike")
 
 
 class ScalerSkips:
-    """Closes the steps a ``GradScaler`` skipped (:mod:`arc_engine.integrations.torch.amp`): no optimizer hook runs
+    """Closes the steps a ``GradScaler`` skipped (:mod:`arc_engine.integrations.pytorch.amp`): no optimizer hook runs
     for them, so the next step's first forward (or ``close``) finds the step still open after the scaler moved on.
 
     Under DDP and FSDP2 every rank's scaler checks the same reduced gradients (FSDP2's ``ShardedGradScaler``
