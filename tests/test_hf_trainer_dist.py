@@ -175,7 +175,8 @@ def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_ste
     removed, saved again when reached, every checkpoint the surviving run's weights). Relaunched without the
     Trainer's checkpoint while arc_engine has its own: every rank stops with exit code 2 before training, naming
     both steps and the flag. Relaunched from the Trainer's checkpoint-5: arc_engine takes its own checkpoint of step
-    5 (not its newest), removes the newer one, and the run goes on from one state to max_steps."""
+    5 (not its newest), removes the newer one, and the run goes on from one state to max_steps. With the flag
+    (``recovery.checkpoint.resume=false``) a relaunch from checkpoint-4 resumes the Trainer's state alone."""
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
             "--arc.recovery.checkpoint.every_steps=2", "--save-steps", "1")
     first = _train(tmp_path, "resume", *disk, "--steps", "8", "--arc.detectors.loss_spike.action=rollback",
@@ -207,3 +208,12 @@ def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_ste
     for rank in range(2):
         outcome = agreed["ranks"][rank]
         assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
+    # the flag the refusal names: arc_engine's checkpoints left alone, the Trainer's checkpoint-4 resumed
+    picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from",
+                    str(first["dir"] / "trainer" / "checkpoint-4"), "--arc.recovery.checkpoint.resume=false")
+    def resumes(run: dict) -> list[dict]:  # (the run directory's event log holds every launch's events)
+        return [e for e in run["events"][0] if e["kind"] == "lifecycle" and e["detector"].startswith("resume")]
+
+    assert resumes(picked) == resumes(agreed)  # none more
+    for rank in range(2):
+        assert picked["ranks"][rank]["global_step"] == 12, rank
