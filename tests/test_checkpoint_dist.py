@@ -414,3 +414,30 @@ def test_interpreter_exit_drains_the_save_in_flight(tmp_path: Path) -> None:
     reader.close()
     assert [info.step for info in committed] == [5]
     assert (tmp_path / "latest").read_text().strip() == "step_00000005"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_trainers_step_resumes_that_commit_of_the_newest_history_and_the_newer_commits_go(tmp_path: Path) -> None:
+    """Commits of steps 3, 5, 7 (one run), then 2, 4, 6 of a later run that did not resume them (another history):
+    asked for the commit of 5 applied steps, the newest history has none, so the newest commit loads (never the
+    earlier run's 5); asked for 4, its commit loads, and ``discard_after`` removes the newer one of its history and
+    points ``latest`` at it."""
+    assert not dist.is_initialized()
+    manager = CheckpointManager(tmp_path, keep_last=10)
+    for lineage, steps in (("first", (3, 5, 7)), ("second", (2, 4, 6))):
+        for step in steps:
+            manager.save_async(step, {"weights": torch.full((4,), float(step))},
+                               metadata={"applied_steps": step, "lineage": lineage})
+            assert manager.wait(30)
+
+    def build(info: CommitInfo) -> dict[str, Any]:
+        return {"weights": torch.zeros(4)}
+
+    info, _ = manager.load_latest(build, applied_steps=5)
+    assert info.step == 6
+    info, loaded = manager.load_latest(build, applied_steps=4)
+    assert info.step == 4 and loaded["weights"].tolist() == [4.0] * 4
+    assert [path.name for path in manager.discard_after(info)] == ["step_00000006"]
+    assert not (tmp_path / "step_00000006").exists() and (tmp_path / "step_00000007").exists()
+    assert manager.latest().step == 4 and (tmp_path / "latest").read_text().strip() == "step_00000004"
+    manager.close()

@@ -422,16 +422,18 @@ class CheckpointManager:
         A bad file or a ``dcp.load`` failure is logged (naming the file), recorded in ``last_load_errors`` on every
         rank, and the next older commit is tried. A ValueError from ``build_state_dict`` (e.g. an impossible
         reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads.
-        ``applied_steps``: only the commits of that many applied steps (their marker's metadata), where there are
-        some; else every commit."""
+        ``applied_steps``: only the commits of that many applied steps (their marker's metadata) in the newest
+        commit's history (its ``lineage``: a run that did not resume the directory's commits starts another), where
+        there are some; else every commit."""
         self._check_open()
         if not self.wait(self.commit_timeout_s):
             raise CheckpointError(f"{self._job.step_dir}: a save is still in flight; not loading")
         self.last_load_errors = []
         candidates = self._agreed_candidates(max_step)
-        if applied_steps is not None:
-            candidates = [info for info in candidates
-                          if info.metadata.get("applied_steps") == applied_steps] or candidates
+        if applied_steps is not None and candidates:
+            lineage = candidates[0].metadata.get("lineage")
+            candidates = [info for info in candidates if info.metadata.get("applied_steps") == applied_steps
+                          and info.metadata.get("lineage") == lineage] or candidates
         for info in candidates:
             problems = self._agreed_problems(info)
             if not problems:

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,6 +91,8 @@ class Recovery:
         self.engine = engine
         self.config = engine.config.recovery
         self.state = state
+        #: the history this run's commits belong to (rank 0's is written): a new one unless a resume continues one
+        self.lineage = uuid.uuid4().hex
         self.controller = RecoveryController(self.config)
         self.ring = SnapshotRing(1, busy=self._saving_from)  # sized at the first capture, agreed across ranks
         # the snapshot whose host copies the last disk save writes (weak: an evicted one is not kept alive)
@@ -209,6 +212,7 @@ class Recovery:
         info, state_dict = loaded
         skipped = list(self.checkpoints.last_load_errors)
         self._apply_disk_state(info, state_dict, full=True)
+        self.lineage = info.metadata.get("lineage") or self.lineage  # this run continues that history
         if wanted is not None and info.metadata.get("applied_steps") == wanted:
             discarded = self.checkpoints.discard_after(info)
             if discarded:
@@ -307,7 +311,8 @@ class Recovery:
                 state_dict["train"], stable = from_snapshot(state_dict["train"], self.state.live_tensors(),
                                                             verified.tensors)
             metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
-                        "run_id": self.engine.run_id, "applied_steps": verified.extra.get("applied_steps")}
+                        "run_id": self.engine.run_id, "applied_steps": verified.extra.get("applied_steps"),
+                        "lineage": self.lineage}
             self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
             self._disk_source = weakref.ref(verified) if stable else None
         self.last_disk_step = verified.step
