@@ -421,7 +421,8 @@ def test_a_trainers_step_resumes_that_commit_of_the_newest_history_and_the_newer
     """Commits of steps 3, 5, 7 (one run), then 2, 4, 6 of a later run that did not resume them (another history):
     asked for the commit of 5 applied steps, the newest history has none, so the newest commit loads (never the
     earlier run's 5); asked for 4, its commit loads, and ``discard_after`` removes the newer one of its history and
-    points ``latest`` at it."""
+    points ``latest`` at it. A rollback's lookups (``latest``, ``load_latest`` with the job's ``lineage``) see the
+    job's own history only."""
     assert not dist.is_initialized()
     manager = CheckpointManager(tmp_path, keep_last=10)
     for lineage, steps in (("first", (3, 5, 7)), ("second", (2, 4, 6))):
@@ -440,4 +441,9 @@ def test_a_trainers_step_resumes_that_commit_of_the_newest_history_and_the_newer
     assert [path.name for path in manager.discard_after(info)] == ["step_00000006"]
     assert not (tmp_path / "step_00000006").exists() and (tmp_path / "step_00000007").exists()
     assert manager.latest().step == 4 and (tmp_path / "latest").read_text().strip() == "step_00000004"
+    # a rollback of the second run looks at its own history only, never the first run's later commits
+    assert manager.latest("second").step == 4 and manager.latest("first").step == 7
+    info, _ = manager.load_latest(build, max_step=6, lineage="second")
+    assert info.step == 4
+    assert manager.load_latest(build, max_step=3, lineage="second")[0].step == 2  # not the first run's 3
     manager.close()

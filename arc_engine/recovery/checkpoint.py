@@ -385,11 +385,20 @@ class CheckpointManager:
         """Committed checkpoints on disk, oldest commit first. Local (reads the markers)."""
         return list_committed(self.root)
 
-    def latest(self) -> CommitInfo | None:
-        """The newest commit, which the ``latest`` file names. Local. Decided by the markers' commit sequence, not
-        the pointer file, so a crash between marker and pointer cannot hide a commit."""
-        committed = self.committed()
+    def latest(self, lineage: str | None = None) -> CommitInfo | None:
+        """The newest commit, which the ``latest`` file names (of that ``lineage`` if given: one run's history).
+        Local. Decided by the markers' commit sequence, not the pointer file, so a crash between marker and pointer
+        cannot hide a commit."""
+        committed = [info for info in self.committed() if lineage is None or info.metadata.get("lineage") == lineage]
         return committed[-1] if committed else None
+
+    def agreed(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank of the checkpoint group (itself without one). Collective."""
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return box[0]
 
     def pin(self, step: int) -> None:
         """Mark checkpoint ``step`` pinned: retention never deletes it. Call on any ranks; only rank 0 acts: it
@@ -411,8 +420,8 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------------- loading
 
     def load_latest(self, build_state_dict: Callable[[CommitInfo], dict[str, Any]], *,
-                    max_step: int | None = None,
-                    applied_steps: int | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
+                    max_step: int | None = None, applied_steps: int | None = None,
+                    lineage: str | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
         """Load the newest committed checkpoint (of step <= ``max_step`` if given) that verifies. Collective over the
         checkpoint group; every rank takes the same checkpoint.
 
@@ -424,12 +433,15 @@ class CheckpointManager:
         reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads.
         ``applied_steps``: only the commits of that many applied steps (their marker's metadata) in the newest
         commit's history (its ``lineage``: a run that did not resume the directory's commits starts another), where
-        there are some; else every commit."""
+        there are some; else every commit. ``lineage``: only the commits of that history (a rollback's: the
+        running job's own)."""
         self._check_open()
         if not self.wait(self.commit_timeout_s):
             raise CheckpointError(f"{self._job.step_dir}: a save is still in flight; not loading")
         self.last_load_errors = []
         candidates = self._agreed_candidates(max_step)
+        if lineage is not None:
+            candidates = [info for info in candidates if info.metadata.get("lineage") == lineage]
         if applied_steps is not None and candidates:
             lineage = candidates[0].metadata.get("lineage")
             candidates = [info for info in candidates if info.metadata.get("applied_steps") == applied_steps

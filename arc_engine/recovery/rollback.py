@@ -91,8 +91,9 @@ class Recovery:
         self.engine = engine
         self.config = engine.config.recovery
         self.state = state
-        #: the history this run's commits belong to (rank 0's is written): a new one unless a resume continues one
-        self.lineage = uuid.uuid4().hex
+        #: the history this job's commits belong to, agreed at start: a new one unless a resume continues one (None:
+        #: it resumed a commit written before histories were recorded; its rollbacks then consider every commit)
+        self.lineage: str | None = uuid.uuid4().hex
         self.controller = RecoveryController(self.config)
         self.ring = SnapshotRing(1, busy=self._saving_from)  # sized at the first capture, agreed across ranks
         # the snapshot whose host copies the last disk save writes (weak: an evicted one is not kept alive)
@@ -133,6 +134,7 @@ class Recovery:
             self.checkpoints = CheckpointManager(root, keep_last=ckpt.keep_last, process_group=self.group,
                                                  commit_timeout_s=ckpt.commit_timeout_s,
                                                  disk_format=self._disk_format(), on_event=self._checkpoint_event)
+            self.lineage = self.checkpoints.agreed(self.lineage)
             if ckpt.resume:
                 self._resume()
 
@@ -212,7 +214,7 @@ class Recovery:
         info, state_dict = loaded
         skipped = list(self.checkpoints.last_load_errors)
         self._apply_disk_state(info, state_dict, full=True)
-        self.lineage = info.metadata.get("lineage") or self.lineage  # this run continues that history
+        self.lineage = info.metadata.get("lineage")  # this job continues that history
         if wanted is not None and info.metadata.get("applied_steps") == wanted:
             discarded = self.checkpoints.discard_after(info)
             if discarded:
@@ -429,7 +431,7 @@ class Recovery:
         if self.checkpoints is None:
             return None
         self.checkpoints.wait(self.config.checkpoint.commit_timeout_s)
-        latest = [self.checkpoints.latest()]
+        latest = [self.checkpoints.latest(self.lineage)]  # this job's history: never a run it did not resume
         if self.group is not None:
             dist.broadcast_object_list(latest, group_src=0, group=self.group)
         return latest[0]
@@ -455,7 +457,8 @@ class Recovery:
             self.restores["memory"] += 1
         else:
             assert self.checkpoints is not None
-            loaded = self.checkpoints.load_latest(self._build_disk_state, max_step=pending.disk_step)
+            loaded = self.checkpoints.load_latest(self._build_disk_state, max_step=pending.disk_step,
+                                                  lineage=self.lineage)
             if loaded is None:
                 self.engine.emit_lifecycle("rollback_failed", "the disk checkpoint could not be loaded: continuing "
                                            "from the current state")
