@@ -335,12 +335,16 @@ class CheckpointManager:
                 apply_retention(self.root, self.keep_last, info)
             except OSError as err:  # the commit stands; old checkpoints stay until the next retention pass
                 logger.warning("checkpoint %s: retention failed: %s", self.root, err)
-            if self.disk_format is not None:
-                try:
-                    self.disk_format.publish(self.root, list_committed(self.root))
-                except OSError as err:  # the commit stands; the backend's index is fixed at the next commit
-                    logger.warning("checkpoint %s: publishing for %s failed: %s", self.root,
-                                   self.disk_format.name, err)
+            self._publish()
+
+    def _publish(self) -> None:
+        """Rank 0, under the lock: the backend's own index of the root, from the committed checkpoints. An OSError
+        is logged: the commits stand, and the index is fixed at the next commit."""
+        if self.disk_format is not None:
+            try:
+                self.disk_format.publish(self.root, list_committed(self.root))
+            except OSError as err:
+                logger.warning("checkpoint %s: publishing for %s failed: %s", self.root, self.disk_format.name, err)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until this rank's save in flight (upload, report, and on rank 0 the commit) is done. Local. True if
@@ -471,12 +475,7 @@ class CheckpointManager:
                     remove_checkpoint(path)
                 write_atomic(self.root / LATEST_NAME, f"{info.path.name}\n".encode())
                 fsync_dir(self.root)
-                if self.disk_format is not None:
-                    try:
-                        self.disk_format.publish(self.root, list_committed(self.root))
-                    except OSError as err:
-                        logger.warning("checkpoint %s: publishing for %s failed: %s", self.root,
-                                       self.disk_format.name, err)
+                self._publish()
         return newer
 
     def _agreed_candidates(self, max_step: int | None) -> list[CommitInfo]:
