@@ -42,11 +42,30 @@ class CharWindows(Dataset):
 
 class Timeline(TrainerCallback):
     """For the tests (``--result``): the parameters at the end of each step that advanced the global step, by global
-    step (a step reached again after a rollback replaces the earlier): what a save at that global step must write."""
+    step (a step reached again after a rollback replaces the earlier): what a save at that global step must write.
+    And each step's batch on this rank (``batches``: arc_engine's data position, the Trainer's global step and the
+    first micro-batch's tokens as a fingerprint), seen at the step's first forward with gradients."""
 
-    def __init__(self) -> None:
+    def __init__(self, arc_callback: ArcCallback | None) -> None:
         self.at: dict[int, dict[str, torch.Tensor]] = {}
         self.last = -1
+        self.arc_callback = arc_callback
+        self.batches: list[tuple[int, int, list[int]]] = []
+        self.step_open = False
+
+    def on_train_begin(self, args: object, state: object, control: object, model: object = None,
+                       **kwargs: object) -> None:
+        def first_forward(module: object, inputs: tuple, kwargs: dict) -> None:
+            if self.step_open and torch.is_grad_enabled() and self.arc_callback is not None:
+                self.step_open = False
+                tokens = kwargs.get("input_ids", inputs[0] if inputs else None)
+                self.batches.append((self.arc_callback.arc.data_position, state.global_step,
+                                     tokens[:, :8].flatten().tolist()))
+
+        model.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+    def on_step_begin(self, args: object, state: object, control: object, **kwargs: object) -> None:
+        self.step_open = True
 
     def on_step_end(self, args: object, state: object, control: object, model: object = None, **kwargs: object) -> None:
         if state.global_step > self.last:
@@ -86,6 +105,8 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: none)")
     parser.add_argument("--logging-steps", type=int, default=1)
     parser.add_argument("--resume-from", default=None, help="the Trainer's resume_from_checkpoint")
+    parser.add_argument("--data-steps", type=int, default=0,
+                        help="size the dataset for this many steps (0: --steps); keep it across a resume")
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
     parser.add_argument("--generate-steps", type=int, default=0,
                         help="rank 0 alone generates from the model every N steps (0: never)")
@@ -94,7 +115,7 @@ def main() -> None:
         parser.error("--fsdp: Accelerate shards with FSDP on GPUs only (on CPU ranks it would train plain DDP)")
 
     config = None if args.no_arc else config_from_args(args)
-    dataset = CharWindows(seq_len=32, count=args.steps * args.batch_size * args.grad_accum * 4)
+    dataset = CharWindows(seq_len=32, count=(args.data_steps or args.steps) * args.batch_size * args.grad_accum * 4)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=dataset.text.vocab_size, n_positions=32, n_embd=32, n_layer=2,
                                        n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -113,7 +134,7 @@ def main() -> None:
         fsdp=bool(args.fsdp),
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if args.fsdp else None)
     callback = None if config is None else ArcCallback(config)
-    timeline = Timeline() if args.result else None
+    timeline = Timeline(callback) if args.result else None
     generation = Rank0Generation(args.generate_steps) if args.generate_steps else None
     callbacks = [c for c in (callback, timeline, generation) if c is not None]
     evaluation = CharWindows(seq_len=32, count=4 * args.batch_size, offset=1_000) if args.eval_steps else None
@@ -124,6 +145,7 @@ def main() -> None:
                  global_step=trainer.state.global_step, log_history=json.loads(json.dumps(trainer.state.log_history)),
                  scheduler_last_epoch=scheduler_steps(trainer.lr_scheduler),
                  timeline=timeline.at if timeline is not None and args.save_steps else None,
+                 batches=timeline.batches if timeline is not None else None,
                  generations=generation.done if generation is not None else 0)
 
 

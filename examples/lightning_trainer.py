@@ -77,13 +77,22 @@ class TinyGPT(L.LightningModule):
 
 
 class Timeline(L.Callback):
-    """For the tests (``--result`` with ``--checkpoint-every``): the parameters at the end of each batch that moved
-    the global step, by global step (a step reached again after a rollback replaces the earlier): what a
-    checkpoint of that step must hold."""
+    """For the tests (``--result``): the parameters at the end of each batch that moved the global step, by global
+    step (a step reached again after a rollback replaces the earlier): what a checkpoint of that step must hold.
+    And each step's batch on this rank (``batches``: arc_engine's data position, the global step and the first
+    micro-batch's tokens as a fingerprint)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arc_callback: ArcCallback | None) -> None:
         self.at: dict[int, dict[str, torch.Tensor]] = {}
         self.last = -1
+        self.arc_callback = arc_callback
+        self.batches: list[tuple[int, int, list[int]]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        if self.arc_callback is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            self.batches.append((self.arc_callback.arc.data_position, trainer.global_step,
+                                 batch[0][:, :8].flatten().tolist()))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
         if trainer.global_step != self.last:
@@ -103,6 +112,9 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int, default=None, help="the Trainer's min_steps")
     parser.add_argument("--ckpt-path", default=None, help="resume from this Lightning checkpoint (fit's ckpt_path)")
     parser.add_argument("--epoch-batches", type=int, default=0, help="batches per epoch and rank (0: enough for all)")
+    parser.add_argument("--data-steps", type=int, default=0,
+                        help="without --epoch-batches, size the dataset for this many steps (0: --steps); keep it "
+                             "across a resume")
     parser.add_argument("--scheduler-interval", default="step", choices=("step", "epoch"),
                         help="step: cosine over --steps; epoch: the LR halves at every epoch end")
     args = parser.parse_args()
@@ -110,10 +122,10 @@ def main() -> None:
     config = None if args.no_arc else config_from_args(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = CharWindows(count=args.epoch_batches * args.batch_size * world if args.epoch_batches
-                       else args.steps * args.batch_size * args.grad_accum * 8)
+                       else (args.data_steps or args.steps) * args.batch_size * args.grad_accum * 8)
     module = TinyGPT(data.text.vocab_size, args.steps, args.lr, args.scheduler_interval)
     callbacks: list[L.Callback] = [] if config is None else [ArcCallback(config)]
-    timeline = Timeline() if args.result and args.checkpoint_every else None
+    timeline = Timeline(callbacks[0] if callbacks else None) if args.result else None
     if timeline is not None:
         callbacks.append(timeline)
     if args.checkpoint_every:
@@ -133,10 +145,11 @@ def main() -> None:
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=False), validation,
                 ckpt_path=args.ckpt_path)
     callback = callbacks[0] if config is not None else None
-    timeline_at = timeline.at if timeline is not None else None
+    timeline_at = timeline.at if timeline is not None and args.checkpoint_every else None
 
     save_outcome(args.result, trainer.global_rank, module.model.parameters(), callback,
                  global_step=trainer.global_step, lrs=module.lrs, epochs=trainer.current_epoch, timeline=timeline_at,
+                 batches=timeline.batches if timeline is not None else None,
                  scheduler_last_epoch=trainer.lr_scheduler_configs[0].scheduler.last_epoch)
 
 

@@ -434,9 +434,9 @@ def test_a_trainers_step_resumes_that_commit_of_the_newest_history_and_the_newer
     def build(info: CommitInfo) -> dict[str, Any]:
         return {"weights": torch.zeros(4)}
 
-    info, _ = manager.load_latest(build, applied_steps=5)
+    info, _ = manager.load_latest(build, matches=lambda info: info.metadata["applied_steps"] == 5)
     assert info.step == 6
-    info, loaded = manager.load_latest(build, applied_steps=4)
+    info, loaded = manager.load_latest(build, matches=lambda info: info.metadata["applied_steps"] == 4)
     assert info.step == 4 and loaded["weights"].tolist() == [4.0] * 4
     assert [path.name for path in manager.discard_after(info)] == ["step_00000006"]
     assert not (tmp_path / "step_00000006").exists() and (tmp_path / "step_00000007").exists()

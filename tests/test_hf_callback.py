@@ -39,11 +39,13 @@ def pad(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def test_the_recorded_loss_is_each_micro_batchs_per_token_loss_under_num_items_in_batch(tmp_path: Path) -> None:
-    """Padded variable-length batches, 2 accumulation steps: the Trainer normalises each micro-batch's loss by the
-    tokens of the whole step (``num_items_in_batch``), so ``loss x accumulation steps`` would follow a micro-batch's
-    share of the tokens; what arc_engine records is the micro-batch's own per-token loss, equal to the model's mean
-    over its tokens (computed beside it, without gradients)."""
+def _per_token_run(rank: int, world: int, tmp_path: Path) -> dict[str, Any]:
+    """3 steps of 2 padded variable-length micro-batches under the Trainer (DDP over ``world`` ranks when > 1): what
+    arc_engine recorded of each micro-batch's loss, and the model's mean over the micro-batch's tokens beside it."""
+    import os
+
+    if world > 1:  # the harness's process group: the Trainer (Accelerate) finds it through these
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from arc_engine.integrations.hf import ArcCallback
@@ -56,7 +58,8 @@ def test_the_recorded_loss_is_each_micro_batchs_per_token_loss_under_num_items_i
     model.loss_type = "ForCausalLM"
     args = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=3, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                             ddp_backend="gloo" if world > 1 else None)
     recorded: list[float] = []
 
     class Capture(TrainerCallback):
@@ -69,15 +72,43 @@ def test_the_recorded_loss_is_each_micro_batchs_per_token_loss_under_num_items_i
     trainer = Trainer(model=model, args=args, train_dataset=VariableLengths(), data_collator=pad,
                       callbacks=[callback, Capture()])
     expected: list[float] = []
+    tokens: list[int] = []
     compute_loss = trainer.compute_loss
 
     def beside(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             expected.append(float(model(**inputs).loss))  # the mean over this micro-batch's tokens
+        tokens.append(int(inputs["labels"][..., 1:].ne(-100).sum()))
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = beside
     trainer.train()
-    assert trainer.model_accepts_loss_kwargs and trainer._loss_shifts_labels  # normalised by num_items_in_batch
-    assert len(recorded) == len(expected) == 6
-    assert recorded == pytest.approx(expected, rel=1e-5), (recorded, expected)
+    return {"recorded": recorded, "expected": expected, "tokens": tokens,
+            "normalised": trainer.model_accepts_loss_kwargs and trainer._loss_shifts_labels,
+            "world": trainer.accelerator.num_processes}
+
+
+def test_the_recorded_loss_is_each_micro_batchs_per_token_loss_under_num_items_in_batch(tmp_path: Path) -> None:
+    """Padded variable-length batches, 2 accumulation steps: the Trainer normalises each micro-batch's loss by the
+    tokens of the whole step (``num_items_in_batch``), so ``loss x accumulation steps`` would follow a micro-batch's
+    share of the tokens; what arc_engine records is the micro-batch's own per-token loss, equal to the model's mean
+    over its tokens (computed beside it, without gradients)."""
+    run = _per_token_run(0, 1, tmp_path)
+    assert run["normalised"]  # normalised by num_items_in_batch
+    assert len(run["recorded"]) == len(run["expected"]) == 6
+    assert run["recorded"] == pytest.approx(run["expected"], rel=1e-5), run
+
+
+def test_the_recorded_loss_is_per_token_on_every_rank_when_the_ranks_hold_different_token_counts(
+        tmp_path: Path) -> None:
+    """The same on 2 DDP ranks: the Trainer also averages the tokens across devices (``num_items_in_batch`` counts
+    both ranks' tokens, the loss is multiplied by the world size), and the two ranks' micro-batches hold different
+    token counts; each rank records its own micro-batches' per-token loss."""
+    from tests.dist_harness import run_ranks
+
+    runs = run_ranks(_per_token_run, 2, tmp_path)
+    assert all(run["normalised"] and run["world"] == 2 for run in runs)
+    assert runs[0]["tokens"] != runs[1]["tokens"], runs  # the ranks' token shares differ
+    for run in runs:
+        assert len(run["recorded"]) == len(run["expected"]) == 6
+        assert run["recorded"] == pytest.approx(run["expected"], rel=1e-5), run

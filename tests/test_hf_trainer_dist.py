@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from arc_engine.data_ledger import DataLedger
 from tests.trainer_runs import (
     PERSISTENT_FAULT,
     assert_stopped_at_step_3_with_exit_code_3,
@@ -178,7 +179,7 @@ def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_ste
     5 (not its newest), removes the newer one, and the run goes on from one state to max_steps. With the flag
     (``recovery.checkpoint.resume=false``) a relaunch from checkpoint-4 resumes the Trainer's state alone."""
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
-            "--arc.recovery.checkpoint.every_steps=2", "--save-steps", "1")
+            "--arc.recovery.checkpoint.every_steps=2", "--save-steps", "1", "--data-steps", "12")
     first = _train(tmp_path, "resume", *disk, "--steps", "8", "--arc.detectors.loss_spike.action=rollback",
                    "--arc.detectors.loss_spike.warmup_steps=3",
                    "--arc.faults.injections=[{kind: loss_scale, rank: -1, step: 4, scale: 30.0}]")
@@ -193,6 +194,26 @@ def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_ste
         written = load_file(str(first["dir"] / "trainer" / f"checkpoint-{step}" / "model.safetensors"))
         assert all(torch.equal(written[name].float(), tensor)
                    for name, tensor in first["ranks"][0]["timeline"][step].items()), step
+    first_batches = [{position: tokens for position, _, tokens in first["ranks"][rank]["batches"]}
+                     for rank in range(2)]
+    assert sorted(first_batches[0]) == list(range(10))  # 10 attempts (two rolled back): 10 batches
+    # the Trainer's newest checkpoint-8 is newer than arc_engine's newest (step 7): the Trainer's state, one event
+    newer = _train(tmp_path, "resume", *disk, "--steps", "9", "--resume-from",
+                   str(first["dir"] / "trainer" / "checkpoint-8"))
+    chosen = [e for e in newer["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "resume_agreed"]
+    assert [(e["values"]["chosen"], e["values"]["arc_engine_step"], e["values"]["data_position"])
+            for e in chosen] == [("trainer", 7, 8)], chosen
+    assert not [e for e in newer["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "resume"]
+    for rank in range(2):
+        assert newer["ranks"][rank]["global_step"] == 9, rank
+        # data position 8 is the batch the first run read at its position 8 (the Trainer's resumed loader)
+        assert [(p, t) for p, _, t in newer["ranks"][rank]["batches"]] == [(8, first_batches[rank][8])], rank
+    # bad data recorded at position 7 (as detectors.data records it): a resume from checkpoint-5 must skip the batch
+    # the first run read there, not the one the Trainer's count of steps points at
+    ledger = DataLedger()
+    ledger.open(first["dir"] / "run" / "data_ledger.jsonl")
+    ledger.record(first=7, step=7, iteration=7, action="skip", bad_data=True, ranks=[1], detectors=["data"],
+                  reason="bad data on rank 1 (test)")
     refused = _train(tmp_path, "resume", *disk, "--steps", "12", expect=1)
     output = refused["output"]
     assert "two resumes disagree" in output and "the Trainer (resume_from_checkpoint) starts from step 0" in output, \
@@ -202,12 +223,19 @@ def test_a_relaunch_resumes_one_state_arc_engines_checkpoint_of_the_trainers_ste
     agreed = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from",
                     str(first["dir"] / "trainer" / "checkpoint-5"))
     lifecycle = {e["detector"]: e for e in agreed["events"][0] if e["kind"] == "lifecycle"}
-    assert lifecycle["resume_agreed"]["values"]["step"] == 5, lifecycle
+    assert lifecycle["resume_agreed"]["values"] == {"step": 5, "chosen": "both", "arc_engine_step": 5,
+                                                    "data_position": 5}, lifecycle
     discarded = [Path(path).name for path in lifecycle["checkpoints_discarded"]["values"]["paths"]]
-    assert discarded == ["step_00000007"], discarded  # the first run's commit past step 5
+    assert discarded[0] == "step_00000007", discarded  # the first run's commits past step 5 (and the relaunch's)
+    skipped = [e["values"]["data_position"] for e in agreed["events"][0]
+               if e["kind"] == "detection" and e["detector"] == "data_ledger"]
+    assert skipped == [7], skipped
     for rank in range(2):
         outcome = agreed["ranks"][rank]
         assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
+        seen = {position: tokens for position, _, tokens in outcome["batches"]}
+        assert sorted(seen) == list(range(5, 13)), sorted(seen)  # 8 attempts, one skipped: 7 applied
+        assert all(seen[position] == first_batches[rank][position] for position in range(5, 10)), rank
     # the flag the refusal names: arc_engine's checkpoints left alone, the Trainer's checkpoint-4 resumed
     picked = _train(tmp_path, "resume", *disk, "--steps", "12", "--resume-from",
                     str(first["dir"] / "trainer" / "checkpoint-4"), "--arc.recovery.checkpoint.resume=false")

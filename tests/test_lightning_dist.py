@@ -118,7 +118,7 @@ def test_a_relaunch_with_ckpt_path_resumes_arc_engines_checkpoint_of_that_step_o
     disk = ("--arc.recovery.enabled=true", "--arc.recovery.checkpoint_freq=1",
             "--arc.recovery.checkpoint.every_steps=3", "--arc.detectors.loss_spike.action=rollback",
             "--arc.detectors.loss_spike.warmup_steps=3", "--checkpoint-every", "4",
-            "--checkpoint-dir", str(tmp_path / "ckpt"))
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--data-steps", "16")
     first = _train(tmp_path, "resume", *disk, "--steps", "8",
                    "--arc.faults.injections=[{kind: loss_scale, rank: -1, step: 4, scale: 30.0}]")
     assert (4, "loss_spike", "rollback") in set(decisions(first["events"][0]))
@@ -139,8 +139,21 @@ def test_a_relaunch_with_ckpt_path_resumes_arc_engines_checkpoint_of_that_step_o
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-3000:]
     agreed = _train(tmp_path, "resume", *disk, "--steps", "12", "--ckpt-path", str(tmp_path / "ckpt" / "step=4.ckpt"))
     lifecycle = {e["detector"]: e for e in agreed["events"][0] if e["kind"] == "lifecycle"}
-    assert lifecycle["resume_agreed"]["values"]["step"] == 4, lifecycle
+    # Lightning restarts a plain DataLoader at the epoch's first batch: data positions follow it
+    assert lifecycle["resume_agreed"]["values"] == {"step": 4, "chosen": "both", "arc_engine_step": 4,
+                                                    "data_position": 0}, lifecycle
     for rank in range(2):
         outcome = agreed["ranks"][rank]
         assert outcome["global_step"] == 12 and outcome["scheduler_last_epoch"] == 12, rank
         assert len(outcome["lrs"]) == 8  # the steps from 4 to 12 only
+        # each data position is the batch the first run read there (what the data ledger's positions name)
+        before = {position: tokens for position, _, tokens in first["ranks"][rank]["batches"]}
+        seen = {position: tokens for position, _, tokens in outcome["batches"]}
+        assert sorted(seen) == list(range(8)) and sorted(before) == list(range(10)), (sorted(seen), sorted(before))
+        assert all(seen[position] == before[position] for position in seen), rank
+    # the newest ModelCheckpoint (step 12) is newer than arc_engine's newest: Lightning's state, one event
+    newer = _train(tmp_path, "resume", *disk, "--steps", "13", "--ckpt-path", str(tmp_path / "ckpt" / "step=12.ckpt"))
+    chosen = [e["values"] for e in newer["events"][0] if e["kind"] == "lifecycle" and e["detector"] == "resume_agreed"]
+    assert chosen[-1]["chosen"] == "trainer" and chosen[-1]["step"] == 12 and chosen[-1]["arc_engine_step"] < 12, \
+        chosen
+    assert [outcome["global_step"] for outcome in newer["ranks"]] == [13, 13]

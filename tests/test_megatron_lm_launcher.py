@@ -210,7 +210,7 @@ EXACT_METRICS = ("arc/loss_spike/loss", "arc/grad_norm/norm", "arc/optimizer/wei
                  "arc/optimizer/update_rms/dense.decay", "arc/optimizer/update_rms/dense.no_decay")
 
 
-@pytest.mark.timeout(480)  # three runs of the launcher (80-150 s on 2 shared cores)
+@pytest.mark.timeout(600)  # three runs of the launcher (80-150 s on 2 shared cores) and a refused one
 def test_a_rollback_under_pretrain_relaunches_with_the_printed_flags_as_if_uninterrupted(tmp_path: Path) -> None:
     """``pretrain()`` owns the iteration counter and the data, so the launcher rolls back the Megatron way: a 30x loss
     spike at step 7 with ``loss_spike.action: rollback`` stops every rank with exit code 7 once the newest disk
@@ -219,7 +219,10 @@ def test_a_rollback_under_pretrain_relaunches_with_the_printed_flags_as_if_unint
     relaunched with exactly the printed flags resumes at the checkpoint's iteration, skips the bad iterations' batches
     and trains to the end bit for bit as a run that was never interrupted and skipped the same iterations: the
     learning rate (a warmup, then a decay: the LR scheduler), the loss (hidden dropout: the RNG), the gradient, the
-    weights and Adam's update (its moments and step count) of every iteration it trains."""
+    weights and Adam's update (its moments and step count) of every iteration it trains. Megatron-LM's own saves
+    (``--save-interval 4``) never hold the rejected state: iteration 4 is saved, iteration 8 (the spike's) is not.
+    Relaunched with ``--load`` of that own checkpoint of iteration 4 while arc_engine's newest is another step,
+    every rank stops with exit code 2 naming both steps (two resumes would disagree)."""
     def arc_config(run_id: str, checkpoints: Path, fault: bool) -> Path:
         path = tmp_path / f"{run_id}.yaml"
         path.write_text(f"""\
@@ -243,9 +246,12 @@ detectors:
             "--lr-warmup-iters", "2", "--attention-dropout", "0"]
     args[args.index("--train-iters") + 1] = str(iterations)
     args[args.index("--lr-decay-style") + 1] = "linear"
-    first = _torchrun(tmp_path, *args, "--arc-config", str(arc_config("relaunch", checkpoints, fault=True)))
+    own = tmp_path / "megatron"
+    first = _torchrun(tmp_path, *args, "--arc-config", str(arc_config("relaunch", checkpoints, fault=True)),
+                      "--save", str(own), "--save-interval", "4")
     output = first.stdout + first.stderr
     assert first.returncode != 0 and re.search(r"Root Cause.*?exitcode\s*:\s*7 ", output, re.S), output[-4000:]
+    assert sorted(path.name for path in own.glob("iter_*")) == ["iter_0000004"], output[-4000:]
     plan = json.loads((tmp_path / "runs" / "relaunch" / "relaunch.json").read_text())
     target = plan["checkpoint_step"]
     assert plan["failed_step"] == SPIKE_STEP and 0 < target <= SPIKE_STEP
@@ -280,3 +286,11 @@ detectors:
                       for m in _events(tmp_path / "runs" / run / "metrics.jsonl") if m["step"] in steps}
                 for run in ("relaunch", "reference")}
     assert sorted(measured["relaunch"]) == sorted(steps) and measured["relaunch"] == measured["reference"], measured
+
+    # Megatron-LM's own checkpoint of iteration 4 beside arc_engine's newer ones: refused, both steps named
+    fourth = _torchrun(tmp_path, *args, "--arc-config", str(arc_config("relaunch", checkpoints, fault=False)),
+                       "--load", str(own), "--no-load-optim")
+    output = fourth.stdout + fourth.stderr
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-4000:]
+    assert "two resumes disagree" in output and "Megatron-LM (--load) resumed step 4" in output, output[-4000:]
+    assert "--arc.recovery.checkpoint.resume=false" in output

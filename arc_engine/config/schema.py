@@ -1412,8 +1412,8 @@ class CheckpointConfig:
     ``every_steps``: save a verified-stable state to disk at the first one at least this many steps after the
     previous save (0 = no disk checkpoints). ``keep_last``: committed checkpoints kept (pinned ones are kept
     besides). ``commit_timeout_s``: bound on waiting for every rank's shard before a save is declared failed.
-    ``resume``: on attach, load the newest committed checkpoint if there is one (of ``resume_step`` applied steps
-    where a trainer resumed that step and one was committed). ``format``: the files inside a
+    ``resume``: on attach, load the newest committed checkpoint if there is one (of ``resume_step`` where a trainer
+    resumed that step and one was committed; none where the trainer's is the newer). ``format``: the files inside a
     checkpoint: ``auto`` is the framework's own where arc_engine writes one (megatron-core: ``dist_checkpointing``,
     which Megatron users load with their tools), else arc_engine's DCP layout; ``dcp`` and ``megatron`` force one.
     ``on_error``: a directory that is not writable at attach ends the job with exit code 2 and one line
@@ -1438,10 +1438,14 @@ class CheckpointConfig:
     resume: bool = True
     """At attach, load the newest committed checkpoint if there is one."""
     resume_step: int | None = None
-    """The step a trainer resumed from its own checkpoint (applied steps; the HF and Lightning callbacks set it): at
-    attach, resume the committed checkpoint of that step when there is one -- the newer ones, of the run that went
-    past it, are removed -- else the newest. Unset: the newest.
+    """The step a trainer resumed from its own checkpoint (counted as `resume_counter` says; the HF and Lightning
+    callbacks and the Megatron-LM launcher set it): at attach, resume the committed checkpoint of that step when there
+    is one -- the newer ones, of the run that went past it, are removed --, none when the trainer's is newer than the
+    newest, else the newest. Unset: the newest.
     Allowed: >= 0, or unset"""
+    resume_counter: Literal["applied_steps", "step"] = "applied_steps"
+    """What `resume_step` counts: `applied_steps` (a trainer whose step counter counts applied steps: the HF Trainer,
+    Lightning) or `step` (one that counts every step, applied or not: Megatron-LM's iteration)."""
     format: Literal["auto", "dcp", "megatron"] = "auto"
     """Files inside a checkpoint: `auto` (the framework's own where arc_engine writes it: megatron-core
     `dist_checkpointing`; else DCP), `dcp` (arc_engine's DCP layout), `megatron`."""
@@ -1457,6 +1461,8 @@ class CheckpointConfig:
         require(self.resume_step is None or self.resume_step >= 0, "resume_step", self.resume_step,
                 "must be an integer >= 0 (or unset)")
         require(self.format in ("auto", "dcp", "megatron"), "format", self.format, "one of auto, dcp, megatron")
+        require(self.resume_counter in ("applied_steps", "step"), "resume_counter", self.resume_counter,
+                "one of applied_steps, step")
 
 
 @dataclass(kw_only=True)

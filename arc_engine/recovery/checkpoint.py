@@ -424,7 +424,7 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------------- loading
 
     def load_latest(self, build_state_dict: Callable[[CommitInfo], dict[str, Any]], *,
-                    max_step: int | None = None, applied_steps: int | None = None,
+                    max_step: int | None = None, matches: Callable[[CommitInfo], bool] | None = None,
                     lineage: str | None = None) -> tuple[CommitInfo, dict[str, Any]] | None:
         """Load the newest committed checkpoint (of step <= ``max_step`` if given) that verifies. Collective over the
         checkpoint group; every rank takes the same checkpoint.
@@ -435,9 +435,9 @@ class CheckpointManager:
         A bad file or a ``dcp.load`` failure is logged (naming the file), recorded in ``last_load_errors`` on every
         rank, and the next older commit is tried. A ValueError from ``build_state_dict`` (e.g. an impossible
         reshard) propagates. Returns None when nothing is committed; raises CheckpointError when nothing loads.
-        ``applied_steps``: only the commits of that many applied steps (their marker's metadata) in the newest
-        commit's history (its ``lineage``: a run that did not resume the directory's commits starts another), where
-        there are some; else every commit. ``lineage``: only the commits of that history (a rollback's: the
+        ``matches``: only the commits it accepts (e.g. those of a trainer's resumed step) in the newest commit's
+        history (its ``lineage``: a run that did not resume the directory's commits starts another), where there
+        are some; else every commit. ``lineage``: only the commits of that history (a rollback's: the
         running job's own)."""
         self._check_open()
         if not self.wait(self.commit_timeout_s):
@@ -446,9 +446,9 @@ class CheckpointManager:
         candidates = self._agreed_candidates(max_step)
         if lineage is not None:
             candidates = [info for info in candidates if info.metadata.get("lineage") == lineage]
-        if applied_steps is not None and candidates:
+        if matches is not None and candidates:
             lineage = candidates[0].metadata.get("lineage")
-            candidates = [info for info in candidates if info.metadata.get("applied_steps") == applied_steps
+            candidates = [info for info in candidates if matches(info)
                           and info.metadata.get("lineage") == lineage] or candidates
         for info in candidates:
             problems = self._agreed_problems(info)

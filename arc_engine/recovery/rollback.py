@@ -94,6 +94,8 @@ class Recovery:
         #: the history this job's commits belong to, agreed at start: a new one unless a resume continues one (None:
         #: it resumed a commit written before histories were recorded; its rollbacks then consider every commit)
         self.lineage: str | None = uuid.uuid4().hex
+        #: at a resume: arc_engine's newest commit where a trainer resumed a newer step of its own (not loaded)
+        self.trainer_newer: CommitInfo | None = None
         self.controller = RecoveryController(self.config)
         self.ring = SnapshotRing(1, busy=self._saving_from)  # sized at the first capture, agreed across ranks
         # the snapshot whose host copies the last disk save writes (weak: an evicted one is not kept alive)
@@ -208,21 +210,35 @@ class Recovery:
     def _resume(self) -> None:
         assert self.checkpoints is not None
         wanted = self.config.checkpoint.resume_step  # the trainer's resumed step, where a trainer callback set it
-        loaded = self.checkpoints.load_latest(self._build_disk_state, applied_steps=wanted)
+        counter = self.config.checkpoint.resume_counter
+
+        def count(info: CommitInfo) -> int | None:  # the commit's step in the trainer's counting
+            return info.step if counter == "step" else info.metadata.get("applied_steps")
+
+        newest = self.checkpoints.agreed(self.checkpoints.latest())
+        newest_count = count(newest) if newest is not None else None
+        if wanted is not None and newest_count is not None and newest_count < wanted:
+            # the trainer's checkpoint is the newer state, and it holds everything arc_engine's would restore
+            # (weights, optimizer, scheduler, counters; the data ledger is the run directory's): train on from it
+            self.lineage = newest.metadata.get("lineage")  # the same history: older commits stay rollback targets
+            self.trainer_newer = newest
+            return
+        loaded = self.checkpoints.load_latest(self._build_disk_state,
+                                              matches=None if wanted is None else lambda info: count(info) == wanted)
         if loaded is None:
             return
         info, state_dict = loaded
         skipped = list(self.checkpoints.last_load_errors)
         self._apply_disk_state(info, state_dict, full=True)
         self.lineage = info.metadata.get("lineage")  # this job continues that history
-        if wanted is not None and info.metadata.get("applied_steps") == wanted:
+        if wanted is not None and count(info) == wanted:
             discarded = self.checkpoints.discard_after(info)
             if discarded:
                 self.engine.emit_lifecycle(
                     "checkpoints_discarded", f"resumed the checkpoint of the trainer's step {wanted}: removed the "
                     f"{len(discarded)} newer checkpoint(s) of the run that went past it "
                     f"({', '.join(path.name for path in discarded)})",
-                    {"applied_steps": wanted, "paths": [str(path) for path in discarded]})
+                    {"trainer_step": wanted, "paths": [str(path) for path in discarded]})
         self._step_end_rng = rng_state()  # the checkpoint's: what the next snapshot must record
         note = f"; {len(skipped)} newer checkpoint problem(s) skipped: {'; '.join(skipped)[:400]}" if skipped else ""
         self.engine.emit_lifecycle("resume", f"resumed from the checkpoint of step {info.step} ({info.path}){note}",

@@ -29,6 +29,7 @@ attaches arc_engine to it. It then keeps the Trainer honest, on every rank alike
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -91,6 +92,20 @@ def per_token_factor(trainer: Any, inputs: Any, num_items_in_batch: Any) -> torc
         if trainer.args.average_tokens_across_devices else 1
     local = labels.ne(-100).sum().clamp(min=1)
     return torch.as_tensor(num_items_in_batch, device=local.device).double() / (scale * local).double()
+
+
+def resumed_data_position(args: Any, global_step: int, loader: Any) -> int:
+    """Where the Trainer's loader reads next after resuming ``global_step``, in data positions (one per optimizer
+    step over the epochs): it skips ``global_step`` steps' batches, or, with ``ignore_data_skip``, only the epochs
+    they complete (``len(loader)`` micro-batches an epoch, ``gradient_accumulation_steps`` a step)."""
+    if not args.ignore_data_skip or global_step == 0:
+        return global_step
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable dataset: one epoch of max_steps
+        return 0
+    per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+    return global_step // per_epoch * per_epoch
 
 
 def check_trainer(trainer: Any) -> Capabilities:
@@ -168,7 +183,8 @@ class ArcCallback(TrainerCallback):
             scheduler = None  # a DeepSpeed config's "scheduler": the engine's own, which it steps and recovery restores
         self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
                           lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
-        one_resume(self.arc, state.global_step, "the Trainer (resume_from_checkpoint)")
+        one_resume(self.arc, state.global_step, "the Trainer (resume_from_checkpoint)",
+                   resumed_data_position(args, state.global_step, kwargs.get("train_dataloader")))
         self._step_offset = state.global_step - self.arc.applied_steps
         self._capabilities = check_trainer(trainer)
         report_capabilities(self.arc, self._capabilities)

@@ -37,6 +37,7 @@ arc_engine does not take (FSDP2 ``fully_shard`` models: ``ModelParallelStrategy`
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -79,6 +80,23 @@ FEATURES = {"step_counter": ("trainer.global_step counts applied steps",
 def _step_progress(trainer: Any) -> Any:
     """Lightning's count of optimizer steps, the one ``trainer.global_step`` reads (automatic optimization)."""
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+
+def resumed_data_position(trainer: Any) -> int:
+    """Where Lightning's loader reads next at the start of ``fit``, in data positions (one per optimizer step over
+    the epochs): the start of the current epoch, past the batches a resumed checkpoint trained of it only where the
+    loader restores its own position (a stateful loader: Lightning restarts any other one at its first batch)."""
+    loop = trainer.fit_loop.epoch_loop
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int):  # an unsized loader: one position per step, epochs not counted
+        return trainer.global_step
+    per_epoch = max(math.ceil(batches / trainer.accumulate_grad_batches), 1)
+    done = loop.batch_progress.current.ready  # the current epoch's batches the checkpoint had trained
+    if done >= batches:
+        return (trainer.current_epoch + 1) * per_epoch
+    loader = trainer.train_dataloader
+    stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return trainer.current_epoch * per_epoch + (math.ceil(done / trainer.accumulate_grad_batches) if stateful else 0)
 
 
 def check_trainer(trainer: Any) -> Capabilities:
@@ -157,7 +175,7 @@ class ArcCallback(Callback):
         self.arc = attach(model, None if deepspeed else trainer.optimizers[0],
                           resume_at(stream_config(config), trainer.global_step),
                           group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
-        one_resume(self.arc, trainer.global_step, "Lightning (ckpt_path)")
+        one_resume(self.arc, trainer.global_step, "Lightning (ckpt_path)", resumed_data_position(trainer))
         self._step_offset = trainer.global_step - self.arc.applied_steps
         self._capabilities = found = check_trainer(trainer)
         report_capabilities(self.arc, found)

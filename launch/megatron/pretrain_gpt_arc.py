@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import arc_engine
+from arc_engine.integrations.pytorch.loops import one_resume, resume_at
 from arc_engine.policy.decision import EXIT_RELAUNCH
 from arc_engine.recovery.rollback import RELAUNCH_FILE
 from arc_engine.recovery.snapshot import rng_state, set_rng_state
@@ -153,13 +154,17 @@ class ArcHooks:
             if getattr(get_args(), "inprocess_restart", False):
                 raise SystemExit("pretrain_gpt_arc: --inprocess-restart is not supported with arc_engine")
             model, optimizer, scheduler = setup(*args, **kwargs)
-            self.arc = attach_megatron(model, optimizer, relaunch_config(arc_engine.config_from_args(get_args())),
-                                       lr_scheduler=scheduler, checkpoint_args=get_args)
+            start = int(getattr(get_args(), "iteration", 0) or 0)  # the iteration --load resumed (0: none)
+            # one resume: arc_engine takes its checkpoint of that iteration (a relaunch: the same checkpoint), none
+            # when Megatron-LM's is the newer, or both stop with exit code 2 naming the two steps
+            config = resume_at(relaunch_config(arc_engine.config_from_args(get_args())), start, counter="step")
+            self.arc = attach_megatron(model, optimizer, config, lr_scheduler=scheduler, checkpoint_args=get_args)
+            # (every batch of an iteration, trained or skipped, is consumed: the data position is the iteration)
+            one_resume(self.arc, start, "Megatron-LM (--load)", start, counter="step")
             # arc_engine's step s is Megatron-LM's iteration s + 1, also after a --load (whatever arc_engine resumed)
             engine = self.arc.engine
-            start = int(getattr(get_args(), "iteration", 0) or 0)
             if engine.step != start:
-                engine.rewind(start, engine.data_position - engine.step + start)
+                engine.rewind(start, start)
             elif start > 0:  # arc_engine resumed the checkpoint Megatron-LM loaded (a relaunch)
                 self.resumed_rng = rng_state()
             return model, optimizer, scheduler
