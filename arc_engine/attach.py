@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arc_engine import compat
+from arc_engine import compat, internals
 from arc_engine.config import ArcConfig
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.wiring import Adapter, Arc, check_optimizer_owns, register_step_start, wire
@@ -129,10 +129,10 @@ def _unwrap_accelerate(optimizer: Any, grad_scaler: Any) -> tuple[Any, Any]:
     (taken unless ``grad_scaler`` is given). Under DeepSpeed the wrapper's step is the engine's: nothing to take."""
     if optimizer is None or not type(optimizer).__module__.startswith("accelerate."):
         return optimizer, grad_scaler
-    inner = getattr(optimizer, "optimizer", None)
+    inner, scaler = internals.accelerate_unwrapped(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizer: the engine is what attaches
         return optimizer, grad_scaler
-    return inner, grad_scaler if grad_scaler is not None else getattr(optimizer, "scaler", None)
+    return inner, grad_scaler if grad_scaler is not None else scaler
 
 
 def warn_if_untested_torch(version: str | None = None) -> bool:

@@ -9,6 +9,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy
+import torch
+
 
 class Severity(enum.IntEnum):
     DEBUG = 10
@@ -108,6 +111,6 @@ def json_safe(value: Any) -> Any:
         return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+    if isinstance(value, numpy.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):  # scalars
         return json_safe(value.item())
     return value

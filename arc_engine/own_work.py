@@ -33,6 +33,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _NULL = contextlib.nullcontext()
 
 
+class _Depth(threading.local):
+    """Each thread's nesting depth of timed sections."""
+
+    depth = 0
+
+
 @dataclass
 class Piece:
     """One named piece's totals since the start (or the last :meth:`OwnWork.reset`)."""
@@ -84,7 +90,7 @@ class OwnWork:
         self.enabled = enabled
         self.use_events = enabled and device is not None and device.type == "cuda"
         self.pieces: dict[str, Piece] = {}
-        self._local = threading.local()
+        self._local = _Depth()
         self._lock = threading.Lock()
         self._pending_events: list[tuple[Piece, Any, Any]] = []
         self._top_ns = 0          # CPU time of calls made outside any other piece: the own work
@@ -112,7 +118,7 @@ class OwnWork:
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
-        depth = getattr(self._local, "depth", 0)
+        depth = self._local.depth
         piece = self.pieces.get(name)
         if piece is None:
             with self._lock:

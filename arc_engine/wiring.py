@@ -1,9 +1,10 @@
 """``arc_engine.wiring``: the one place that wires arc_engine into a training step, for every framework.
 
-Every framework is a small :class:`Adapter` in ``integrations/``: what each rank owns of parameters, gradients and
-optimizer state, where the step hooks sit, how a step is dropped or applied, what a rollback restores. :func:`wire`
-does the rest once for all of them (config, engine, fault injection, recovery, the SDC recomputation, the watchdog,
-the sinks) and returns the :class:`Arc` the loop holds. :func:`arc_engine.attach.attach` picks the adapter.
+Every framework is a small :class:`~arc_engine.adapter.Adapter` in ``integrations/``: what each rank owns of
+parameters, gradients and optimizer state, where the step hooks sit, how a step is dropped or applied, what a
+rollback restores. :func:`wire` does the rest once for all of them (config, engine, fault injection, recovery, the
+SDC recomputation, the watchdog, the sinks) and returns the :class:`Arc` the loop holds.
+:func:`arc_engine.attach.attach` picks the adapter.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from arc_engine import runtime
+from arc_engine import internals, runtime
+from arc_engine.adapter import Adapter
 from arc_engine.config import EXIT_BAD_CONFIG, ArcConfig, ArcSetupError, load_config
 from arc_engine.diagnostics import curvature
 from arc_engine.engine import ArcEngine
@@ -27,8 +28,6 @@ from arc_engine.events import Severity
 from arc_engine.faults import FaultInjector
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.rollback import Recovery
-from arc_engine.recovery.state import TrainState
-from arc_engine.stats import Reduce
 from arc_engine.stats.timing import ComputeProbe, is_compiled, local_compute_modules
 
 
@@ -39,13 +38,11 @@ class Arc:
     engine: ArcEngine
     faults: FaultInjector
     _removers: list[Any]
-    adapter: Any = field(default=None, repr=False)
+    adapter: Adapter = field(repr=False)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """See :meth:`ArcEngine.record_loss`."""
-        before = getattr(self.adapter, "before_record_loss", None)
-        if before is not None:  # e.g. DeepSpeed: close the steps it skipped on its own
-            before()
+        self.adapter.before_record_loss()  # e.g. DeepSpeed: close the steps it skipped on its own
         self.engine.record_loss(loss)
 
     def record_validation_loss(self, loss: float | torch.Tensor) -> None:
@@ -58,9 +55,8 @@ class Arc:
         overflow) is closed now instead of at the next forward, so a rollback or stop it escalates to happens here:
         :class:`~arc_engine.ArcAbort` is raised from this call. Every rank (collective when the step was
         monitored); nothing to do after a step the framework took."""
-        close = getattr(self.adapter, "close_framework_skips", None)
-        if close is not None and not self.engine.closed:
-            close()
+        if not self.engine.closed:
+            self.adapter.close_framework_skips()
 
     @property
     def step(self) -> int:
@@ -72,8 +68,7 @@ class Arc:
         """Whether the last optimizer step changed the parameters (False after a skip, a rollback, or a step the
         framework skipped on its own, e.g. DeepSpeed's fp16 overflow -- known here as soon as its ``step()``
         returns; local, never a collective)."""
-        pending = getattr(self.adapter, "framework_skip_pending", None)
-        if pending is not None and pending():
+        if self.adapter.framework_skip_pending():
             return False
         return self.engine.last_step_applied
 
@@ -131,15 +126,12 @@ class Arc:
         megatron-core model parallelism): a Hessian-vector product needs each rank's whole model."""
         module = self.adapter.module
         params = [p for p in module.parameters() if p.requires_grad]
-        parts = getattr(self.adapter, "parts", None)
-        if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or \
-                (parts is not None and parts.model_parallel_size > 1):
+        if not self.adapter.holds_whole_model():
             raise ValueError(f"arc.measure_curvature: {self.adapter.name} holds sharded parameters; curvature "
                              "diagnostics need each rank's whole model (DDP, DeepSpeed ZeRO-1/2, a plain module, "
                              "megatron-core without model parallelism)")
-        diagnosing = getattr(self.adapter, "diagnosing", None)
         engine, config = self.engine, self.engine.config.diagnostics.curvature
-        with diagnosing() if diagnosing is not None else contextlib.nullcontext(), engine.between_steps():
+        with self.adapter.diagnosing(), engine.between_steps():
             result = curvature.measure_agreed(loss_fn, params, group=engine.group, device=engine.pipeline.device,
                                               probes=config.probes, iterations=config.power_iterations,
                                               rho=config.sam_rho, seed=config.seed * 1_000_003 + engine.step)
@@ -175,15 +167,13 @@ class Arc:
     def close(self) -> None:
         """Remove the optimizer hooks and fault hooks, emit the summary, close sinks. Local, idempotent.
         (A DDP comm hook cannot be unregistered; after close it only performs the default all-reduce.)"""
-        before_close = getattr(self.adapter, "before_close", None)
-        if before_close is not None and not self.engine.closed:  # e.g. a last step the loss scaler skipped
-            before_close()
+        if not self.engine.closed:  # e.g. a last step the loss scaler skipped
+            self.adapter.before_close()
         for remove in self._removers:
             remove()
         self._removers.clear()
         self.faults.remove()
-        if self.adapter is not None:
-            _mark_attached(self.adapter.module, False)
+        _mark_attached(self.adapter.module, False)
         self.engine.close()
 
     def __enter__(self) -> Arc:
@@ -191,48 +181,6 @@ class Arc:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-class Adapter(Protocol):
-    """One framework's side of the contract (``integrations/``: ``torch.ddp.TorchAdapter``, ``torch.fsdp.FSDPAdapter``,
-    ``deepspeed.ZeroAdapter``). Built before :func:`wire`; every method runs on every rank."""
-
-    name: str                        # for messages, e.g. "DDP", "FSDP2", "DeepSpeed ZeRO-2"
-    module: torch.nn.Module          # the unwrapped model: fault hooks, the step-start hook, recompute_fn
-    group_names: list[str]           # the optimizer's parameter groups (G slots per gradient statistic)
-    shard_reduce: Reduce             # SUM: each rank holds its shard / owned part; REPLICATED: the whole value
-    params: list[torch.Tensor]       # this rank's trainable parameters as held (family producers read them)
-    recompute_group: dist.ProcessGroup | None  # what the decision group must be for the SDC recomputation
-    supports_recompute: bool
-    # optional: ``parts`` (a :class:`~arc_engine.monitors.family.ModelParts`), the model's structure for the
-    # mechanism families (attention spectra, routers); only adapters that know it (Megatron) set it.
-    # optional: ``compute_modules(limit)``, the modules whose forward makes no collective, for the straggler
-    # family's compute probe (default: the leaf modules with parameters of ``module``).
-    # optional: ``diagnosing()``, a context manager around a curvature measurement (DeepSpeed: the engine's forward
-    # without its backward machinery, which a Hessian-vector product would otherwise set off).
-    # optional: ``effective_config(config)``, the config with what the installed framework release cannot serve
-    # turned off (a copy; e.g. a detector whose internals are missing), reported by the adapter at install.
-    # optional: ``before_step_start()``, called at every forward before the engine opens a step, and
-    # ``before_close()``, called by ``Arc.close``: where the framework skips steps without an optimizer hook firing
-    # (a GradScaler's overflow), to close them; ``framework_skip_pending()`` says whether one is open, and
-    # ``close_framework_skips()`` (``Arc.end_step``) closes it where the loop's step has returned.
-
-    def check_config(self, config: ArcConfig) -> None:
-        """ValueError for a setting this framework cannot honour (before anything is registered)."""
-
-    def decision_group(self, requested: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        """The decision group to use (None: the whole job), ValueError for one this framework cannot serve."""
-
-    def train_state(self) -> TrainState:
-        """What a rollback restores (``recovery.enabled``); ValueError when this framework cannot roll back."""
-
-    def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
-        """The step attempt that fault injection is timed by (after recovery resumed, if it did)."""
-
-    def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
-        """Register the statistics producers and the optimizer-step hooks (decide, drop or apply the step, heal);
-        with ``recompute_fn``, wire the SDC recomputation. After the fault hooks, so producers see their output.
-        Returns the removers."""
-
 
 def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist.ProcessGroup | None = None,
          recompute_fn: RecomputeFn | None = None) -> Arc:
@@ -242,18 +190,15 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     then the adapter's hooks, then the step-start hook."""
     if not isinstance(config, ArcConfig):
         config = load_config(config)
-    effective_config = getattr(adapter, "effective_config", None)
-    if effective_config is not None:  # what the installed framework release cannot serve is off (an event says so)
-        config = effective_config(config)
+    config = adapter.effective_config(config)  # what the installed release cannot serve is off (an event says so)
     if _is_attached(adapter.module):
         raise ValueError("arc_engine.attach: this model already has an arc_engine attached; two engines would both "
                          "hook and decide every step (call arc.close() on the first one before attaching again)")
     adapter.check_config(config)
     engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
                        shard_reduce=adapter.shard_reduce, params=adapter.params,
-                       parts=getattr(adapter, "parts", None),
-                       exact_sketch_size=getattr(adapter, "exact_sketch_size", 0),
-                       local_grad_hooks=getattr(adapter, "local_grad_hooks", False))
+                       parts=adapter.parts, exact_sketch_size=adapter.exact_sketch_size,
+                       local_grad_hooks=adapter.local_grad_hooks)
     wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
                                        required_group=adapter.recompute_group)
     engine.start()
@@ -278,7 +223,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         engine.add_update_hook(injector.before_update)
     if injector.reports_events:
         engine.add_event_source(injector.system_events)
-    removers.append(register_step_start(engine, adapter.module, getattr(adapter, "before_step_start", None)))
+    removers.append(register_step_start(engine, adapter.module, adapter.before_step_start))
     straggler = config.detectors.straggler
     compiled = straggler.enabled and straggler.compute_every and is_compiled([adapter.module])
     if compiled:  # the probe adds and removes module hooks every few steps: a compiled forward may ignore them
@@ -288,8 +233,9 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
                            "set detectors.straggler.compute_every: 0 to silence this)", {}, detector="straggler")
     if straggler.enabled and straggler.compute_every and not compiled:  # after the fault hooks (a slowed module)
         limit = straggler.compute_modules
-        compute = getattr(adapter, "compute_modules", None)
-        modules = compute(limit) if compute is not None else local_compute_modules([adapter.module], limit)
+        modules = adapter.compute_modules(limit)
+        if modules is None:
+            modules = local_compute_modules([adapter.module], limit)
         probe = ComputeProbe(modules, engine.pipeline.device, config.stats.interval * straggler.compute_every)
         engine.gathering.use_probe(probe)  # its times go into the families' StepView
         engine.add_step_hooks(probe)       # it samples at the steps' starts
@@ -313,7 +259,10 @@ _ATTACHED = "_arc_engine_attached"
 
 
 def _is_attached(module: Any) -> bool:
-    return bool(getattr(module, _ATTACHED, False))
+    try:
+        return bool(vars(module).get(_ATTACHED, False))
+    except TypeError:  # an object without a __dict__: no guard
+        return False
 
 
 def _mark_attached(module: Any, attached: bool) -> None:
@@ -325,7 +274,7 @@ def check_optimizer_owns(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """Refuse an optimizer that holds none of ``model``'s trainable parameters (built for another model, or for
     the parameters before FSDP2 replaced them): nothing would train and every NaN would look persistent."""
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    owned = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+    owned = {id(p) for group in internals.optimizer_param_groups(optimizer) for p in group["params"]}
     if trainable and not trainable & owned:
         raise ValueError(f"arc_engine.attach: the optimizer holds none of the model's {len(trainable)} trainable "
                          "parameters (built for another model, or before DDP/FSDP2 wrapped it? build the optimizer "

@@ -1,6 +1,8 @@
 """The shape of the code, checked: no import cycle among arc_engine's modules (the integrations included, lazy and
-type-checking imports too), an engine under 400 lines with no ``hasattr``/``getattr`` dispatch, the configuration
-reference generated from the schema (no hand-kept module). Read from the source, nothing imported."""
+type-checking imports too), an engine under 400 lines with no ``hasattr``/``getattr`` dispatch, no optional-member
+probe outside the ``*internals.py`` modules (the seams are base classes whose hooks are called directly), the
+configuration reference generated from the schema (no hand-kept module). Read from the source, nothing imported;
+the seams' misspelt-override check is the one test here that imports them."""
 
 from __future__ import annotations
 
@@ -102,6 +104,55 @@ def test_the_engine_dispatches_on_no_attribute_lookup() -> None:
     calls = [node.func.id for node in ast.walk(ast.parse(source))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
     assert "hasattr" not in calls and "getattr" not in calls
+
+
+def probes(path: Path) -> list[str]:
+    """``hasattr(...)`` and ``getattr(obj, name, default)`` calls in ``path``: asking an object whether it has a
+    member (a 2-argument ``getattr`` reads one that must be there, and fails loudly where it is not)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}" for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and (node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) >= 3))]
+
+
+def test_no_optional_member_is_probed_outside_the_internals_modules() -> None:
+    """arc_engine's own seams (adapter, monitor, family, sink, train state) are base classes with no-op hooks, called
+    directly; what arc_engine reads of objects it does not own (torch, DeepSpeed, megatron-core, transformers,
+    Lightning, W&B, NVML) where a release may lack it is read in ``arc_engine/internals.py`` and the integrations'
+    ``internals.py`` modules only."""
+    files = [path for path in module_files().values() if not path.name.endswith("internals.py")]
+    assert len(files) > 100 and any(path.name == "wiring.py" for path in files)
+    found = [probe for path in files for probe in probes(path)]
+    assert found == [], "\n".join(found)
+    internals = [path for path in module_files().values() if path.name.endswith("internals.py")]
+    assert sum(len(probes(path)) for path in internals) > 20  # the reader finds them where they are
+
+
+def test_a_misspelt_hook_fails_when_the_class_is_defined() -> None:
+    """A subclass method that looks like a hook of its seam but is none would silently never run: it is a
+    TypeError naming the hook it resembles. Real hooks and helpers of other names are accepted."""
+    import pytest
+
+    from arc_engine.adapter import Adapter
+    from arc_engine.monitors.base import Monitor
+    from arc_engine.monitors.family import FamilyBase
+    from arc_engine.recovery.state import TrainState
+    from arc_engine.sinks import Sink
+
+    with pytest.raises(TypeError, match=r"before_step_strat is not a hook of Adapter.*'before_step_start'"):
+        type("Misspelt", (Adapter,), {"before_step_strat": lambda self: None})
+    with pytest.raises(TypeError, match=r"evalute is not a hook of Monitor.*'evaluate'"):
+        type("Misspelt", (Monitor,), {"evalute": lambda self, step, stats: []})
+    with pytest.raises(TypeError, match="on_stat is not a hook of Monitor"):
+        type("Misspelt", (Monitor,), {"on_stat": lambda self, locations: None})
+    with pytest.raises(TypeError, match="sketch_dues is not a hook of FamilyBase"):
+        type("Misspelt", (FamilyBase,), {"sketch_dues": lambda self, ctx, step: True})
+    with pytest.raises(TypeError, match=r"log_rank is not a hook of Sink.*'log_ranks'"):
+        type("Misspelt", (Sink,), {"log_rank": lambda self, *args: None})
+    with pytest.raises(TypeError, match="forward_writen is not a hook of TrainState"):
+        type("Misspelt", (TrainState,), {"forward_writen": lambda self: []})
+    fine = type("Fine", (Monitor,), {"observe": lambda self, decision: None, "baseline": lambda self: 0.0})
+    assert fine.observe is not Monitor.observe
 
 
 def test_the_configuration_reference_is_generated_from_the_schema() -> None:

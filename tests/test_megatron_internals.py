@@ -333,7 +333,8 @@ def test_recovery_is_refused_with_overlap_param_gather_and_allowed_without() -> 
     from types import SimpleNamespace
 
     from arc_engine.config import load_config
-    from arc_engine.integrations.megatron import MegatronAdapter, overlaps_param_gather
+    from arc_engine.integrations.megatron import MegatronAdapter
+    from arc_engine.integrations.megatron.internals import overlaps_param_gather
 
     overlapping = [SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=True))]
     assert overlaps_param_gather(overlapping) and not overlaps_param_gather([SimpleNamespace()])

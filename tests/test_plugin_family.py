@@ -17,6 +17,7 @@ import arc_engine
 from arc_engine.config import ConfigError, load_config
 from arc_engine.config.docs import render_sections
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView
 from arc_engine.monitors.registry import register_family, unregister_family
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
@@ -45,7 +46,7 @@ class WeightGuardConfig:
             raise ConfigError("threshold", self.threshold, "must be > 0")
 
 
-class WeightGuardMonitor:
+class WeightGuardMonitor(Monitor):
     """Flags a step when the largest |weight| held by any rank exceeds the threshold."""
 
     name = "weight_guard"

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 import arc_engine
 from arc_engine.config import load_config
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext
 from arc_engine.monitors.registry import register_family, unregister_family
 from arc_engine.policy import DecisionPolicy
@@ -33,7 +34,7 @@ class ForesightConfig:
     action: Literal["warn", "checkpoint", "skip", "rollback", "abort"] = "checkpoint"
 
 
-class ForesightMonitor:
+class ForesightMonitor(Monitor):
     """Asks for a preventive checkpoint at one step (a stand-in for conformal's or dynamics' warning ahead)."""
 
     name = "foresight"

@@ -11,11 +11,11 @@ import torch
 
 import arc_engine
 from arc_engine.events import Event, Severity
-from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet, format_event, read_jsonl
+from arc_engine.sinks import ConsoleSink, JsonlSink, Sink, SinkSet, format_event, read_jsonl
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
 
 
-class ExplodingSink:
+class ExplodingSink(Sink):
     name = "exploding"
 
     def __init__(self) -> None:

@@ -14,6 +14,7 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.policy import EXIT_RECOVERY_EXHAUSTED, Decision
 from arc_engine.recovery import RecoveryController, RecoveryState, SnapshotRing, TorchTrainState, capture, restore
 from arc_engine.recovery.snapshot import ring_capacity
+from arc_engine.recovery.state import TrainState
 from tests.training import BATCH, make_optimizer, tiny_model_and_data
 
 
@@ -188,7 +189,7 @@ def test_no_target_yet_skips_but_an_escalated_failure_stops() -> None:
     assert controller.resolve(rollback(1, from_policy=True), has_target=False).action == Action.ABORT
 
 
-class _NativeFormatState:
+class _NativeFormatState(TrainState):
     """A train state whose backend brings its own checkpoint format (as megatron-core's does)."""
 
     def native_disk_format(self) -> object:
@@ -344,7 +345,7 @@ def test_only_the_module_buffers_are_copied_before_the_forward_on_cuda() -> None
                                                             for b in model.buffers())}
     assert len(written) == len(buffers) == 3  # running mean, running var, batches tracked
 
-    class Bare:
+    class Bare(TrainState):
         def live_tensors(self):
             return live
 

@@ -21,6 +21,7 @@ from arc_engine.events import Event, Severity
 from arc_engine.lost_peers import is_peer_failure
 from arc_engine.policy.decision import EXIT_HANG
 from arc_engine.sinks.alerts import AlertLimiter, alert_level, alert_title, redact, summary_title
+from arc_engine.sinks.base import Sink
 from arc_engine.watchdog import (
     AGREEING,
     LOSS_RECORDED,
@@ -333,7 +334,7 @@ def _train_with_failing_sinks(rank: int, world: int, run_dir: Path, steps: int) 
     import arc_engine
     from tests.training import make_optimizer, tiny_model_and_data
 
-    class ThrowingSink:
+    class ThrowingSink(Sink):
         name = "throwing"
 
         def emit(self, event: Event) -> None:

@@ -83,6 +83,8 @@ class _Counter:
     """The ``bare`` arm's step counter, where an attached arc_engine would keep it (clean runs only: the overhead's
     reference)."""
 
+    faults = None  # nothing injected
+
     def __init__(self) -> None:
         self.step = 0
 
@@ -208,7 +210,7 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
     except arc_engine.ArcAbort as abort:
         aborted = abort.exit_code
     eval_loss = held_out.loss(trainer)
-    injector = getattr(arc, "faults", None)
+    injector = arc.faults
     fired = torch.tensor([len(injector.fired) + len(injector.bitflips_fired()) if injector is not None else 0],
                          dtype=torch.float64, device=device)
     dist.all_reduce(fired)  # the faults act on one rank; every rank's record says how often

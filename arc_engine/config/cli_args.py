@@ -30,7 +30,7 @@ class _OverrideAction(argparse.Action):
     """Collects ``--arc.KEY VALUE`` / ``--arc.KEY=VALUE`` pairs in order into ``args.arc_overrides``."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
-        overrides = list(getattr(namespace, _OVERRIDE_DEST, None) or [])
+        overrides = list(vars(namespace).get(_OVERRIDE_DEST) or [])
         overrides.append(f"{self.metavar}={values}")
         setattr(namespace, _OVERRIDE_DEST, overrides)
 
@@ -76,8 +76,9 @@ def config_from_args(args: argparse.Namespace, *, exit_on_error: bool = True,
     With ``exit_on_error`` (the default, for CLI entry points) a bad config prints one line to stderr and
     exits with code 2; otherwise :class:`ConfigError` / ``FileNotFoundError`` propagate.
     """
-    path = getattr(args, "arc_config", None)
-    overrides = getattr(args, _OVERRIDE_DEST, None) or []
+    given = vars(args)  # a namespace without the arc options (a parser add_arc_args did not see): the defaults
+    path = given.get("arc_config")
+    overrides = given.get(_OVERRIDE_DEST) or []
     try:
         return load_config(path, overrides, base=None if path else default)
     except (ConfigError, OSError, UnicodeDecodeError) as err:

@@ -230,11 +230,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
                           str(path)) from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
+    except yaml.MarkedYAMLError as err:  # a parse error: where, and what
+        mark = err.problem_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError("<file>", str(path), f"not valid YAML{where}: {getattr(err, 'problem', err)}",
-                          str(path)) from None
+        raise ConfigError("<file>", str(path), f"not valid YAML{where}: {err.problem or err}", str(path)) from None
+    except yaml.YAMLError as err:
+        raise ConfigError("<file>", str(path), f"not valid YAML: {err}", str(path)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

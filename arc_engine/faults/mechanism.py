@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from arc_engine import internals
 from arc_engine.config.schema import FaultSpec
 
 MECHANISM_KINDS = ("attention_lowbit", "router_collapse", "dead_expert")
@@ -133,7 +134,7 @@ def select_modules(model: nn.Module, pattern: str, kind: str,
 
 
 def _is_router(module: nn.Module) -> bool:
-    return callable(getattr(module, "gating", None)) and callable(getattr(module, "routing", None))
+    return internals.is_router(module)
 
 
 class MechanismFault:
@@ -189,9 +190,8 @@ class MechanismFault:
         """One link per faulted call: created by the pre-hook on an active step, filled by the softmax's hooks,
         consumed by the output hook; calls on inactive steps see no link and pass through."""
         current: dict[str, _FlashDeltaLink | None] = {"link": None}
-        softmax = getattr(module, SOFTMAX_CHILD, None)
-        if not isinstance(softmax, nn.Module):
-            softmax = None
+        softmax = internals.child_module(module, SOFTMAX_CHILD)
+        if softmax is None:
             warnings.warn(f"faults: attention_lowbit on {name!r}: no unfused softmax child ({SOFTMAX_CHILD!r}), so "
                           f"flash attention's δ error cannot be added; only O and dO are rounded", stacklevel=3)
 
@@ -215,7 +215,7 @@ class MechanismFault:
                 link = current["link"]
                 if link is None or not torch.is_grad_enabled():
                     return None
-                link.scale = float(getattr(softmax, "scale", None) or 1.0)
+                link.scale = internals.softmax_scale(softmax)
                 return (_FlashDelta.apply(args[0], link), *args[1:])
 
             def softmax_hook(_module: nn.Module, args: tuple, probs: torch.Tensor) -> None:
@@ -247,11 +247,7 @@ class MechanismFault:
 def _num_experts(router: nn.Module) -> int | None:
     """Experts of a router: Megatron's ``config.num_moe_experts``, else the rows of its ``weight``; None if
     neither says."""
-    config_experts = getattr(getattr(router, "config", None), "num_moe_experts", None)
-    if config_experts:
-        return int(config_experts)
-    weight = getattr(router, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    return internals.router_experts(router)
 
 
 def _wrap_gating(router: nn.Module, corrupt: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from arc_engine import internals
 from arc_engine.config.schema import FaultSpec
 
 #: ``data_corruption``'s fraction of corrupted token ids when ``rate`` is not given.
@@ -113,8 +114,8 @@ def vocab_size(model: nn.Module) -> int:
     """``num_embeddings`` of the first module in ``named_modules()`` that has one (``nn.Embedding``; megatron-core's
     ``VocabParallelEmbedding`` holds the whole vocabulary's there). Raises ValueError when none does."""
     for module in model.modules():
-        size = getattr(module, "num_embeddings", None)
-        if isinstance(size, int) and size > 0:
+        size = internals.embedding_size(module)
+        if size is not None:
             return size
     raise ValueError(f"faults: data_corruption needs a token embedding (an nn.Embedding or a module with "
                      f"`num_embeddings`) in {type(model).__name__}; found none")
@@ -227,7 +228,7 @@ class WeightCorruptionFault(StateFault):
 
     def install(self, model: nn.Module) -> None:
         self._params = select_parameters(model, self.spec.pattern, self.spec.kind, trainable=False)
-        partitioned = [name for _, name, param in self._params if hasattr(param, "ds_id")]
+        partitioned = [name for _, name, param in self._params if internals.is_zero3_param(param)]
         if partitioned:
             raise ValueError(f"faults: weight_corruption cannot reach DeepSpeed ZeRO-3's partitioned parameters "
                              f"({partitioned[:4]}...): they are gathered only inside each module's forward")

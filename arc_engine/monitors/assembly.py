@@ -11,7 +11,7 @@ from typing import Any
 
 from arc_engine.config.schema import ArcConfig
 from arc_engine.monitors.base import Monitor, missing_stats
-from arc_engine.monitors.family import HOOKS, FamilyContext, ModelParts, MonitorFamily, Producer, section_of
+from arc_engine.monitors.family import HOOKS, FamilyBase, FamilyContext, ModelParts, Producer, section_of
 from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.monitors.registry import families
 from arc_engine.stats import Reduce, StatLayout
@@ -25,7 +25,7 @@ Wrap = Callable[[str, Callable[..., None]], Callable[..., None]]
 class Assembly:
     """What the enabled families bring (every rank builds the same from the same config)."""
 
-    families: list[tuple[MonitorFamily, FamilyContext]] = field(default_factory=list)
+    families: list[tuple[FamilyBase, FamilyContext]] = field(default_factory=list)
     monitors: list[Monitor] = field(default_factory=list)
     producers: list[Producer] = field(default_factory=list)
     max_dues: list[Callable[[int], bool] | None] = field(default_factory=list)  # per MAX slot: its steps
@@ -37,8 +37,7 @@ class Assembly:
 
     def sketch_due(self, step: int) -> bool:
         """Whether some family wants the local gradient sketch on ``step``."""
-        return any(getattr(family, "sketch_due", None) is not None and family.sketch_due(context, step)
-                   for family, context in self.families)
+        return any(family.sketch_due(context, step) for family, context in self.families)
 
     def start(self, layout: StatLayout, locations: dict[int, str]) -> MonitorHooks:
         """At the engine's start: a monitor whose statistics nobody produces is disabled (a warning), the others'

@@ -109,7 +109,7 @@ def loss_key(row: np.ndarray, layout: Any) -> float:
                     int(row[layout[RANK].span][0]))
 
 
-class BadDataMonitor:
+class BadDataMonitor(Monitor):
     """The loss-spread rule of the module docstring; names the highest-loss rank on an alarm."""
 
     name = "data"

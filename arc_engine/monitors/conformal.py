@@ -207,7 +207,7 @@ class ConformalTrack:
         self.failures, self.recalibrations = int(state["failures"]), int(state["recalibrations"])
 
 
-class ConformalMonitor:
+class ConformalMonitor(Monitor):
     """A conformal track per signal in ``signals`` (see the module docstring). The loss's metrics keep their plain
     names (``forecast``, ``upper``, ...); another signal's carry its name as a prefix (``grad_norm_upper``)."""
 

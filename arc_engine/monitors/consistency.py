@@ -176,7 +176,7 @@ def farthest_rank(values: np.ndarray) -> tuple[int, float]:
     return best, best_distance
 
 
-class ConsistencyMonitor:
+class ConsistencyMonitor(Monitor):
     """D_loss, D_grad / CV_grad and C_dir per monitored step (see the module docstring); alarms on CV_grad and
     C_dir against the run's own baseline."""
 

@@ -202,7 +202,7 @@ class VelocityProducer:
         return total
 
 
-class DynamicsMonitor:
+class DynamicsMonitor(Monitor):
     """The Lyapunov estimate, the phase and the oscillation check over the agreed velocities (module docstring)."""
 
     name = "dynamics"

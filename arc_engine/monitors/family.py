@@ -10,9 +10,12 @@ your own) says:
 * its **producers** (:class:`Producer`): which hook of the step writes which of its statistics from which tensors.
   The adapters already produce the standard slots (``arc_engine.stats.names``: loss, local and reduced gradient
   norms, optimizer statistics); a family asks for optimizer statistics on a step through
-  :meth:`MonitorFamily.optimizer_stats_due`, and can add producers at ``before_agreement`` that read this rank's
+  :meth:`FamilyBase.optimizer_stats_due`, and can add producers at ``before_agreement`` that read this rank's
   parameters (:class:`StepView`);
-* its **monitors** (:class:`~arc_engine.monitors.base.Monitor`: evaluate / commit / state_dict).
+* its **monitors** (subclasses of :class:`~arc_engine.monitors.base.Monitor`: evaluate / commit / state_dict and
+  the optional hooks).
+
+A family is a subclass of :class:`FamilyBase`, which says what a family does by default.
 
 Register a plugin family with :func:`arc_engine.monitors.registry.register_family` before loading the config and
 attaching, on every rank, in the same order.
@@ -20,16 +23,18 @@ attaching, on every rank, in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from arc_engine.config.schema import ArcConfig
 from arc_engine.monitors.base import Monitor
+from arc_engine.seams import check_overrides
 from arc_engine.stats import Reduce, StatBuffer
 
 
@@ -196,42 +201,24 @@ class Producer:
 HOOKS = ("before_agreement",)
 
 
-@runtime_checkable
-class MonitorFamily(Protocol):
-    """A detector family on the plugin seam (see the module docstring)."""
-
-    name: str
-    #: the dataclass of a plugin family's ``detectors.<name>`` section; None for a built-in family.
-    config_class: type | None
-
-    def enabled(self, ctx: FamilyContext) -> bool: ...
-
-    def statistics(self, ctx: FamilyContext) -> list[StatDecl]: ...
-
-    def producers(self, ctx: FamilyContext) -> list[Producer]: ...
-
-    def monitors(self, ctx: FamilyContext) -> list[Monitor]: ...
-
-    def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
-        """Whether this family needs the prospective update RMS, and the weight norms, on monitored step
-        ``step`` (the adapters compute them inside the optimizer step when any family asks)."""
-        ...
-
-    def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
-        """Whether this family needs the local gradient sketch (``grad_sketch_local``, which it declares) on
-        monitored step ``step`` (the adapters add it in their reduction hooks when any family asks)."""
-        ...
-
-
 class FamilyBase:
-    """Defaults for a family: no statistics, producers or optimizer statistics of its own; enabled by its section's
-    ``enabled`` flag."""
+    """A detector family on the plugin seam (see the module docstring): subclass it and override what the family
+    brings. The defaults: enabled by its section's ``enabled`` flag; no statistics, producers, monitors or
+    optimizer statistics of its own. A method named like one of these but none of them (a misspelt override) is a
+    TypeError when the class is defined."""
 
     name = ""
+    #: the dataclass of a plugin family's ``detectors.<name>`` section; None for a built-in family.
     config_class: type | None = None
 
+    HOOKS = ("enabled", "statistics", "producers", "monitors", "optimizer_stats_due", "sketch_due")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_overrides(cls, FamilyBase, ("optimizer_", "sketch_"), FamilyBase.HOOKS)
+
     def enabled(self, ctx: FamilyContext) -> bool:
-        return bool(getattr(ctx.section, "enabled", True))
+        return bool(ctx.section.enabled)
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         return []
@@ -243,18 +230,21 @@ class FamilyBase:
         return []
 
     def optimizer_stats_due(self, ctx: FamilyContext, step: int) -> tuple[bool, bool]:
+        """Whether this family needs the prospective update RMS, and the weight norms, on monitored step
+        ``step`` (the adapters compute them inside the optimizer step when any family asks)."""
         return False, False
 
     def sketch_due(self, ctx: FamilyContext, step: int) -> bool:
+        """Whether this family needs the local gradient sketch (``grad_sketch_local``, which it declares) on
+        monitored step ``step`` (the adapters add it in their reduction hooks when any family asks)."""
         return False
 
 
-def section_of(config: ArcConfig, family: MonitorFamily) -> Any:
+def section_of(config: ArcConfig, family: FamilyBase) -> Any:
     """``detectors.<family.name>``: the typed field of a built-in, or the parsed plugin section (its defaults when
     the YAML has none)."""
-    builtin = getattr(config.detectors, family.name, None)
-    if builtin is not None and family.config_class is None:
-        return builtin
+    if family.config_class is None and family.name in {f.name for f in dataclasses.fields(config.detectors)}:
+        return getattr(config.detectors, family.name)
     section = config.detectors.plugins.get(family.name)
     if section is None and family.config_class is not None:
         section = family.config_class()
@@ -288,6 +278,6 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     return bool(every) and step % (config.stats.interval * every) == 0
 
 
-__all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "MonitorFamily", "Producer",
+__all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "Producer",
            "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_due", "periodic_family_enabled",
            "section_of", "worker_positions"]

@@ -242,7 +242,7 @@ def _holds_any(tensor: torch.Tensor, starts: list[int]) -> bool:
     return index < len(starts) and starts[index] < begin + tensor.numel() * tensor.element_size()
 
 
-class FisherMonitor:
+class FisherMonitor(Monitor):
     """Judges the agreed Fisher sums and drives the recovery-shaping parts (module docstring)."""
 
     name = "fisher"

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from arc_engine import internals
+
 log = logging.getLogger("arc_engine")
 
 #: Clock-event reason bits that mean the GPU slowed itself down (NVML's nvmlClocksEventReason* values).
@@ -24,7 +26,7 @@ MAX_XID_PER_POLL = 64
 def pci_bus_id(properties: object) -> str | None:
     """NVML's ``domain:bus:device.function`` address of a CUDA device from its torch properties (their integer
     ``pci_domain_id``, ``pci_bus_id``, ``pci_device_id``); None when torch does not give them. Pure."""
-    parts = [getattr(properties, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    parts = internals.cuda_pci_parts(properties)
     if not all(isinstance(part, int) for part in parts):
         return None
     domain, bus, device = parts
@@ -93,10 +95,8 @@ class HardwareEvents:
                 except nvml.NVMLError:
                     break  # timeout: no pending event
                 events += 1
-            reasons = nvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle) \
-                if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons") else \
-                nvml.nvmlDeviceGetCurrentClocksThrottleReasons(self.handle)
-            slowed = bool(int(reasons) & SLOWDOWN_REASONS)
+            reasons = internals.nvml_clock_event_reasons(nvml, self.handle)
+            slowed = bool(reasons & SLOWDOWN_REASONS)
             events += int(slowed and not self._slowed)
             self._slowed = slowed
         except Exception as error:

@@ -1,55 +1,17 @@
-"""The optional methods of a step's monitors, gathered once, so the engine calls lists and never asks a monitor.
-
-Besides the :class:`~arc_engine.monitors.base.Monitor` contract a monitor may define any of these, and is then
-called at that point of every step (locally, with values identical on every rank):
-
-* ``on_start(locations)``: once, with the job's ``global rank -> "host:device"``;
-* ``before_agreement(buffer)``: write what only this monitor knows of this rank into the step's buffer;
-* ``observe(decision)``: every agreed decision after its commit, the framework's own skips included;
-* ``record_validation_loss(value)``: a validation loss the loop recorded;
-* ``rank_metrics()``: per-rank values for ``ranks.jsonl`` on the steps that gathered them;
-* ``gradient_coefficient(stats)``: a factor for this step's gradients;
-* the :class:`UpdateShaper` methods: it reads or edits the update and takes part in a rollback.
-"""
+"""The hooks a step's monitors override (:class:`~arc_engine.monitors.base.Monitor`'s optional methods), gathered
+once, so that the engine calls lists and a hook no monitor overrides costs nothing per step."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from arc_engine.monitors.base import Monitor
+from arc_engine.monitors.base import Monitor, overrides
 from arc_engine.stats import AgreedStats, StatBuffer
 
 if TYPE_CHECKING:
     from arc_engine.policy import Decision
-
-
-class UpdateShaper(Protocol):
-    """A monitor that shapes the update or a rollback (``detectors.fisher``: the Fisher estimate, the EWC penalty,
-    the importance-weighted rollback)."""
-
-    def updates_on(self, step: int) -> bool:
-        """Whether :meth:`before_update` has work on ``step`` (the same on every rank)."""
-        ...
-
-    def before_update(self, params: list[torch.Tensor], step: int) -> None:
-        """In an applied optimizer step, before the update, with the stepped tensors (their gradients final)."""
-        ...
-
-    def set_reference(self) -> None:
-        """The live state is the one training continues from safely (a verified snapshot, an escape's state)."""
-        ...
-
-    def before_restore(self) -> None:
-        """Recovery is about to restore a snapshot over the live state."""
-        ...
-
-    def after_restore(self, step: int) -> bool:
-        """Recovery restored a snapshot of ``step``; True when this edited the stepped tensors."""
-        ...
 
 
 @dataclass
@@ -60,28 +22,28 @@ class MonitorHooks:
     before_agreement: list[tuple[str, Callable[[StatBuffer], None]]] = field(default_factory=list)
     observers: list[Callable[[Decision], None]] = field(default_factory=list)
     validation: list[Callable[[float], None]] = field(default_factory=list)
-    rank_reporters: list[Any] = field(default_factory=list)
+    rank_reporters: list[Monitor] = field(default_factory=list)
     gradient_factors: list[Callable[[AgreedStats], float]] = field(default_factory=list)
-    shapers: list[UpdateShaper] = field(default_factory=list)
+    shapers: list[Monitor] = field(default_factory=list)  # the update shapers (before_update)
 
     @classmethod
     def gather(cls, monitors: Sequence[Monitor]) -> MonitorHooks:
         hooks = cls()
         for monitor in monitors:
-            if (method := getattr(monitor, "on_start", None)) is not None:
-                hooks.on_start.append(method)
-            if (method := getattr(monitor, "before_agreement", None)) is not None:
-                hooks.before_agreement.append((monitor.name, method))
-            if (method := getattr(monitor, "observe", None)) is not None:
-                hooks.observers.append(method)
-            if (method := getattr(monitor, "record_validation_loss", None)) is not None:
-                hooks.validation.append(method)
-            if getattr(monitor, "rank_metrics", None) is not None:
+            if overrides(monitor, "on_start"):
+                hooks.on_start.append(monitor.on_start)
+            if overrides(monitor, "before_agreement"):
+                hooks.before_agreement.append((monitor.name, monitor.before_agreement))
+            if overrides(monitor, "observe"):
+                hooks.observers.append(monitor.observe)
+            if overrides(monitor, "record_validation_loss"):
+                hooks.validation.append(monitor.record_validation_loss)
+            if overrides(monitor, "rank_metrics"):
                 hooks.rank_reporters.append(monitor)
-            if (method := getattr(monitor, "gradient_coefficient", None)) is not None:
-                hooks.gradient_factors.append(method)
-            if getattr(monitor, "before_update", None) is not None:
-                hooks.shapers.append(monitor)  # type: ignore[arg-type]
+            if overrides(monitor, "gradient_coefficient"):
+                hooks.gradient_factors.append(monitor.gradient_coefficient)
+            if overrides(monitor, "before_update"):
+                hooks.shapers.append(monitor)
         return hooks
 
     def gradient_factor(self, stats: AgreedStats) -> float:

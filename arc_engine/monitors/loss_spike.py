@@ -77,7 +77,7 @@ def mean_loss(loss_sum: float, ranks_recorded: float) -> float:
     return loss_sum / ranks_recorded if ranks_recorded > 0 else float("nan")
 
 
-class LossSpikeMonitor:
+class LossSpikeMonitor(Monitor):
     """Stateful wrapper: keeps the window of accepted losses; flags after ``warmup_steps`` of them."""
 
     name = "loss_spike"

@@ -53,7 +53,7 @@ def nonfinite_ranks(loss_r: np.ndarray, loss_count_r: np.ndarray, nonfinite_rg: 
 
 
 
-class NonFiniteMonitor:
+class NonFiniteMonitor(Monitor):
     """Flags NaN/Inf in any rank's loss or local (pre-reduction) gradient, naming the rank and group."""
 
     name = "non_finite"

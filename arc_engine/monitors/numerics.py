@@ -47,7 +47,7 @@ def relative_limit(log_norms: deque[float] | list[float], factor: float, min_rat
     return math.exp(median + max(factor * robust_std, math.log(min_ratio))), math.exp(median)
 
 
-class GradNormMonitor:
+class GradNormMonitor(Monitor):
     """Explosion (‖g‖ > τ_grad, or far above the run's own robust baseline of log-norms) and vanishing
     (‖g‖ < ε_grad) of the reduced, pre-clip gradient norm. Under clipping the pre-clip norm is what exploded: an
     explosion that the clip bounds still sends the step along the exploded direction."""

@@ -18,7 +18,7 @@ from arc_engine.stats import AgreedStats, names
 from arc_engine.stats.optim_stats import rms_per_group
 
 
-class OptimizerStatsMonitor:
+class OptimizerStatsMonitor(Monitor):
     """Metrics only: ``update/rms_max`` (R_t), ``update/rms/<group>``, ``weight_norm/<group>``."""
 
     name = "optimizer"

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from arc_engine import internals
 from arc_engine.config.schema import QKSpectraConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
@@ -150,8 +151,8 @@ class QKSpectraProducer:
         job's), where it recorded them since its last reset; local, on the buffer's device."""
         slot = buffer.view(MAX_LOGIT).view(self.parts.num_layers, self.parts.num_heads)
         for shard in self.parts.attention:
-            recorded = getattr(shard.core_attention, "current_max_attn_logits", None)
-            if isinstance(recorded, torch.Tensor) and recorded.numel():
+            recorded = internals.recorded_max_logits(shard.core_attention)
+            if recorded is not None and recorded.numel():
                 values = recorded.detach().reshape(-1).to(slot.device, slot.dtype)
                 row = slot[shard.layer, shard.first_head:shard.first_head + values.numel()]
                 torch.maximum(row, values[:row.numel()], out=row)
@@ -191,7 +192,7 @@ class QKSpectraProducer:
         return finite, bound, heads
 
 
-class QKSpectraMonitor:
+class QKSpectraMonitor(Monitor):
     """A persistent drop of the model's attention-update entropy below its own healthy trajectory (see
     :class:`~arc_engine.config.QKSpectraConfig`); per-head detail in the event."""
 
@@ -310,7 +311,7 @@ class QKSpectraMonitor:
         self.alarms, self.measurements = int(state["alarms"]), int(state["measurements"])
 
 
-class QKLogitMonitor:
+class QKLogitMonitor(Monitor):
     """Each head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k against its own trend (Theil-Sen of the log bound
     through the last ``window`` accepted measurements): a head above it by a factor of more than 1 +
     ``logit_growth`` and by ``logit_factor`` robust standard deviations alarms, naming layer, head and TP rank;
@@ -470,4 +471,4 @@ class QKSpectraFamily(FamilyBase):
 def records_max_logits(parts: ModelParts) -> bool:
     """Whether the model's attention records its per-head max logits (Transformer Engine's
     ``current_max_attn_logits``, present when Megatron's ``qk_clip`` or ``log_max_attention_logit`` is on)."""
-    return any(hasattr(shard.core_attention, "current_max_attn_logits") for shard in parts.attention)
+    return any(internals.records_max_logits(shard.core_attention) for shard in parts.attention)

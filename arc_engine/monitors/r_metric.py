@@ -92,7 +92,7 @@ class Normalizer:
         self.smoothed, self.norm = float(state["smoothed"]), float(state["norm"])
 
 
-class RMetricMonitor:
+class RMetricMonitor(Monitor):
     """R(t) per monitored step and its alert (see the module docstring). Also this rank's writer of the event and
     validation slots (:meth:`write`, the family's producer)."""
 

@@ -5,12 +5,12 @@ Every rank must see the same families in the same order (the statistics layout i
 
 from __future__ import annotations
 
-from arc_engine.monitors.family import MonitorFamily
+from arc_engine.monitors.family import FamilyBase
 
-_plugins: list[MonitorFamily] = []
+_plugins: list[FamilyBase] = []
 
 
-def builtin_families() -> list[MonitorFamily]:
+def builtin_families() -> list[FamilyBase]:
     """The families that ship with arc_engine, in the order their monitors run."""
     from arc_engine.monitors.bad_data import BadDataFamily
     from arc_engine.monitors.conformal import ConformalFamily
@@ -33,10 +33,13 @@ def builtin_families() -> list[MonitorFamily]:
             WeightHealthFamily(), DynamicsFamily(), ConformalFamily(), FisherFamily()]
 
 
-def register_family(family: MonitorFamily) -> None:
+def register_family(family: FamilyBase) -> None:
     """Add a plugin family (before loading the config that configures it, and before attach; on every rank).
     Registering a family of the same name again replaces it. Raises ValueError for a name a built-in uses or that
     is not a plain identifier, and for a family without a ``config_class``."""
+    if not isinstance(family, FamilyBase):
+        raise TypeError(f"register_family: {family!r} is not a FamilyBase (subclass "
+                        "arc_engine.monitors.family.FamilyBase and override what the family brings)")
     if not family.name.isidentifier() or family.name in {f.name for f in builtin_families()} \
             or family.name == "plugins":
         raise ValueError(f"register_family: {family.name!r} is not allowed as a family name (a Python identifier "
@@ -53,7 +56,7 @@ def unregister_family(name: str) -> None:
     _plugins[:] = [f for f in _plugins if f.name != name]
 
 
-def families() -> list[MonitorFamily]:
+def families() -> list[FamilyBase]:
     """The built-in families, then the registered plugins."""
     return [*builtin_families(), *_plugins]
 

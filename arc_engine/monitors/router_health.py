@@ -109,7 +109,7 @@ class RouterObserver:
                 slot[shard.layer].add_(partial.to(slot.device, torch.float64))
 
 
-class RouterMonitor:
+class RouterMonitor(Monitor):
     """Per MoE layer, the union's router summary against its healthy trajectory (see module docstring)."""
 
     name = "router"

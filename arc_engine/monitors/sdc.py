@@ -82,7 +82,7 @@ def is_sdc(r_t: float, r_prev: float, g_t: float, g_prev: float, mu: float, alph
     return delta_r > sdc_threshold(mu, alpha, max(0.0, g_t - g_prev))
 
 
-class SDCMonitor:
+class SDCMonitor(Monitor):
     """Stateful wrapper: the previous applied step's R and ‖G‖, and the warm-up mean μ of ΔR."""
 
     name = "sdc"

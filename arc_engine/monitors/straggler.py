@@ -286,7 +286,7 @@ class StragglerProducer:
             self.best_forward, self.best_compute = float(state["best_forward"]), float(state["best_compute"])
 
 
-class StragglerMonitor:
+class StragglerMonitor(Monitor):
     """Judges every rank on report steps, each rank itself, and tells which ranks are slow (see the module
     docstring); names the ranks that become stragglers."""
 

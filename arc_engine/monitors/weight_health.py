@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from arc_engine import runtime
+from arc_engine import internals, runtime
 from arc_engine.config.schema import WeightHealthConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
@@ -80,7 +80,7 @@ def dtensor_parameter(tensor: torch.Tensor) -> DTensor | None:
         return tensor
     node = tensor.grad_fn
     for next_node, _ in (node.next_functions if node is not None else ()):
-        variable = getattr(next_node, "variable", None)
+        variable = internals.accumulate_grad_variable(next_node)
         if isinstance(variable, DTensor):
             return variable
     return None
@@ -89,7 +89,7 @@ def dtensor_parameter(tensor: torch.Tensor) -> DTensor | None:
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The parameter's whole shape: DeepSpeed ZeRO-3 keeps it in ``ds_shape`` (the tensor itself is empty between
     gathers)."""
-    return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
+    return internals.zero3_full_shape(tensor)
 
 
 class TrackedMatrix:
@@ -101,7 +101,7 @@ class TrackedMatrix:
         self.parameter = dtensor_parameter(tensor) if tensor is not None else None
         self.sharded = self.parameter is not None
         #: whether this rank holds the whole matrix at the step (not a DTensor shard, not a ZeRO-3 parameter)
-        self.whole = tensor is not None and not self.sharded and not hasattr(tensor, "ds_shape")
+        self.whole = tensor is not None and not self.sharded and not internals.is_zero3_param(tensor)
         if label is None:
             assert tensor is not None
             label = f"param {index} {list(self.parameter.shape if self.parameter is not None else full_shape(tensor))}"
@@ -216,7 +216,7 @@ class WeightHealthProducer:
             rank_rows[matrix.slot, 1].fill_(1.0)
 
 
-class WeightHealthMonitor:
+class WeightHealthMonitor(Monitor):
     """Judges the agreed weight-health sums on the measured steps (see the module docstring); keeps each matrix's
     first norm, sparsity and effective rank as its baseline, and the latest effective rank between samples."""
 

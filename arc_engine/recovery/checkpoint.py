@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from arc_engine import internals
 from arc_engine.recovery.commit import (
     DCP_METADATA_NAME,
     LATEST_NAME,
@@ -298,10 +299,9 @@ class CheckpointManager:
         save_id = None
         try:
             dcp_metadata = job.upload.result(timeout=max(0.0, deadline - time.monotonic()))
-            if getattr(dcp_metadata, "storage_data", None) is None:  # torch < 2.10 fills in a copy: read what it wrote
+            if internals.dcp_storage_data_missing(dcp_metadata):  # torch < 2.10 fills in a copy: read what it wrote
                 dcp_metadata = FileSystemReader(job.step_dir).read_metadata()
-            storage_meta = getattr(dcp_metadata, "storage_meta", None)
-            save_id = getattr(storage_meta, "save_id", None)
+            save_id = internals.dcp_save_id(dcp_metadata)
             job.expected_files = {DCP_METADATA_NAME, *referenced_files(dcp_metadata), *self._common_files()}
             checksums = {name: file_checksum(job.step_dir / name) for name in self._own_files(job.expected_files)}
         except BaseException as err:

@@ -30,6 +30,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 _TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__")
 
+#: the torch dtypes a state may name (by ``str(dtype)`` without ``torch.``)
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+
 
 def dumps(obj: Any) -> bytes:
     """``obj`` as UTF-8 JSON bytes (see the module docstring for what it may hold)."""
@@ -117,10 +120,9 @@ def _decode(obj: dict[str, Any]) -> Any:
     if tag == "__dict__":
         return {_hashable(k): v for k, v in value}
     if tag == "__dtype__":
-        dtype = getattr(torch, value, None)
-        if not isinstance(dtype, torch.dtype):
+        if value not in _DTYPES:
             raise ValueError(f"arc_engine state: unknown torch dtype {value!r}")
-        return dtype
+        return _DTYPES[value]
     return obj
 
 

@@ -112,8 +112,9 @@ class GradientTarget(Protocol):
     loss_factor: float               # what the framework multiplies a micro-batch loss by before backward
     per_micro_batch: bool            # the gate judges each micro-batch (ZeRO) or the accumulated gradient (DDP)
     group_of_p: list[int]            # optimizer parameter group of each of ``params``
-    # Optional ``dense_corrections = True``: ``apply`` needs an entry (zeros) for every parameter of a correction,
-    # not only those some rank of its group has a share of (Megatron: its post-reduction all-reduces across groups)
+    # ``apply`` needs an entry (zeros) for every parameter of a correction, not only those some rank of its group
+    # has a share of (Megatron: its post-reduction all-reduces across groups)
+    dense_corrections: bool
 
     def slot_params(self, slot: int) -> list[int]:
         """Indices into ``params`` of a gate slot."""
@@ -151,6 +152,7 @@ class ReplicaTarget:
     params: list[torch.Tensor]
     loss_factor: float
     engine: EngineAccess
+    dense_corrections = False
 
     def units(self, ranks: list[int]) -> Units:
         return Units.per_rank(ranks)
@@ -534,7 +536,7 @@ class SDCRecompute:
         for correction in self.target.correction_groups():
             communicate = dist.is_initialized() and dist.get_world_size(correction.group) > 1  # None: default group
             indices = list(correction.indices)
-            if not replace and indices and not getattr(self.target, "dense_corrections", False):
+            if not replace and indices and not self.target.dense_corrections:
                 indices = self._shared_indices(indices, shares, correction.group, communicate)
             for chunk in bounded_runs(indices, [params[i].numel() for i in indices], CHUNK_ELEMENTS):
                 sizes = [params[i].numel() for i in chunk]

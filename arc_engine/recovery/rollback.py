@@ -146,8 +146,7 @@ class Recovery:
         through the whole job's collectives (megatron-core's ``dist_checkpointing``): the decision group must then
         be the whole job."""
         wanted = self.config.checkpoint.format
-        native = getattr(self.state, "native_disk_format", None)
-        fmt = native() if native is not None and wanted != "dcp" else None
+        fmt = self.state.native_disk_format() if wanted != "dcp" else None
         if wanted not in ("auto", "dcp") and (fmt is None or fmt.name != wanted):
             raise ValueError(f"arc_engine: recovery.checkpoint.format: {wanted} is not available for "
                              f"{type(self.state).__name__} (use auto or dcp)")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from arc_engine import internals
 from arc_engine.recovery.staging import DTensor, bounded_runs, with_local
 from arc_engine.recovery.state import TrainState
 
@@ -101,8 +102,7 @@ class Snapshot:
             event.synchronize()
 
 
-# torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_flat = internals.all_gather_flat
 
 #: the largest staging buffer a restore of replicated state all-gathers into, in elements
 RESTORE_CHUNK_ELEMENTS = 1 << 24
@@ -120,10 +120,9 @@ class Replication:
 
 
 def replication(state: TrainState, live: list[torch.Tensor]) -> Replication | None:
-    """The state's replicated tensors (its optional ``replicated() -> (group, indices) | None``), contiguous ones
-    only; None when it has none or the group has one rank."""
-    declared = getattr(state, "replicated", None)
-    spec = declared() if declared is not None else None
+    """The state's replicated tensors (:meth:`TrainState.replicated`), contiguous ones only; None when it has none
+    or the group has one rank."""
+    spec = state.replicated()
     if spec is None or not (dist.is_available() and dist.is_initialized()):
         return None
     group, indices = spec
@@ -198,9 +197,9 @@ def capture(step: int, state: TrainState, extra: dict[str, Any] | None = None,
 
 def _forward_written(state: TrainState, count: int) -> set[int]:
     """Indices of ``state``'s live tensors that the forward pass may write (module buffers: running statistics):
-    its ``forward_written()`` when it has one, else all of them (every copy then goes before the forward)."""
-    written = getattr(state, "forward_written", None)
-    return set(written()) if written is not None else set(range(count))
+    its ``forward_written()`` where it says, else all of them (every copy then goes before the forward)."""
+    written = state.forward_written()
+    return set(written) if written is not None else set(range(count))
 
 
 _side_streams: dict[torch.device, Any] = {}

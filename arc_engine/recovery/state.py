@@ -13,54 +13,79 @@ has its own in ``arc_engine.integrations.deepspeed.state``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from arc_engine.seams import check_overrides
 
-class TrainState(Protocol):
-    """One rank's training state as recovery sees it. Every method is local (no communication) unless noted;
-    ``load_extra_state`` and ``perturb`` may be collective over the data-parallel group (ZeRO-3 re-gathers the
-    parameters it keeps whole), so recovery calls them on every rank together, as every restore is agreed."""
+if TYPE_CHECKING:
+    from arc_engine.recovery.checkpoint import DiskFormat
+
+
+class TrainState:
+    """One rank's training state as recovery sees it: the base class of every backend's (no-op defaults for the
+    optional members). Every method is local (no communication) unless noted; ``load_extra_state`` and ``perturb``
+    may be collective over the data-parallel group (ZeRO-3 re-gathers the parameters it keeps whole), so recovery
+    calls them on every rank together, as every restore is agreed."""
 
     #: whether torch.distributed.checkpoint can load this state into a job of another world size
-    reshardable: bool
+    reshardable: bool = False
 
-    # Optional: ``forward_written() -> Iterable[int]``, the indices in ``live_tensors()`` a forward pass may write
-    # (module buffers). On CUDA a snapshot copies the others on a side stream overlapping the next forward; a state
-    # without it gets every copy queued before the forward (no overlap, still no host sync).
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_overrides(cls, TrainState, ())
 
     def live_tensors(self) -> list[torch.Tensor]:
         """This rank's state tensors (parameters or local shards, buffers, optimizer state) in a fixed order;
         writing into them in place changes the training state."""
-        ...
+        raise NotImplementedError
 
     def extra_state(self) -> dict[str, Any]:
         """Picklable python-side state: scheduler, loss scaler, hyper-parameters, framework counters."""
-        ...
+        raise NotImplementedError
 
-    def load_extra_state(self, state: dict[str, Any]) -> None: ...
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def dcp_state_dict(self) -> dict[str, Any]:
         """The live state for ``dcp.save`` / in-place ``dcp.load`` (keys agreed across ranks; replicated tensors
         under the same key, rank-local ones under rank-unique keys)."""
-        ...
+        raise NotImplementedError
 
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
         """Apply what ``dcp.load`` wrote into ``state_dict`` (the dict :meth:`dcp_state_dict` returned)."""
-        ...
+        raise NotImplementedError
 
     def perturb(self, scale: float, seed: int) -> None:
         """Add ``scale`` x RMS x N(0, 1) noise to every trainable parameter (ARC's escape). Replicated parameters
         get the same noise on every rank (same ``seed``), so replicas stay identical."""
-        ...
+        raise NotImplementedError
 
     def masters_changed(self) -> None:
         """The tensors the optimizer steps were edited in place (an importance-weighted rollback): bring the
         model's copies in line (ZeRO's bit16 parameters, gathered again). Collective where those are gathered:
-        recovery calls it on every rank together."""
-        ...
+        recovery calls it on every rank together. Default: nothing to bring in line."""
+
+    # ------------------------------------------------------------------ optional (defaults)
+
+    def forward_written(self) -> Iterable[int] | None:
+        """The indices in :meth:`live_tensors` a forward pass may write (module buffers). On CUDA a snapshot copies
+        the others on a side stream overlapping the next forward. Default None: any (every copy is queued before
+        the forward: no overlap, still no host sync)."""
+        return None
+
+    def replicated(self) -> tuple[Any, list[int]] | None:
+        """(group, indices in :meth:`live_tensors`) of tensors every rank of ``group`` holds identical, so that a
+        snapshot keeps one copy per group. Default None: none."""
+        return None
+
+    def native_disk_format(self) -> DiskFormat | None:
+        """The backend's own checkpoint format for the disk tier (``recovery.checkpoint.format: auto``). Default
+        None: arc_engine's DCP layout."""
+        return None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,7 +146,7 @@ def add_relative_noise(tensors: list[torch.Tensor], scale: float, seed: int) -> 
         tensor.add_((noise * (scale * rms)).to(tensor.dtype))
 
 
-class TorchTrainState:
+class TorchTrainState(TrainState):
     """Plain module, DDP or FSDP2 model plus any ``torch.optim`` optimizer (and an optional LR scheduler).
 
     The disk view goes through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /

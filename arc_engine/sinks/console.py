@@ -6,6 +6,7 @@ import sys
 from typing import TextIO
 
 from arc_engine.events import Event, Severity
+from arc_engine.sinks.base import Sink
 
 _COLORS = {Severity.DEBUG: "2", Severity.INFO: "36", Severity.WARNING: "33", Severity.ERROR: "31",
            Severity.CRITICAL: "1;31"}
@@ -20,7 +21,7 @@ def format_event(event: Event, color: bool = False) -> str:
     return f"[arc] step {event.step:>6} {level} {event.detector}{action}{ranks} | {event.message}"
 
 
-class ConsoleSink:
+class ConsoleSink(Sink):
     """Prints events at or above ``min_severity``; metrics are not printed (they go to files/W&B)."""
 
     name = "console"
@@ -29,8 +30,7 @@ class ConsoleSink:
                  stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
         self.min_severity = min_severity
-        isatty = getattr(self.stream, "isatty", lambda: False)()
-        self.color = color == "always" or (color == "auto" and isatty)
+        self.color = color == "always" or (color == "auto" and self.stream.isatty())
 
     def emit(self, event: Event) -> None:
         if event.severity >= self.min_severity:

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import IO
 
 from arc_engine.events import Event, json_safe
+from arc_engine.sinks.base import Sink
 
 
-class JsonlSink:
+class JsonlSink(Sink):
     """One JSON object per line, flushed per record so a crash never leaves a half-written line behind
     the last complete one (readers may drop a trailing partial line)."""
 

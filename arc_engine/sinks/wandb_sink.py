@@ -35,9 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from arc_engine import internals
 from arc_engine.config.schema import WandbSinkConfig
 from arc_engine.events import Event, Severity, json_safe
 from arc_engine.sinks.alerts import AlertLimiter, Outgoing, alert_level, alert_text, alert_title, redact
+from arc_engine.sinks.base import Sink
 
 log = logging.getLogger("arc_engine.sinks.wandb")
 
@@ -74,11 +76,10 @@ def wandb_run_id(run_id: str) -> str:
 def active_wandb_run() -> Any | None:
     """The W&B run active in this process (``wandb.run``), or None (also when wandb is not installed). Does not
     import wandb if the process has not."""
-    module = sys.modules.get("wandb")
-    return getattr(module, "run", None) if module is not None else None
+    return internals.wandb_active_run(sys.modules.get("wandb"))
 
 
-class WandbSink:
+class WandbSink(Sink):
     """A :class:`~arc_engine.sinks.base.Sink` that forwards to W&B from a background thread (see module doc).
 
     ``locations``: global rank -> "host:device" for alert titles; ``run_dir``: the arc run directory (alert text,
@@ -247,7 +248,7 @@ class WandbSink:
         existing = active_wandb_run() if self.config.reuse_run else None
         if existing is not None:
             self.run, self.reused = existing, True
-            log.info("arc_engine W&B sink: reusing the active W&B run %s", getattr(existing, "id", "?"))
+            log.info("arc_engine W&B sink: reusing the active W&B run %s", internals.wandb_run_id(existing))
         else:
             import wandb
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from arc_engine import internals
 
 
 def none_free(items: Sequence[object]) -> bool:
@@ -249,9 +252,8 @@ def is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool | None:
         return True
     if isinstance(optimizer, torch.optim.Adam):
         return bool(group.get("decoupled_weight_decay", False))
-    if hasattr(optimizer, "adam_w_mode") and "betas" in group:
-        return bool(optimizer.adam_w_mode)
-    return None
+    decoupled = internals.deepspeed_adam_w_mode(optimizer)
+    return decoupled if decoupled is not None and "betas" in group else None
 
 
 def adam_views(optimizer: torch.optim.Optimizer, group: dict, local: bool = False,
@@ -325,5 +327,4 @@ def _adam_views_selected(optimizer: torch.optim.Optimizer, group: dict, owned: C
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
         return None
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

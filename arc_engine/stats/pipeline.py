@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from arc_engine import internals
 from arc_engine.stats.layout import Reduce, StatBuffer, StatLayout
 
-# torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_flat = internals.all_gather_flat
 
 
 def dist_ready() -> bool:

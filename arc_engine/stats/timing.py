@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from arc_engine import internals
+
 
 def mark(cuda: bool) -> object:
     """A time mark: the host clock, or on CUDA an event recorded on the current stream (no sync)."""
@@ -158,8 +160,7 @@ class ComputeProbe:
 def is_compiled(roots: list[torch.nn.Module]) -> bool:
     """Whether any module under ``roots`` runs through ``torch.compile`` (a compiled wrapper, or ``Module.compile()``):
     hooks added to its modules after compilation may be ignored (dynamo does not guard on them by default)."""
-    return any(type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-               for root in roots for module in root.modules())
+    return any(internals.is_compiled(module) for root in roots for module in root.modules())
 
 
 def local_compute_modules(roots: list[torch.nn.Module], limit: int,

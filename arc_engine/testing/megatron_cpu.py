@@ -246,7 +246,7 @@ def install_megatron_lm() -> None:
         importlib.import_module("megatron.training.utils.common_utils")
     for module in [arguments, training_utils, *(m for name, m in list(sys.modules.items())
                                                  if name.startswith("megatron.training.utils."))]:
-        if hasattr(module, "get_device_arch_version"):
+        if "get_device_arch_version" in vars(module):
             module.get_device_arch_version = lambda: 0
     training.initialize_megatron = partial(initialize.initialize_megatron, allow_no_cuda=True)
     build_helpers = dataset_utils.compile_helpers

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import runtime
+from arc_engine.adapter import Adapter
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
@@ -97,13 +98,13 @@ class ZeroStepHooks:
     def note_loss_scale(self) -> None:
         """At each ``record_loss`` (before its backward): the loss scale that step's gradients will carry (a Python
         float in DeepSpeed; it moves on at an overflow before arc_engine closes the skipped step)."""
-        self._loss_scale = (self.engine.step, float(getattr(self.zero, "loss_scale", 1.0)))
+        self._loss_scale = (self.engine.step, deepspeed_internals.loss_scale(self.zero))
 
     def backward_loss_scale(self) -> float:
         """The loss scale of the current step's backward (the one noted at its ``record_loss``, else the current)."""
         if self._loss_scale is not None and self._loss_scale[0] == self.engine.step:
             return self._loss_scale[1]
-        return float(getattr(self.zero, "loss_scale", 1.0))
+        return deepspeed_internals.loss_scale(self.zero)
 
     def skip_pending(self) -> bool:
         """DeepSpeed completed a step without stepping the optimizer that :meth:`catch_up` has not closed (local)."""
@@ -117,7 +118,7 @@ class ZeroStepHooks:
         and names the rank(s) holding NaN/Inf; gradient-norm monitors are not run (DeepSpeed discarded them)."""
         while self.skip_pending():
             values = {"deepspeed_skipped_steps": int(self.ds_engine.skipped_steps),
-                      "loss_scale": float(getattr(self.zero, "loss_scale", 1.0))}
+                      "loss_scale": deepspeed_internals.loss_scale(self.zero)}
             finding = Finding("deepspeed_overflow", Action.SKIP, Severity.WARNING,
                               "DeepSpeed skipped the step (gradient overflow: NaN/Inf in the gradients or their "
                               "norm)", (), values, by_framework=True)
@@ -180,8 +181,8 @@ class ZeroStepHooks:
 CONFIG_OFF: dict[str, tuple[str, ...]] = {"rollback": ("recovery.enabled",)}
 
 
-class ZeroAdapter:
-    """:class:`arc_engine.wiring.Adapter` for a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3:
+class ZeroAdapter(Adapter):
+    """:class:`arc_engine.adapter.Adapter` for a ``deepspeed.initialize``-d engine running ZeRO stage 1, 2 or 3:
     every slot is a partial sum over the ranks' partitions (``Reduce.SUM``); the decision is taken in the step
     pre-hook of the torch optimizer ZeRO wraps."""
 
@@ -272,6 +273,9 @@ class ZeroAdapter:
 
         state_type = Zero3TrainState if self.stage == 3 else ZeroTrainState
         return state_type(self.ds_engine, rank=runtime.global_rank(), lr_scheduler=self.lr_scheduler)
+
+    def holds_whole_model(self) -> bool:
+        return self.stage in (1, 2)  # ZeRO-3 partitions the parameters
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         """The step attempt: DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught

@@ -280,6 +280,17 @@ def fp32_partitions(zero: Any) -> list[torch.Tensor]:
     return zero.single_partition_of_fp32_groups
 
 
+def loss_scale(zero: Any) -> float:
+    """The ZeRO optimizer's current loss scale (a Python float; 1 where it keeps none: bf16, fp32)."""
+    return float(getattr(zero, "loss_scale", 1.0))
+
+
+def pending_flat(pending: Any) -> torch.Tensor | None:
+    """The flat partition of a pending gradient (:func:`pending_gradient`) where DeepSpeed keeps one, else None (a
+    list of pieces)."""
+    return getattr(pending, "flat_partition", None)
+
+
 def pending_gradient(zero: Any, group_id: int) -> Any:
     """Group ``group_id``'s reduced gradient of this rank's partition before DeepSpeed flattens it into the fp32
     partition's ``.grad``: a tensor list in partition order (or DeepSpeed's buffer object with a ``flat_partition``),

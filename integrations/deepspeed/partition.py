@@ -144,7 +144,7 @@ class ZeroPartitionStats:
         pending = deepspeed_internals.pending_gradient(self.zero, group_id)
         if pending is None:
             return [], True
-        flat = getattr(pending, "flat_partition", None)
+        flat = deepspeed_internals.pending_flat(pending)
         if flat is not None:
             return [flat.view(-1)], False
         return [t.reshape(-1) for t in pending], False

@@ -30,6 +30,7 @@ import torch
 
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.recovery.state import (
+    TrainState,
     add_relative_noise,
     group_hyperparameters,
     load_group_hyperparameters,
@@ -37,7 +38,7 @@ from arc_engine.recovery.state import (
 )
 
 
-class ZeroTrainState:
+class ZeroTrainState(TrainState):
     """Recovery's view of a DeepSpeed engine running ZeRO stage 1 or 2 (optimizer states on the device)."""
 
     reshardable = False

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from arc_engine.attach import Arc, attach
-from arc_engine.compat import Capabilities, TestedRange
+from arc_engine.compat import Capabilities
 from arc_engine.config import ArcConfig, load_config
+from arc_engine.integrations.hf import internals as hf_internals
 from arc_engine.integrations.pytorch.loops import (
     end_with,
     one_resume,
@@ -56,44 +57,6 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("arc_engine.integrations.hf needs transformers (pip install 'arc-engine[hf]')") from error
 
 
-#: The transformers releases the tests run (docs/compatibility.md): others get a warning.
-TESTED_TRANSFORMERS_RANGE = TestedRange("transformers", "5.0.0", "5.25.0", "integrations/hf/__init__.py")
-
-#: What each feature reads of the Trainer's private surface: (what it does, what being off means), then the members.
-FEATURES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
-    "logged_loss": (("the logged loss leaves out the steps arc_engine did not apply",
-                     "the logged loss and train_loss include undone steps"), ("_tr_loss",)),
-    "log_counter": (("a rollback takes the Trainer's logging counter back with global_step",
-                     "the first log after a rollback averages over a wrong number of steps"),
-                    ("_globalstep_last_logged",)),
-    "watchdog_pauses": (("the hang watchdog does not count evaluation and checkpoint saves",
-                         "a slow evaluation or save counts toward a hang"), ("_evaluate", "_save_checkpoint")),
-    "per_token_loss": (("the recorded loss is each rank's per-token loss under num_items_in_batch",
-                        "with variable-length batches a rank's recorded loss follows its share of the tokens"),
-                       ("compute_loss", "model_accepts_loss_kwargs", "compute_loss_func", "_loss_shifts_labels",
-                        "get_tp_size")),
-}
-
-
-def per_token_factor(trainer: Any, inputs: Any, num_items_in_batch: Any) -> torch.Tensor | None:
-    """What turns the loss the Trainer hands to ``backward`` for this micro-batch into the micro-batch's own
-    per-token loss, when the Trainer normalised it by ``num_items_in_batch`` (the tokens of every micro-batch of the
-    step, on every rank): ``num_items_in_batch / (scale x local tokens)``, the local tokens counted as the Trainer
-    counts them (shifted labels other than -100) and ``scale`` its multiplier for averaging tokens across devices.
-    None where the Trainer did not normalise so (the loss is then the micro-batch's mean, divided by the
-    accumulation steps). A device-side scalar: no host read."""
-    if num_items_in_batch is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
-        return None
-    if not isinstance(inputs, dict) or ("labels" not in inputs and "shift_labels" not in inputs):
-        return None
-    labels = inputs["shift_labels"] if "shift_labels" in inputs else \
-        inputs["labels"][..., 1:] if trainer._loss_shifts_labels else inputs["labels"]
-    scale = trainer.accelerator.num_processes // trainer.get_tp_size() \
-        if trainer.args.average_tokens_across_devices else 1
-    local = labels.ne(-100).sum().clamp(min=1)
-    return torch.as_tensor(num_items_in_batch, device=local.device).double() / (scale * local).double()
-
-
 def resumed_data_position(args: Any, global_step: int, loader: Any) -> int:
     """Where the Trainer's loader reads next after resuming ``global_step``, in data positions (one per optimizer
     step over the epochs): it skips ``global_step`` steps' batches, or, with ``ignore_data_skip``, only the epochs
@@ -106,21 +69,6 @@ def resumed_data_position(args: Any, global_step: int, loader: Any) -> int:
         return 0
     per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
     return global_step // per_epoch * per_epoch
-
-
-def check_trainer(trainer: Any) -> Capabilities:
-    """What this Trainer (its installed transformers) holds of what the callback reads. Warns outside the tested
-    range; never raises. Local."""
-    import transformers
-
-    version = transformers.__version__
-    TESTED_TRANSFORMERS_RANGE.check(version, UserWarning)
-    found = Capabilities(TESTED_TRANSFORMERS_RANGE, version, {name: info for name, (info, _) in FEATURES.items()})
-    for name, (_, members) in FEATURES.items():
-        absent = [member for member in members if not hasattr(trainer, member)]
-        if absent:
-            found.off[name] = [f"Trainer.{member}" for member in absent]
-    return found
 
 
 def _calling_trainer() -> Any | None:
@@ -177,16 +125,17 @@ class ArcCallback(TrainerCallback):
         config = resume_at(stream_config(config), state.global_step)
         model = trainer.model_wrapped
         deepspeed = type(model).__module__.startswith("deepspeed.")
-        scaler = getattr(trainer.accelerator, "scaler", None)
+        scaler = hf_internals.accelerator_scaler(trainer)
         scheduler = trainer.lr_scheduler
-        if deepspeed and model.lr_scheduler is not None and getattr(scheduler, "scheduler", None) is model.lr_scheduler:
+        if deepspeed and model.lr_scheduler is not None and \
+                hf_internals.inner_scheduler(scheduler) is model.lr_scheduler:
             scheduler = None  # a DeepSpeed config's "scheduler": the engine's own, which it steps and recovery restores
         self.arc = attach(model, None if deepspeed else trainer.optimizer, config, group=self.group,
                           lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         one_resume(self.arc, state.global_step, "the Trainer (resume_from_checkpoint)",
                    resumed_data_position(args, state.global_step, kwargs.get("train_dataloader")))
         self._step_offset = state.global_step - self.arc.applied_steps
-        self._capabilities = check_trainer(trainer)
+        self._capabilities = hf_internals.check_trainer(trainer)
         report_capabilities(self.arc, self._capabilities)
         self._wrap(trainer)
 
@@ -292,8 +241,7 @@ class ArcCallback(TrainerCallback):
             loss = arc.faults.on_loss(loss)
             factor, per_token[0] = per_token[0], None
             if factor is None:  # the micro-batch's mean, divided by the accumulation steps
-                factor = getattr(trainer, "current_gradient_accumulation_steps", None) or \
-                    trainer.args.gradient_accumulation_steps
+                factor = hf_internals.accumulation_steps(trainer)
             arc.record_loss((loss.detach().double() * factor).to(loss.dtype))
             return backward(loss, **kwargs)
 
@@ -303,7 +251,7 @@ class ArcCallback(TrainerCallback):
             @functools.wraps(compute_loss)
             def counting_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
                 items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
-                per_token[0] = per_token_factor(trainer, inputs, items)
+                per_token[0] = hf_internals.per_token_factor(trainer, inputs, items)
                 return compute_loss(model, inputs, *args, **kwargs)
 
             trainer.compute_loss = counting_compute_loss

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import runtime
+from arc_engine.adapter import Adapter
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Action, Finding, Severity
@@ -94,8 +95,8 @@ def _group_names(labels: list[str]) -> list[str]:
     return out
 
 
-class MegatronAdapter:
-    """:class:`arc_engine.wiring.Adapter` for megatron-core DDP chunks and a Megatron optimizer (see module
+class MegatronAdapter(Adapter):
+    """:class:`arc_engine.adapter.Adapter` for megatron-core DDP chunks and a Megatron optimizer (see module
     docstring). Every method runs on every rank."""
 
     name = "Megatron"
@@ -104,12 +105,13 @@ class MegatronAdapter:
 
     def __init__(self, chunks: list[Any], optimizer: Any, lr_scheduler: Any | None = None,
                  checkpoint_args: Callable[[], Any] | None = None) -> None:
+        self.engine: ArcEngine | None = None  # at install
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         if not chunks or not all(mi.is_megatron_ddp(c) for c in chunks):
             raise ValueError("arc_engine.attach_megatron: pass the megatron DistributedDataParallel model chunks "
                              "(what Megatron's get_model / setup_model_and_optimizer return), got "
                              f"{[type(c).__name__ for c in chunks]}")
-        if not hasattr(optimizer, "prepare_grads"):
+        if not mi.is_megatron_optimizer(optimizer):
             raise ValueError("arc_engine.attach_megatron: the optimizer must be a Megatron optimizer "
                              f"(get_megatron_optimizer), got {type(optimizer).__name__}")
         # what this release holds of what the integration reads: warns outside the tested range, raises only when
@@ -213,7 +215,7 @@ class MegatronAdapter:
             layout = mi.attention_layout(layer) if attention_on else None
             if layout is not None:
                 weight, groups, per_group, head_dim, span = layout
-                core = getattr(layer.self_attention, "core_attention", None)
+                core = mi.core_attention(layer)
                 if span == 1:
                     attention.append(AttentionShard(index, weight, groups, per_group, head_dim,
                                                     tp_rank * groups * per_group, tp_rank,
@@ -263,9 +265,9 @@ class MegatronAdapter:
         for chunk in self.chunks:
             for name, param in mi.unwrap_chunk(chunk).named_parameters():
                 if param.dim() < 2 or id(param) not in self._counted_somewhere or \
-                        (expert_parallel and not getattr(param, "allreduce", True)):
+                        (expert_parallel and not mi.reduced_across_experts(param)):
                     continue
-                whole = tp_size == 1 or not getattr(param, "tensor_model_parallel", False)
+                whole = tp_size == 1 or not mi.is_tensor_parallel(param)
                 mine[named.get(id(param), name)] = (param, whole and first_replica)
         names = sorted({name for ranks in runtime.gather_by_rank(sorted(mine), None).values() for name in ranks},
                        key=_matrix_order)
@@ -323,7 +325,7 @@ class MegatronAdapter:
     def _observe_routing(self, shard: RouterShard, observe: Callable[[torch.Tensor, torch.Tensor], None]) \
             -> Callable[[], None]:
         def observed(logits: torch.Tensor, routing_map: torch.Tensor) -> None:
-            if not getattr(getattr(self, "engine", None), "recomputing", False):  # a recomputation: seen already
+            if self.engine is None or not self.engine.recomputing:  # a recomputation: seen already
                 observe(logits, routing_map)
 
         remover = mi.observe_routing(shard.module, observed)
@@ -345,7 +347,7 @@ class MegatronAdapter:
                              f"use auto or dcp (tested range {mi.TESTED_MEGATRON_CORE_RANGE.text()})")
         if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
             self.parts = dataclasses.replace(self.parts, matrices=self._weight_matrices())
-        if config.recovery.enabled and overlaps_param_gather(self.chunks):
+        if config.recovery.enabled and mi.overlaps_param_gather(self.chunks):
             raise ValueError("arc_engine.attach_megatron: recovery.enabled with overlap_param_gather: a snapshot at a "
                              "step's start would read the bf16 parameters while their all-gather from the previous "
                              "update may still be in flight; turn overlap_param_gather off, or recovery.enabled off "
@@ -368,6 +370,9 @@ class MegatronAdapter:
     def train_state(self) -> TrainState:
         return MegatronTrainState(self.chunks, self.optimizer, self.lr_scheduler, self.checkpoint_args,
                                   native_format=self.capabilities.has("megatron_checkpoint"))
+
+    def holds_whole_model(self) -> bool:
+        return self.parts.model_parallel_size == 1
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -511,12 +516,6 @@ CONFIG_OFF: dict[str, tuple[str, ...]] = {
     "attention_spectra": ("detectors.qk_spectra.enabled",),
     "router_observation": ("detectors.router.enabled",),
 }
-
-
-def overlaps_param_gather(chunks: list[Any]) -> bool:
-    """Whether megatron DDP overlaps the parameter all-gather with the next forward (``overlap_param_gather``):
-    the parameters are then not final at a step's start."""
-    return any(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False) for chunk in chunks)
 
 
 def _matrix_order(name: str) -> tuple[int, int, str]:

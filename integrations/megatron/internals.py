@@ -999,3 +999,35 @@ def communicates_in_forward(module: torch.nn.Module) -> bool:
     if "ColumnParallel" in name:
         return bool(getattr(module, "sequence_parallel", False) or getattr(module, "gather_output", False))
     return False
+
+
+def is_megatron_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a Megatron optimizer (``get_megatron_optimizer``: it has ``prepare_grads``)."""
+    return hasattr(optimizer, "prepare_grads")
+
+
+def core_attention(layer: Any) -> Any:
+    """A transformer layer's attention core (``self_attention.core_attention``), None without one."""
+    return getattr(layer.self_attention, "core_attention", None)
+
+
+def reduced_across_experts(param: torch.Tensor) -> bool:
+    """Whether megatron-core all-reduces ``param`` across the expert-parallel group (``allreduce``: False for an
+    expert's weights)."""
+    return bool(getattr(param, "allreduce", True))
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split across the tensor-parallel group (``tensor_model_parallel``)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def overlaps_param_gather(chunks: list[Any]) -> bool:
+    """Whether megatron DDP overlaps the parameter all-gather with the next forward (``overlap_param_gather``):
+    the parameters are then not final at a step's start."""
+    return any(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False) for chunk in chunks)
+
+
+def member_grad_scaler(member: Any) -> Any:
+    """The loss scaler of one optimizer of a Megatron (chained) optimizer (None under bf16/fp32)."""
+    return getattr(member, "grad_scaler", None)

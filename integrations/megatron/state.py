@@ -19,10 +19,10 @@ import torch
 
 from arc_engine.integrations.megatron import internals as mi
 from arc_engine.integrations.megatron.checkpoint import MegatronDiskFormat
-from arc_engine.recovery.state import add_relative_noise, materialize_optimizer_state
+from arc_engine.recovery.state import TrainState, add_relative_noise, materialize_optimizer_state
 
 
-class MegatronTrainState:
+class MegatronTrainState(TrainState):
     """:class:`arc_engine.recovery.state.TrainState` for megatron DDP chunks and a Megatron optimizer."""
 
     reshardable = False
@@ -78,7 +78,7 @@ class MegatronTrainState:
             inner = mi.inner_optimizer(member)
             groups.append([] if inner is None else
                           [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in inner.param_groups])
-            scaler = getattr(member, "grad_scaler", None)
+            scaler = mi.member_grad_scaler(member)
             scalers.append(scaler.state_dict() if scaler is not None else None)
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         return {"param_groups": groups, "grad_scalers": scalers, "lr_scheduler": scheduler}
@@ -90,7 +90,7 @@ class MegatronTrainState:
             if inner is not None:
                 for group, values in zip(inner.param_groups, groups, strict=True):
                     group.update(copy.deepcopy(values))
-            scaler = getattr(member, "grad_scaler", None)
+            scaler = mi.member_grad_scaler(member)
             if scaler is not None and scaler_state is not None:
                 scaler.load_state_dict(scaler_state)
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:

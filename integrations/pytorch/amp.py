@@ -38,6 +38,7 @@ import torch
 
 from arc_engine.config import EXIT_BAD_CONFIG
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.integrations.pytorch import internals as pytorch_internals
 from arc_engine.policy import ArcAbort
 
 if TYPE_CHECKING:
@@ -104,10 +105,7 @@ class ScalerWatch:
 def fused_grad_scale(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """In ``optimizer.step()`` called by a scaler on an optimizer that unscales in its fused kernel: the factor its
     gradients still carry (the scaler sets ``grad_scale`` and ``found_inf`` on it for the call), else None."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return None
-    scale = getattr(optimizer, "grad_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
+    return pytorch_internals.kernel_grad_scale(optimizer) if pytorch_internals.unscales_in_kernel(optimizer) else None
 
 
 def check_scaler(scaler: Any) -> None:
@@ -117,7 +115,7 @@ def check_scaler(scaler: Any) -> None:
     if not isinstance(scaler, GradScaler):
         raise ValueError(f"arc_engine.attach: grad_scaler must be a torch.amp.GradScaler (or ShardedGradScaler); got "
                          f"{type(scaler).__name__}")
-    missing = [name for name in ("_scale", "_per_optimizer_states", "is_enabled") if not hasattr(scaler, name)]
+    missing = pytorch_internals.scaler_missing_members(scaler)
     if missing:
         raise ValueError(f"arc_engine.attach: this torch ({torch.__version__}) GradScaler lacks {missing}, which "
                          "arc_engine reads to unscale its statistics and to see the steps the scaler skips")
@@ -138,8 +136,8 @@ def stepping_scaler(optimizer: torch.optim.Optimizer, max_frames: int = 32) -> A
                 return None
             if frame.f_code.co_name in ("step", "_maybe_opt_step"):
                 scaler = frame.f_locals.get("self")
-                states = getattr(scaler, "_per_optimizer_states", None) if isinstance(scaler, GradScaler) else None
-                state = states.get(id(optimizer)) if isinstance(states, dict) else None
+                states = pytorch_internals.scaler_optimizer_states(scaler) if isinstance(scaler, GradScaler) else None
+                state = states.get(id(optimizer)) if states is not None else None
                 if state is not None and state.get("stage") is not OptState.STEPPED and scaler.is_enabled():
                     return scaler
             frame = frame.f_back
@@ -187,7 +185,7 @@ class ScalerFinder:
         name, engine = type(scaler).__name__, self.engine
         fix = "pass it to attach: arc_engine.attach(model, optimizer, config, grad_scaler=scaler)"
         try:
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if pytorch_internals.unscales_in_kernel(optimizer):
                 raise ValueError(f"{type(optimizer).__name__} unscales inside its fused kernel, so the gradients "
                                  "arc_engine reads at the step carry the scale, which it divides out only for a "
                                  "scaler it was given at attach")

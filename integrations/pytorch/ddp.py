@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from arc_engine import runtime
+from arc_engine import internals, runtime
 from arc_engine.config import ArcConfig
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations.pytorch import internals as pytorch_internals
 from arc_engine.integrations.pytorch.amp import ScalerFinder, ScalerWatch
 from arc_engine.integrations.pytorch.optim import (
     ScalerSkips,
@@ -371,7 +373,7 @@ class DDPGradientTarget(ReplicaTarget):
 # --------------------------------------------------------------------------------------------- the adapter
 
 class TorchAdapter(ScalerSkipsHooks):
-    """:class:`arc_engine.wiring.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
+    """:class:`arc_engine.adapter.Adapter` for a ``DistributedDataParallel`` model or a plain module, with any
     ``torch.optim`` optimizer. Under DDP, statistics come from the comm hook and each replicated parameter's
     reduced statistics from its owner in DDP's process group (``Reduce.SUM``); a plain module's come from
     ``param.grad`` on every rank (``Reduce.REPLICATED``)."""
@@ -412,6 +414,9 @@ class TorchAdapter(ScalerSkipsHooks):
                                      grad_scaler=self.scaler.scaler if self.scaler is not None else None,
                                      replicated=self.is_ddp, replica_group=self.data_parallel_group)
         return self.state
+
+    def holds_whole_model(self) -> bool:
+        return not any(isinstance(p, DTensor) or internals.is_zero3_param(p) for p in self.params)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration
@@ -462,7 +467,7 @@ def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..
         if sdc.enabled and sdc.recompute.enabled:
             raise ValueError("arc_engine.attach: detectors.sdc.recompute cannot be combined with ddp_comm_hook "
                              "(a withheld bucket would reach your hook's state); turn one of them off")
-    if is_ddp and getattr(model, "_comm_hooks", None):
+    if is_ddp and pytorch_internals.ddp_has_comm_hook(model):
         raise ValueError("arc_engine.attach: this DDP model already has a comm hook and DDP accepts only one; "
                          "register it through arc_engine instead: attach(..., ddp_comm_hook=(hook, state))")
 

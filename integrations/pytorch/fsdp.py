@@ -269,7 +269,7 @@ def fsdp_group(params: Sequence[torch.Tensor]) -> dist.ProcessGroup:
 
 
 class FSDPAdapter(ScalerSkipsHooks):
-    """:class:`arc_engine.wiring.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
+    """:class:`arc_engine.adapter.Adapter` for a model sharded with FSDP2 ``fully_shard`` (one 1-D mesh) and its
     ``torch.optim`` optimizer: every slot is a partial sum over the ranks' shards (``Reduce.SUM``)."""
 
     name = "FSDP2"
@@ -313,6 +313,9 @@ class FSDPAdapter(ScalerSkipsHooks):
         self.state = TorchTrainState(self.model, self.optimizer, self.lr_scheduler, rank=runtime.global_rank(),
                                      grad_scaler=self.scaler.scaler if self.scaler is not None else None)
         return self.state
+
+    def holds_whole_model(self) -> bool:
+        return False  # FSDP2 shards
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
         return lambda: engine.iteration

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from arc_engine.adapter import Adapter
 from arc_engine.engine import ArcEngine
+from arc_engine.integrations.pytorch import internals as pytorch_internals
 from arc_engine.integrations.pytorch.amp import ScalerWatch, fused_grad_scale
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.stats import names
@@ -77,7 +80,7 @@ def optimizer_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, *, loca
             weights = views.params
         else:
             weights = [p for p in group["params"] if p.grad is not None and (owned is None or id(p) in owned)]
-            weights = [p.to_local() if local_shards and hasattr(p, "to_local") else p for p in weights]
+            weights = [p.to_local() if local_shards and isinstance(p, DTensor) else p for p in weights]
         cache = None if windows is None else windows.setdefault(group_id, WindowCache())
         record_optimizer_stats(engine, group_id, weights, views, cache, grad_scale=factor)
 
@@ -116,7 +119,7 @@ def register_optimizer_hooks(engine: ArcEngine, optimizer: torch.optim.Optimizer
                 optimizer_stats(engine, opt, local_shards=local_shards, windows=windows, owned=owned,
                                 memos=memos, grad_scale=grad_scale)
             fused_skip = scaler.overflow_finding if scaler is not None and \
-                getattr(opt, "_step_supports_amp_scaling", False) else None
+                pytorch_internals.unscales_in_kernel(opt) else None
             if not engine.decide(overflow_if_nonfinite=fused_skip).applies_update:
                 drop_gradients(opt)
                 return
@@ -175,8 +178,8 @@ class ScalerSkips:
             engine.skip_by_framework(finding, overflow=True)
 
 
-class ScalerSkipsHooks:
-    """The adapter methods (:class:`arc_engine.wiring.Adapter`'s optional ones) that close a GradScaler's skipped
+class ScalerSkipsHooks(Adapter):
+    """The adapter hooks (:class:`arc_engine.adapter.Adapter`'s optional ones) that close a GradScaler's skipped
     steps, for adapters holding a :class:`ScalerSkips` as ``scaler_skips`` (None without a scaler)."""
 
     scaler_skips: ScalerSkips | None = None
