@@ -28,8 +28,8 @@ from arc_engine.monitors.family import ModelParts
 from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.own_work import OwnWork
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
-from arc_engine.policy.decision import gradient_nonfinite, loss_finite, with_exit_code
-from arc_engine.progress import Counted, Progress
+from arc_engine.policy.decision import gradient_nonfinite, loss_finite, not_applied_cause, with_exit_code
+from arc_engine.progress import Progress
 from arc_engine.reporter import Reporter
 from arc_engine.sinks import SinkSet
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
@@ -41,9 +41,6 @@ from arc_engine.watchdog import AGREEING, LOSS_RECORDED, STEP_STARTED, HangWatch
 class ArcEngine:
     """Per-rank engine: construct on every rank of ``group`` (the decision group; None: the whole job) with the
     same arguments, then :meth:`start`. The adapter's arguments are :class:`arc_engine.gathering.StepGathering`'s."""
-
-    step, iteration, data_position, applied_steps = Counted(), Counted(), Counted(), Counted()
-    unapplied_steps, monitored_steps, framework_skipped_steps = Counted(), Counted(), Counted()
 
     def __init__(self, config: ArcConfig, *, group: dist.ProcessGroup | None = None,
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
@@ -57,16 +54,13 @@ class ArcEngine:
         self.gathering = StepGathering(config, group, device, self.own_work, group_names=self.group_names,
                                        shard_reduce=shard_reduce, params=params, parts=parts,
                                        exact_sketch_size=exact_sketch_size, local_grad_hooks=local_grad_hooks,
-                                       current_step=lambda: self.step)
-        self.layout, self.pipeline, self.assembly = (self.gathering.layout, self.gathering.pipeline,
-                                                     self.gathering.assembly)
-        self.monitors = self.assembly.monitors
+                                       current_step=lambda: self.progress.step)
         self.hooks = MonitorHooks()  # the monitors' optional methods, gathered at start
-        self.policy = DecisionPolicy(config.policy, num_ranks=self.pipeline.num_ranks)
+        self.policy = DecisionPolicy(config.policy, num_ranks=self.gathering.pipeline.num_ranks)
         self.reporter = Reporter(config, self.rank, sinks)
         self.buffer: StatBuffer | None = None
         self.run_id, self.run_dir = "", Path(config.run.run_dir)
-        self.progress = Progress()  # step, iteration, data position, applied steps... (the Counted attributes)
+        self.progress = Progress()  # the counters (arc.progress)
         self.local_events = 0     # this rank's system events so far (hang reports, injected events)
         self.ledger = DataLedger()  # the skipped and suspect data positions
         self.locations: dict[int, str] = {}  # global rank -> "host:device"
@@ -94,20 +88,20 @@ class ArcEngine:
         self.run_id = runtime.agree_on_run_id(self.config.run.run_id, self.group)
         self.run_dir = Path(self.config.run.run_dir) / self.run_id
         self.locations = runtime.gather_locations(self.group)
-        self.hooks = self.assembly.start(self.layout, self.locations)
+        self.hooks = self.gathering.assembly.start(self.gathering.layout, self.locations)
         self.buffer = self.gathering.start(self.hooks.before_agreement)
-        leader = self.rank == self.pipeline.leader
+        leader = self.rank == self.gathering.pipeline.leader
         self.ledger.open_shared(self.run_dir / LEDGER_FILE, leader=leader, group=self.group,
-                                num_ranks=self.pipeline.num_ranks)
+                                num_ranks=self.gathering.pipeline.num_ranks)
         self.reporter.open(self.run_id, self.run_dir, leader=leader, group=self.group, locations=self.locations)
         if self.config.watchdog.enabled:
             self.watchdog = start_watchdog(self.config.watchdog, observing=self.config.observing,
                                            run_id=self.run_id, run_dir=self.run_dir, report=self._watchdog_report,
-                                           iteration=lambda: self.iteration, on_abort=self.reporter.close)
+                                           iteration=lambda: self.progress.iteration, on_abort=self.reporter.close)
             if self.watchdog.world_size > 1:  # a rank lost mid-step is named by the survivors
                 self.lost_peers = LostPeerWatch(self.watchdog).install()
-        self.emit_lifecycle("start", f"arc_engine attached: {self.pipeline.num_ranks} ranks, monitors "
-                            f"{[m.name for m in self.monitors]}, run dir {self.run_dir}")
+        self.emit_lifecycle("start", f"arc_engine attached: {self.gathering.pipeline.num_ranks} ranks, monitors "
+                            f"{[m.name for m in self.gathering.assembly.monitors]}, run dir {self.run_dir}")
         return self
 
     def use_recovery(self, recovery: Recovering) -> None:
@@ -149,24 +143,24 @@ class ArcEngine:
             self.watchdog.reached(STEP_STARTED)
         with self._paused():
             for hooks in self._step_hooks:
-                hooks.on_step_start(self.step)
+                hooks.on_step_start(self.progress.step)
         for source in self.event_sources:
             self.local_events += source()
 
     def is_monitored(self) -> bool:  # the current step gathers statistics (every ``stats.interval`` steps)
-        return self.step % self.config.stats.interval == 0
+        return self.progress.step % self.config.stats.interval == 0
 
     def wants_optimizer_stats(self) -> bool:
         """Whether the adapters compute the prospective update RMS on the current step."""
-        return self.is_monitored() and self.assembly.optimizer_stats_due(self.step)[0]
+        return self.is_monitored() and self.gathering.assembly.optimizer_stats_due(self.progress.step)[0]
 
     def wants_weight_stats(self) -> bool:
         """Whether the adapters compute weight norms on the current step."""
-        return self.is_monitored() and self.assembly.optimizer_stats_due(self.step)[1]
+        return self.is_monitored() and self.gathering.assembly.optimizer_stats_due(self.progress.step)[1]
 
     def wants_sketch(self) -> bool:
         """Whether the adapters add the local gradient sketch on the current step."""
-        return self.is_monitored() and self.gathering.sketch_due(self.step)
+        return self.is_monitored() and self.gathering.sketch_due(self.progress.step)
 
     @property
     def recomputing(self) -> bool:  # a recomputation re-runs the step (reduction-side hooks and faults stand aside)
@@ -191,12 +185,12 @@ class ArcEngine:
         ``only``: the monitors to run; ``overflow``: the loss scaler skipped this step (``overflow_if_nonfinite``:
         it does when the agreed gradient is non-finite, and this makes the finding)."""
         if not self.is_monitored():
-            return Decision(self.step, Action.NONE)
-        stats = self.gathering.agree(self.step, self.local_events, self._waiting)
-        monitors = [m for m in self.monitors if only is None or m.name in only]
+            return Decision(self.progress.step, Action.NONE)
+        stats = self.gathering.agree(self.progress.step, self.local_events, self._waiting)
+        monitors = [m for m in self.gathering.assembly.monitors if only is None or m.name in only]
 
         def evaluate(agreed: AgreedStats) -> list[Finding]:
-            return [f for monitor in monitors for f in monitor.evaluate(self.step, agreed)]
+            return [f for monitor in monitors for f in monitor.evaluate(self.progress.step, agreed)]
 
         extra = list(extra_findings)
         if self.sdc_recompute is not None and only is None:
@@ -207,17 +201,18 @@ class ArcEngine:
         self.last_stats = stats
         if overflow is None and overflow_if_nonfinite is not None and gradient_nonfinite(stats):
             overflow = overflow_if_nonfinite()
-        findings = self.ledger.with_position(findings + extra + ([overflow] if overflow else []), self.data_position)
-        decision = self.policy.decide(self.step, findings, overflow=overflow is not None and loss_finite(stats))
+        progress = self.progress
+        findings = self.ledger.with_position([*findings, *extra, *([overflow] if overflow else [])],
+                                             progress.data_position)
+        decision = self.policy.decide(progress.step, findings, overflow=overflow is not None and loss_finite(stats))
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
         decision = self.last_decision = with_exit_code(decision)
-        self.ledger.record_decision(decision, position=self.data_position, iteration=self.iteration)
+        self.ledger.record_decision(decision, position=progress.data_position, iteration=progress.iteration)
         self._report(decision)
-        self.reporter.metrics(self.step, self.monitors, {"arc/skipped_steps": float(self.policy.skipped_steps),
-                                                         "arc/iteration": float(self.iteration)})
+        self.reporter.metrics(progress.step, self.gathering.assembly.monitors, progress.metrics())
         if self.hooks.rank_reporters:
-            self.reporter.rank_metrics(self.step, self.iteration, self.hooks.rank_reporters)
+            self.reporter.rank_metrics(progress.step, progress.iteration, self.hooks.rank_reporters)
         self._abort_if_needed(decision, commit_monitors=True)
         return decision
 
@@ -227,7 +222,7 @@ class ArcEngine:
 
     def _regather(self) -> AgreedStats:
         assert self.sdc_recompute is not None and self._rerecord is not None
-        return self.gathering.regather(self.step, self.local_events, self._waiting,
+        return self.gathering.regather(self.progress.step, self.local_events, self._waiting,
                                        self.sdc_recompute.write_local_stats, self._rerecord)
 
     def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:
@@ -241,13 +236,14 @@ class ArcEngine:
         reason = "; ".join(reasons) or next((f.message for f in reversed(decision.findings)
                                              if f.action == Action.ABORT), "abort")
         self.close()
-        raise ArcAbort(f"arc_engine stopped training at step {self.step}: {reason}", self.step, decision.exit_code)
+        step = self.progress.step
+        raise ArcAbort(f"arc_engine stopped training at step {step}: {reason}", step, decision.exit_code)
 
     def skip_by_framework(self, finding: Finding, *, overflow: bool = False) -> None:
         """Close the current (unmonitored) step as one the framework itself did not apply (e.g. DeepSpeed's overflow
         check), after its step returned. Local: only with facts every rank shares. The finding goes through the
         policy (a run of them escalates); no monitor folds the step into its baseline. Raises ArcAbort on escalation."""
-        decision = self.policy.decide(self.step, [finding], overflow=overflow)
+        decision = self.policy.decide(self.progress.step, [finding], overflow=overflow)
         if self.recovery is not None:
             decision = self.recovery.on_decision(decision)
         self.last_decision = decision
@@ -255,18 +251,16 @@ class ArcEngine:
         self._abort_if_needed(decision, commit_monitors=False)
         self.policy.commit(decision)
         self._observe(decision)
-        self.framework_skipped_steps += 1
         self._close_step(decision)
 
     def finish_step(self, *, framework_skipped: bool = False, settle: bool = True) -> None:
         """Close the current step (``framework_skipped``: the framework skipped it after a decision). Local, but a
         rollback decided here is carried out (:meth:`settle`) unless ``settle=False``: the framework's step goes on
         after this call (DeepSpeed's), and the adapter settles where it returns."""
-        self.framework_skipped_steps += int(framework_skipped)
-        decision = self.last_decision if self.last_decision and self.last_decision.step == self.step else None
+        decision = self.last_decision if self.last_decision and self.last_decision.step == self.progress.step else None
         if decision is not None:
             self._commit(decision)
-        self._close_step(decision, settle=settle)
+        self._close_step(decision, settle=settle, framework_skipped=framework_skipped)
 
     def settle(self) -> None:
         """Where the framework's step returned, every rank: carry out a rollback it decided (tensors and counters
@@ -276,10 +270,10 @@ class ArcEngine:
         with self._paused():
             self.recovery.settle()
 
-    def _close_step(self, decision: Decision | None, *, settle: bool = True) -> None:
+    def _close_step(self, decision: Decision | None, *, settle: bool = True, framework_skipped: bool = False) -> None:
         self.gathering.reset()
         self._step_open = False
-        self.progress.close_step(decision is None or decision.applies_update)
+        self.progress.close_step(not_applied_cause(decision, framework_skipped))
         if self.recovery is not None:
             self.recovery.on_step_end(decision)
             if settle:
@@ -289,11 +283,11 @@ class ArcEngine:
         self.own_work.end_step()
 
     def _commit(self, decision: Decision) -> None:
-        for monitor in self.monitors:
+        for monitor in self.gathering.assembly.monitors:
             monitor.commit(decision.step, decision.applies_update)
         self.policy.commit(decision)
         self._observe(decision)
-        self.monitored_steps += 1
+        self.progress.monitored_steps += 1
 
     def _observe(self, decision: Decision) -> None:
         for observe in self.hooks.observers:
@@ -317,18 +311,14 @@ class ArcEngine:
         """After a rollback or resume (:meth:`Progress.rewind`). Local; every rank does the same."""
         self.progress.rewind(step, data_position, applied_steps, iteration)
 
-    @property
-    def last_step_applied(self) -> bool:  # False when the previous step's update was skipped
-        return self.progress.last_applied
-
     # ------------------------------------------------------------------ reporting
 
     def _report(self, decision: Decision) -> None:
-        self.reporter.decision(decision, self.iteration, self.policy.skipped_steps)
+        self.reporter.decision(decision, self.progress.iteration, self.progress.steps_not_applied)
 
     def _watchdog_report(self, kind: str, message: str, values: dict[str, Any]) -> None:
         self.local_events += int(kind == "hang")  # (a system event: the R-Metric's λ counts it)
-        self.reporter.hang(self.step, self.iteration, kind, message, values)
+        self.reporter.hang(self.progress.step, self.progress.iteration, kind, message, values)
 
     @property
     def sinks(self) -> SinkSet:  # this rank's sinks (add one of your own with ``engine.sinks.add(sink)``)
@@ -336,21 +326,19 @@ class ArcEngine:
 
     def emit_lifecycle(self, what: str, message: str, values: dict[str, Any] | None = None) -> None:
         """A lifecycle event (resume, checkpoint, ...) through this rank's sinks."""
-        self.reporter.lifecycle(self.step, self.iteration, what, message, values)
+        self.reporter.lifecycle(self.progress.step, self.progress.iteration, what, message, values)
 
     def emit_action(self, step: int, action: str, severity: Severity, message: str, values: dict[str, Any], *,
                     detector: str = "recovery") -> None:
         """An action a subsystem took (rollback, escape, a failed checkpoint save...) for ``step``."""
-        self.reporter.action(step, self.iteration, detector, severity, action, message, values)
+        self.reporter.action(step, self.progress.iteration, detector, severity, action, message, values)
 
     def summary(self) -> dict[str, Any]:
         """Counts for the end-of-run report (identical on every rank)."""
-        summary = {"steps": self.step, "iterations": self.iteration, "monitored_steps": self.monitored_steps,
-                   "skipped_steps": self.policy.skipped_steps,
-                   "framework_skipped_steps": self.framework_skipped_steps,
-                   "detections": dict(self.reporter.event_counts),
-                   "collectives": self.pipeline.collectives, "detail_fetches": self.pipeline.detail_fetches,
-                   "follow_ups": self.pipeline.follow_ups, "run_dir": str(self.run_dir)}
+        pipeline = self.gathering.pipeline
+        summary = {**self.progress.counts(), "detections": dict(self.reporter.event_counts),
+                   "collectives": pipeline.collectives, "detail_fetches": pipeline.detail_fetches,
+                   "follow_ups": self.gathering.pipeline.follow_ups, "run_dir": str(self.run_dir)}
         if self.recovery is not None:
             summary["recovery"] = self.recovery.summary()
         if self.own_work.enabled:
@@ -371,7 +359,7 @@ class ArcEngine:
         for hooks in reversed(self._step_hooks):
             hooks.close()
         own_work = self.own_work.report().lines() if self.own_work.enabled else []
-        self.reporter.close_run(self.step, self.iteration, self.summary(), own_work)
+        self.reporter.close_run(self.progress.step, self.progress.iteration, self.summary(), own_work)
 
     # ------------------------------------------------------------------ state
 
@@ -388,12 +376,13 @@ class ArcEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume monitoring exactly (step counter, data position, policy, every monitor)."""
-        return {"step": self.step, "data_position": self.data_position, "applied_steps": self.applied_steps,
-                "monitors": self.assembly.state_dict(), **self.counters_state_dict()}
+        progress = self.progress
+        return {"step": progress.step, "data_position": progress.data_position, "applied_steps": progress.applied_steps,
+                "monitors": self.gathering.assembly.state_dict(), **self.counters_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rewind(int(state["step"]), int(state.get("data_position", state["step"])),
                     state.get("applied_steps", state["step"]))
-        self.assembly.load_state_dict(state["monitors"])
-        self.load_counters_state_dict({"iteration": state["step"], "framework_skipped_steps": 0, **state})
+        self.gathering.assembly.load_state_dict(state["monitors"])
+        self.load_counters_state_dict({"iteration": state["step"], **state})
 

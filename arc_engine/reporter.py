@@ -103,10 +103,9 @@ class Reporter:
         self.emit(Event(self.run_id, step, "action", detector, severity, action, message, (), values,
                         iteration=iteration))
 
-    def decision(self, decision: Decision, iteration: int, skipped_before: int) -> None:
+    def decision(self, decision: Decision, iteration: int, not_applied_before: int) -> None:
         """Every finding of ``decision``, then the action taken when it stops the update (skip or abort);
-        ``skipped_before``: the policy's count of skipped steps before this one."""
-        skipped_so_far = skipped_before + int(decision.action == Action.SKIP and not decision.overflow)
+        ``not_applied_before``: the steps not applied before this one (:attr:`Progress.steps_not_applied`)."""
         action = decision.action.name.lower()
         for finding in decision.findings:
             self.finding(decision.step, iteration, finding, action)
@@ -126,9 +125,9 @@ class Reporter:
                 "update not applied on any rank"
             self.emit(Event(self.run_id, decision.step, "action", "engine",
                             Severity.WARNING if skip else Severity.CRITICAL, action,
-                            f"{verb} (skipped so far: {skipped_so_far})",
+                            f"{verb} (steps not applied before this one: {not_applied_before})",
                             tuple(sorted({r for f in decision.findings for r in f.ranks})),
-                            {"skipped_steps": skipped_so_far}, iteration=iteration))
+                            {"steps_not_applied": not_applied_before}, iteration=iteration))
 
     def metrics(self, step: int, monitors: Sequence[Monitor], extra: dict[str, float]) -> None:
         """Every ``sinks.metrics_interval``-th call: the monitors' metrics as ``arc/<monitor>/<name>``, plus
@@ -171,7 +170,9 @@ class Reporter:
         if own_work:
             self.lifecycle(step, iteration, "own_work", f"rank {self.rank}: {own_work[0]}", summary["own_work"])
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
-        self.lifecycle(step, iteration, "summary", f"{summary['steps']} steps, {summary['skipped_steps']} skipped, "
+        self.lifecycle(step, iteration, "summary", f"{summary['steps']} steps, {summary['applied_steps']} applied, "
+                       f"{summary['steps_not_applied']} not applied (policy {summary['skipped_by_policy']}, rollback "
+                       f"{summary['rolled_back']}, framework {summary['skipped_by_framework']}), "
                        f"detections: {detections}", summary)
         self.close()
 

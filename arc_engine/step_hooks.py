@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from arc_engine.data_ledger import DataLedger
     from arc_engine.events import Finding, Severity
     from arc_engine.gathering import StepGathering
-    from arc_engine.monitors.assembly import Assembly
     from arc_engine.monitors.hooks import MonitorHooks
     from arc_engine.own_work import OwnWork
-    from arc_engine.policy import Decision, DecisionPolicy
-    from arc_engine.stats import AgreedStats, StatBuffer, StatsPipeline
+    from arc_engine.policy import Decision
+    from arc_engine.progress import Progress
+    from arc_engine.stats import AgreedStats, StatBuffer
 
 
 class StepHooks(Protocol):
@@ -88,18 +88,12 @@ class EngineAccess(Protocol):
     rank: int
     run_id: str
     run_dir: Path
-    step: int
-    iteration: int
-    data_position: int
-    applied_steps: int
+    progress: Progress
     locations: dict[int, str]
-    policy: DecisionPolicy
-    pipeline: StatsPipeline
     ledger: DataLedger
     own_work: OwnWork
     hooks: MonitorHooks
     gathering: StepGathering
-    assembly: Assembly
     buffer: StatBuffer | None
     last_decision: Decision | None
     last_stats: AgreedStats | None
@@ -113,5 +107,7 @@ class EngineAccess(Protocol):
                iteration: int | None = None) -> None: ...
 
     def counters_state_dict(self) -> dict[str, Any]: ...
+
+    def wants_optimizer_stats(self) -> bool: ...
 
     def load_counters_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -26,6 +26,7 @@ from arc_engine.diagnostics import curvature
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
 from arc_engine.faults import FaultInjector
+from arc_engine.progress import Progress
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.rollback import Recovery
 from arc_engine.stats.timing import ComputeProbe, is_compiled, local_compute_modules
@@ -59,40 +60,21 @@ class Arc:
             self.adapter.close_framework_skips()
 
     @property
-    def step(self) -> int:
-        """Optimizer steps completed (applied or skipped)."""
-        return self.engine.step
+    def progress(self) -> Progress:
+        """arc_engine's counters (:class:`~arc_engine.progress.Progress`: step, iteration, data position, applied
+        steps, the steps not applied by cause), the same on every rank. Read them; arc_engine writes them. A loop
+        draws its batches from ``progress.data_position``, shows ``progress.applied_steps`` as its step counter,
+        and learns that a rollback happened when ``progress.rolled_back`` grows across an optimizer step."""
+        return self.engine.progress
 
     @property
     def last_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False after a skip, a rollback, or a step the
         framework skipped on its own, e.g. DeepSpeed's fp16 overflow -- known here as soon as its ``step()``
-        returns; local, never a collective)."""
+        returns, before arc_engine closes it; local, never a collective)."""
         if self.adapter.framework_skip_pending():
             return False
-        return self.engine.last_step_applied
-
-    @property
-    def applied_steps(self) -> int:
-        """Optimizer steps whose update reached the parameters: :attr:`step` less the skipped ones (arc_engine's and
-        the framework's own), going back with a rollback to the restored state's count. What a loop that keeps its
-        own step counter (a Trainer's ``global_step``) should show. Local."""
-        return self.engine.applied_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps closed without their update so far: arc_engine's skips, the framework's own (e.g. loss-scaler
-        overflows; a step both skipped counts once) and the steps that triggered a rollback. Never goes back.
-        Local; identical on every rank."""
-        return self.engine.unapplied_steps
-
-    @property
-    def rollbacks(self) -> int:
-        """Rollbacks (escapes included) carried out so far; 0 without ``recovery.enabled``. A loop learns that one
-        happened when this grows across an optimizer step (or from its events: :meth:`ArcEngine.sinks` takes a sink
-        of your own). Local; identical on every rank."""
-        recovery = self.engine.recovery
-        return recovery.rollbacks if recovery is not None else 0
+        return self.engine.progress.last_applied
 
     @property
     def lr_factor(self) -> float:
@@ -102,18 +84,14 @@ class Arc:
         recovery = self.engine.recovery
         return recovery.lr_factor if recovery is not None else 1.0
 
-    @property
-    def data_position(self) -> int:
-        """Index of the next batch to train on (one per optimizer step). It moves past skipped data and goes back
-        on a rollback; a resumed job starts from the checkpoint's. Draw batches from it, not from a loop counter."""
-        return self.engine.data_position
-
     def batch_generator(self, seed: int = 0) -> torch.Generator:
         """For loops that draw random batches (nanoGPT's ``get_batch``): a CPU generator seeded from ``seed``, this
-        step's :attr:`data_position` and this rank, so the batch of each data position is a fixed draw. Draw with
+        step's data position (:attr:`progress`) and this rank, so the batch of each data position is a fixed draw.
+        Draw with
         it (``torch.randint(n, (batch,), generator=arc.batch_generator())``) and a rollback skips or replays exactly
         the batches ``recovery.skip_data`` says, and a resumed run draws what the first run would have. Local."""
-        return torch.Generator().manual_seed((seed * 1_000_003 + self.data_position) * 65_537 + runtime.global_rank())
+        position = self.progress.data_position
+        return torch.Generator().manual_seed((seed * 1_000_003 + position) * 65_537 + runtime.global_rank())
 
     def measure_curvature(self, loss_fn: Callable[[], torch.Tensor]) -> dict[str, float]:
         """The loss's curvature at the current parameters (``diagnostics.curvature``): call between steps, on every
@@ -132,14 +110,16 @@ class Arc:
                              "megatron-core without model parallelism)")
         engine, config = self.engine, self.engine.config.diagnostics.curvature
         with self.adapter.diagnosing(), engine.between_steps():
-            result = curvature.measure_agreed(loss_fn, params, group=engine.group, device=engine.pipeline.device,
+            result = curvature.measure_agreed(loss_fn, params, group=engine.group,
+                                              device=engine.gathering.pipeline.device,
                                               probes=config.probes, iterations=config.power_iterations,
-                                              rho=config.sam_rho, seed=config.seed * 1_000_003 + engine.step)
+                                              rho=config.sam_rho, seed=config.seed * 1_000_003 + engine.progress.step)
         engine.emit_lifecycle("curvature", f"Hessian trace {result['hessian_trace']:.4g}, largest eigenvalue "
                               f"{result['lambda_max']:.4g}, SAM sharpness {result['sam_sharpness']:.4g} at loss "
                               f"{result['loss']:.4g} (mean over {result['ranks']} rank(s))", result)
         if engine.reporter.emits:
-            engine.sinks.log_metrics(engine.step, {f"arc/curvature/{key}": result[key] for key in curvature.KEYS})
+            engine.sinks.log_metrics(engine.progress.step,
+                                     {f"arc/curvature/{key}": result[key] for key in curvature.KEYS})
         return {key: result[key] for key in curvature.KEYS}
 
     def curvature_due(self) -> bool:
@@ -147,7 +127,7 @@ class Arc:
         ``diagnostics.curvature.every`` optimizer steps; never when 0): ``if arc.curvature_due():
         arc.measure_curvature(held_loss)`` between steps."""
         every = self.engine.config.diagnostics.curvature.every
-        return every > 0 and self.engine.step % every == 0
+        return every > 0 and self.engine.progress.step % every == 0
 
     def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
         """A known long phase between steps (evaluation, a checkpoint of your own): the hang watchdog does not count
@@ -227,7 +207,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     straggler = config.detectors.straggler
     compiled = straggler.enabled and straggler.compute_every and is_compiled([adapter.module])
     if compiled:  # the probe adds and removes module hooks every few steps: a compiled forward may ignore them
-        engine.emit_action(engine.step, "compute_probe_off", Severity.WARNING,
+        engine.emit_action(engine.progress.step, "compute_probe_off", Severity.WARNING,
                            "detectors.straggler: the model runs through torch.compile, which ignores module hooks "
                            "added after compilation: the compute probe is off (forward sections are still timed; "
                            "set detectors.straggler.compute_every: 0 to silence this)", {}, detector="straggler")
@@ -236,7 +216,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
         modules = adapter.compute_modules(limit)
         if modules is None:
             modules = local_compute_modules([adapter.module], limit)
-        probe = ComputeProbe(modules, engine.pipeline.device, config.stats.interval * straggler.compute_every)
+        probe = ComputeProbe(modules, engine.gathering.pipeline.device, config.stats.interval * straggler.compute_every)
         engine.gathering.use_probe(probe)  # its times go into the families' StepView
         engine.add_step_hooks(probe)       # it samples at the steps' starts
     _mark_attached(adapter.module, True)
@@ -247,10 +227,10 @@ def _end_setup(engine: ArcEngine, err: ArcSetupError) -> None:
     """End every rank of a job that cannot start (the error was agreed, so every rank is here): one line on the
     decision group's first rank, an error event, the engine closed (watchdog stopped), ``SystemExit(2)``."""
     message = f"arc_engine: cannot start: {err}"
-    engine.emit_action(engine.step, "setup_failed", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
+    engine.emit_action(engine.progress.step, "setup_failed", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
                        detector="setup")
     engine.close()
-    if engine.rank == engine.pipeline.leader:
+    if engine.rank == engine.gathering.pipeline.leader:
         print(message, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_BAD_CONFIG)
 

@@ -59,7 +59,7 @@ class Timeline(TrainerCallback):
             if self.step_open and torch.is_grad_enabled() and self.arc_callback is not None:
                 self.step_open = False
                 tokens = kwargs.get("input_ids", inputs[0] if inputs else None)
-                self.batches.append((self.arc_callback.arc.data_position, state.global_step,
+                self.batches.append((self.arc_callback.arc.progress.data_position, state.global_step,
                                      tokens[:, :8].flatten().tolist()))
 
         model.register_forward_pre_hook(first_forward, with_kwargs=True)

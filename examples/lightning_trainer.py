@@ -91,7 +91,7 @@ class Timeline(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
                              batch_idx: int) -> None:
         if self.arc_callback is not None and batch_idx % trainer.accumulate_grad_batches == 0:
-            self.batches.append((self.arc_callback.arc.data_position, trainer.global_step,
+            self.batches.append((self.arc_callback.arc.progress.data_position, trainer.global_step,
                                  batch[0][:, :8].flatten().tolist()))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:

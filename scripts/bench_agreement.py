@@ -119,13 +119,13 @@ def fill_healthy(buffer: StatBuffer, num_ranks: int) -> None:
 def warm_monitors(engine: ArcEngine, stats: AgreedStats, steps: int = 40) -> None:
     """Fill the monitors' baselines (loss window, SDC warm-up) so a timed evaluation does the full work."""
     for step in range(steps):
-        for monitor in engine.monitors:
+        for monitor in engine.gathering.assembly.monitors:
             monitor.evaluate(step, stats)
             monitor.commit(step, True)
 
 
 def evaluate_all(engine: ArcEngine, stats: AgreedStats, step: int = 0) -> int:
-    return sum(len(monitor.evaluate(step, stats)) for monitor in engine.monitors)
+    return sum(len(monitor.evaluate(step, stats)) for monitor in engine.gathering.assembly.monitors)
 
 
 def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
@@ -135,15 +135,15 @@ def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
     from arc_engine.monitors.straggler import SECTION_TIMES, STAGE_TIMES, report_due
 
     engine = make_engine()
-    pipeline = SimulatedPipeline(engine.layout, num_ranks)
+    pipeline = SimulatedPipeline(engine.gathering.layout, num_ranks)
     buffer = pipeline.start()
     fill_healthy(buffer, num_ranks)
     section = engine.config.detectors.straggler
     step = next(s for s in range(1, 10_000) if report_due(s, engine.config.stats.interval, section.every))
     buffer.put(SECTION_TIMES, torch.tensor([0.1, 0.5, 20.0, np.nan, 0.0, -1.0, 0.0, 0.0, 0.1, np.inf, 0.0]))
     buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5]))
-    engine.step = step
-    stats = pipeline.agree(buffer, reduce_max=engine.assembly.max_due(step))
+    engine.progress.step = step
+    stats = pipeline.agree(buffer, reduce_max=engine.gathering.assembly.max_due(step))
     assert evaluate_all(engine, stats, step) == 0, "the simulated report step must be healthy"
     sizes = list(pipeline.reduced_sizes)
     return sum(allreduce_bytes_per_rank(num_ranks, size) for size in sizes), sizes
@@ -151,7 +151,7 @@ def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
 
 def old_host_work(engine: ArcEngine, gathered: torch.Tensor, num_ranks: int) -> int:
     """The old scheme's host work after its all-gather (see the module docstring). Returns the findings."""
-    layout = engine.layout
+    layout = engine.gathering.layout
     matrix_rn = gathered.detach().to("cpu", copy=True).numpy().reshape(num_ranks, -1)
     stats = AgreedStats.from_rows(layout, matrix_rn)  # column sums over N rows for every agreed value
     nonfinite_ranks(stats.per_rank(names.LOSS)[:, 0], stats.per_rank(names.LOSS_COUNT)[:, 0],
@@ -172,7 +172,7 @@ def median_us(run: Callable[[], object], repeats: int) -> float:
 def simulate(num_ranks: int, repeats: int) -> dict[str, float]:
     """Bytes and host microseconds per monitored step of both schemes for ``num_ranks`` ranks."""
     engine = make_engine()
-    pipeline = SimulatedPipeline(engine.layout, num_ranks)
+    pipeline = SimulatedPipeline(engine.gathering.layout, num_ranks)
     buffer = pipeline.start()
     fill_healthy(buffer, num_ranks)
     warm_monitors(engine, pipeline.agree(buffer, reduce_max=False))
@@ -182,8 +182,8 @@ def simulate(num_ranks: int, repeats: int) -> dict[str, float]:
     per_step = (pipeline.collectives - before) / repeats
     gathered = buffer.values.repeat(num_ranks)  # the all-gather's result, as the old scheme received it
     old_us = median_us(lambda: old_host_work(engine, gathered, num_ranks), max(3, repeats // 4))
-    return {"old_bytes": gather_bytes_per_rank(num_ranks, engine.layout.size),
-            "new_bytes": allreduce_bytes_per_rank(num_ranks, reduced_size(engine.layout)),
+    return {"old_bytes": gather_bytes_per_rank(num_ranks, engine.gathering.layout.size),
+            "new_bytes": allreduce_bytes_per_rank(num_ranks, reduced_size(engine.gathering.layout)),
             "old_host_us": old_us, "new_host_us": new_us, "collectives_per_step": per_step,
             "report_bytes": report_step_bytes(num_ranks)[0]}
 
@@ -196,11 +196,11 @@ def _real_rank(rank: int, world: int, port: int, steps: int, queue: object) -> N
                             timeout=timedelta(seconds=120))
     try:
         engine = make_engine()
-        pipeline = StatsPipeline(engine.layout, None, torch.device("cpu"))
+        pipeline = StatsPipeline(engine.gathering.layout, None, torch.device("cpu"))
         buffer = pipeline.start()
         fill_healthy(buffer, world)
         warm_monitors(engine, pipeline.agree(buffer, reduce_max=False))
-        gathered = torch.empty(world * engine.layout.size, dtype=torch.float64)
+        gathered = torch.empty(world * engine.gathering.layout.size, dtype=torch.float64)
         new_times, old_times = [], []
         for _ in range(steps):  # alternate, so machine noise hits both alike
             dist.barrier()
@@ -248,9 +248,9 @@ def main() -> int:
         parser.error("--repeats and --real-steps must be >= 1")
     torch.set_num_threads(1)
     engine = make_engine()
-    engine.layout.freeze()
-    print(f"layout: {engine.layout.size} float64 per rank, {reduced_size(engine.layout)} reduced "
-          f"(SDC on, 2 parameter groups, sketch {engine.layout[names.GRAD_SKETCH_LOCAL].size})")
+    engine.gathering.layout.freeze()
+    print(f"layout: {engine.gathering.layout.size} float64 per rank, {reduced_size(engine.gathering.layout)} reduced "
+          f"(SDC on, 2 parameter groups, sketch {engine.gathering.layout[names.GRAD_SKETCH_LOCAL].size})")
     print(f"{'ranks':>6} | {'old bytes/rank':>14} | {'new bytes/rank':>14} | {'old host us':>11} | "
           f"{'new host us':>11} | new collectives | report step bytes/rank")
     rows: dict[int, dict[str, float]] = {}

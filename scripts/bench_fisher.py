@@ -133,8 +133,8 @@ def train_once(seed: int, steps: int, overrides: list[str], corrupt: float | Non
         source = CorruptShard(data, 22, 40, corrupt) if corrupt else data
         losses, attempts = [], 0
         try:
-            while arc.step < steps and attempts < 4 * steps:
-                loss = model(*source.batch(arc.data_position, 0, BATCH))
+            while arc.progress.step < steps and attempts < 4 * steps:
+                loss = model(*source.batch(arc.progress.data_position, 0, BATCH))
                 loss = arc.faults.on_loss(loss)
                 arc.record_loss(loss)
                 losses.append(float(loss.detach()))

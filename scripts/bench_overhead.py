@@ -283,9 +283,9 @@ def measure_models(args: argparse.Namespace, data: CharDataset, rank: int, confi
                 "timed_calls": sum(piece["calls"] for piece in own.pieces.values())}
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, own_dict)
-    copies_before = arc.engine.pipeline.host_copies
+    copies_before = arc.engine.gathering.pipeline.host_copies
     arc_ops = count_collectives(arc_step, data, rank, 2, args.micro_batch)
-    host_copies = (arc.engine.pipeline.host_copies - copies_before) / 2
+    host_copies = (arc.engine.gathering.pipeline.host_copies - copies_before) / 2
     plain_ops = count_collectives(plain_step, data, rank, 2, args.micro_batch)
     if rank == 0:
         plain, arc_times, control = ([t[0] for t in series] for series in times)
@@ -355,9 +355,9 @@ def measure_steps(args: argparse.Namespace, data: CharDataset, rank: int, config
         monitored = arc.engine.is_monitored()
         times.append((monitored, run_steps(arc_step, data, rank, args.warmup + block, 1, args.micro_batch)))
     ratios = {which: neighbour_ratios([(monitored, t[which]) for monitored, t in times]) for which in (0, 1)}
-    copies_before = arc.engine.pipeline.host_copies
+    copies_before = arc.engine.gathering.pipeline.host_copies
     ops_two_steps = count_collectives(arc_step, data, rank, 2, args.micro_batch)  # one monitored, one not
-    host_copies = arc.engine.pipeline.host_copies - copies_before
+    host_copies = arc.engine.gathering.pipeline.host_copies - copies_before
     if rank == 0:
         backend = "DeepSpeed ZeRO-2" if args.backend == "deepspeed" else "DDP"
         print(f"model: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, micro-batch "

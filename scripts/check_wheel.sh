@@ -72,7 +72,7 @@ for step in range(30):
     optimizer.zero_grad()
 summary = arc.summary()
 arc.close()
-assert summary["skipped_steps"] == 1, summary
+assert summary["skipped_by_policy"] == 1, summary
 EOF
 venv/bin/arc-engine report runs/wheel >/dev/null
 test -s runs/wheel/report/index.html

@@ -77,7 +77,7 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
                      "sinks.console.enabled=false", "detectors.sdc.enabled=true", "detectors.sdc.warmup_steps=50",
                      "detectors.sdc.update_sample=1.0", f"detectors.sdc.recompute.enabled={arm == 'recompute'}",
                      f"detectors.sdc.action={'warn' if arm == 'baseline' else 'skip'}"]
-        recompute = (lambda module, r: [loss_of(module, arc.data_position, r)]) if arm == "recompute" else None
+        recompute = (lambda module, r: [loss_of(module, arc.progress.data_position, r)]) if arm == "recompute" else None
         arc = arc_engine.attach(ddp, optimizer, load_config(None, overrides), recompute_fn=recompute)
     injectors = []
     if arm != "baseline":
@@ -85,12 +85,13 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
         for k, step in enumerate(range(args.every, args.steps, args.every)):
             spec = BitFlipSpec(pattern=args.pattern, where="backward", rank=1, steps=[step], bit=bits[k % len(bits)],
                                count=args.count, seed=seed * 1000 + k, max_per_step=1)
-            injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration if arc else step_now)
+            injector = BitFlipInjector(spec, rank=rank,
+                                       current_step=lambda: arc.engine.progress.iteration if arc else step_now)
             injector.install(model)
             injectors.append(injector)
     step_now = 0
-    while (arc.step if arc else step_now) < args.steps:
-        position = arc.data_position if arc else step_now
+    while (arc.progress.step if arc else step_now) < args.steps:
+        position = arc.progress.data_position if arc else step_now
         loss = loss_of(ddp, position, rank)
         if arc:
             arc.record_loss(loss)
@@ -105,7 +106,7 @@ def run_arm(rank: int, world: int, arm: str, seed: int, args: argparse.Namespace
     result = {"arm": arm, "seed": seed, "eval_loss": eval_loss,
               "injections": sum(len(i.fired) for i in injectors),
               "recomputations": arc.engine.sdc_recompute.calls if arc and arc.engine.sdc_recompute else 0,
-              "skipped_steps": summary.get("skipped_steps", 0), "detections": summary.get("detections", {})}
+              "skipped_by_policy": summary["skipped_by_policy"], "detections": summary.get("detections", {})}
     if arc:
         arc.close()
     gathered: list[Any] = [None] * world
@@ -135,7 +136,7 @@ def summarize(results: dict[str, list[list[dict[str, Any]]]]) -> str:
         flips = sum(r["injections"] for ranks in runs for r in ranks)
         calls = [sum(ranks[k]["recomputations"] for ranks in runs) for k in range(2)]
         flags = sum(ranks[0]["detections"].get("sdc", 0) for ranks in runs)
-        skipped = sum(ranks[0].get("skipped_steps", 0) for ranks in runs)
+        skipped = sum(ranks[0].get("skipped_by_policy", 0) for ranks in runs)
         paired = ", ".join(f"{x - b:+.4f}" for x, b in zip(losses, baseline, strict=False))
         lines.append(f"| {arm} | {statistics.mean(losses):.4f} ± {spread:.4f} | "
                      f"{', '.join(f'{x:.4f}' for x in losses)} | {paired} | {flips} | {flags} | {skipped} | "

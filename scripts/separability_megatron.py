@@ -58,9 +58,9 @@ def _run(config: str, args: argparse.Namespace) -> tuple[dict[str, list[int]], d
     engine = state.arc.engine
     alarms: dict[str, list[int]] = {"qk_spectra": [], "router": []}
     entropy: dict[int, np.ndarray] = {}
-    while state.arc.step < args.steps:
-        train.train_step(state, parsed, state.arc.data_position)
-        step, stats = engine.step - 1, engine.last_stats
+    while state.arc.progress.step < args.steps:
+        train.train_step(state, parsed, state.arc.progress.data_position)
+        step, stats = engine.progress.step - 1, engine.last_stats
         for finding in engine.last_decision.findings:
             if finding.detector in alarms:
                 alarms[finding.detector].append(step)

@@ -57,22 +57,23 @@ def main() -> int:
     arc = arc_engine.attach(engine, None, arc_config)
     micro_batch = engine.train_micro_batch_size_per_gpu()
     try:
-        while arc.step < args.steps:  # with recovery, a rollback moves arc.step and arc.data_position back
-            inputs, targets = (t.to(engine.device) for t in data.batch(arc.data_position, rank, micro_batch))
+        while arc.progress.step < args.steps:  # with recovery, a rollback moves the step and the data position back
+            inputs, targets = (t.to(engine.device) for t in data.batch(arc.progress.data_position, rank, micro_batch))
             loss = arc.faults.on_loss(engine(inputs, targets))
             arc.record_loss(loss)
             engine.backward(loss)
             engine.step()
-            if rank == 0 and arc.step % args.log_every == 0 and arc.last_step_applied:
-                print(f"[train] step {arc.step:>4}/{args.steps}  loss {float(loss.detach()):.4f}", flush=True)
+            if rank == 0 and arc.progress.step % args.log_every == 0 and arc.last_step_applied:
+                print(f"[train] step {arc.progress.step:>4}/{args.steps}  loss {float(loss.detach()):.4f}", flush=True)
     except arc_engine.ArcAbort as abort:
         print(f"[train] rank {rank}: {abort}", file=sys.stderr, flush=True)
         return abort.exit_code
     summary = arc.summary()
     arc.close()
     if rank == 0:
-        print(f"[train] done: {summary['steps']} steps, {summary['skipped_steps']} skipped "
-              f"({summary['framework_skipped_steps']} by DeepSpeed), detections {summary['detections']}", flush=True)
+        skipped = summary["skipped_by_policy"] + summary["skipped_by_framework"]
+        print(f"[train] done: {summary['steps']} steps, {skipped} skipped ({summary['skipped_by_framework']} by "
+              f"DeepSpeed), detections {summary['detections']}", flush=True)
     torch.distributed.barrier()
     return 0
 

@@ -262,7 +262,7 @@ def _forward_backward(state: TrainState, args: argparse.Namespace, model: list, 
 def _recompute(state: TrainState, args: argparse.Namespace, model: list, data_rank: int) -> None:
     """arc_engine's ``recompute_fn`` (``detectors.sdc.recompute``): the current step's forward and backward again,
     on data-parallel rank ``data_rank``'s micro-batches."""
-    _forward_backward(state, args, model, state.arc.data_position, data_rank)
+    _forward_backward(state, args, model, state.arc.progress.data_position, data_rank)
 
 
 def train_step(state: TrainState, args: argparse.Namespace,
@@ -308,13 +308,13 @@ def main() -> int:
     arc = state.arc
     step_index = 0
     try:
-        # with arc_engine, a rollback moves arc.step and arc.data_position back: draw batches from the latter
-        while (arc.step if arc is not None else step_index) < args.train_iters:
+        # with arc_engine, a rollback moves arc.progress's step and data position back: draw batches from the latter
+        while (arc.progress.step if arc is not None else step_index) < args.train_iters:
             started = time.perf_counter()
-            position = arc.data_position if arc is not None else step_index
+            position = arc.progress.data_position if arc is not None else step_index
             loss, update_successful, grad_norm = train_step(state, args, position)
             step_index += 1
-            done = arc.step if arc is not None else step_index
+            done = arc.progress.step if arc is not None else step_index
             if logging_rank and done % args.log_interval == 0:
                 grad_norm_text = "-" if grad_norm is None else f"{grad_norm:.3f}"
                 print(f"[train] iteration {done:>4}/{args.train_iters} | lm loss {loss:.4f} | "
@@ -327,7 +327,8 @@ def main() -> int:
         summary = arc.summary()
         arc.close()
         if logging_rank:
-            print(f"[train] done: {summary['steps']} steps, {summary['skipped_steps']} skipped, detections "
+            skipped = summary["skipped_by_policy"] + summary["skipped_by_framework"]
+            print(f"[train] done: {summary['steps']} steps, {skipped} skipped, detections "
                   f"{summary['detections']}", flush=True)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()

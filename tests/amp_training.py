@@ -74,8 +74,8 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
     try:
         for step in range(steps):
             if end_step and grad_scaler is not None:
-                scaler_at.setdefault(arc.step, grad_scaler.state_dict())
-                rollbacks = arc.rollbacks
+                scaler_at.setdefault(arc.progress.step, grad_scaler.state_dict())
+                rollbacks = arc.progress.rolled_back
             before = _flat(wrapped)
             inputs, targets = data.batch(step, rank, BATCH)
             with torch.autocast("cpu", dtype=precision):
@@ -94,8 +94,8 @@ def train_amp(rank: int, steps: int, config: ArcConfig | None, *, wrap: str = "d
                 grad_scaler.update()
                 if end_step:
                     arc.end_step()
-                    if arc.rollbacks > rollbacks:
-                        after_rollbacks.append((arc.step, grad_scaler.state_dict()))
+                    if arc.progress.rolled_back > rollbacks:
+                        after_rollbacks.append((arc.progress.step, grad_scaler.state_dict()))
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)

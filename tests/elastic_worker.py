@@ -36,14 +36,14 @@ def main() -> None:
     arc = arc_engine.attach(ddp, optimizer, config)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     with open(args.run_dir / f"attempts.rank{rank}", "a") as log:
-        log.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT')} {arc.step}\n")
-    while arc.step < args.steps:
-        if args.die_at is not None and first_attempt and arc.step == args.die_at:
+        log.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT')} {arc.progress.step}\n")
+    while arc.progress.step < args.steps:
+        if args.die_at is not None and first_attempt and arc.progress.step == args.die_at:
             arc.engine.recovery.checkpoints.wait()  # the checkpoint of step 10 is committed on rank 0 ...
             dist.barrier()                           # ... before rank 1 dies
             if rank == 1:
                 os._exit(17)  # abrupt: no close, no flush
-        loss = ddp(*data.batch(arc.data_position, rank, BATCH)) * (1 + 1e-3 * torch.rand(()))
+        loss = ddp(*data.batch(arc.progress.data_position, rank, BATCH)) * (1 + 1e-3 * torch.rand(()))
         arc.record_loss(loss)
         loss.backward()
         optimizer.step()

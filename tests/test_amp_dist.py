@@ -48,7 +48,7 @@ def test_fp16_grad_scaler_under_ddp_trains_exactly_as_without_arc_engine(tmp_pat
         assert watched[rank]["changed"] == plain[rank]["changed"]
         assert watched[rank]["decisions"] == watched[0]["decisions"], "ranks disagree"
         summary = watched[rank]["summary"]
-        assert summary["skipped_steps"] == 0 and summary["framework_skipped_steps"] == len(skipped)
+        assert summary["skipped_by_policy"] == 0 and summary["skipped_by_framework"] == len(skipped)
     assert _overflow_steps(watched[0]) == skipped
     for step, action, overflow, findings in watched[0]["decisions"]:
         detectors = {detector for detector, _, _ in findings}
@@ -132,7 +132,7 @@ def test_fsdp2_with_sharded_grad_scaler_is_bitwise_unchanged_and_names_a_nan(tmp
     for rank in range(2):
         assert torch.equal(watched[rank]["params"], plain[rank]["params"])
         assert _overflow_steps(watched[rank]) == skipped
-        assert watched[rank]["summary"]["skipped_steps"] == 0
+        assert watched[rank]["summary"]["skipped_by_policy"] == 0
     # a NaN loss on rank 1 (FSDP2 refuses gradient faults: its sharded parameters run no tensor hooks)
     nan_step = len(skipped) + 2
     config = make_config(tmp_path / "b", f"faults.injections=[{{kind: nan_loss, rank: 1, step: {nan_step}}}]")
@@ -152,7 +152,7 @@ def test_a_plain_module_with_grad_scaler_applies_what_the_scaler_applies(tmp_pat
     skipped = [step for step, changed in enumerate(plain["changed"]) if not changed]
     assert skipped and torch.equal(watched["params"], plain["params"])
     assert _overflow_steps(watched) == skipped
-    assert watched["summary"]["framework_skipped_steps"] == len(skipped)
+    assert watched["summary"]["skipped_by_framework"] == len(skipped)
 
 
 def test_a_fused_adamw_under_grad_scaler_unscales_statistics_and_reports_its_own_skips(tmp_path: Path) -> None:
@@ -262,7 +262,7 @@ def test_a_grad_scaler_not_passed_is_found_at_the_first_step_and_used_as_if_pass
         assert forgotten["decisions"] == results[0]["forgotten"]["decisions"], "ranks disagree"
         # its first skips merged into step 0 (the step stayed open: no hook saw them); from there on, as if passed
         assert all(action == "NONE" and not findings for _, action, _, findings in forgotten["decisions"])
-        assert len(forgotten["decisions"]) == 6 - len(skipped) and forgotten["summary"]["skipped_steps"] == 0
+        assert len(forgotten["decisions"]) == 6 - len(skipped) and forgotten["summary"]["skipped_by_policy"] == 0
         applied_norms = [norm for step, norm in passed["grad_norms"] if step >= len(skipped)]
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in
                    zip([norm for _, norm in forgotten["grad_norms"]], applied_norms, strict=True))
@@ -290,6 +290,6 @@ def test_a_plain_module_with_a_grad_scaler_not_passed_trains_as_with_it_passed(t
     forgotten = train_amp(0, 8, make_config(tmp_path / "b", "stats.interval=1", faults), pass_scaler=False, **kwargs)
     assert torch.equal(forgotten["params"], passed["params"]) and forgotten["changed"] == passed["changed"]
     assert forgotten["decisions"] == passed["decisions"] and _overflow_steps(forgotten) == [3]
-    assert forgotten["summary"]["framework_skipped_steps"] == 1 and forgotten["summary"]["skipped_steps"] == 0
+    assert forgotten["summary"]["skipped_by_framework"] == 1 and forgotten["summary"]["skipped_by_policy"] == 0
     (warning,) = _grad_scaler_events(tmp_path / "b")
     assert warning["severity"] == "warning" and "grad_scaler=" in warning["message"]

@@ -180,7 +180,7 @@ def test_a_corrupted_shard_is_quarantined_naming_its_rank_and_a_rerun_honours_th
               for detector, ranks in findings if detector == "data" and ranks == [1]}
     assert blamed == {120: "SKIP", **dict.fromkeys(range(121, 132), "WARN")}, blamed
     assert all(torch.equal(faulted[0]["params"][name], faulted[1]["params"][name]) for name in faulted[0]["params"])
-    assert faulted[0]["summary"]["skipped_steps"] == 1
+    assert faulted[0]["summary"]["skipped_by_policy"] == 1
     run_dir = tmp_path / "faulted" / "test"
     entries = read_ledger(run_dir / "data_ledger.jsonl")
     assert [e["first"] for e in entries if e["bad_data"]] == list(range(120, 132))

@@ -45,8 +45,8 @@ def test_simulated_pipeline_agrees_like_n_equal_ranks(bench) -> None:
 
 def test_the_engines_layout_reduces_a_fixed_block(bench) -> None:
     engine = bench.make_engine()
-    engine.layout.freeze()
-    layout = engine.layout
+    engine.gathering.layout.freeze()
+    layout = engine.gathering.layout
     travelling = sum(spec.size for spec in layout.specs() if spec.reduce in (Reduce.SUM, Reduce.REPLICATED))
     assert bench.reduced_size(layout) == travelling  # the detail (the sketch itself) never travels
     assert layout[names.GRAD_SKETCH_LOCAL].reduce is Reduce.DETAIL

@@ -27,7 +27,7 @@ def _record(fault: str, arm: str, losses: list[float], *, seed: int = 0, fault_s
             "fault_step": fault_step, "steps_target": 10, "attempts": attempts or len(losses),
             "steps_done": len(losses), "completed": completed, "aborted": None, "terminal_step": terminal,
             "losses": losses, "grad_norms": [1.0] * len(losses), "eval_loss": eval_loss, "eval_at": eval_at or {},
-            "step_ms_median": 10.0, "skipped_steps": skipped, "recovery": {"rollbacks": 1}, "events": list(events)}
+            "step_ms_median": 10.0, "skipped_by_policy": skipped, "recovery": {"rollbacks": 1}, "events": list(events)}
 
 
 def _detection(iteration: int, severity: str = "error", action: str = "warn") -> dict:

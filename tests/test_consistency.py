@@ -246,8 +246,8 @@ def _run(rank: int, world: int, run_dir: Path, setting: str, steps: int, scale_f
     arc = arc_engine.attach(ddp, optimizer, config)
     if rank == scaled_rank:  # "an NCCL bug": this rank's contribution to the reduction scaled by 5
         for param in model.parameters():
-            param.register_hook(lambda grad: grad * 5.0 if arc.engine.step >= scale_from else grad)
-    monitor = next(m for m in arc.engine.monitors if m.name == "consistency")
+            param.register_hook(lambda grad: grad * 5.0 if arc.engine.progress.step >= scale_from else grad)
+    monitor = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "consistency")
     metrics, findings, exact = [], {}, []
     for step in range(steps):
         batch = data.batch(step, STREAMS[setting][rank], BATCH)
@@ -350,7 +350,7 @@ def _run_fsdp(rank: int, world: int, run_dir: Path, exact: bool) -> dict[str, An
                          "detectors.consistency.sketch_size=1024",
                          f"detectors.consistency.exact_max_params={10**6 if exact else 0}")
     arc = attach_fsdp(model, optimizer, config)
-    monitor = next(m for m in arc.engine.monitors if m.name == "consistency")
+    monitor = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "consistency")
     directions, truth = [], []
     for step in range(6):
         batch = data.batch(step, STREAMS["S1-3"][rank], BATCH)

@@ -82,7 +82,7 @@ def _deepspeed(stage: int, precision: str, config: Any, counter: Any = None) -> 
         params = torch.cat([p.detach().float().flatten().cpu() for p in engine.module.parameters()])
     out = {"params": params, "monitored": monitored}
     if arc is not None:
-        out["stats_device"] = str(arc.engine.pipeline.device)
+        out["stats_device"] = str(arc.engine.gathering.pipeline.device)
         arc.close()
     return out
 
@@ -147,12 +147,13 @@ def _megatron_rank(rank: int, world: int, config: str) -> dict[str, Any]:
     with counter:
         for step in range(STEPS):
             counter.begin(step)
-            script.train_step(state, args, state.arc.data_position)
+            script.train_step(state, args, state.arc.progress.data_position)
             decision = state.arc.engine.last_decision
             if decision is not None and decision.step == step:
                 monitored.append(step)
     watched = params(state)
-    out = {"identical": torch.equal(reference, watched), "stats_device": str(state.arc.engine.pipeline.device),
+    device = state.arc.engine.gathering.pipeline.device
+    out = {"identical": torch.equal(reference, watched), "stats_device": str(device),
            "monitored": monitored, "syncs": {step: counter.by_step.get(step, []) for step in range(STEPS)}}
     state.arc.close()
     return out

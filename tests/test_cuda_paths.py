@@ -74,8 +74,8 @@ def _train(rank: int, wrap: str, config: Any, steps: int, counter: Any = None) -
                         for p in model.parameters()])
     out = {"params": params, "monitored": monitored, "actions": actions, "grad_errors": grad_errors}
     if arc is not None:
-        out["stats_device"] = str(arc.engine.pipeline.device)
-        out["rollbacks"] = arc.rollbacks
+        out["stats_device"] = str(arc.engine.gathering.pipeline.device)
+        out["rollbacks"] = arc.progress.rolled_back
         arc.close()
     return out
 

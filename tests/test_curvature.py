@@ -96,7 +96,7 @@ def _train(rank: int, world: int, run_dir: Path, measure_at: int) -> dict[str, A
         due.append(arc.curvature_due())
         if step == measure_at:
             plain = {k: v for k, v in measure(lambda: model(*held), list(model.parameters()), probes=4,
-                                             iterations=10, rho=0.05, seed=arc.engine.step).items()}
+                                             iterations=10, rho=0.05, seed=arc.engine.progress.step).items()}
             local.append(plain)
             results.append(arc.measure_curvature(lambda: ddp(*held)))
         loss = ddp(*data.batch(step, rank, BATCH))
@@ -141,7 +141,7 @@ def _zero2(rank: int, world: int, run_dir: Path, measure_at: int) -> dict[str, A
     for step in range(4):
         if step == measure_at:
             local.append(measure(lambda: engine.module(*held), list(engine.module.parameters()), probes=4,
-                                 iterations=10, rho=0.05, seed=arc.engine.step))
+                                 iterations=10, rho=0.05, seed=arc.engine.progress.step))
             results.append(arc.measure_curvature(lambda: engine(*held)))  # the engine, as one trains
         loss = engine(*data.batch(step, rank, BATCH))
         arc.record_loss(loss)

@@ -169,8 +169,8 @@ def _count_collectives(rank: int, world: int, config, steps: int) -> dict:
         arc = arc_engine.attach(ddp, optimizer, cfg) if cfg is not None else None
         counts[label] = count_c10d_ops(functools.partial(optimizer_steps, ddp, optimizer, data, arc, rank, steps))
         if arc is not None:
-            counts["pipeline"] = arc.engine.pipeline.collectives
-            counts["host_copies"] = arc.engine.pipeline.host_copies
+            counts["pipeline"] = arc.engine.gathering.pipeline.collectives
+            counts["host_copies"] = arc.engine.gathering.pipeline.host_copies
             arc.close()
     return counts
 

@@ -117,8 +117,8 @@ def test_deepspeed_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bit
                 assert all(f[2] == "WARNING" for f in findings), findings
             else:
                 assert action == "NONE", (step, findings)
-        assert watched["summary"]["skipped_steps"] == 0
-        assert watched["summary"]["framework_skipped_steps"] == len(skipped)
+        assert watched["summary"]["skipped_by_policy"] == 0
+        assert watched["summary"]["skipped_by_framework"] == len(skipped)
         for step, (ds_norm, agreed, local_sq) in watched["norms"].items():
             # DeepSpeed's norm is unscaled; so are the agreed and the local statistics (scaled ones: x 2^28)
             assert agreed == pytest.approx(ds_norm, rel=1e-3), (rank, step)
@@ -132,7 +132,7 @@ def test_deepspeed_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bit
         stopped = result["persistent"]
         assert stopped["stopped"] is not None and stopped["stopped"][:2] == (8, 3), stopped["stopped"]
         assert "rank 1 only" in stopped["stopped"][2], stopped["stopped"]
-        assert stopped["summary"]["framework_skipped_steps"] == len(skipped) + 2, stopped["summary"]
+        assert stopped["summary"]["skipped_by_framework"] == len(skipped) + 2, stopped["summary"]
 
 
 def test_deepspeed_bf16_is_bitwise_unchanged_and_a_nan_loss_is_skipped_on_every_rank(tmp_path: Path) -> None:

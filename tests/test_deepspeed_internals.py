@@ -519,8 +519,8 @@ def test_a_release_outside_the_range_trains_with_only_the_missing_feature_off(tm
         assert result["source"] == "tensor hooks"
         np.testing.assert_allclose(result["local_sq_rg"], expected, rtol=1e-5)
         summary = result["summary"]  # the NaN step: DeepSpeed's skip (0.19.8) or arc_engine's (before)
-        assert summary["steps"] == 4 and summary["skipped_steps"] >= 1
-        assert summary["framework_skipped_steps"] == int(deepspeed_skips_nonfinite_fp32_steps())
+        assert summary["steps"] == 4 and summary["steps_not_applied"] >= 1
+        assert summary["skipped_by_framework"] == int(deepspeed_skips_nonfinite_fp32_steps())
     events = read_jsonl(tmp_path / "test" / "events.jsonl")
     compatibility = [e for e in events if e["kind"] == "lifecycle" and e["detector"] == "compatibility"]
     assert len(compatibility) == 1

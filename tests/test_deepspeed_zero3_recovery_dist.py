@@ -103,7 +103,7 @@ def _killed_mid_save(rank: int, world: int, config: ArcConfig, status_dir: str) 
         return original(path)
 
     def kill_at_17(arc: Any) -> None:
-        if arc.step != 17:
+        if arc.progress.step != 17:
             return
         manager = arc.engine.recovery.checkpoints
         deadline = time.monotonic() + 60

@@ -204,7 +204,7 @@ def _train(rank: int, world: int, run_dir: Path, backend: str, grow: bool, stabi
 
         def full() -> torch.Tensor:
             return torch.cat([p.detach().double().flatten() for p in model.parameters()])
-    monitor = next(m for m in arc.engine.monitors if m.name == "dynamics")
+    monitor = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "dynamics")
     agreed, exact, findings, states, coefficients, params = [], [], {}, [], [], []
     from arc_engine.recovery import heal
 
@@ -294,7 +294,7 @@ def _deepspeed(rank: int, world: int, run_dir: Path, stage: int) -> dict[str, An
 
     engine, data = ds_engine(rank, world, stage, clip=1.0)
     arc = attach_deepspeed(engine, make_config(run_dir, *ON, "detectors.dynamics.every=2"))
-    monitor = next(m for m in arc.engine.monitors if m.name == "dynamics")
+    monitor = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "dynamics")
     agreed, exact, states = [], [], []
     for step in range(9):
         if step % 2 == 0:

@@ -386,7 +386,7 @@ def train(tmp_path: Path, steps: int, *overrides: str, forwards: int = 1) -> tup
     after = []
     for _ in range(steps):
         for _ in range(forwards):
-            loss = model(*data.batch(arc.step, 0, BATCH))
+            loss = model(*data.batch(arc.progress.step, 0, BATCH))
         arc.record_loss(loss)
         loss.backward()
         optimizer.step()
@@ -431,7 +431,7 @@ def test_hardware_events_reach_the_engine_once_per_step_attempt(tmp_path: Path) 
     counted = []
     for _ in range(6):
         for _ in range(2):  # two micro-batches: the step starts once
-            loss = model(*data.batch(arc.step, 0, BATCH))
+            loss = model(*data.batch(arc.progress.step, 0, BATCH))
             arc.record_loss(loss)
             loss.backward()
         optimizer.step()

@@ -34,7 +34,7 @@ ON = ("detectors.fisher.enabled=true", "detectors.fisher.every=1", "detectors.fi
 
 
 def fisher_monitor(arc: Any) -> FisherMonitor:
-    return next(m for m in arc.engine.monitors if isinstance(m, FisherMonitor))
+    return next(m for m in arc.engine.gathering.assembly.monitors if isinstance(m, FisherMonitor))
 
 
 # ------------------------------------------------------------------ closed forms
@@ -120,7 +120,7 @@ def _drift(rank: int, world: int, config: Any, steps: int) -> dict[str, Any]:
     def at_step_start(arc: Any) -> None:
         state = fisher_monitor(arc).state
         if state.anchor is not None:
-            direct[arc.step] = math.sqrt(sum(float((f.double() * (t.double() - a.double()).square()).sum())
+            direct[arc.progress.step] = math.sqrt(sum(float((f.double() * (t.double() - a.double()).square()).sum())
                                              for f, t, a in zip(state.fisher, state.tensors, state.anchor,
                                                                 strict=True)))
 
@@ -130,8 +130,8 @@ def _drift(rank: int, world: int, config: Any, steps: int) -> dict[str, Any]:
 
     def finish_step(*args: Any, **kwargs: Any) -> None:
         value = fisher_monitor(arc).metrics().get("rao_distance", math.nan)
-        if arc.engine.last_decision is not None and arc.engine.last_decision.step == arc.step:
-            agreed[arc.step] = value
+        if arc.engine.last_decision is not None and arc.engine.last_decision.step == arc.progress.step:
+            agreed[arc.progress.step] = value
         original(*args, **kwargs)
 
     arc.engine.finish_step = finish_step
@@ -172,7 +172,7 @@ def _blend(rank: int, world: int, backend: str, config: Any, steps: int) -> dict
 
     def at_step_start(arc: Any) -> None:
         tensors = [t.detach().clone() for t in monitor.state.tensors]
-        first_seen.setdefault(arc.step, tensors)
+        first_seen.setdefault(arc.progress.step, tensors)
         latest.update(tensors=tensors, fisher=[f.clone() for f in monitor.state.fisher])
 
     original = monitor.after_restore
@@ -248,7 +248,7 @@ def _recover(rank: int, world: int, config: Any, steps: int) -> dict[str, Any]:
 
     def finish_step(*args: Any, **kwargs: Any) -> None:
         values = fisher_monitor(arc).metrics()
-        trace.append((arc.step, values.get("rao_distance", math.nan), values.get("ewc_lambda", math.nan)))
+        trace.append((arc.progress.step, values.get("rao_distance", math.nan), values.get("ewc_lambda", math.nan)))
         original(*args, **kwargs)
 
     arc.engine.finish_step = finish_step

@@ -246,7 +246,7 @@ def _count_collectives(rank: int, world: int, configs: list[tuple[ArcConfig, int
 
             counts[label] = count_c10d_ops(functools.partial(optimizer_steps, model, optimizer, data, arc, rank, steps))
             if arc is not None:
-                counts["pipeline"] = arc.engine.pipeline.collectives
+                counts["pipeline"] = arc.engine.gathering.pipeline.collectives
                 arc.close()
         out.append(counts)
     return out

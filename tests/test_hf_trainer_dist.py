@@ -62,7 +62,7 @@ def test_clean_training_is_bitwise_unchanged_by_the_callback(tmp_path: Path, fra
     # under gradient accumulation (2 micro-batches a step) the loss arc_engine judged is the loss the Trainer
     # logged: the mean over ranks of each step's mean micro-batch loss (not divided by the accumulation steps)
     logs = _train_logs(watched["ranks"][0])
-    assert len(logs) == STEPS and all(entry["arc_skipped_steps"] == 0 for entry in logs)
+    assert len(logs) == STEPS and all(entry["arc_steps_not_applied"] == 0 for entry in logs)
     metrics = watched["dir"] / "run" / "metrics.jsonl.rank0"
     judged = {int(m["step"]): m["arc/loss_spike/loss"] for m in map(json.loads, metrics.read_text().splitlines())
               if "arc/loss_spike/loss" in m}
@@ -95,7 +95,7 @@ def test_a_nan_is_skipped_and_a_spike_rolled_back_with_the_trainers_counters_tru
         logs = _train_logs(outcome)
         assert all(math.isfinite(entry["loss"]) and entry["loss"] < 10 for entry in logs), logs
         assert all(entry["learning_rate"] == clean_lr[entry["step"]] for entry in logs), logs
-        assert logs[-1]["arc_skipped_steps"] == 2 and logs[-1]["arc_rollbacks"] == 1, logs[-1]
+        assert logs[-1]["arc_steps_not_applied"] == 2 and logs[-1]["arc_rolled_back"] == 1, logs[-1]
         assert logs[-1]["arc_applied_steps"] == STEPS
         assert torch.isfinite(outcome["params"]).all()
     assert torch.equal(faulted["ranks"][0]["params"], faulted["ranks"][1]["params"])
@@ -156,7 +156,7 @@ def test_a_nan_burst_rolls_back_onto_a_save_step_and_trains_on_without_saving_th
         assert evaluated == [4, 8, 12], evaluated  # not again at step 4 after the skips and the rollback
         assert (outcome["generations"] > 0) == (rank == 0), outcome["generations"]
         last = _train_logs(outcome)[-1]
-        assert 0.5 <= last["arc_lr_factor"] < 1 and last["arc_rollbacks"] == 1, last  # healing: x 0.5, rising
+        assert 0.5 <= last["arc_lr_factor"] < 1 and last["arc_rolled_back"] == 1, last  # healing: x 0.5, rising
     from safetensors.torch import load_file
 
     timeline = run["ranks"][0]["timeline"]

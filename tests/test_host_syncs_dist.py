@@ -164,7 +164,7 @@ def _megatron(rank: int, world: int, run_dir: Path) -> dict[str, list[str]]:
             script, args, state = _build([*flags, "--arc-config", str(config)])
 
             def one_step(step: int, script: Any = script, args: Any = args, state: Any = state) -> None:
-                script.train_step(state, args, state.arc.data_position)
+                script.train_step(state, args, state.arc.progress.data_position)
 
             out[f"{layout}/{name}"] = counted_loop(state.arc, STEPS, one_step)
             state.arc.close()

@@ -52,7 +52,7 @@ def _train(flags: list[str], steps: int) -> dict[str, Any]:
         arc.engine.policy.commit = record
     updates = []
     for step in range(steps):
-        position = arc.data_position if arc is not None else step
+        position = arc.progress.data_position if arc is not None else step
         _, ok, grad_norm = script.train_step(state, args, position)
         updates.append(ok)
         if arc is not None and ok:

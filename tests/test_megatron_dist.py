@@ -73,7 +73,7 @@ def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[
     for _ in range(5):
         results: list[Any] = []
         arc_ops.append(count_c10d_ops(lambda results=results: results.append(
-            script.train_step(state, args, state.arc.data_position))))
+            script.train_step(state, args, state.arc.progress.data_position))))
         _, _ok, grad_norm = results[0]
         agreed = math.sqrt(float(state.arc.engine.last_stats.total("grad_sq").sum()))
         grad_norms.append((grad_norm, agreed))
@@ -83,7 +83,7 @@ def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[
     script, args, state = _build([*flags, "--arc-config", config_nan])
     updates = []
     for _ in range(5):
-        _, ok, _ = script.train_step(state, args, state.arc.data_position)
+        _, ok, _ = script.train_step(state, args, state.arc.progress.data_position)
         updates.append(ok)
     summary = state.arc.summary()
     decision = state.arc.engine.last_decision
@@ -91,7 +91,7 @@ def _tp_dp_bf16(rank: int, world: int, config_ok: str, config_nan: str) -> dict[
     return {"identical": torch.equal(reference, with_arc), "grad_norms": grad_norms, "updates": updates,
             "extra_ops": [a - p for a, p in zip(arc_ops, plain_ops, strict=True)],
             "finite": bool(torch.isfinite(_params(state)).all()), "adam_steps": sorted(set(_adam_steps(state))),
-            "skipped": summary["skipped_steps"], "detections": summary["detections"],
+            "skipped": summary["skipped_by_policy"], "detections": summary["detections"],
             "last_action": decision.action.name if decision else None}
 
 
@@ -125,16 +125,16 @@ def _overlapped(rank: int, world: int, config_ok: str, config_nan: str) -> dict[
     reference = _params(state)
     script, args, state = _build([*flags, "--arc-config", config_ok])
     for _ in range(5):
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
     with_arc = _params(state)
     overlapping = state.model[0].ddp_config.overlap_param_gather
     state.arc.close()
     script, args, state = _build([*flags, "--arc-config", config_nan])
-    updates = [script.train_step(state, args, state.arc.data_position)[1] for _ in range(5)]
+    updates = [script.train_step(state, args, state.arc.progress.data_position)[1] for _ in range(5)]
     summary = state.arc.summary()
     state.arc.close()
     return {"identical": torch.equal(reference, with_arc), "overlapping": overlapping, "updates": updates,
-            "finite": bool(torch.isfinite(_params(state)).all()), "skipped": summary["skipped_steps"]}
+            "finite": bool(torch.isfinite(_params(state)).all()), "skipped": summary["skipped_by_policy"]}
 
 
 @pytest.mark.timeout(400)
@@ -168,8 +168,8 @@ def _untested_release(rank: int, world: int, config: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         script, args, state = _build([*SMALL, "--use-distributed-optimizer", "--arc-config", config])
     applied = []
-    while state.arc.step < 4:
-        _, ok, _ = script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 4:
+        _, ok, _ = script.train_step(state, args, state.arc.progress.data_position)
         applied.append(ok)
     run_dir = state.arc.engine.run_dir
     state.arc.close()
@@ -212,9 +212,9 @@ def _sdc_flip(rank: int, world: int, config: str) -> dict[str, Any]:
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]
     script, args, state = _build([*flags, "--arc-config", config])
     verdicts = []
-    while state.arc.step < 10:
-        step = state.arc.step
-        _, applied, _ = script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 10:
+        step = state.arc.progress.step
+        _, applied, _ = script.train_step(state, args, state.arc.progress.data_position)
         decision = state.arc.engine.last_decision
         verdicts.append((step, applied, decision.action.name,
                          {f.detector: list(f.ranks) for f in decision.findings}))
@@ -264,7 +264,7 @@ def _ep2_router(rank: int, world: int, config: str) -> dict[str, Any]:
         seen.clear()
         weights = {mi.layer_index(layer): mi.router_of(layer).weight.detach().clone()
                    for layer in mi.transformer_layers(state.model)}  # as the producer reads them: before the update
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
     # step 4 was measured: compare with one computation over the union of every rank's tokens
     agreed = state.arc.engine.last_stats.total("router_sums")
     size = router_partials_size(4)
@@ -308,9 +308,9 @@ def _ep2_rank_collapse(rank: int, world: int, config: str) -> dict[str, Any]:
              "--arc-config", config]
     script, args, state = _build(flags)
     verdicts = []
-    while state.arc.step < COLLAPSE_AT + 4:
-        step = state.arc.step
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < COLLAPSE_AT + 4:
+        step = state.arc.progress.step
+        script.train_step(state, args, state.arc.progress.data_position)
         verdicts.append((step, [(f.detector, list(f.ranks), f.values.get("ep_group"),
                                  [p["statistic"] for p in f.values.get("problems", [])])
                                 for f in state.arc.engine.last_decision.findings]))
@@ -367,7 +367,7 @@ def _tp2_spectra(rank: int, world: int, config: str, groups: int) -> dict[str, A
     weights = {}
     for step in range(5):
         weights[step] = full_weights()  # what the producer reads at step `step` (before its update)
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
     agreed = state.arc.engine.last_stats.total("qk_delta2_entropy").reshape(2, 4)
     # the TP=1 computation on the same model: the whole linear_qkv of each layer, `groups` query groups
     expected = torch.tensor([[head["delta2"]["entropy"] for head in layer_spectra(weights[4][i], weights[2][i],
@@ -407,9 +407,9 @@ def _logit_growth(rank: int, world: int, config: str) -> dict[str, Any]:
     flags = [*SMALL, "--tensor-model-parallel-size", "2", "--arc-config", config]
     script, args, state = _build(flags)
     verdicts = []
-    while state.arc.step < GROWN_AT + 4:
-        step = state.arc.step
-        _, applied, _ = script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < GROWN_AT + 4:
+        step = state.arc.progress.step
+        _, applied, _ = script.train_step(state, args, state.arc.progress.data_position)
         findings = state.arc.engine.last_decision.findings
         verdicts.append((step, applied, {f.detector: f.values.get("heads") for f in findings}))
     state.arc.close()
@@ -450,12 +450,12 @@ def _tp2_consistency(rank: int, world: int, config: str) -> dict[str, Any]:
     if rank == SCALED_RANK:  # "an NCCL bug": this rank's gradient enters the reduction 5x too large
         for chunk in state.model:
             for param in chunk.module.parameters():
-                param.register_hook(lambda grad: grad * 5.0 if state.arc.step >= SCALE_FROM else grad)
-    monitor = next(m for m in state.arc.engine.monitors if m.name == "consistency")
+                param.register_hook(lambda grad: grad * 5.0 if state.arc.progress.step >= SCALE_FROM else grad)
+    monitor = next(m for m in state.arc.engine.gathering.assembly.monitors if m.name == "consistency")
     rows, findings = [], {}
-    while state.arc.step < 14:
-        step = state.arc.step
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 14:
+        step = state.arc.progress.step
+        script.train_step(state, args, state.arc.progress.data_position)
         stats = state.arc.engine.last_stats
         norms = [float(v) for v in torch.tensor(stats.per_rank("grad_sq_local")).sum(dim=1).sqrt()]
         rows.append({"metrics": dict(monitor.metrics()), "norms": norms,
@@ -499,9 +499,9 @@ def _straggler(rank: int, world: int, config: str, layout: list[str], steps: int
 
     script, args, state = _build([*SMALL, *layout, "--arc-config", config])
     findings: dict[int, dict[str, Any]] = {}
-    while state.arc.step < steps:
-        step = state.arc.step
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < steps:
+        step = state.arc.progress.step
+        script.train_step(state, args, state.arc.progress.data_position)
         decision = state.arc.engine.last_decision
         for finding in decision.findings:
             if finding.detector == "straggler" and decision.step == step:
@@ -577,12 +577,12 @@ def _weight_health(rank: int, world: int, config: str, layout: list[str]) -> dic
 
     script, args, state = _build([*SMALL, *layout, "--clip-grad", "0", "--arc-config", config])
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    monitor = next(m for m in state.arc.engine.monitors if m.name == "weight_health")
+    monitor = next(m for m in state.arc.engine.gathering.assembly.monitors if m.name == "weight_health")
     held = [(name, param) for name, param, _ in state.arc.adapter.parts.matrices if param is not None]
     steps = []
     for _ in range(3):
         weights = {name: param.detach().double().square().sum() for name, param in held}
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
         reference = {}
         for name, param in held:
             grad = param.main_grad.double()
@@ -672,7 +672,7 @@ def _fisher(rank: int, world: int, config: str, layout: list[str]) -> dict[str, 
                    for chunk in state.model for p in chunk.module.parameters())
     sums = []
     for _ in range(4):
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
         sums.append(state.arc.engine.last_stats.total(FISHER).tolist())
     state.arc.close()
     return {"sums": sums, "elements": elements}
@@ -703,7 +703,7 @@ def _dynamics(rank: int, world: int, config: str, layout: list[str]) -> dict[str
     script, args, state = _build([*SMALL, *layout, "--clip-grad", "0", "--arc-config", config])
     tp_group = parallel_state.get_tensor_model_parallel_group()
     params = [p for chunk in state.model for p in chunk.module.parameters()]
-    monitor = next(m for m in state.arc.engine.monitors if m.name == "dynamics")
+    monitor = next(m for m in state.arc.engine.gathering.assembly.monitors if m.name == "dynamics")
     agreed, exact, before = [], [], None
     for step in range(5):
         now = [p.detach().double().clone() for p in params]
@@ -716,7 +716,7 @@ def _dynamics(rank: int, world: int, config: str, layout: list[str]) -> dict[str
                 total += moved
             exact.append(float(total.sqrt()))
         before = now
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
         if step:
             agreed.append(monitor.metrics()["velocity"])
     state.arc.close()
@@ -747,7 +747,7 @@ def _curvature(rank: int, world: int, config: str, measure_at: int) -> dict[str,
         if step == measure_at:
             results.append(state.arc.measure_curvature(
                 lambda: model(inputs, positions, None, labels=targets).float().mean()))
-        script.train_step(state, args, state.arc.data_position)
+        script.train_step(state, args, state.arc.progress.data_position)
     params = _params(state)
     state.arc.close()
     return {"results": results, "params": params}

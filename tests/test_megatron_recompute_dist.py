@@ -35,9 +35,9 @@ def _recompute_yaml(path: Path, run_id: str, injections: list[dict], on_faulty_d
 
 def _train(state: Any, script: Any, args: Any) -> tuple[list, dict[int, torch.Tensor]]:
     verdicts, snapshots = [], {}
-    while state.arc.step < STEPS:
-        step = state.arc.step
-        _, applied, _ = script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < STEPS:
+        step = state.arc.progress.step
+        _, applied, _ = script.train_step(state, args, state.arc.progress.data_position)
         decision = state.arc.engine.last_decision
         verdicts.append((step, applied, [(f.detector, f.action.name.lower(), list(f.ranks),
                                           f.values.get("classification")) for f in decision.findings]))
@@ -73,7 +73,7 @@ def test_megatron_sdc_recompute_runs_on_the_suspect_replica_and_corrects_transie
     for rank, result in enumerate(results):
         # no fault: with the recomputation armed, training is bitwise the run without arc_engine; nothing recomputed
         assert torch.equal(result["clean"]["final"], result["reference"]), rank
-        assert result["clean"]["calls"] == 0 and result["clean"]["summary"]["skipped_steps"] == 0, rank
+        assert result["clean"]["calls"] == 0 and result["clean"]["summary"]["skipped_by_policy"] == 0, rank
 
         # a transient flip in rank 1's weight-gradient GEMM: rank 1's bucket is withheld, replica 0 (ranks 0 and 1,
         # TP peers) recomputes, replica 1 waits; the step is applied and equals the fault-free step

@@ -36,8 +36,8 @@ def _replay(rank: int, world: int, flags: list[str], clean: str, faulty: str, st
     out: dict[str, Any] = {}
     for name, config in (("clean", clean), ("faulty", faulty)):
         script, args, state = _build([*flags, "--arc-config", config])
-        while state.arc.step < steps:
-            script.train_step(state, args, state.arc.data_position)
+        while state.arc.progress.step < steps:
+            script.train_step(state, args, state.arc.progress.data_position)
         summary = state.arc.summary()
         state.arc.close()
         out[name] = {"params": _params(state), "adam_steps": sorted(set(_adam_steps(state))),
@@ -81,7 +81,7 @@ def _pp2(rank: int, world: int, config: str) -> dict[str, Any]:
     script, args, state = _build(flags)
     updates, measured = [], []
     for _ in range(6):
-        _, ok, _ = script.train_step(state, args, state.arc.data_position)
+        _, ok, _ = script.train_step(state, args, state.arc.progress.data_position)
         updates.append(ok)
         measured.append(state.arc.engine.last_stats.total("qk_measured").tolist())
     summary = state.arc.summary()
@@ -142,14 +142,14 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
 
     script, args, state = _build([*flags, "--arc-config", reference])
     by_step: dict[int, torch.Tensor] = {}
-    while state.arc.step < 6:
-        by_step[state.arc.step] = _params(state)  # the state a checkpoint of this step holds
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 6:
+        by_step[state.arc.progress.step] = _params(state)  # the state a checkpoint of this step holds
+        script.train_step(state, args, state.arc.progress.data_position)
     state.arc.close()
     clean = _params(state)
     script, args, state = _build([*flags, "--arc-config", first])  # saves to disk, "dies" after step 4
-    while state.arc.step < 4:
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 4:
+        script.train_step(state, args, state.arc.progress.data_position)
     saves = state.arc.summary()["recovery"]["disk_saves"]
     state.arc.close()  # drains the save in flight
     dist.barrier()
@@ -173,10 +173,10 @@ def _resume(rank: int, world: int, flags: list[str], reference: str, first: str,
             (newest / layout.common_files[0]).write_bytes(b"not a checkpoint")
         dist.barrier()
     script, args, state = _build([*flags, "--arc-config", second])  # a new job: resumes from the commit
-    out["resumed_at"] = state.arc.step
+    out["resumed_at"] = state.arc.progress.step
     out["load_errors"] = list(state.arc.engine.recovery.checkpoints.last_load_errors)
-    while state.arc.step < 6:
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < 6:
+        script.train_step(state, args, state.arc.progress.data_position)
     state.arc.close()
     out.update(equal=torch.equal(_params(state), clean), adam_steps=sorted(set(_adam_steps(state))))
     return out
@@ -234,8 +234,8 @@ def _fisher_rollback(rank: int, world: int, flags: list[str], config: str, steps
                             for m, w in zip(models, mains, strict=True))
 
     recovery_state.masters_changed = masters_changed
-    while state.arc.step < steps:
-        script.train_step(state, args, state.arc.data_position)
+    while state.arc.progress.step < steps:
+        script.train_step(state, args, state.arc.progress.data_position)
     summary = state.arc.summary()
     state.arc.close()
     return {"params": _params(state), "recovery": summary["recovery"], "gaps": gaps}

@@ -66,9 +66,9 @@ def _train(rank: int, world: int, configs: dict[str, str]) -> dict[str, Any]:
         engine = state.arc.engine
         delta2_entropy, router_entropy, losses = {}, {}, []
         for _ in range(STEPS):
-            loss, _ok, _norm = script.train_step(state, args, state.arc.data_position)
+            loss, _ok, _norm = script.train_step(state, args, state.arc.progress.data_position)
             losses.append(loss)
-            step, stats = engine.step - 1, engine.last_stats
+            step, stats = engine.progress.step - 1, engine.last_stats
             if np.asarray(stats.total("qk_measured")).any():
                 delta2_entropy[step] = np.asarray(stats.total("qk_delta2_entropy"), dtype=np.float64).reshape(2, 4)
             sums = np.asarray(stats.total("router_sums"), dtype=np.float64)

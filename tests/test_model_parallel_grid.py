@@ -158,7 +158,7 @@ def _own_group(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
     loss.backward()
     optimizer.step()
     arc.close()
-    return {"leader": arc.engine.pipeline.leader}
+    return {"leader": arc.engine.gathering.pipeline.leader}
 
 
 def test_the_first_rank_of_a_decision_group_writes_its_sinks_without_global_rank_0(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_nested_pieces_are_listed_but_counted_once_and_blocked_time_is_not_work(
 
 def _train(arc: arc_engine.Arc, model, optimizer, data, steps: int) -> None:
     for _ in range(steps):
-        loss = model(*data.batch(arc.step, 0, BATCH))
+        loss = model(*data.batch(arc.progress.step, 0, BATCH))
         arc.record_loss(loss)
         loss.backward()
         optimizer.step()

@@ -128,14 +128,14 @@ def _train(rank: int, world: int, config_path: Path, every: int = 1) -> dict[str
         optimizer.zero_grad(set_to_none=True)
         decision = arc.engine.last_decision
         actions.append((decision.action.name, tuple(f.detector for f in decision.findings)))
-        lasts.append(next(m for m in arc.engine.monitors if m.name == "weight_guard").last)
+        lasts.append(next(m for m in arc.engine.gathering.assembly.monitors if m.name == "weight_guard").last)
         if step == CORRUPT_STEP and rank == 1:
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0] = 500.0  # this replica alone is corrupted
-    guard = next(m for m in arc.engine.monitors if m.name == "weight_guard")
+    guard = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "weight_guard")
     out = {"actions": actions, "threshold": config.detectors.plugins["weight_guard"].threshold,
-           "collectives": arc.engine.pipeline.collectives, "steps": len(actions), "flags": guard.flags,
-           "state": arc.engine.assembly.state_dict()["weight_guard"], "lasts": lasts}
+           "collectives": arc.engine.gathering.pipeline.collectives, "steps": len(actions), "flags": guard.flags,
+           "state": arc.engine.gathering.assembly.state_dict()["weight_guard"], "lasts": lasts}
     arc.close()
     return out
 

@@ -117,13 +117,13 @@ def train(job: Job, data: Any, rank: int, steps: int, record_at: int | None = No
     the parameters at the start of that step (first visit). ``at_step_start(arc)``: called before each attempt."""
     arc, iteration, losses, params_at = job.arc, 0, [], None
     try:
-        while (arc.step if arc is not None else iteration) < steps:
+        while (arc.progress.step if arc is not None else iteration) < steps:
             assert iteration < 4 * steps + 50, "the run does not terminate"
             if at_step_start is not None:
                 at_step_start(arc)
-            if params_at is None and arc is not None and arc.step == record_at:
+            if params_at is None and arc is not None and arc.progress.step == record_at:
                 params_at = [p.clone() for p in job.params()]
-            position = arc.data_position if arc is not None else iteration
+            position = arc.progress.data_position if arc is not None else iteration
             noise = torch.rand(()) if draw_before_forward else None
             loss = job.forward(*data.batch(position, rank, BATCH))
             loss = loss * (1 + 1e-3 * (noise if noise is not None else torch.rand(())))
@@ -217,10 +217,10 @@ def _nan_burst(rank: int, world: int, backend: str, config: ArcConfig, steps: in
     step_and_return, returned = job.backward_and_step, {}
 
     def stepping(loss: torch.Tensor) -> None:
-        rollbacks = job.arc.rollbacks
+        rollbacks = job.arc.progress.rolled_back
         step_and_return(loss)
-        if job.arc.rollbacks > rollbacks and not returned:
-            returned.update(step=job.arc.step, data_position=job.arc.data_position,
+        if job.arc.progress.rolled_back > rollbacks and not returned:
+            returned.update(step=job.arc.progress.step, data_position=job.arc.progress.data_position,
                             params=[p.clone() for p in job.params()])
 
     job.backward_and_step = stepping
@@ -271,7 +271,7 @@ def _probed(rank: int, world: int, config: ArcConfig, steps: int, probe: bool) -
         if probe and rank == 0:
             def forward() -> None:
                 with torch.no_grad():
-                    inner(*data.batch(50_000 + arc.step, rank, BATCH))
+                    inner(*data.batch(50_000 + arc.progress.step, rank, BATCH))
             counts.append(count_c10d_ops(forward))
 
     result = train(job, data, rank, steps, at_step_start=at_step_start)
@@ -314,7 +314,7 @@ def test_persistent_fault_escapes_then_stops_with_exit_code_4(tmp_path: Path) ->
 def _resume_run(rank: int, world: int, backend: str, config: ArcConfig, steps: int,
                 draw_before_forward: bool = False) -> dict[str, Any]:
     job, data = make_job(backend, config, rank, world)
-    resumed_at = job.arc.step
+    resumed_at = job.arc.progress.step
     out = train(job, data, rank, steps, draw_before_forward=draw_before_forward)
     out["resumed_at"] = resumed_at
     return out
@@ -353,7 +353,7 @@ def _resume_alone(rank: int, world: int, backend: str, config: ArcConfig) -> Any
         job, _ = make_job(backend, config, rank, world)
     except ValueError as err:
         return str(err)
-    return [p.clone() for p in job.params()], job.arc.step
+    return [p.clone() for p in job.params()], job.arc.progress.step
 
 
 def test_world_size_change_reshards_ddp_and_fsdp_and_refuses_zero(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def _run(rank: int, world: int, run_dir: Path, steps: int, flip_at: list[int], f
     arc.optimizer = optimizer
     spec = BitFlipSpec(pattern="blocks.0.mlp.0", where="backward", rank=flip_rank, steps=flip_at, count=count, bit=bit,
                        max_per_step=1)
-    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration)
+    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.progress.iteration)
     injector.install(model)
     out = train_with_flips(wrapped, arc, data, rank, steps)
     out["fired"] = [f["step"] for f in injector.fired]
@@ -180,7 +180,7 @@ def _default_run(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, 
     arc.optimizer = optimizer
     assert arc.engine.config.detectors.sdc.enabled
     out = train_with_flips(wrapped, arc, data, rank, steps)
-    out["warmed_up"] = next(m for m in arc.engine.monitors if m.name == "sdc").warmed_up
+    out["warmed_up"] = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "sdc").warmed_up
     arc.close()
     return out
 
@@ -221,7 +221,7 @@ def _run_zero2(rank: int, world: int, run_dir: Path, steps: int, flip_at: int) -
     # A finite corruption (2^8 x 256 values): an infinite one DeepSpeed would skip by itself (overflow check).
     spec = BitFlipSpec(pattern="blocks.0.mlp.0", where="backward", rank=1, steps=[flip_at], count=256, bit=26,
                        max_per_step=1)
-    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.iteration)
+    injector = BitFlipInjector(spec, rank=rank, current_step=lambda: arc.engine.progress.iteration)
     injector.install(engine.module)
     flagged, unchanged, suspects = [], None, []
     for step in range(steps):

@@ -147,20 +147,20 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
     def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
         if broken:
             raise RuntimeError("the data loader cannot rebuild this batch")
-        return [loss_of(module, arc.data_position, data_rank)]
+        return [loss_of(module, arc.progress.data_position, data_rank)]
 
     arc = arc_engine.attach(ddp, optimizer, recompute_config(run_dir, *overrides), recompute_fn=recompute)
     injector = None
     if spec is not None:
-        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.iteration)
+        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.progress.iteration)
         injector.install(model)
     findings: dict[int, list[tuple[str, str, tuple[int, ...], str]]] = {}
     exit_code = None
     snapshots = {}
     try:
-        while arc.step < steps:
-            step = arc.step
-            loss = loss_of(ddp, arc.data_position, rank)
+        while arc.progress.step < steps:
+            step = arc.progress.step
+            loss = loss_of(ddp, arc.progress.data_position, rank)
             if blowup == (rank, step):
                 loss = loss * 2.0 ** 16
             arc.record_loss(loss)
@@ -183,7 +183,7 @@ def _train(rank: int, world: int, run_dir: Path, steps: int, spec: dict[str, Any
             "key_bias": key_bias, "eval_loss": float(model(*data.batch(10_000, 0, 16)).detach()),
             "calls": arc.engine.sdc_recompute.calls if arc.engine.sdc_recompute else 0, "findings": findings,
             "exit_code": exit_code,
-            "step": arc.step, "fired": [f["step"] for f in injector.fired] if injector else []}
+            "step": arc.progress.step, "fired": [f["step"] for f in injector.fired] if injector else []}
 
 
 def transient_flip(rank: int, step: int) -> dict[str, Any]:
@@ -310,22 +310,22 @@ def _train_zero2(rank: int, world: int, run_dir: Path, steps: int, spec: dict[st
     arc: Any = None
 
     def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:
-        return [module(*data.batch(arc.data_position, data_rank, BATCH))]
+        return [module(*data.batch(arc.progress.data_position, data_rank, BATCH))]
 
     arc = attach_deepspeed(engine, recompute_config(run_dir), recompute_fn=recompute)
     injector = None
     if spec is not None:
-        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.iteration)
+        injector = BitFlipInjector(BitFlipSpec(**spec), rank=rank, current_step=lambda: arc.engine.progress.iteration)
         injector.install(engine.module)
     from arc_engine.testing.host_syncs import HostSyncCounter
 
     findings, snapshots, reads = {}, {}, []
-    while arc.step < steps:
-        step = arc.step
+    while arc.progress.step < steps:
+        step = arc.progress.step
         counter = HostSyncCounter()
         with counter:  # the host reads arc_engine makes in this step (the recomputation's, on the fault step)
             counter.begin(step)
-            loss = engine(*data.batch(arc.data_position, rank, BATCH))
+            loss = engine(*data.batch(arc.progress.data_position, rank, BATCH))
             arc.record_loss(loss)
             engine.backward(loss)
             engine.step()
@@ -400,9 +400,9 @@ def _train_from_yaml(rank: int, world: int, run_dir: Path, config_file: Path) ->
                                        "detectors.sdc.recompute.enabled=true"])
     arc: Any = None
     arc = arc_engine.attach(ddp, optimizer, config,
-                            recompute_fn=lambda module, r: [module(*data.batch(arc.data_position, r, BATCH))])
-    while arc.step < 34:
-        loss = ddp(*data.batch(arc.data_position, rank, BATCH))
+                            recompute_fn=lambda module, r: [module(*data.batch(arc.progress.data_position, r, BATCH))])
+    while arc.progress.step < 34:
+        loss = ddp(*data.batch(arc.progress.data_position, rank, BATCH))
         arc.record_loss(loss)
         loss.backward()
         optimizer.step()

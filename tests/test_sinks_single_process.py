@@ -36,7 +36,7 @@ class ExplodingSink(Sink):
 def _train(arc: arc_engine.Arc, model, optimizer, data, steps: int) -> list[str]:
     actions = []
     for _ in range(steps):
-        loss = arc.faults.on_loss(model(*data.batch(arc.step, 0, BATCH)))
+        loss = arc.faults.on_loss(model(*data.batch(arc.progress.step, 0, BATCH)))
         arc.record_loss(loss)
         loss.backward()
         optimizer.step()
@@ -77,7 +77,7 @@ def test_single_process_attach_detects_and_skips(tmp_path: Path) -> None:
         assert _train(arc, model, optimizer, data, 1) == ["NONE"]
         assert arc.last_step_applied
         summary = arc.summary()
-    assert summary["skipped_steps"] == 1 and summary["steps"] == 5
+    assert summary["skipped_by_policy"] == 1 and summary["steps"] == 5
     finding = next(e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e["kind"] == "detection")
     assert finding["values"]["first_group_name"] == "no_decay" and finding["ranks"] == [0]
 
@@ -141,7 +141,8 @@ def test_the_batch_generator_draws_the_same_batch_for_the_same_data_position(tmp
         assert torch.equal(first, torch.randint(1000, (8,), generator=arc.batch_generator()))
         assert not torch.equal(first, torch.randint(1000, (8,), generator=arc.batch_generator(seed=1)))
         _train(arc, model, optimizer, data, 2)
-        assert arc.data_position == 2 and arc.applied_steps == 2 and arc.skipped_steps == 0
+        progress = arc.progress
+        assert progress.data_position == 2 and progress.applied_steps == 2 and progress.steps_not_applied == 0
         later = torch.randint(1000, (8,), generator=arc.batch_generator())
         assert not torch.equal(first, later)
         arc.engine.rewind(0, 0)  # what a rollback to the start does to the position

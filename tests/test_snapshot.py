@@ -239,7 +239,7 @@ def test_with_the_memory_tier_off_snapshots_copy_no_tensors_and_disk_saves_still
     candidates = []
     with arc_engine.attach(model, optimizer, config) as arc:
         for _ in range(7):
-            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            loss = model(*data.batch(arc.progress.data_position, 0, BATCH))
             arc.record_loss(loss)
             if arc.engine.recovery.candidate is not None:
                 candidates.append(arc.engine.recovery.candidate)
@@ -304,7 +304,7 @@ def test_disk_saves_from_the_memory_tier_stage_nothing_and_load_back_the_verifie
         recovery = arc.engine.recovery
         staged = []
         for _ in range(9):
-            loss = model(*data.batch(arc.data_position, 0, BATCH))
+            loss = model(*data.batch(arc.progress.data_position, 0, BATCH))
             arc.record_loss(loss)
             loss.backward()
             saves = recovery.disk_saves
@@ -322,7 +322,7 @@ def test_disk_saves_from_the_memory_tier_stage_nothing_and_load_back_the_verifie
     resume = make_config(tmp_path, "recovery.enabled=true", "recovery.checkpoint.resume=true")
     with arc_engine.attach(model2, optimizer2, resume) as arc2:
         live = TorchTrainState(model2, optimizer2).live_tensors()
-        assert arc2.engine.step == source.step
+        assert arc2.engine.progress.step == source.step
         assert len(live) == len(source.tensors)
         assert all(torch.equal(a, b) for a, b in zip(live, source.tensors, strict=True))
 

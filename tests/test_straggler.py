@@ -302,7 +302,7 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
     arc = arc_engine.attach(ddp, optimizer, config)
     findings: dict[int, list[int]] = {}
     lambdas = []
-    r_metric = next(m for m in arc.engine.monitors if m.name == "r_metric")
+    r_metric = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "r_metric")
     for step in range(60):
         loss = ddp(*data.batch(step, rank, BATCH))
         arc.record_loss(loss)
@@ -316,8 +316,8 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
         lambdas.append(r_metric.metrics()["lambda"])
     summary = arc.summary()
     arc.close()
-    return {"findings": findings, "lambdas": lambdas, "detail_fetches": arc.engine.pipeline.detail_fetches,
-            "follow_ups": arc.engine.pipeline.follow_ups,
+    return {"findings": findings, "lambdas": lambdas, "detail_fetches": arc.engine.gathering.pipeline.detail_fetches,
+            "follow_ups": arc.engine.gathering.pipeline.follow_ups,
             "detections": summary["detections"]}
 
 

@@ -321,9 +321,9 @@ def test_nan_flood_gives_bounded_alerts_a_summary_and_metrics_from_one_run(tmp_p
     assert len(sent) <= 4, titles  # bounded: 100 bad steps, a handful of alerts
     rows = history(records)
     keys = set().union(*rows)
-    assert {"arc/iteration", "arc/step", "arc/skipped_steps"} <= keys
+    assert {"arc/iteration", "arc/step", "arc/skipped_by_policy"} <= keys
     assert any(k.startswith("arc/non_finite/") for k in keys) and any(k.startswith("arc/loss_spike/") for k in keys)
-    skipped = [row["arc/skipped_steps"] for row in rows if "arc/skipped_steps" in row]
+    skipped = [row["arc/skipped_by_policy"] for row in rows if "arc/skipped_by_policy" in row]
     assert skipped == sorted(skipped) and skipped[-1] == 100
     iterations = [row["arc/iteration"] for row in rows]
     assert iterations == sorted(iterations)
@@ -376,7 +376,7 @@ def _train_with_failing_sinks(rank: int, world: int, run_dir: Path, steps: int) 
         time.sleep(0.2)
     summary = arc.summary()
     arc.close()
-    return {"steps": summary["steps"], "skipped": summary["skipped_steps"], "failed": wandb_sink.failed,
+    return {"steps": summary["steps"], "skipped": summary["skipped_by_policy"], "failed": wandb_sink.failed,
             "logs": records, "train_s": train_s, "disabled": sorted(arc.engine.sinks.disabled),
             "undelivered_path": str(wandb_sink.undelivered_path), "undelivered": wandb_sink.undelivered}
 
@@ -496,5 +496,5 @@ def test_an_active_run_on_another_rank_is_reused_and_its_step_kept(tmp_path: Pat
     assert [a["title"] for a in alerts(records)] == ["NaN/Inf values on rank 0 (" + _location() + ")"]
     rows = history(records)
     assert [row["_step"] for row in rows] == list(range(12))  # the script's steps, not moved by arc_engine
-    assert any("arc/non_finite/nonfinite_steps" in row or "arc/skipped_steps" in row for row in rows)
+    assert any("arc/non_finite/nonfinite_steps" in row or "arc/skipped_by_policy" in row for row in rows)
     assert all("user/loss" in row for row in rows)

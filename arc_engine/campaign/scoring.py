@@ -143,7 +143,7 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
                                      if p is not None and o["terminal_step"] is not None)
         row["unprotected_ok"] = sum(_recovered(r, references.get((backend, r["seed"]))) for r in observed)
         row["protected_runs"] = len(done)
-        row["steps_lost"] = _mean([r["attempts"] - r["steps_target"] + r["skipped_steps"] for r in done])
+        row["steps_lost"] = _mean([r["attempts"] - r["steps_target"] + r["skipped_by_policy"] for r in done])
         row["rollbacks"] = _mean([r["recovery"].get("rollbacks", 0) for r in done])
         row["aborted"] = sum(r["aborted"] is not None for r in done)
         rows.append(row)

@@ -35,6 +35,7 @@ from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
 from arc_engine.demo.train import exit_hard
+from arc_engine.progress import Progress
 from arc_engine.sinks import read_jsonl
 
 TERMINAL_LOSS = 100.0
@@ -86,14 +87,10 @@ class _Counter:
     faults = None  # nothing injected
 
     def __init__(self) -> None:
-        self.step = 0
-
-    @property
-    def data_position(self) -> int:
-        return self.step
+        self.progress = Progress()  # step and data position move together: every step is applied
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.step, "iterations": self.step, "skipped_steps": 0}
+        return self.progress.counts()
 
     def close(self) -> None:
         pass
@@ -183,26 +180,26 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
     attempts = 0
     evals: dict[str, float] = {}
     try:
-        while arc.step < run["steps"]:
-            factor = lr_factor(arc.step, schedule["decay_steps"], schedule["min_ratio"])
+        while arc.progress.step < run["steps"]:
+            factor = lr_factor(arc.progress.step, schedule["decay_steps"], schedule["min_ratio"])
             for group, peak in zip(trainer.param_groups(), peak_lrs, strict=True):
                 group["lr"] = peak * factor  # recovery's LR cut and an injected LR fault multiply this for a step
             start = time.perf_counter()
-            local = trainer.step(arc.data_position)
+            local = trainer.step(arc.progress.data_position)
             step_ms.append((time.perf_counter() - start) * 1e3)
             if isinstance(arc, _Counter):
-                arc.step += 1
+                arc.progress.close_step(None)
             attempts += 1
             agreed = torch.tensor([local], dtype=torch.float64, device=device)
             dist.all_reduce(agreed)
             value = float(agreed) / world
             losses.append(value)
             in_a_row = in_a_row + 1 if terminal(value) else 0
-            remaining = run["steps"] - arc.step
+            remaining = run["steps"] - arc.progress.step
             if in_a_row and terminal_at is None and in_a_row >= min(CONFIRM_STEPS, remaining + in_a_row):
                 terminal_at = attempts - in_a_row  # confirmed, or lasting to the run's end
-            if arc.step in run["eval_at"] and str(arc.step) not in evals:
-                evals[str(arc.step)] = held_out.loss(trainer)
+            if arc.progress.step in run["eval_at"] and str(arc.progress.step) not in evals:
+                evals[str(arc.progress.step)] = held_out.loss(trainer)
             if in_a_row >= CONFIRM_STEPS and run["arm"] != "protect":
                 break
             if in_a_row >= CRASH_PATIENCE:
@@ -225,7 +222,7 @@ def run_one(plan: dict, run: dict, data: CharDataset, device: torch.device) -> d
         "aborted": aborted, "terminal_step": terminal_at, "faults_fired": int(fired), "losses": losses,
         "eval_loss": eval_loss,
         "eval_at": evals, "step_ms_median": statistics.median(step_ms) if step_ms else None,
-        "skipped_steps": summary.get("skipped_steps", 0), "recovery": summary.get("recovery", {}),
+        "skipped_by_policy": summary["skipped_by_policy"], "recovery": summary.get("recovery", {}),
         "grad_norms": [], "events": []}
     if config is not None and rank == 0:
         run_dir = Path(summary["run_dir"])

@@ -80,8 +80,8 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
     start = time.perf_counter()
     iteration = 0
     # With recovery, arc owns the step counter and the data position: both go back on a rollback.
-    while (arc.step if arc is not None else iteration) < args.steps:
-        position = arc.data_position if arc is not None else iteration
+    while (arc.progress.step if arc is not None else iteration) < args.steps:
+        position = arc.progress.data_position if arc is not None else iteration
         inputs, targets = (t.to(device) for t in data.batch(position, rank, args.batch_size))
         loss = model(inputs, targets)
         if arc is not None:
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iteration += 1
-        step = arc.step if arc is not None else iteration
+        step = arc.progress.step if arc is not None else iteration
         if rank == 0 and iteration % args.log_every == 0:
             loss_value = float(loss.detach())
             per_step_ms = (time.perf_counter() - start) * 1e3 / iteration
@@ -115,7 +115,8 @@ def print_report(config: ArcConfig, result: dict) -> None:
         else []
     detections = [e for e in events if e["kind"] == "detection"]
     print("\n================ arc_engine demo summary ================")
-    print(f"steps {summary['steps']}, skipped {summary['skipped_steps']}, final loss {result['final_loss']:.4f}")
+    skipped = summary["skipped_by_policy"] + summary["skipped_by_framework"]
+    print(f"steps {summary['steps']}, skipped {skipped}, final loss {result['final_loss']:.4f}")
     print(f"{'injected fault':<34} {'detected by':<24} action")
     for spec in config.faults.injections:
         where = "all ranks" if spec.rank == -1 else f"rank {spec.rank}"

@@ -10,6 +10,7 @@ import numpy as np
 
 from arc_engine.config.schema import PolicyConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.progress import FRAMEWORK, POLICY, ROLLBACK
 from arc_engine.stats import AgreedStats, names
 
 #: Exit code of a run that arc_engine stopped (persistent failure or an ``abort`` action).
@@ -202,3 +203,16 @@ def with_exit_code(decision: Decision) -> Decision:
         return decision
     codes = [f.values["exit_code"] for f in decision.findings if f.action == Action.ABORT and "exit_code" in f.values]
     return dataclasses.replace(decision, exit_code=int(codes[0])) if codes else decision
+
+
+def not_applied_cause(decision: Decision | None, framework_skipped: bool = False) -> str | None:
+    """Why a step closed with ``decision`` did not reach the parameters (:data:`~arc_engine.progress.ROLLBACK`,
+    :data:`~arc_engine.progress.FRAMEWORK`: the framework or its loss scaler skipped it, whatever else asked,
+    :data:`~arc_engine.progress.POLICY`), None when it did. ``framework_skipped``: the framework skipped it after
+    a decision that would have applied it."""
+    if decision is not None and decision.action == Action.ROLLBACK:
+        return ROLLBACK
+    if decision is not None and not decision.applies_update:
+        by_framework = decision.overflow or any(f.by_framework for f in decision.findings)
+        return FRAMEWORK if by_framework else POLICY
+    return FRAMEWORK if framework_skipped else None

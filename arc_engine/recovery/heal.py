@@ -52,7 +52,7 @@ def heal_step(engine: ArcEngine, param_groups: list[dict[str, Any]],
         scale_gradients([p.grad for group in param_groups for p in group["params"] if p.grad is not None],
                         coefficient)
     if engine.hooks.shaping:
-        engine.hooks.before_update(param_groups, engine.step)
+        engine.hooks.before_update(param_groups, engine.progress.step)
     factor = step_lr_factor(engine)
     return scale_learning_rates(param_groups, factor) if factor != 1.0 else None
 
@@ -62,7 +62,7 @@ def gradient_coefficient(engine: ArcEngine) -> float:
     clip times the monitors' gradient factors, from this step's agreed statistics, so every rank scales alike."""
     coefficient = engine.recovery.clip_coefficient() if engine.recovery is not None else 1.0
     stats, decision = engine.last_stats, engine.last_decision
-    if stats is None or decision is None or decision.step != engine.step:
+    if stats is None or decision is None or decision.step != engine.progress.step:
         return coefficient
     return coefficient * engine.hooks.gradient_factor(stats)
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("arc_engine")
 
 #: ``recompute_fn(module, data_rank)``: yield the loss of each micro-batch that rank ``data_rank`` trained on in the
-#: current step (the batches at ``arc.data_position``), computed with ``module`` and scaled exactly as it was
+#: current step (the batches at ``arc.progress.data_position``), computed with ``module`` and scaled exactly as it was
 #: back-propagated. It must not call ``backward`` itself. Under Megatron it is ``recompute_fn(model_chunks,
 #: data_rank)`` with ``data_rank`` the data-parallel rank, and it runs Megatron's ``forward_backward_func`` on
 #: those batches itself (see :mod:`arc_engine.integrations.megatron.recompute`).
@@ -164,7 +164,7 @@ class ReplicaTarget:
 
     def correction_groups(self) -> list[CorrectionGroup]:
         return [CorrectionGroup(self.engine.group, tuple(range(len(self.params))),
-                                1.0 / self.engine.pipeline.num_ranks)]
+                                1.0 / self.engine.gathering.pipeline.num_ranks)]
 
     def rng_state(self) -> torch.Tensor:
         return rng_state(self.params[0].device if self.params else torch.device("cpu"))
@@ -207,9 +207,10 @@ def recompute_wanted(engine: EngineAccess, recompute_fn: RecomputeFn | None, bac
         raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP, DeepSpeed ZeRO-1/2 "
                          f"and megatron-core are); set detectors.sdc.recompute.enabled: false")
     if wanted and dist.is_initialized() and required_group is not None \
-            and dist.get_process_group_ranks(required_group) != list(engine.pipeline.ranks):
+            and dist.get_process_group_ranks(required_group) != list(engine.gathering.pipeline.ranks):
         raise ValueError("detectors.sdc.recompute.enabled: the decision group (ranks "
-                         f"{_ranks_text(engine.pipeline.ranks)}) is not the group the recomputation on {backend} "
+                         f"{_ranks_text(engine.gathering.pipeline.ranks)}) is not the group the recomputation on "
+                         f"{backend} "
                          f"runs over (ranks {_ranks_text(dist.get_process_group_ranks(required_group))}); pass "
                          "that group (or none) to attach, or set detectors.sdc.recompute.enabled: false (detection "
                          "and the agreed skip still work)")
@@ -264,8 +265,8 @@ class SDCRecompute:
         self.gate = gate
         self.target = target
         self.recompute_fn = recompute_fn
-        self.units = target.units(list(engine.pipeline.ranks))
-        self.my_row = list(engine.pipeline.ranks).index(engine.rank)
+        self.units = target.units(list(engine.gathering.pipeline.ranks))
+        self.my_row = list(engine.gathering.pipeline.ranks).index(engine.rank)
         self._rng: torch.Tensor | None = None
         self._own: Recomputed | None = None   # this rank's recomputation on the current step
         #: its pre-reduction gradient statistics, taken before a correction reused its gradients' memory
@@ -361,7 +362,8 @@ class SDCRecompute:
         """Collective fallback when the update-RMS rule fired with nothing withheld: every rank recomputes its own
         micro-batches once and the reduced gradient is replaced by the reduction of the recomputed ones."""
         self._own = self._run(self.units.data_rank[self.my_row], self._rng, {})
-        flag = torch.tensor([float(self._own.failed)], dtype=torch.float64, device=self.engine.pipeline.device)
+        device = self.engine.gathering.pipeline.device
+        flag = torch.tensor([float(self._own.failed)], dtype=torch.float64, device=device)
         self._all_reduce(flag)
         if float(flag[0]) > 0:
             return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
@@ -475,7 +477,7 @@ class SDCRecompute:
     def _share(self, num_rows: int, my_row: int, own: Recomputed | None) -> Any:
         """All-reduce each recomputing row's [failed, healthy, recomputed energy, withheld energy] (one small
         collective)."""
-        verdict = torch.zeros(num_rows, 4, dtype=torch.float64, device=self.engine.pipeline.device)
+        verdict = torch.zeros(num_rows, 4, dtype=torch.float64, device=self.engine.gathering.pipeline.device)
         if own is not None:
             failed = own.failed
             withheld_energy = float(self.gate.withheld_sq.sum())
@@ -493,7 +495,7 @@ class SDCRecompute:
         counterpart's mean loss on its micro-batches (NaN: none recorded)} and, on a counterpart, (its suspect row,
         its shares)."""
         units = self.units
-        device = self.engine.pipeline.device
+        device = self.engine.gathering.pipeline.device
         pairs = {row: units.counterpart(row, peer_unit) for row in units.rows(unit)}
         if any(other is None for other in pairs.values()):  # the units differ in shape: no one-to-one check
             return {row: None for row in pairs}, {}, None
@@ -572,7 +574,7 @@ class SDCRecompute:
         return [index for index, flag in zip(indices, flags.tolist(), strict=True) if flag > 0]
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.engine.pipeline.num_ranks > 1:
+        if self.engine.gathering.pipeline.num_ranks > 1:
             dist.all_reduce(tensor, group=self.engine.group)
 
     # ------------------------------------------------------------------ reporting
@@ -636,11 +638,11 @@ class SDCRecompute:
         """Record ``rank``'s device in the run directory's quarantine file (the decision group's first rank writes
         it, atomically; an existing file's entries are kept). Returns the path."""
         path = self.engine.run_dir / QUARANTINE_FILE
-        entry = {"rank": rank, "location": values.get("location", "?"), "step": self.engine.step,
-                 "iteration": self.engine.iteration, "withheld_energy": values["withheld_energy"],
+        entry = {"rank": rank, "location": values.get("location", "?"), "step": self.engine.progress.step,
+                 "iteration": self.engine.progress.iteration, "withheld_energy": values["withheld_energy"],
                  "recomputed_energy": values["recomputed_energy"], "peer_energy": values["peer_energy"]}
         self.quarantined[rank] = entry
-        if self.engine.rank == self.engine.pipeline.leader:
+        if self.engine.rank == self.engine.gathering.pipeline.leader:
             write_quarantine(path, entry)
         return path
 

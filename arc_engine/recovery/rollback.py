@@ -177,7 +177,7 @@ class Recovery:
         if token[0] is not None and token[0].startswith("!"):
             reason = f"recovery.checkpoint.dir {root} is not writable ({token[0][1:]})"
             if self.config.checkpoint.on_error == "continue":
-                self.engine.emit_action(self.engine.step, "checkpoint_disabled", Severity.ERROR,
+                self.engine.emit_action(self.engine.progress.step, "checkpoint_disabled", Severity.ERROR,
                                         f"{reason}: disk checkpoints are off for this run (on_error: continue); "
                                         "rollbacks use the memory tier only", {"dir": str(root), "reason": reason},
                                         detector="checkpoint")
@@ -203,7 +203,8 @@ class Recovery:
     def _checkpoint_event(self, what: str, message: str, values: dict[str, Any]) -> None:
         """A failed save, its cleanup or a fallback at load (from the checkpoint worker thread or a load): an
         error event through every sink of this rank (W&B alert, console, JSONL)."""
-        self.engine.emit_action(int(values.get("step", self.engine.step)), what, Severity.ERROR, message, values,
+        step = int(values.get("step", self.engine.progress.step))
+        self.engine.emit_action(step, what, Severity.ERROR, message, values,
                                 detector="checkpoint")
 
     def _resume(self) -> None:
@@ -257,13 +258,15 @@ class Recovery:
                 if not self._ring_sized:
                     self._size_ring(state_bytes(self.state))
                 # with no memory tier (capacity 0) only the python state is kept, for the disk save
-                self.candidate = capture(self.engine.step, self.state, self._arc_extra(), rng=self._step_end_rng,
+                step = self.engine.progress.step
+                self.candidate = capture(step, self.state, self._arc_extra(), rng=self._step_end_rng,
                                          into=self.ring.spare_buffers(), tensors=self.ring.capacity > 0)
 
     def _arc_extra(self) -> dict[str, Any]:
-        return {"data_position": self.engine.data_position, "monitors": self.engine.assembly.state_dict(),
-                "step": self.engine.step, "iteration": self.engine.iteration,
-                "applied_steps": self.engine.applied_steps}
+        return {"data_position": self.engine.progress.data_position,
+                "monitors": self.engine.gathering.assembly.state_dict(),
+                "step": self.engine.progress.step, "iteration": self.engine.progress.iteration,
+                "applied_steps": self.engine.progress.applied_steps}
 
     def _size_ring(self, local_bytes: int) -> None:
         if self._ring_sized:
@@ -280,7 +283,7 @@ class Recovery:
             # the budget is agreed (the largest rank's size, the same setting): every rank emits the same event
             where = "the disk tier" if self.config.checkpoint.every_steps else "nothing (no disk tier configured)"
             self.engine.emit_action(
-                self.engine.step, "memory_ring_off", Severity.WARNING,
+                self.engine.progress.step, "memory_ring_off", Severity.WARNING,
                 f"a snapshot ({largest_bytes / 2**20:.1f} MB on the largest rank) does not fit the memory ring's "
                 f"{budget / 2**20:.1f} MB (recovery.memory_ring_mb = {self.config.memory_ring_mb}): rollbacks "
                 f"restore from {where}", {"snapshot_mb": largest_bytes / 2**20, "budget_mb": budget / 2**20})
@@ -300,7 +303,7 @@ class Recovery:
         candidate, self.candidate = self.candidate, None
         if candidate is not None:
             candidate.fence()  # CUDA: the update is queued after the snapshot's copies (no host sync)
-        if candidate is None or candidate.step != self.engine.step:
+        if candidate is None or candidate.step != self.engine.progress.step:
             self.ring.recycle(candidate)
             return decision
         if decision.applies_update:
@@ -371,7 +374,7 @@ class Recovery:
             self.controller.on_unhealthy_step()
 
     def _plan_rollback(self, decision: Decision) -> None:
-        failed_position = self.engine.data_position - 1  # the batch this step consumed (already counted)
+        failed_position = self.engine.progress.data_position - 1  # the batch this step consumed (already counted)
         self.controller.on_rollback(decision)
         self.ring.recycle(self.candidate)
         self.capture_due, self.candidate = False, None
@@ -395,7 +398,7 @@ class Recovery:
             data_position += self.config.skip_ahead_steps
         if data_position > first_skipped and not stream:  # batches trained on, undone, and not replayed
             self.engine.ledger.record(first=first_skipped, last=data_position - 1, step=decision.step,
-                                      iteration=self.engine.iteration, action="not_replayed",
+                                      iteration=self.engine.progress.iteration, action="not_replayed",
                                       detectors=[f.detector for f in decision.findings if f.action >= Action.SKIP],
                                       reason=f"rolled back to step {step} and resumed the data at {data_position}")
         data = "the data goes on with the loader's next batch (it cannot seek)" if stream else \
@@ -419,7 +422,7 @@ class Recovery:
         group's first rank) says what the relaunch loads and which steps' batches it skips. Collective (every rank
         calls it with the same decision)."""
         info = self._agreed_disk_latest()
-        failed = self.engine.step
+        failed = self.engine.progress.step
         if info is None:
             note = Finding("recovery", Action.ABORT, Severity.CRITICAL,
                            "rollback by relaunch: no committed disk checkpoint to relaunch from "
@@ -467,7 +470,7 @@ class Recovery:
         self.engine.hooks.before_restore()
         if pending.snapshot is not None:
             extra = restore(pending.snapshot, self.state)
-            self.engine.assembly.load_state_dict(extra["monitors"])
+            self.engine.gathering.assembly.load_state_dict(extra["monitors"])
             self.engine.rewind(pending.step, pending.data_position, pending.applied_steps)
             self.restores["memory"] += 1
         else:
@@ -483,7 +486,8 @@ class Recovery:
             self.checkpoints.pin(info.step)
             self.engine.rewind(info.step, pending.data_position)
             self.restores["disk"] += 1
-        if self.engine.hooks.after_restore(self.engine.step):  # an importance-weighted rollback edited the tensors
+        # an importance-weighted rollback edited the tensors
+        if self.engine.hooks.after_restore(self.engine.progress.step):
             self.state.masters_changed()
         if pending.escape:
             self.state.perturb(self.config.perturbation_scale, self.config.seed * 1_000_003 + self.controller.rollbacks)
@@ -510,10 +514,10 @@ class Recovery:
         else:
             log.warning("arc_engine: world size changed (%d -> %d): RNG states are not restored",
                         info.world_size, self._world())
-        self.engine.assembly.load_state_dict(shared["arc"]["monitors"])
+        self.engine.gathering.assembly.load_state_dict(shared["arc"]["monitors"])
         applied = shared["arc"].get("applied_steps")
         if not full:
-            self.engine.rewind(self.engine.step, self.engine.data_position, applied)
+            self.engine.rewind(self.engine.progress.step, self.engine.progress.data_position, applied)
         else:  # a restart: everything, including the counters a rollback keeps
             self.controller.load_state_dict(shared["controller"])
             self.engine.load_counters_state_dict(shared["engine"])
@@ -542,7 +546,7 @@ class Recovery:
         max_norm = self.config.heal_clip_grad_norm
         stats, decision = self.engine.last_stats, self.engine.last_decision
         if max_norm is None or self.lr_factor >= 1.0 or stats is None or decision is None \
-                or decision.step != self.engine.step:
+                or decision.step != self.engine.progress.step:
             return 1.0
         norm = math.sqrt(max(float(stats.total(names.GRAD_SQ).sum()), 0.0))
         return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0

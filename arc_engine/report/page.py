@@ -56,7 +56,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     if summary:
         rows += [("optimizer steps", _cell(summary.get("steps"))),
                  ("step attempts (iterations)", _cell(summary.get("iterations"))),
-                 ("skipped steps", _cell(summary.get("skipped_steps"))),
+                 ("applied steps", _cell(summary.get("applied_steps"))),
+                 ("steps not applied: policy skips, rolled back, framework skips",
+                  _cell([summary.get(key) for key in ("skipped_by_policy", "rolled_back", "skipped_by_framework")])),
                  ("detections by detector", _cell(summary.get("detections", {})))]
         recovery = summary.get("recovery")
         if recovery:

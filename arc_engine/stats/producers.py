@@ -46,7 +46,7 @@ def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[t
                            views: AdamViews | None, windows: WindowCache | None = None,
                            grad_scale: float | torch.Tensor = 1.0, flat_partitions: bool = False) -> None:
     """:func:`record_group_optimizer_stats` under the engine's settings, for the current step: the sample
-    (``detectors.sdc.update_sample``) and its window phase (:func:`sample_phase` of ``engine.step``), and the
+    (``detectors.sdc.update_sample``) and its window phase (:func:`sample_phase` of ``engine.progress.step``), and the
     weight norms only on the steps of ``stats.optimizer_stats_every`` (``engine.wants_weight_stats()``). Every
     integration writes its optimizer statistics through here, so none can ignore a setting.
     ``flat_partitions``: ``views`` hold whole flat partitions (ZeRO-1/2), sampled per :func:`segmented` segment.
@@ -56,5 +56,5 @@ def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[t
     sample = config.detectors.sdc.update_sample
     with engine.own_work.section("optimizer_stats"):
         record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
-                                     windows, sample_phase(engine.step, config.stats.interval), grad_scale,
+                                     windows, sample_phase(engine.progress.step, config.stats.interval), grad_scale,
                                      flat_partitions)

@@ -11,7 +11,7 @@ whole). The window *moves*: a tensor has ``K = ⌈1/f⌉`` window positions, eve
 * every element is inside its tensor's window at least once in any ``K`` consecutive phases
   (:func:`window_bounds`); a fixed window would watch the same ``f`` of every tensor forever -- under ZeRO the same
   first ``f`` of each rank's partition -- and miss a corruption anywhere else;
-* the phase is the count of monitored steps, ``engine.step // stats.interval`` (:func:`sample_phase`): the same on
+* the phase is the count of monitored steps, ``progress.step // stats.interval`` (:func:`sample_phase`): the same on
   every rank, and after a rollback or a resume the replayed steps take the windows they took the first time;
 * the window depends only on the tensor's size, its position in its group and the phase, never on which rank owns
   it (DDP's owner split) or on the other tensors a rank holds; the tensors of a group sit at staggered positions,

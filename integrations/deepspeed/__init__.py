@@ -90,7 +90,7 @@ class ZeroStepHooks:
         self.marked = False  # the ZeRO optimizer's overflow flag raised for a step arc_engine skipped
         self.recompute_target: Any = None  # a ZeroGradientTarget when detectors.sdc.recompute is on
         self._saved_lrs: list[Any] | None = None
-        self.step_offset = int(ds_engine.global_steps) - engine.step  # DeepSpeed's steps before attach
+        self.step_offset = int(ds_engine.global_steps) - engine.progress.step  # DeepSpeed's steps before attach
         self.dynamic_loss_scale = bool(ds_engine.fp16_enabled()) and deepspeed_internals.uses_dynamic_loss_scale(
             self.zero)
         self._loss_scale: tuple[int, float] | None = None  # (step, the loss scale of its backward)
@@ -98,17 +98,17 @@ class ZeroStepHooks:
     def note_loss_scale(self) -> None:
         """At each ``record_loss`` (before its backward): the loss scale that step's gradients will carry (a Python
         float in DeepSpeed; it moves on at an overflow before arc_engine closes the skipped step)."""
-        self._loss_scale = (self.engine.step, deepspeed_internals.loss_scale(self.zero))
+        self._loss_scale = (self.engine.progress.step, deepspeed_internals.loss_scale(self.zero))
 
     def backward_loss_scale(self) -> float:
         """The loss scale of the current step's backward (the one noted at its ``record_loss``, else the current)."""
-        if self._loss_scale is not None and self._loss_scale[0] == self.engine.step:
+        if self._loss_scale is not None and self._loss_scale[0] == self.engine.progress.step:
             return self._loss_scale[1]
         return deepspeed_internals.loss_scale(self.zero)
 
     def skip_pending(self) -> bool:
         """DeepSpeed completed a step without stepping the optimizer that :meth:`catch_up` has not closed (local)."""
-        return int(self.ds_engine.global_steps) - self.step_offset > self.engine.step
+        return int(self.ds_engine.global_steps) - self.step_offset > self.engine.progress.step
 
     def catch_up(self) -> None:
         """Close the steps DeepSpeed completed without stepping the optimizer (its overflow skips).
@@ -281,12 +281,12 @@ class ZeroAdapter(Adapter):
         """The step attempt: DeepSpeed's step counter leads arc_engine's until a step it skipped itself is caught
         up with (called after a resume, so the offset counts DeepSpeed's steps before arc_engine's step 0)."""
         ds_engine = self.ds_engine
-        step_offset = int(ds_engine.global_steps) - engine.step
-        return lambda: engine.iteration + int(ds_engine.global_steps) - step_offset - engine.step
+        step_offset = int(ds_engine.global_steps) - engine.progress.step
+        return lambda: engine.progress.iteration + int(ds_engine.global_steps) - step_offset - engine.progress.step
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         sdc = engine.config.detectors.sdc
-        gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device) \
+        gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device) \
             if recompute_fn is not None else None
         compatibility = self.capabilities.report()
         if compatibility is not None:  # one event naming every feature that is off (and an untested release)
@@ -336,8 +336,8 @@ def attach_deepspeed(ds_engine: Any, config: ArcConfig | str | Path | None = Non
     every rank, once, after ``deepspeed.initialize``. ``group``: the decision group (default: the whole job).
 
     Loop contract: ``loss = engine(batch); arc.record_loss(loss); engine.backward(loss); engine.step()``; with
-    ``recovery.enabled`` draw batches from ``arc.data_position`` and loop while ``arc.step`` is below the target
-    (rollbacks restore the engine's scheduler, loss scaler and step counters too). A SKIP
+    ``recovery.enabled`` draw batches from ``arc.progress.data_position`` and loop while ``arc.progress.step`` is below
+    the target (rollbacks restore the engine's scheduler, loss scaler and step counters too). A SKIP
     applies nothing on any rank (the fp32 partitions and Adam moments are untouched, so the bit16 copies DeepSpeed
     re-gathers are unchanged too); ABORT raises ArcAbort from ``engine.step()`` on every rank.
     ``recompute_fn``: see :func:`arc_engine.attach` (``detectors.sdc.recompute``, ZeRO-1/2; it gets

@@ -88,11 +88,11 @@ class LocalGradHooks:
         self.gate = gate
         params = [(gid, p) for gid, ps in param_groups for p in ps if p.requires_grad]
         self.params = [p for _, p in params]
-        device = engine.pipeline.device
+        device = engine.gathering.pipeline.device
         self.sq_p = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.group_index_p = torch.tensor([gid for gid, _ in params], dtype=torch.long, device=device)
-        sketch = names.GRAD_SKETCH_LOCAL in engine.layout
-        self.sketch_k = torch.zeros(engine.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
+        sketch = names.GRAD_SKETCH_LOCAL in engine.gathering.layout
+        self.sketch_k = torch.zeros(engine.gathering.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
                                     dtype=torch.float64, device=device)
         self._sketch_cache: dict = {}
         self._norms: list[torch.Tensor] = []  # queued: gradient norms (one per hook call, or a bucket's)

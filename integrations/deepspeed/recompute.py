@@ -59,7 +59,8 @@ class ZeroGradientTarget(ReplicaTarget):
         loss_scale = float(zero.loss_scale)
         old_divisor = grad_divisor(zero, self.pre_clip_norm)  # what group 0 was last divided by
         num_groups = len(deepspeed_internals.bit16_groups(zero))
-        local_sq = torch.zeros((), dtype=torch.float64, device=self.engine.pipeline.device)  # no host read per piece
+        # no host read per piece
+        local_sq = torch.zeros((), dtype=torch.float64, device=self.engine.gathering.pipeline.device)
         for group_id in range(num_groups):
             pieces, final = self.stats.group_gradient(group_id)
             if final:
@@ -71,7 +72,7 @@ class ZeroGradientTarget(ReplicaTarget):
                 piece.copy_(part) if replace else piece.add_(part)
                 local_sq += torch.linalg.vector_norm(piece, dtype=torch.float64).square().to(local_sq.device)
         global_sq = local_sq
-        if self.engine.pipeline.num_ranks > 1:
+        if self.engine.gathering.pipeline.num_ranks > 1:
             dist.all_reduce(global_sq, group=deepspeed_internals.data_parallel_group(zero))
         self.pre_clip_norm = torch.sqrt(global_sq).to(torch.float32) / loss_scale
         new_divisor = grad_divisor(zero, self.pre_clip_norm)

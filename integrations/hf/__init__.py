@@ -134,7 +134,7 @@ class ArcCallback(TrainerCallback):
                           lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         one_resume(self.arc, state.global_step, "the Trainer (resume_from_checkpoint)",
                    resumed_data_position(args, state.global_step, kwargs.get("train_dataloader")))
-        self._step_offset = state.global_step - self.arc.applied_steps
+        self._step_offset = state.global_step - self.arc.progress.applied_steps
         self._capabilities = hf_internals.check_trainer(trainer)
         report_capabilities(self.arc, self._capabilities)
         self._wrap(trainer)
@@ -156,9 +156,9 @@ class ArcCallback(TrainerCallback):
             self._abort = abort
             return
         # the Trainer adds 1 to global_step right after this event: leave it one short of the applied count
-        state.global_step = self._step_offset + self.arc.applied_steps - 1
-        if self.arc.rollbacks != self._rollbacks:  # the undone steps leave the Trainer's history
-            self._rollbacks = self.arc.rollbacks
+        state.global_step = self._step_offset + self.arc.progress.applied_steps - 1
+        if self.arc.progress.rolled_back != self._rollbacks:  # the undone steps leave the Trainer's history
+            self._rollbacks = self.arc.progress.rolled_back
             state.log_history = [entry for entry in state.log_history
                                  if entry.get("step", 0) <= state.global_step + 1]
             self._remove_undone_checkpoints(args, state, state.global_step + 1)
@@ -281,8 +281,10 @@ class ArcCallback(TrainerCallback):
         @functools.wraps(trainer_log)
         def logging(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
             if "loss" in logs:  # a training log
-                logs = {**logs, "arc_skipped_steps": arc.skipped_steps, "arc_rollbacks": arc.rollbacks,
-                        "arc_applied_steps": arc.applied_steps, "arc_lr_factor": arc.lr_factor}
+                progress = arc.progress
+                logs = {**logs, "arc_applied_steps": progress.applied_steps,
+                        "arc_steps_not_applied": progress.steps_not_applied, "arc_rolled_back": progress.rolled_back,
+                        "arc_lr_factor": arc.lr_factor}
             return trainer_log(logs, *args, **kwargs)
 
         trainer.log = logging

@@ -109,11 +109,11 @@ class ArcCallback(Callback):
                           group=self.group, lr_scheduler=scheduler, grad_scaler=None if deepspeed else scaler)
         one_resume(self.arc, trainer.global_step, "Lightning (ckpt_path)",
                    lightning_internals.resumed_data_position(trainer))
-        self._step_offset = trainer.global_step - self.arc.applied_steps
+        self._step_offset = trainer.global_step - self.arc.progress.applied_steps
         self._capabilities = found = lightning_internals.check_trainer(trainer)
         report_capabilities(self.arc, found)
         if found.has("logging_step"):
-            self._log_offset = trainer.fit_loop.epoch_loop._batches_that_stepped - self.arc.applied_steps
+            self._log_offset = trainer.fit_loop.epoch_loop._batches_that_stepped - self.arc.progress.applied_steps
         self._wrap(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -126,14 +126,14 @@ class ArcCallback(Callback):
         if self._capabilities is None or trainer.fit_loop._should_accumulate():
             return
         if self._capabilities.has("step_counter"):
-            lightning_internals.step_progress(trainer).completed = self._step_offset + self.arc.applied_steps
+            lightning_internals.step_progress(trainer).completed = self._step_offset + self.arc.progress.applied_steps
         if self._capabilities.has("logging_step"):
             # Lightning adds 1 after this batch's logs: they carry the applied steps before this one's
-            trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.applied_steps - 1
+            trainer.fit_loop.epoch_loop._batches_that_stepped = self._log_offset + self.arc.progress.applied_steps - 1
         if self._capabilities.has("applied_only") and not self.arc.last_step_applied:
             trainer.fit_loop.epoch_loop._skip_next_val = True  # the weights of a step already validated
-        if self.arc.rollbacks != self._rollbacks:
-            self._rollbacks = self.arc.rollbacks
+        if self.arc.progress.rolled_back != self._rollbacks:
+            self._rollbacks = self.arc.progress.rolled_back
             if self._capabilities.has("checkpoint_rewind"):
                 self._rewind_checkpoints(trainer)
 

@@ -375,7 +375,7 @@ class MegatronAdapter(Adapter):
         return self.parts.model_parallel_size == 1
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
-        return lambda: engine.iteration
+        return lambda: engine.progress.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         self.engine = engine
@@ -389,7 +389,7 @@ class MegatronAdapter(Adapter):
             from arc_engine.integrations.megatron.recompute import MegatronGradientTarget
 
             sdc = engine.config.detectors.sdc
-            self._gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
+            self._gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device)
             target = MegatronGradientTarget(engine, self.chunks, self.optimizer, self.params,
                                             [self._model_group.get(id(p), 0) for p in self.params],
                                             self._reduced_stats)
@@ -411,12 +411,12 @@ class MegatronAdapter(Adapter):
         engine = self.engine
         if engine.buffer is None or not engine.is_monitored():
             return
-        if self._scaler is not None and self._scale_step != engine.step:  # the scale these gradients carry
-            self._scale_step, self._step_scale = engine.step, self._scaler[0].scale
+        if self._scaler is not None and self._scale_step != engine.progress.step:  # the scale these gradients carry
+            self._scale_step, self._step_scale = engine.progress.step, self._scaler[0].scale
         index = self._bucket_index.get(ref.index)
         if index is None:
             index = torch.tensor([self._model_group.get(id(p), 0) for p in ref.params()], dtype=torch.long,
-                                 device=engine.pipeline.device)
+                                 device=engine.gathering.pipeline.device)
             self._bucket_index[ref.index] = index
         norms_sq = accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
                                          names.GRAD_NONFINITE_LOCAL)
@@ -467,19 +467,19 @@ class MegatronAdapter(Adapter):
     def _unscale_local_stats(self) -> None:
         """fp16: the local statistics were taken of gradients that carry the step's loss scale; divide it out
         (device-side; Megatron already moved its scale on in ``prepare_grads``, so the backward's is used)."""
-        scale = self._step_scale if self._scale_step == self.engine.step else None
+        scale = self._step_scale if self._scale_step == self.engine.progress.step else None
         if scale is None:
             return
         buffer = self.engine.buffer
         inverse = scale.detach().double().reciprocal().to(buffer.device)
         buffer.view(names.GRAD_SQ_LOCAL).mul_(inverse.square())
-        if names.GRAD_SKETCH_LOCAL in self.engine.layout:
+        if names.GRAD_SKETCH_LOCAL in self.engine.gathering.layout:
             buffer.view(names.GRAD_SKETCH_LOCAL).mul_(inverse)
 
     def _reduced_stats(self) -> None:
         """Statistics of the reduced gradient on this rank's shard (and the prospective update when due)."""
         engine = self.engine
-        device = engine.pipeline.device
+        device = engine.gathering.pipeline.device
         for group in self.groups:
             grads = group.grads()
             if grads:

@@ -9,7 +9,7 @@
   closure of those groups (one gather at attach); a suspect's whole unit recomputes, every other unit waits.
 * **The recomputation** is the user's ``recompute_fn(model_chunks, data_rank)``: it runs Megatron's
   ``forward_backward_func`` on the micro-batches data-parallel rank ``data_rank`` trained on in the current step
-  (at ``arc.data_position``), as the training loop did. It runs inside
+  (at ``arc.progress.data_position``), as the training loop did. It runs inside
   :class:`~arc_engine.integrations.megatron.internals.IsolatedBackward`: the grad buffers are saved and zeroed, no
   bucket starts its reduction and the schedule finalizes nothing, so each ``main_grad`` then holds the pass's local
   gradient, and the step's buffers come back afterwards. The RNG state includes Megatron's model-parallel RNG

@@ -184,6 +184,7 @@ class ScalerFinder:
     def _take(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         name, engine = type(scaler).__name__, self.engine
         fix = "pass it to attach: arc_engine.attach(model, optimizer, config, grad_scaler=scaler)"
+        step = engine.progress.step
         try:
             if pytorch_internals.unscales_in_kernel(optimizer):
                 raise ValueError(f"{type(optimizer).__name__} unscales inside its fused kernel, so the gradients "
@@ -192,17 +193,16 @@ class ScalerFinder:
             self.adopt(ScalerWatch(scaler, optimizer))
         except ValueError as err:
             message = (f"a {name} steps the optimizer but was not passed to arc_engine.attach (grad_scaler=), and "
-                       f"arc_engine cannot use it from here on: {err}. Stopped at step {engine.step}, before it "
+                       f"arc_engine cannot use it from here on: {err}. Stopped at step {step}, before it "
                        f"applied anything: {fix}")
-            engine.emit_action(engine.step, "refused", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
+            engine.emit_action(step, "refused", Severity.ERROR, message, {"exit_code": EXIT_BAD_CONFIG},
                                detector="grad_scaler")
             engine.close()
-            raise ArcAbort(f"arc_engine stopped training at step {engine.step}: {message}", engine.step,
-                           EXIT_BAD_CONFIG) from None
+            raise ArcAbort(f"arc_engine stopped training at step {step}: {message}", step, EXIT_BAD_CONFIG) from None
         scale = float(scaler.get_scale())  # one host read, once
-        engine.emit_action(engine.step, "found", Severity.WARNING,
+        engine.emit_action(step, "found", Severity.WARNING,
                            f"a {name} steps the optimizer but was not passed to arc_engine.attach (grad_scaler=): "
-                           f"found at the first optimizer.step() (step {engine.step}, loss scale {scale:g}) and used "
+                           f"found at the first optimizer.step() (step {step}, loss scale {scale:g}) and used "
                            "from there on as if passed (statistics unscaled, its overflow skips reported as its "
                            "own, rolled back with the training state); to have it from the start and in a resume, "
                            f"{fix}", {"loss_scale": scale}, detector="grad_scaler")

@@ -179,7 +179,7 @@ class StatsHookState:
         key = (len(params), id(params[0]), id(params[-1]))
         plan = self._plans.get(bucket.index())
         if plan is None or plan.key != key:
-            device = self.engine.pipeline.device
+            device = self.engine.gathering.pipeline.device
             sizes = [p.numel() for p in params]
             plan = _BucketPlan(key, self.groups.index_tensor(params, device),
                                [self.position.get(id(p), -1) for p in params], sizes, sum(sizes))
@@ -197,14 +197,14 @@ class StatsHookState:
         scale out from now on, this step's queued gradients included, keeping only the step's last backward (the
         one the scaler is stepping)."""
         self.scaler = scaler
-        if self._queue.step == self.engine.step:
+        if self._queue.step == self.engine.progress.step:
             self._queue.keep_last_backward()
-            self._queue.inverse_scale = scaler.inverse_scale(self.engine.step)
+            self._queue.inverse_scale = scaler.inverse_scale(self.engine.progress.step)
 
     def queue(self) -> _StepQueue:
         """This step's queue (emptied first when it holds another step's results: a step that never agreed), with
         the loss scale of the step's backward."""
-        step = self.engine.step
+        step = self.engine.progress.step
         if self._queue.step != step:
             self._queue = _StepQueue(step)
             if self.scaler is not None:
@@ -216,7 +216,7 @@ class StatsHookState:
         """Fold this step's queued bucket results into the engine's buffer (before the agreement): a few batched
         kernels per step instead of per bucket."""
         queue, engine = self._queue, self.engine
-        if engine.buffer is None or queue.step != engine.step:
+        if engine.buffer is None or queue.step != engine.progress.step:
             return
         self._queue = _StepQueue()
         buffer = engine.buffer
@@ -255,7 +255,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
             queue.local_index.append(plan.index)
         if engine.wants_sketch():
             with engine.own_work.section("ddp.sketch"):
-                size = engine.layout[names.GRAD_SKETCH_LOCAL].size
+                size = engine.gathering.layout[names.GRAD_SKETCH_LOCAL].size
                 places = plan.exact_places(state.offsets, engine.buffer.device) if size == state.exact_size \
                     else None
                 if places is not None:  # the exact sketch: the local gradient itself (copied: reduced in place next)
@@ -323,7 +323,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     state.exact_size = sum(sizes)
     sdc = engine.config.detectors.sdc
     if sdc.enabled and sdc.recompute.enabled:
-        state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.pipeline.device)
+        state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device)
     model.register_comm_hook(state, engine.own_work.wrap("ddp.comm_hook", stats_allreduce_hook))
     engine.gathering.add_fold(engine.own_work.wrap("ddp.fold", state.fold))
     return state
@@ -364,7 +364,7 @@ class DDPGradientTarget(ReplicaTarget):
         owned = self.hook_state.owned
         with_grad = [p for p in self.params if p.grad is not None and (owned is None or id(p) in owned)]
         if with_grad:
-            index = self.hook_state.groups.index_tensor(with_grad, engine.pipeline.device)
+            index = self.hook_state.groups.index_tensor(with_grad, engine.gathering.pipeline.device)
             accumulate_grad_stats(engine.buffer, [p.grad for p in with_grad], index, names.GRAD_SQ)
         if engine.wants_optimizer_stats():
             optimizer_stats(engine, self.optimizer, local_shards=False, owned=owned)
@@ -419,7 +419,7 @@ class TorchAdapter(ScalerSkipsHooks):
         return not any(isinstance(p, DTensor) or internals.is_zero3_param(p) for p in self.params)
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
-        return lambda: engine.iteration
+        return lambda: engine.progress.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
         removers = []

@@ -74,7 +74,7 @@ class FSDPGradStats:
         self.missed_hooks_reported = False
         self.scaler = scaler  # the (Sharded)GradScaler whose scale the backward's gradients carry
         self.position = {id(p): i for i, p in enumerate(params)}
-        device = engine.pipeline.device
+        device = engine.gathering.pipeline.device
         self.group_index_p = groups.index_tensor(list(params), device)
         # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad);
         # local norms of the gradients already handed to a reduce-scatter (in quadrature) and of the current one.
@@ -85,7 +85,8 @@ class FSDPGradStats:
         self._hooked: dict[int, tuple[weakref.ref, torch.utils.hooks.RemovableHandle]] = {}
         # the gradient sketch (grad_sketch_local) of the unsharded local gradients, per parameter: the current
         # gradient's part (replaced while autograd accumulates into it) and the parts of those already reduced
-        self.sketch_size = engine.layout[names.GRAD_SKETCH_LOCAL].size if names.GRAD_SKETCH_LOCAL in engine.layout \
+        layout = engine.gathering.layout
+        self.sketch_size = layout[names.GRAD_SKETCH_LOCAL].size if names.GRAD_SKETCH_LOCAL in layout \
             else 0
         self.offsets = [0]  # the exact sketch: parameter i's elements at [offsets[i], offsets[i + 1])
         for param in params:
@@ -101,7 +102,7 @@ class FSDPGradStats:
         GradScaler, also takes the step's loss scale at its first gradient."""
         on = self.active and self.engine.buffer is not None and self.engine.is_monitored()
         if on and self.scaler is not None:
-            self.scaler.inverse_scale(self.engine.step)
+            self.scaler.inverse_scale(self.engine.progress.step)
         return on
 
     def hook_unsharded(self, index_by_name: dict[str, int], module: torch.nn.Module, args: object) -> None:
@@ -181,7 +182,7 @@ class FSDPGradStats:
                 local_norm_p.index_copy_(0, index, self.reduced_norm_p.index_select(0, index))
         else:
             local_norm_p = self.reduced_norm_p
-        inverse = self.scaler.inverse_scale(self.engine.step) if self.scaler is not None else None
+        inverse = self.scaler.inverse_scale(self.engine.progress.step) if self.scaler is not None else None
         if inverse is not None:  # gradients of a scaled loss: unscaled here, exactly (the scale is a power of 2)
             inverse = inverse.to(local_norm_p.device)
             self.reduced_norm_p.mul_(inverse)
@@ -212,7 +213,7 @@ class FSDPGradStats:
         if missed and not self.missed_hooks_reported:
             self.missed_hooks_reported = True
             self.engine.emit_action(
-                self.engine.step, "hooks_missed", Severity.WARNING,
+                self.engine.progress.step, "hooks_missed", Severity.WARNING,
                 f"FSDP2: {len(missed)} of {len(self.params)} sharded parameters hold a gradient whose hooks did not "
                 "run (compiled autograd runs no Python tensor hooks): their reduced norms are read from param.grad "
                 "at the optimizer step and stand in for their local ones, so a NaN there names every rank whose "
@@ -318,7 +319,7 @@ class FSDPAdapter(ScalerSkipsHooks):
         return False  # FSDP2 shards
 
     def fault_step(self, engine: ArcEngine) -> Callable[[], int]:
-        return lambda: engine.iteration
+        return lambda: engine.progress.iteration
 
     def install(self, engine: ArcEngine, recompute_fn: object) -> list[Callable[[], None]]:
         from arc_engine.integrations.pytorch.optim import register_optimizer_hooks

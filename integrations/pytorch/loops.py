@@ -67,11 +67,11 @@ def one_resume(arc: Arc, trainer_step: int, resumed_by: str, data_position: int,
     ledger's positions are the batches a resume from the trainer's checkpoint reads (the run's skipped and
     rolled-back attempts consumed batches too: arc_engine's own checkpoint counts them, the trainer does not).
     ``counter``: what the trainer's step counts, as in :func:`resume_at`."""
-    restored = arc.applied_steps if counter == "applied_steps" else arc.engine.step
+    restored = arc.progress.applied_steps if counter == "applied_steps" else arc.engine.progress.step
     recovery = arc.engine.recovery
     newer = recovery.trainer_newer if recovery is not None else None
-    position = arc.engine.data_position
-    arc.engine.data_position = data_position
+    position = arc.engine.progress.data_position
+    arc.engine.progress.data_position = data_position
     if restored == 0 and newer is None:
         return
     data = "" if position == data_position else (
@@ -98,11 +98,11 @@ def one_resume(arc: Arc, trainer_step: int, resumed_by: str, data_position: int,
                f"position the trainer's. Resume from one state: {resumed_by} from its checkpoint of step {restored}, "
                "or arc_engine's checkpoints off for this run (--arc.recovery.checkpoint.resume=false, "
                "recovery.checkpoint.resume: false) to train on from the trainer's")
-    arc.engine.emit_action(arc.engine.step, "resume_refused", Severity.ERROR, message,
+    arc.engine.emit_action(arc.engine.progress.step, "resume_refused", Severity.ERROR, message,
                            {"arc_engine_step": restored, "trainer_step": trainer_step,
                             "exit_code": EXIT_BAD_CONFIG}, detector="setup")
     arc.close()
-    if arc.engine.rank == arc.engine.pipeline.leader:
+    if arc.engine.rank == arc.engine.gathering.pipeline.leader:
         print(message, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_BAD_CONFIG)
 

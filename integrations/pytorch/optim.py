@@ -54,7 +54,7 @@ def local_grad_stats(engine: ArcEngine, optimizer: torch.optim.Optimizer, groups
         return
     key = tuple(id(p) for p in params)
     if cache.get("key") != key:
-        cache["key"], cache["index"] = key, groups.index_tensor(params, engine.pipeline.device)
+        cache["key"], cache["index"] = key, groups.index_tensor(params, engine.gathering.pipeline.device)
     index = cache["index"]
     accumulate_grad_stats(engine.buffer, grads, index, names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
     local_sq = engine.buffer.view(names.GRAD_SQ_LOCAL)
@@ -157,13 +157,13 @@ class ScalerSkips:
     def before_step_start(self) -> None:
         """Forward pre-hook, before the engine opens a step: close a step the scaler skipped, then mark the new one.
         Collective over the decision group when the closed step was monitored."""
-        if self.watch.skipped(self.engine.step):
+        if self.watch.skipped(self.engine.progress.step):
             self.close_skipped(agree=True)
-        self.watch.mark_step(self.engine.step)
+        self.watch.mark_step(self.engine.progress.step)
 
     def pending(self) -> bool:
         """Whether the scaler skipped the open step (local)."""
-        return self.watch.skipped(self.engine.step)
+        return self.watch.skipped(self.engine.progress.step)
 
     def close_skipped(self, *, agree: bool) -> None:
         """Close the open step as the scaler's skip: agreed on a monitored step (``agree``), else locally."""

@@ -163,7 +163,7 @@ class ArcHooks:
             one_resume(self.arc, start, "Megatron-LM (--load)", start, counter="step")
             # arc_engine's step s is Megatron-LM's iteration s + 1, also after a --load (whatever arc_engine resumed)
             engine = self.arc.engine
-            if engine.step != start:
+            if engine.progress.step != start:
                 engine.rewind(start, start)
             elif start > 0:  # arc_engine resumed the checkpoint Megatron-LM loaded (a relaunch)
                 self.resumed_rng = rng_state()
@@ -216,7 +216,7 @@ class ArcHooks:
             result = dummy_step(*args, **kwargs)
             if self.arc is not None:
                 engine = self.arc.engine
-                engine.rewind(engine.step + 1, engine.data_position + 1)
+                engine.rewind(engine.progress.step + 1, engine.progress.data_position + 1)
             return result
 
         return skipped
