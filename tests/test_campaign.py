@@ -16,6 +16,8 @@ from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_co
 from arc_engine.campaign.scoring import ARC, detection_step, score, table
 from arc_engine.campaign.worker import lr_factor
 from arc_engine.config import load_config
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.numerics import GradNormFamily
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,7 @@ def test_observe_arm_turns_every_action_into_a_warning_and_recovery_off() -> Non
     observe = load_config(base=observe_config(PROTECT))
     assert not observe.recovery.enabled and load_config(base=PROTECT).recovery.enabled
     assert observe.detectors.plugins["non_finite"].action == "warn"
-    assert observe.detectors.grad_norm.explosion_action == "warn"
+    assert section_of(observe, GradNormFamily()).explosion_action == "warn"
     assert observe.detectors.conformal.forecast_action == "warn" and observe.detectors.fisher.drift_action == "warn"
     assert observe.detectors.fisher.min_rank_fraction == load_config(base=PROTECT).detectors.fisher.min_rank_fraction
     assert not observe.detectors.sdc.recompute.enabled

@@ -22,6 +22,9 @@ from arc_engine.config import (
     to_dict,
 )
 from arc_engine.demo.defaults import DEMO_CONFIG
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.loss_spike import LossSpikeFamily
+from arc_engine.monitors.numerics import GradNormFamily
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -47,7 +50,7 @@ def load_error(path: Path, overrides: tuple[str, ...] = ()) -> str:
 def test_defaults_build_and_round_trip_through_dict():
     config = ArcConfig()
     assert config.stats.interval == 1
-    assert config.detectors.loss_spike.window >= config.detectors.loss_spike.warmup_steps
+    assert section_of(config, LossSpikeFamily()).window >= section_of(config, LossSpikeFamily()).warmup_steps
     assert config.faults.injections == []
     assert from_dict(ArcConfig, to_dict(config)) == config
     assert load_config(None) == config
@@ -85,7 +88,7 @@ def test_embedded_base_is_not_mutated_by_overrides():
 @pytest.mark.parametrize("text", ["1e4", "1.0e4", "1E+4", "10000"])
 def test_yaml_scientific_notation_accepted_for_float_keys(tmp_path, text):
     path = write_yaml(tmp_path, f"detectors:\n  grad_norm:\n    explosion_threshold: {text}\n")
-    threshold = load_config(path).detectors.grad_norm.explosion_threshold
+    threshold = section_of(load_config(path), GradNormFamily()).explosion_threshold
     assert threshold == 1.0e4
     assert isinstance(threshold, float)
 
@@ -164,12 +167,12 @@ def test_int_key_rejects_float(tmp_path):
 
 def test_overrides_win_over_the_file(tmp_path):
     path = write_yaml(tmp_path, "detectors:\n  loss_spike:\n    factor: 4.0\n    window: 50\n")
-    assert load_config(path).detectors.loss_spike.factor == 4.0
+    assert section_of(load_config(path), LossSpikeFamily()).factor == 4.0
     config = load_config(path, ["detectors.loss_spike.factor=8"])
-    assert config.detectors.loss_spike.factor == 8.0
-    assert config.detectors.loss_spike.window == 50  # the rest of the file still applies
+    assert section_of(config, LossSpikeFamily()).factor == 8.0
+    assert section_of(config, LossSpikeFamily()).window == 50  # the rest of the file still applies
     later = load_config(path, ["detectors.loss_spike.factor=8", "detectors.loss_spike.factor=9"])
-    assert later.detectors.loss_spike.factor == 9.0
+    assert section_of(later, LossSpikeFamily()).factor == 9.0
 
 
 def test_bad_override_names_command_line_and_key(tmp_path):
@@ -203,7 +206,7 @@ def test_add_arc_args_reads_file_and_overrides(override):
     args = arc_parser().parse_args(["--lr", "0.1", "--arc-config", str(DEMO_YAML), *override])
     assert args.lr == 0.1
     config = config_from_args(args)
-    assert config.detectors.loss_spike.factor == 8.0
+    assert section_of(config, LossSpikeFamily()).factor == 8.0
     assert config.policy.max_consecutive_skips == 3  # from demo.yaml, not the default 5
     assert config.run.run_id == "demo"
 
@@ -363,7 +366,7 @@ def test_pop_arc_args_takes_arc_engines_arguments_out_of_a_foreign_command_line(
             "--arc.detectors.loss_spike.factor=6", "--arc.stats.interval", "2", "--compile=False"]
     config = pop_arc_args(argv)
     assert argv == ["train.py", "config/train_gpt2.py", "--batch_size=8", "--compile=False"]
-    assert config.stats.interval == 2 and config.detectors.loss_spike.factor == 6
+    assert config.stats.interval == 2 and section_of(config, LossSpikeFamily()).factor == 6
     with pytest.raises(ConfigError, match="factr"):
         pop_arc_args(["train.py", "--arc.detectors.loss_spike.factr=6"], exit_on_error=False)
     with pytest.raises(ConfigError):

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from arc_engine.integrations.megatron import internals as mi
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.loss_spike import LossSpikeFamily
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE_INTERNALS = [ROOT / "integrations" / "megatron" / name
@@ -231,7 +233,7 @@ def test_a_feature_that_is_off_turns_its_detectors_off_in_a_copy_of_the_config()
     assert adapter.capabilities.config_off == [*CONFIG_OFF["bucket_statistics"], *CONFIG_OFF["attention_spectra"]]
     assert not (effective.detectors.sdc.enabled or effective.detectors.consistency.enabled
                 or effective.detectors.r_metric.enabled or effective.detectors.qk_spectra.enabled)
-    assert effective.detectors.router.enabled and effective.detectors.loss_spike.enabled  # needs no internals
+    assert effective.detectors.router.enabled and section_of(effective, LossSpikeFamily()).enabled  # needs no internals
 
 
 class _FakeBucketGroup:
@@ -307,7 +309,7 @@ def test_arc_flags_parse_through_a_megatron_style_parser(tmp_path: Path) -> None
 
     arc_config = arc_engine.config_from_args(args, exit_on_error=False)
     assert args.tensor_model_parallel_size == 2 and args.export_te_mcore_model
-    assert arc_config.stats.interval == 5 and arc_config.detectors.loss_spike.factor == 8.0
+    assert arc_config.stats.interval == 5 and section_of(arc_config, LossSpikeFamily()).factor == 8.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--arc.detectors.loss_spike.factr=8"])  # a misspelt key: argparse refuses it
 

@@ -9,11 +9,17 @@ from collections import deque
 import numpy as np
 import pytest
 
-from arc_engine.config.schema import GradNormConfig, LossSpikeConfig, PolicyConfig
+from arc_engine.config.schema import PolicyConfig
 from arc_engine.events import Action, Finding, Severity
-from arc_engine.monitors.loss_spike import LossSpikeMonitor, mean_loss, robust_baseline, spike_threshold
+from arc_engine.monitors.loss_spike import (
+    LossSpikeConfig,
+    LossSpikeMonitor,
+    mean_loss,
+    robust_baseline,
+    spike_threshold,
+)
 from arc_engine.monitors.non_finite import NonFiniteConfig, NonFiniteMonitor
-from arc_engine.monitors.numerics import GradNormMonitor, classify_grad_norm, global_grad_norm
+from arc_engine.monitors.numerics import GradNormConfig, GradNormMonitor, classify_grad_norm, global_grad_norm
 from arc_engine.policy.decision import DecisionPolicy
 from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 

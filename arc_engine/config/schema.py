@@ -97,117 +97,6 @@ class StatsConfig:
 
 
 @dataclass(kw_only=True)
-class LossSpikeConfig:
-    """Loss spike against a robust running baseline (median and MAD of recent accepted losses).
-
-    A step is a spike when, after ``warmup_steps`` accepted steps, its loss exceeds the window median by more
-    than ``factor`` robust standard deviations (1.4826 x MAD) *and* by more than ``min_relative_increase`` of
-    the median. Flagged losses never enter the baseline.
-
-    The level-shift arm (``level_shift``) sees a sustained rise that no single step makes a spike, under any
-    learning-rate schedule: each loss's distance above the median of the last ``level_reference`` accepted losses, in
-    units of the noise scale of successive differences (1.4826 x the MAD of the window's step-to-step changes / √2,
-    blind to a trend), capped at ``level_cap`` (one spike cannot trip it), is summed in a one-sided CUSUM with
-    allowance ``level_allowance``; above ``level_threshold`` it is a finding with ``level_action``, once per episode
-    (the sum back at 0 ends it).
-    """
-
-    enabled: bool = True
-    """Loss above a robust running baseline (median and MAD of recent accepted losses)."""
-    warmup_steps: int = 20
-    """Accepted steps before the detector can flag.
-    Allowed: >= 3"""
-    window: int = 100
-    """Accepted losses in the baseline.
-    Allowed: >= `warmup_steps`"""
-    factor: float = 6.0
-    """Robust standard deviations (1.4826 x MAD) above the median that a spike must exceed.
-    Allowed: > 0"""
-    min_relative_increase: float = 0.25
-    """And the fraction of the median it must exceed it by.
-    Allowed: >= 0"""
-    action: ActionName = "skip"
-    """What a spike gets."""
-    level_shift: bool = True
-    """The level-shift arm: a one-sided CUSUM of the loss above its recent median, in units of the successive-difference
-    noise scale ([detectors.md](detectors.md#loss-level-shifts))."""
-    level_reference: int = 20
-    """Accepted losses whose median is the reference level.
-    Allowed: [1, `window`]"""
-    level_allowance: float = 1.0
-    """Noise units subtracted from each step's distance (the CUSUM's k).
-    Allowed: >= 0"""
-    level_cap: float = 5.0
-    """Largest distance one step adds (a single spike cannot trip the arm).
-    Allowed: > `level_allowance`"""
-    level_threshold: float = 15.0
-    """The sum that is a level shift (the CUSUM's h).
-    Allowed: > 0"""
-    level_action: ActionName = "warn"
-    """What a level shift gets (once per episode)."""
-
-    def __post_init__(self) -> None:
-        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
-        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
-        require(self.factor > 0, "factor", self.factor, "must be > 0")
-        require(self.min_relative_increase >= 0, "min_relative_increase", self.min_relative_increase,
-                "must be >= 0")
-        require(1 <= self.level_reference <= self.window, "level_reference", self.level_reference,
-                "must be an integer in [1, window]")
-        require(self.level_allowance >= 0, "level_allowance", self.level_allowance, "must be >= 0")
-        require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
-        require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
-
-
-@dataclass(kw_only=True)
-class GradNormConfig:
-    """Gradient explosion and vanishing on the global (reduced, pre-clip) gradient norm (ARC paper §3.2.1).
-
-    Two explosion arms: the fixed ceiling ``explosion_threshold`` (the paper's τ_grad), and a relative one that sees
-    an explosion whatever the clipping threshold: after ``warmup_steps`` accepted steps, log ‖g‖ above the median of
-    the last ``window`` accepted values by ``relative_factor`` robust standard deviations (1.4826 x MAD) and ‖g‖ at
-    least ``relative_min_ratio`` times that median's norm (``relative: false`` turns it off). Both take
-    ``explosion_action``; a flagged norm never enters the baseline."""
-
-    enabled: bool = True
-    """Explosion and vanishing of the global gradient norm (reduced, before clipping)."""
-    explosion_threshold: float = 1.0e4
-    """τ_grad of the ARC paper: a norm above it is an explosion.
-    Allowed: > 0"""
-    vanishing_threshold: float = 1.0e-10
-    """ε_grad: a norm below it is vanishing.
-    Allowed: >= 0 and < `explosion_threshold`"""
-    explosion_action: ActionName = "skip"
-    """What an explosion (either arm) gets."""
-    vanishing_action: ActionName = "warn"
-    """What a vanishing gradient gets."""
-    relative: bool = True
-    """The relative explosion arm: the pre-clip norm far above the run's own robust baseline of log-norms, whatever the
-    clipping threshold ([detectors.md](detectors.md#relative-gradient-explosion))."""
-    warmup_steps: int = 20
-    """Accepted steps before the relative arm can fire.
-    Allowed: >= 3"""
-    window: int = 100
-    """Accepted log-norms in the relative arm's baseline.
-    Allowed: >= `warmup_steps`"""
-    relative_factor: float = 8.0
-    """Robust standard deviations (1.4826 x MAD of the log-norms) above their median that the relative arm needs.
-    Allowed: > 0"""
-    relative_min_ratio: float = 10.0
-    """And the norm at least this many times the baseline median's (clean campaign runs peak at 3x).
-    Allowed: >= 1"""
-
-    def __post_init__(self) -> None:
-        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
-        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
-        require(self.relative_factor > 0, "relative_factor", self.relative_factor, "must be > 0")
-        require(self.relative_min_ratio >= 1, "relative_min_ratio", self.relative_min_ratio, "must be >= 1")
-        require(self.explosion_threshold > 0, "explosion_threshold", self.explosion_threshold, "must be > 0")
-        require(0 <= self.vanishing_threshold < self.explosion_threshold, "vanishing_threshold",
-                self.vanishing_threshold, "must be >= 0 and below explosion_threshold")
-
-
-@dataclass(kw_only=True)
 class RecomputeConfig:
     """Recovery from SDC by localized recomputation (needs a ``recompute_fn`` at attach; DDP, DeepSpeed ZeRO-1/2 and
     megatron-core).
@@ -1070,8 +959,6 @@ class DetectorsConfig:
     reads ``detectors.<its name>`` like a built-in; the loader parses it with the family's own config class and
     keeps it in ``plugins`` (never written as a key of its own)."""
 
-    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
-    grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
     sdc: SDCConfig = field(default_factory=SDCConfig)
     qk_spectra: QKSpectraConfig = field(default_factory=QKSpectraConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -1681,9 +1568,7 @@ __all__ = [
     "DetectorsConfig",
     "FaultSpec",
     "FaultsConfig",
-    "GradNormConfig",
     "JsonlSinkConfig",
-    "LossSpikeConfig",
     "PolicyConfig",
     "RecoveryConfig",
     "RunConfig",

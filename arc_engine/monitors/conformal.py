@@ -33,8 +33,9 @@ from typing import Any
 from arc_engine.config.schema import ConformalConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext
+from arc_engine.monitors.family import FamilyBase, FamilyContext, section_of
 from arc_engine.monitors.loss_spike import mean_loss
+from arc_engine.monitors.numerics import GradNormFamily
 from arc_engine.stats import AgreedStats, names
 
 HEALTHY, WARNING, FAILURE = "healthy", "warning", "failure"
@@ -271,7 +272,7 @@ class ConformalFamily(FamilyBase):
     name = "conformal"
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        grad_norm = ctx.config.detectors.grad_norm
+        grad_norm = section_of(ctx.config, GradNormFamily())
         return [ConformalMonitor(ctx.section, grad_norm.explosion_threshold if grad_norm.enabled else math.inf)]
 
 

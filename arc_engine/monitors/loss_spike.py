@@ -25,15 +25,81 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from arc_engine.config.schema import LossSpikeConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext
 from arc_engine.stats import AgreedStats, names
 
 MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
+
+
+@dataclass(kw_only=True)
+class LossSpikeConfig:
+    """Loss spike against a robust running baseline (median and MAD of recent accepted losses).
+
+    A step is a spike when, after ``warmup_steps`` accepted steps, its loss exceeds the window median by more
+    than ``factor`` robust standard deviations (1.4826 x MAD) *and* by more than ``min_relative_increase`` of
+    the median. Flagged losses never enter the baseline.
+
+    The level-shift arm (``level_shift``) sees a sustained rise that no single step makes a spike, under any
+    learning-rate schedule: each loss's distance above the median of the last ``level_reference`` accepted losses, in
+    units of the noise scale of successive differences (1.4826 x the MAD of the window's step-to-step changes / √2,
+    blind to a trend), capped at ``level_cap`` (one spike cannot trip it), is summed in a one-sided CUSUM with
+    allowance ``level_allowance``; above ``level_threshold`` it is a finding with ``level_action``, once per episode
+    (the sum back at 0 ends it).
+    """
+
+    enabled: bool = True
+    """Loss above a robust running baseline (median and MAD of recent accepted losses)."""
+    warmup_steps: int = 20
+    """Accepted steps before the detector can flag.
+    Allowed: >= 3"""
+    window: int = 100
+    """Accepted losses in the baseline.
+    Allowed: >= `warmup_steps`"""
+    factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) above the median that a spike must exceed.
+    Allowed: > 0"""
+    min_relative_increase: float = 0.25
+    """And the fraction of the median it must exceed it by.
+    Allowed: >= 0"""
+    action: ActionName = "skip"
+    """What a spike gets."""
+    level_shift: bool = True
+    """The level-shift arm: a one-sided CUSUM of the loss above its recent median, in units of the successive-difference
+    noise scale ([detectors.md](detectors.md#loss-level-shifts))."""
+    level_reference: int = 20
+    """Accepted losses whose median is the reference level.
+    Allowed: [1, `window`]"""
+    level_allowance: float = 1.0
+    """Noise units subtracted from each step's distance (the CUSUM's k).
+    Allowed: >= 0"""
+    level_cap: float = 5.0
+    """Largest distance one step adds (a single spike cannot trip the arm).
+    Allowed: > `level_allowance`"""
+    level_threshold: float = 15.0
+    """The sum that is a level shift (the CUSUM's h).
+    Allowed: > 0"""
+    level_action: ActionName = "warn"
+    """What a level shift gets (once per episode)."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_relative_increase >= 0, "min_relative_increase", self.min_relative_increase,
+                "must be >= 0")
+        require(1 <= self.level_reference <= self.window, "level_reference", self.level_reference,
+                "must be an integer in [1, window]")
+        require(self.level_allowance >= 0, "level_allowance", self.level_allowance, "must be >= 0")
+        require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
+        require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
+
 
 
 def _median(values: list[float]) -> float:
@@ -166,6 +232,7 @@ class LossSpikeFamily(FamilyBase):
     """``detectors.loss_spike``: reads the agreed loss (the standard loss slots)."""
 
     name = "loss_spike"
+    config_class = LossSpikeConfig
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         return [LossSpikeMonitor(ctx.section)]

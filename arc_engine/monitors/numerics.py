@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from arc_engine.config.schema import GradNormConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext
@@ -20,6 +22,55 @@ from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.stats import AgreedStats, names
 
 # ---------------------------------------------------------------- pure functions
+
+
+@dataclass(kw_only=True)
+class GradNormConfig:
+    """Gradient explosion and vanishing on the global (reduced, pre-clip) gradient norm (ARC paper §3.2.1).
+
+    Two explosion arms: the fixed ceiling ``explosion_threshold`` (the paper's τ_grad), and a relative one that sees
+    an explosion whatever the clipping threshold: after ``warmup_steps`` accepted steps, log ‖g‖ above the median of
+    the last ``window`` accepted values by ``relative_factor`` robust standard deviations (1.4826 x MAD) and ‖g‖ at
+    least ``relative_min_ratio`` times that median's norm (``relative: false`` turns it off). Both take
+    ``explosion_action``; a flagged norm never enters the baseline."""
+
+    enabled: bool = True
+    """Explosion and vanishing of the global gradient norm (reduced, before clipping)."""
+    explosion_threshold: float = 1.0e4
+    """τ_grad of the ARC paper: a norm above it is an explosion.
+    Allowed: > 0"""
+    vanishing_threshold: float = 1.0e-10
+    """ε_grad: a norm below it is vanishing.
+    Allowed: >= 0 and < `explosion_threshold`"""
+    explosion_action: ActionName = "skip"
+    """What an explosion (either arm) gets."""
+    vanishing_action: ActionName = "warn"
+    """What a vanishing gradient gets."""
+    relative: bool = True
+    """The relative explosion arm: the pre-clip norm far above the run's own robust baseline of log-norms, whatever the
+    clipping threshold ([detectors.md](detectors.md#relative-gradient-explosion))."""
+    warmup_steps: int = 20
+    """Accepted steps before the relative arm can fire.
+    Allowed: >= 3"""
+    window: int = 100
+    """Accepted log-norms in the relative arm's baseline.
+    Allowed: >= `warmup_steps`"""
+    relative_factor: float = 8.0
+    """Robust standard deviations (1.4826 x MAD of the log-norms) above their median that the relative arm needs.
+    Allowed: > 0"""
+    relative_min_ratio: float = 10.0
+    """And the norm at least this many times the baseline median's (clean campaign runs peak at 3x).
+    Allowed: >= 1"""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.relative_factor > 0, "relative_factor", self.relative_factor, "must be > 0")
+        require(self.relative_min_ratio >= 1, "relative_min_ratio", self.relative_min_ratio, "must be >= 1")
+        require(self.explosion_threshold > 0, "explosion_threshold", self.explosion_threshold, "must be > 0")
+        require(0 <= self.vanishing_threshold < self.explosion_threshold, "vanishing_threshold",
+                self.vanishing_threshold, "must be >= 0 and below explosion_threshold")
+
 
 
 def global_grad_norm(grad_sq_g: np.ndarray) -> float:
@@ -116,6 +167,7 @@ class GradNormFamily(FamilyBase):
     """``detectors.grad_norm``: reads the reduced gradient's squared norms every adapter produces."""
 
     name = "grad_norm"
+    config_class = GradNormConfig
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         return [GradNormMonitor(ctx.section)]

@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.loss_spike import LossSpikeFamily
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.staging import bounded_runs
 from arc_engine.stats import AgreedStats, StatBuffer, names
@@ -614,7 +616,7 @@ class SDCRecompute:
                     peer_energy: float) -> Finding:
         values = {**values, "classification": kind, "peer_energy": peer_energy}
         if kind == "data":
-            action = Action.parse(self.engine.config.detectors.loss_spike.action)
+            action = Action.parse(section_of(self.engine.config, LossSpikeFamily()).action)
             return Finding("sdc_recompute", action, Severity.WARNING,
                            f"gradient anomaly on {where} reproduced by a healthy peer on the same micro-batches: "
                            f"the data caused it, not the hardware", (rank,), values)
