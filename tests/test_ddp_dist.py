@@ -117,7 +117,7 @@ def test_nan_on_one_rank_every_rank_skips_the_same_step(tmp_path: Path) -> None:
         assert torch.equal(snaps[3], snaps[2]), "the skipped step changed parameters"
         assert not torch.equal(snaps[4], snaps[3])
         assert all(torch.isfinite(p).all() for p in result["params"].values())
-        assert result["summary"]["skipped_steps"] == 1
+        assert result["summary"]["skipped_by_policy"] == 1
     events = read_jsonl(tmp_path / "test" / "events.jsonl")
     nan_events = [e for e in events if e["detector"] == "non_finite"]
     assert len(nan_events) == 1 and nan_events[0]["ranks"] == [1] and nan_events[0]["step"] == 3

@@ -92,8 +92,8 @@ def test_megatron_fp16_overflow_skips_are_the_scalers_and_clean_training_is_bitw
                 assert all(severity == "WARNING" for _, severity in findings), findings
             else:
                 assert action == "NONE", (step, findings)
-        assert watched["summary"]["skipped_steps"] == 0
-        assert watched["summary"]["framework_skipped_steps"] == len(skipped)
+        assert watched["summary"]["skipped_by_policy"] == 0
+        assert watched["summary"]["skipped_by_framework"] == len(skipped)
         for step, (megatron_norm, agreed, local_sq) in watched["norms"].items():
             # the agreed norm is Megatron's unscaled pre-clip norm; the local squares are unscaled too (a scaled
             # gradient's would be ~2^30 times larger)

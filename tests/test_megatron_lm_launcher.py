@@ -142,7 +142,7 @@ def test_megatron_lm_trains_and_every_rank_takes_the_same_decisions(tmp_path: Pa
         decisions[rank] = [(e["step"], e["detector"], e["action"]) for e in events
                            if e["kind"] in ("detection", "action")]
         summary = next(e["values"] for e in events if e["detector"] == "summary")
-        assert (summary["steps"], summary["iterations"], summary["skipped_steps"]) == (ITERATIONS, ITERATIONS, 2)
+        assert (summary["steps"], summary["iterations"], summary["steps_not_applied"]) == (ITERATIONS, ITERATIONS, 2)
         assert summary["detections"] == {"non_finite": 1, "loss_spike": 1}, summary
     assert decisions[0] == decisions[1] == [(NAN_LOSS_STEP, "non_finite", "skip"), (NAN_LOSS_STEP, "engine", "skip"),
                                             (SPIKE_STEP, "loss_spike", "skip"), (SPIKE_STEP, "engine", "skip")]

@@ -35,7 +35,8 @@ def _run_dir(path: Path, ranks: int = 2, closed: bool = True) -> Path:
               _event("action", "recovery", "rollback", "error", 15)]
     if closed:
         events.append(_event("lifecycle", "summary", "none", "info", 30, values={
-            "steps": 25, "iterations": 30, "skipped_steps": 1, "detections": {"non_finite": 1},
+            "steps": 25, "iterations": 30, "applied_steps": 23, "steps_not_applied": 2, "skipped_by_policy": 1,
+            "rolled_back": 1, "skipped_by_framework": 0, "detections": {"non_finite": 1},
             "recovery": {"rollbacks": 1, "escapes": 0}}))
     (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     metrics = [{"step": k, "arc/iteration": float(k), "arc/loss_spike/loss": "nan" if k == 12 else 3.0 - 0.01 * k,

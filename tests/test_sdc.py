@@ -192,7 +192,7 @@ def test_the_default_set_raises_nothing_on_a_clean_ddp_run_past_the_sdc_warm_up(
     for result in results:
         assert result["warmed_up"] and result["flagged"] == []
         summary = result["summary"]
-        assert summary["monitored_steps"] == 400 and summary["skipped_steps"] == 0
+        assert summary["monitored_steps"] == 400 and summary["skipped_by_policy"] == 0
         assert summary["detections"] == {}
     events = [e for e in read_jsonl(tmp_path / "test" / "events.jsonl") if e["kind"] == "detection"]
     assert events == []
