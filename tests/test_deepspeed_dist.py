@@ -303,6 +303,8 @@ def test_reference_script_runs_under_the_deepspeed_launcher_with_arc_config(tmp_
     assert skip in proc.stdout and "loss_spike -> SKIP" in proc.stdout
     assert f"[train] done: 90 steps, 2 skipped ({int(by_deepspeed)} by DeepSpeed)" in proc.stdout
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")
-    assert [(e["step"], e["detector"], e["ranks"]) for e in events if e["kind"] == "detection"] == [
+    # (the straggler family times the ranks: on a loaded machine it may flag one; no assertion on wall-clock values)
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events
+            if e["kind"] == "detection" and e["detector"] != "straggler"] == [
         (40, "non_finite", [1]), *([(40, "deepspeed_overflow", [])] if by_deepspeed else []),
         (80, "loss_spike", []), (80, "grad_norm", [])]  # the loss x 30 is a gradient x 30: the relative arm
