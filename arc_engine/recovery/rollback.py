@@ -215,7 +215,8 @@ class Recovery:
         def count(info: CommitInfo) -> int | None:  # the commit's step in the trainer's counting
             return info.step if counter == "step" else info.metadata.get("applied_steps")
 
-        newest = self.checkpoints.agreed(self.checkpoints.latest())
+        # (wanted is the config's, the same on every rank: the agreement below is made by all or none)
+        newest = self.checkpoints.agreed(self.checkpoints.latest()) if wanted is not None else None
         newest_count = count(newest) if newest is not None else None
         if wanted is not None and newest_count is not None and newest_count < wanted:
             # the trainer's checkpoint is the newer state, and it holds everything arc_engine's would restore
