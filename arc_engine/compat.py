@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from arc_engine.monitors.family import FamilyBase, replace_section, section_of
+from arc_engine.monitors.registry import families
+
 
 def release(version: str) -> tuple[int, int, int] | None:
     """``"0.19.8+a1b2c3d"`` -> (0, 19, 8); ``"0.20.0rc1"`` -> (0, 20, 0); ``"2.9"`` -> (2, 9, 0); None when the text
@@ -81,7 +84,11 @@ class Capabilities:
         to False: a copy, or the same object when nothing changes. Remembers the keys for :meth:`report`. Local."""
         self.config_off = [key for name in self.off for key in switches.get(name, ()) if _value(config, key)]
         for key in self.config_off:
-            config = _turned_off(config, key.split("."))
+            family, path = _family_key(key)
+            if family is None:
+                config = _turned_off(config, path)
+            else:
+                config = replace_section(config, family, _turned_off(section_of(config, family), path))
         return config
 
     def report(self) -> tuple[str, dict[str, Any]] | None:
@@ -98,10 +105,23 @@ class Capabilities:
                          "config_off": list(self.config_off)}
 
 
+def _family_key(key: str) -> tuple[FamilyBase | None, list[str]]:
+    """(the monitor family, the dotted path inside its section) for a key under ``detectors.<family>``; else (None,
+    the key's path from the root)."""
+    parts = key.split(".")
+    if parts[0] == "detectors" and len(parts) > 2:
+        family = next((f for f in families() if f.name == parts[1]), None)
+        if family is not None:
+            return family, parts[2:]
+    return None, parts
+
+
 def _value(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
+    family, path = _family_key(key)
+    node = config if family is None else section_of(config, family)
+    for part in path:
+        node = getattr(node, part)
+    return node
 
 
 def _turned_off(section: Any, path: list[str]) -> Any:

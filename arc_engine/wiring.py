@@ -26,6 +26,8 @@ from arc_engine.diagnostics import curvature
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
 from arc_engine.faults import FaultInjector
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.straggler import StragglerFamily
 from arc_engine.progress import Progress
 from arc_engine.recovery.recompute import RecomputeFn, recompute_wanted
 from arc_engine.recovery.rollback import Recovery
@@ -204,7 +206,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     if injector.reports_events:
         engine.add_event_source(injector.system_events)
     removers.append(register_step_start(engine, adapter.module, adapter.before_step_start))
-    straggler = config.detectors.straggler
+    straggler = section_of(config, StragglerFamily())
     compiled = straggler.enabled and straggler.compute_every and is_compiled([adapter.module])
     if compiled:  # the probe adds and removes module hooks every few steps: a compiled forward may ignore them
         engine.emit_action(engine.progress.step, "compute_probe_off", Severity.WARNING,

@@ -43,7 +43,9 @@ import torch.distributed as dist
 
 from arc_engine.config import load_config
 from arc_engine.engine import ArcEngine
+from arc_engine.monitors.family import section_of
 from arc_engine.monitors.non_finite import nonfinite_ranks
+from arc_engine.monitors.straggler import StragglerFamily
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
@@ -138,7 +140,7 @@ def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
     pipeline = SimulatedPipeline(engine.gathering.layout, num_ranks)
     buffer = pipeline.start()
     fill_healthy(buffer, num_ranks)
-    section = engine.config.detectors.straggler
+    section = section_of(engine.config, StragglerFamily())
     step = next(s for s in range(1, 10_000) if report_due(s, engine.config.stats.interval, section.every))
     buffer.put(SECTION_TIMES, torch.tensor([0.1, 0.5, 20.0, np.nan, 0.0, -1.0, 0.0, 0.0, 0.1, np.inf, 0.0]))
     buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5]))

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from arc_engine.config import load_config
 from arc_engine.demo.gpt import GPT, GPTConfig
-from arc_engine.monitors.dynamics import SKETCH, VELOCITY, VelocityProducer
-from arc_engine.monitors.family import StepView
+from arc_engine.monitors.dynamics import SKETCH, VELOCITY, DynamicsFamily, VelocityProducer
+from arc_engine.monitors.family import StepView, section_of
 from arc_engine.stats import Reduce, StatBuffer, StatLayout
 
 
@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(model: torch.nn.Module, ranks: int, repeats: int, sketch: int) -> dict[str, float]:
-    config = load_config(None, ["detectors.dynamics.enabled=true", "detectors.dynamics.every=1",
-                                f"detectors.dynamics.attractor_sketch={sketch}"]).detectors.dynamics
+    config = section_of(load_config(None, ["detectors.dynamics.enabled=true", "detectors.dynamics.every=1",
+                                           f"detectors.dynamics.attractor_sketch={sketch}"]), DynamicsFamily())
     producer = VelocityProducer(config)
     producer.set_group(list(range(ranks)), 0)
     layout = StatLayout()

@@ -34,8 +34,8 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
-from arc_engine.monitors.family import StepView
-from arc_engine.monitors.fisher import FisherState
+from arc_engine.monitors.family import StepView, section_of
+from arc_engine.monitors.fisher import FisherFamily, FisherState
 
 SEQ_LEN, BATCH = 16, 8
 
@@ -76,7 +76,7 @@ def cost(args: argparse.Namespace) -> dict[str, float]:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    config = load_config(None, ["detectors.fisher.enabled=true"]).detectors.fisher
+    config = section_of(load_config(None, ["detectors.fisher.enabled=true"]), FisherFamily())
     state = FisherState(config)
     state.update(params)
     state.set_anchor()

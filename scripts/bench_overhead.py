@@ -48,6 +48,13 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.monitors.consistency import ConsistencyFamily
+from arc_engine.monitors.dynamics import DynamicsFamily
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.qk_spectra import QKSpectraFamily
+from arc_engine.monitors.router_health import RouterFamily
+from arc_engine.monitors.straggler import StragglerFamily
+from arc_engine.monitors.weight_health import WeightHealthFamily
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,24 +118,26 @@ def periodic_block(config, mechanisms: bool = False) -> int:
     straggler report and compute samples, weight health and dynamics when on, snapshots every ``checkpoint_freq``
     healthy steps, disk checkpoints; with ``mechanisms``, for a model that has attention or router parts the
     mechanism monitors measure, their periods too). Pure."""
-    interval, detectors = config.stats.interval, config.detectors
+    interval = config.stats.interval
+    consistency, straggler = section_of(config, ConsistencyFamily()), section_of(config, StragglerFamily())
     periods = [interval]
     if config.stats.optimizer_stats_every:
         periods.append(interval * config.stats.optimizer_stats_every)
-    if detectors.consistency.enabled and detectors.consistency.direction:
-        periods.append(interval * detectors.consistency.direction_every)  # the gradient sketch
-    if detectors.straggler.enabled:
-        periods.append(interval * detectors.straggler.every)  # the per-rank report
-        if detectors.straggler.compute_every:
-            periods.append(interval * detectors.straggler.compute_every)  # the compute probe's sampled steps
-    for section in (detectors.weight_health, detectors.dynamics):  # off by default; periodic when on
+    if consistency.enabled and consistency.direction:
+        periods.append(interval * consistency.direction_every)  # the gradient sketch
+    if straggler.enabled:
+        periods.append(interval * straggler.every)  # the per-rank report
+        if straggler.compute_every:
+            periods.append(interval * straggler.compute_every)  # the compute probe's sampled steps
+    # off by default; periodic when on
+    for section in (section_of(config, WeightHealthFamily()), section_of(config, DynamicsFamily())):
         if section.enabled:
             periods.append(section.every)
     if config.recovery.enabled:
         periods.append(config.recovery.checkpoint_freq)
         if config.recovery.checkpoint.every_steps:
             periods.append(config.recovery.checkpoint.every_steps)
-    for section in (config.detectors.qk_spectra, config.detectors.router) if mechanisms else ():
+    for section in (section_of(config, QKSpectraFamily()), section_of(config, RouterFamily())) if mechanisms else ():
         if section.enabled:
             periods.append(section.every)
     return math.lcm(*periods)

@@ -30,7 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from arc_engine.config import load_config
-from arc_engine.monitors.r_metric import RMetricMonitor
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.r_metric import RMetricFamily, RMetricMonitor
 
 #: (persist, persist_fraction) rules compared; (40, 0.8) is the default.
 RULES = ((1, 1.0), (20, 1.0), (20, 0.8), (30, 0.8), (40, 0.8), (60, 0.8))
@@ -85,9 +86,10 @@ READINGS = (("raw σ² (`variance_relative: false`)", ("detectors.r_metric.varia
 def run(inputs: list[dict[str, float]], score: str, persist: int = 40,
         fraction: float = 0.8, overrides: tuple[str, ...] = ()) -> tuple[list[int], list[bool]]:
     """(the monitor's alert steps, whether each step's score was above the threshold after the warm-up)."""
-    config = load_config(None, [f"detectors.r_metric.score={score}", f"detectors.r_metric.persist={persist}",
+    loaded = load_config(None, [f"detectors.r_metric.score={score}", f"detectors.r_metric.persist={persist}",
                                 f"detectors.r_metric.persist_fraction={fraction}",
-                                "detectors.r_metric.nvml=false", *overrides]).detectors.r_metric
+                                "detectors.r_metric.nvml=false", *overrides])
+    config = section_of(loaded, RMetricFamily())
     monitor = RMetricMonitor(config, variance=True)
     alerts, above = [], []
     for step, raw in enumerate(inputs):

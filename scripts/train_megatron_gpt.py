@@ -38,6 +38,8 @@ from megatron.core.transformer.module import Float16Module
 
 import arc_engine
 from arc_engine.demo.corpus import CharDataset, generate_corpus
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.sdc import SDCFamily
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +209,7 @@ def build_model_and_optimizer(args: argparse.Namespace) -> TrainState:
     if not args.no_arc:
         # arc_engine: after the chunks, the optimizer and parallel_state's groups exist (collective)
         arc_config = arc_engine.config_from_args(args)
-        sdc = arc_config.detectors.sdc
+        sdc = section_of(arc_config, SDCFamily())
         recompute = partial(_recompute, state, args) if sdc.enabled and sdc.recompute.enabled else None
         state.arc = arc_engine.attach(model_chunks, optimizer, arc_config, recompute_fn=recompute)
     return state

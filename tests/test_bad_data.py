@@ -17,7 +17,7 @@ from arc_engine.config import load_config
 from arc_engine.data_ledger import DataLedger, megatron_iterations, read_ledger, skip_batches
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.bad_data import BadDataFamily, BadDataMonitor
-from arc_engine.monitors.family import FamilyContext, StepView
+from arc_engine.monitors.family import FamilyContext, StepView, section_of
 from arc_engine.policy import DecisionPolicy
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
 from tests.dist_harness import run_ranks
@@ -29,9 +29,9 @@ from tests.training import family_stats_layout, make_config, train_ddp
 def _family(*overrides: str) -> tuple[StatLayout, list[BadDataMonitor]]:
     """The family's layout and one monitor per simulated rank (each with its own rank)."""
     config = load_config(None, list(overrides))
-    ctx = FamilyContext(config, config.detectors.data, ["g0"], Reduce.SUM)
+    ctx = FamilyContext(config, section_of(config, BadDataFamily()), ["g0"], Reduce.SUM)
     layout = family_stats_layout(BadDataFamily().statistics(ctx), 1)
-    return layout, [BadDataMonitor(config.detectors.data, rank) for rank in range(4)]
+    return layout, [BadDataMonitor(section_of(config, BadDataFamily()), rank) for rank in range(4)]
 
 
 def _agree(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[float], step: int) -> AgreedStats:

@@ -16,8 +16,12 @@ from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_co
 from arc_engine.campaign.scoring import ARC, detection_step, score, table
 from arc_engine.campaign.worker import lr_factor
 from arc_engine.config import load_config
+from arc_engine.monitors.conformal import ConformalFamily
 from arc_engine.monitors.family import section_of
+from arc_engine.monitors.fisher import FisherFamily
+from arc_engine.monitors.non_finite import NonFiniteFamily
 from arc_engine.monitors.numerics import GradNormFamily
+from arc_engine.monitors.sdc import SDCFamily
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +44,12 @@ def _detection(iteration: int, severity: str = "error", action: str = "warn") ->
 def test_observe_arm_turns_every_action_into_a_warning_and_recovery_off() -> None:
     observe = load_config(base=observe_config(PROTECT))
     assert not observe.recovery.enabled and load_config(base=PROTECT).recovery.enabled
-    assert observe.detectors.plugins["non_finite"].action == "warn"
+    assert section_of(observe, NonFiniteFamily()).action == "warn"
     assert section_of(observe, GradNormFamily()).explosion_action == "warn"
-    assert observe.detectors.conformal.forecast_action == "warn" and observe.detectors.fisher.drift_action == "warn"
-    assert observe.detectors.fisher.min_rank_fraction == load_config(base=PROTECT).detectors.fisher.min_rank_fraction
-    assert not observe.detectors.sdc.recompute.enabled
+    fisher = section_of(observe, FisherFamily())
+    assert section_of(observe, ConformalFamily()).forecast_action == "warn" and fisher.drift_action == "warn"
+    assert fisher.min_rank_fraction == section_of(load_config(base=PROTECT), FisherFamily()).min_rank_fraction
+    assert not section_of(observe, SDCFamily()).recompute.enabled
 
 
 def test_the_plan_runs_clean_arms_first_then_each_fault_in_both_arms(tmp_path: Path) -> None:

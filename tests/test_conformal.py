@@ -16,10 +16,12 @@ from arc_engine.monitors.conformal import (
     FAILURE,
     HEALTHY,
     WARNING,
+    ConformalFamily,
     ConformalMonitor,
     conformal_quantile,
     stability_state,
 )
+from arc_engine.monitors.family import section_of
 from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 from tests.dist_harness import run_ranks
 
@@ -44,7 +46,7 @@ def _layout() -> StatLayout:
 
 
 def _drive(losses: list[float], *overrides: str) -> tuple[ConformalMonitor, dict[int, list[str]], list[float]]:
-    config = load_config(None, [*ON, *overrides]).detectors.conformal
+    config = section_of(load_config(None, [*ON, *overrides]), ConformalFamily())
     monitor, layout = ConformalMonitor(config), _layout()
     found, coverage = {}, []
     for step, loss in enumerate(losses):
@@ -68,7 +70,7 @@ def test_coverage_on_a_stationary_stream_meets_one_minus_alpha() -> None:
     inside = [c for c in monitor.tracks["loss"].covered]
     assert len(inside) == 500
     # the whole run's coverage, from the scores the monitor judged (its window only keeps the last 200)
-    config = load_config(None, list(ON)).detectors.conformal
+    config = section_of(load_config(None, list(ON)), ConformalFamily())
     losses = 3 + 0.1 * np.random.default_rng(0).normal(size=6000)
     replay = ConformalMonitor(config)
     layout, judged = _layout(), []
@@ -118,7 +120,7 @@ def test_the_section_is_validated() -> None:
     for bad in ("failure_alpha=0.2", "min_calibration=50", "window=100", "alpha=1.5", "coverage_window=3"):
         with pytest.raises(ConfigError):
             load_config(None, [*ON, f"detectors.conformal.{bad}"])
-    assert not load_config(None, []).detectors.conformal.enabled
+    assert not section_of(load_config(None, []), ConformalFamily()).enabled
 
 
 def test_autocorrelated_noise_keeps_coverage_near_its_level_with_more_failures() -> None:
@@ -135,7 +137,8 @@ def test_autocorrelated_noise_keeps_coverage_near_its_level_with_more_failures()
 
 def _drive_norms(norms: list[float], *overrides: str, grad_explosion: float = math.inf) -> tuple[Any, dict, list]:
     """The gradient-norm track alone on agreed squared norms (two groups of two ranks' partial sums)."""
-    config = load_config(None, [*ON, "detectors.conformal.signals=[grad_norm]", *overrides]).detectors.conformal
+    config = section_of(load_config(None, [*ON, "detectors.conformal.signals=[grad_norm]", *overrides]),
+                        ConformalFamily())
     monitor = ConformalMonitor(config, grad_explosion)
     layout = StatLayout()
     layout.add(names.GRAD_SQ, 2, Reduce.SUM)
@@ -179,7 +182,7 @@ def test_signals_are_validated_and_the_loss_only_state_still_loads() -> None:
         load_config(None, [*ON, "detectors.conformal.signals=[weights]"])
     monitor, _, _ = _drive([3.0 + 0.01 * (k % 7) for k in range(50)])
     legacy = monitor.tracks["loss"].state_dict()  # what arc_engine saved before there were signals
-    config = load_config(None, [*ON, "detectors.conformal.signals=[loss, grad_norm]"]).detectors.conformal
+    config = section_of(load_config(None, [*ON, "detectors.conformal.signals=[loss, grad_norm]"]), ConformalFamily())
     both = ConformalMonitor(config)
     both.load_state_dict(legacy)
     assert list(both.tracks["loss"].scores) == list(monitor.tracks["loss"].scores)

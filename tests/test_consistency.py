@@ -32,7 +32,7 @@ from arc_engine.monitors.consistency import (
     farthest_rank_within,
     position_sketch_size,
 )
-from arc_engine.monitors.family import FamilyContext, ModelParts, StepView
+from arc_engine.monitors.family import FamilyContext, ModelParts, StepView, section_of
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, add_gradient_sketch
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, LOSS_MOMENTS, WorkerMoments, dispersion
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, names
@@ -107,7 +107,7 @@ def test_worker_moments_keep_one_row_per_position() -> None:
 # ------------------------------------------------------------------ the monitor on simulated ranks
 
 def family_layout(config: Any) -> tuple[StatLayout, ConsistencyMonitor]:
-    ctx = FamilyContext(config, config.detectors.consistency, ["g0", "g1"], Reduce.SUM)
+    ctx = FamilyContext(config, section_of(config, ConsistencyFamily()), ["g0", "g1"], Reduce.SUM)
     layout = family_stats_layout(ConsistencyFamily().statistics(ctx), 2)
     (monitor,) = ConsistencyFamily().monitors(ctx)
     return layout, monitor
@@ -190,7 +190,7 @@ def test_a_lasting_jump_of_the_norm_spread_alarms_once_and_names_the_rank() -> N
     assert "rank 2 farthest" in finding.message and "for 3 steps" in finding.message
     assert monitor.alarms == 1 and len(monitor.cv_history) == 8  # steps 0-8 but the outlier at 6
     state = monitor.state_dict()
-    other = ConsistencyMonitor(config.detectors.consistency, 0)
+    other = ConsistencyMonitor(section_of(config, ConsistencyFamily()), 0)
     other.load_state_dict(state)
     assert list(other.cv_history) == list(monitor.cv_history) and other.alarms == 1 and other._runs == (7, 0)
 
@@ -198,11 +198,12 @@ def test_a_lasting_jump_of_the_norm_spread_alarms_once_and_names_the_rank() -> N
 def test_the_family_stays_off_under_model_parallelism_and_checks_its_schedule() -> None:
     config = load_config(None, [])
     family = ConsistencyFamily()
-    plain = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM)
+    plain = FamilyContext(config, section_of(config, ConsistencyFamily()), ["g"], Reduce.SUM)
     assert family.enabled(plain)
-    sharded = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM, ModelParts(model_parallel_size=2))
+    sharded = FamilyContext(config, section_of(config, ConsistencyFamily()), ["g"], Reduce.SUM,
+                            ModelParts(model_parallel_size=2))
     assert not family.enabled(sharded)  # shards the adapter cannot place (e.g. expert parallelism)
-    placed = FamilyContext(config, config.detectors.consistency, ["g"], Reduce.SUM,
+    placed = FamilyContext(config, section_of(config, ConsistencyFamily()), ["g"], Reduce.SUM,
                            ModelParts(model_parallel_size=4, shard_positions=2, shard_position=1))
     assert family.enabled(placed)  # tensor x pipeline positions: compared within each
     sizes = {d.name: d.size for d in family.statistics(placed)}
@@ -211,10 +212,10 @@ def test_the_family_stays_off_under_model_parallelism_and_checks_its_schedule() 
     assert (monitor.positions, monitor.position, monitor.folded) == (2, 1, 128)
     assert family.sketch_due(plain, 20) and not family.sketch_due(plain, 21)
     odd = load_config(None, ["stats.interval=3"])  # every 10th monitored step: optimizer steps 0, 30, 60
-    sparse = FamilyContext(odd, odd.detectors.consistency, ["g"], Reduce.SUM)
+    sparse = FamilyContext(odd, section_of(odd, ConsistencyFamily()), ["g"], Reduce.SUM)
     assert family.enabled(sparse) and [s for s in range(0, 61, 3) if family.sketch_due(sparse, s)] == [0, 30, 60]
     with_sdc = load_config(None, ["detectors.sdc.sketch_size=64"])
-    decls = family.statistics(FamilyContext(with_sdc, with_sdc.detectors.consistency, ["g"], Reduce.SUM))
+    decls = family.statistics(FamilyContext(with_sdc, section_of(with_sdc, ConsistencyFamily()), ["g"], Reduce.SUM))
     assert {d.name: d.size for d in decls}[names.GRAD_SKETCH_LOCAL] == 64  # the SDC sketch's size wins
     assert {d.name: d.size for d in decls}[DIRECTION_SUM] == 65
     assert {LOSS_MOMENTS, GRAD_NORM_MOMENTS} <= {d.name for d in decls}

@@ -32,7 +32,7 @@ from arc_engine.monitors.dynamics import (
     sketch_into,
     stabilisation,
 )
-from arc_engine.monitors.family import FamilyContext
+from arc_engine.monitors.family import FamilyContext, section_of
 from arc_engine.stats import AgreedStats, Reduce, StatLayout
 from tests.dist_harness import run_ranks
 from tests.training import BATCH, make_config, make_optimizer, tiny_model_and_data
@@ -51,7 +51,7 @@ def test_the_lyapunov_estimate_is_the_mean_log_ratio_per_step() -> None:
 
 
 def test_the_phases_follow_the_papers_thresholds() -> None:
-    config = load_config(None, list(ON)).detectors.dynamics
+    config = section_of(load_config(None, list(ON)), DynamicsFamily())
     assert [phase(x, config) for x in (0.3, 0.15, 0.07, 0.01, -0.01, -0.07, -0.2)] == \
         [DIVERGENT, WARNING, HEALTHY, MARGINAL, MARGINAL, HEALTHY, CONVERGENT]
 
@@ -70,7 +70,7 @@ def test_the_oscillation_check_finds_a_period_and_not_white_noise() -> None:
 
 def _monitor(*overrides: str) -> tuple[StatLayout, Any]:
     config = load_config(None, [*ON, "detectors.dynamics.every=1", *overrides])
-    ctx = FamilyContext(config, config.detectors.dynamics, ["g"], Reduce.SUM)
+    ctx = FamilyContext(config, section_of(config, DynamicsFamily()), ["g"], Reduce.SUM)
     layout = StatLayout()
     for decl in DynamicsFamily().statistics(ctx):
         layout.add(decl.name, decl.size, decl.reduce)
@@ -164,13 +164,14 @@ def test_the_sketch_keeps_norms_and_the_attractor_is_a_settled_trajectory() -> N
 
 def test_the_family_is_off_by_default_and_validates_its_section() -> None:
     default = load_config(None, [])
-    assert not DynamicsFamily().enabled(FamilyContext(default, default.detectors.dynamics, ["g"], Reduce.SUM))
+    section = section_of(default, DynamicsFamily())
+    assert not DynamicsFamily().enabled(FamilyContext(default, section, ["g"], Reduce.SUM))
     for bad in ("window=2", "ema=0", "divergent=0.05", "marginal=0.5", "oscillation_factor=1", "every=0"):
         with pytest.raises(ConfigError):
             load_config(None, [*ON, f"detectors.dynamics.{bad}"])
     odd = load_config(None, [*ON, "stats.interval=3", "detectors.dynamics.every=10"])
     with pytest.raises(ValueError, match=r"multiple of stats\.interval"):
-        DynamicsFamily().enabled(FamilyContext(odd, odd.detectors.dynamics, ["g"], Reduce.SUM))
+        DynamicsFamily().enabled(FamilyContext(odd, section_of(odd, DynamicsFamily()), ["g"], Reduce.SUM))
 
 
 # ------------------------------------------------------------------ real ranks

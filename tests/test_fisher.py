@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 import arc_engine
 from arc_engine.config import ConfigError, load_config
+from arc_engine.monitors.family import section_of
 from arc_engine.monitors.fisher import (
+    FisherFamily,
     FisherMonitor,
     effective_rank,
     ewc_penalty_gradient,
@@ -64,8 +66,9 @@ def test_the_importance_blend_and_the_ewc_penalty_follow_their_formulas() -> Non
     grad, value, anchor = torch.ones(4), torch.tensor([2.0, 2.0, 2.0, 2.0]), torch.zeros(4)
     ewc_penalty_gradient(grad, value, anchor, fisher, 0.5)
     assert torch.equal(grad, 1 + 0.5 * fisher * 2.0)
-    config = load_config(None, ["detectors.fisher.ewc_strength=2.0", "detectors.fisher.ewc_decay_steps=10",
-                                "detectors.fisher.ewc_steps=30"]).detectors.fisher
+    loaded = load_config(None, ["detectors.fisher.ewc_strength=2.0", "detectors.fisher.ewc_decay_steps=10",
+                                "detectors.fisher.ewc_steps=30"])
+    config = section_of(loaded, FisherFamily())
     assert [ewc_strength(config, t) for t in (0, 10, 29, 30, -1)] == \
         pytest.approx([2.0, 2.0 * math.exp(-1), 2.0 * math.exp(-2.9), 0.0, 0.0])
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from arc_engine.config.schema import QKSpectraConfig, RouterConfig
 from arc_engine.events import Action
 from arc_engine.monitors.family import ModelParts
 from arc_engine.monitors.qk_spectra import (
@@ -18,6 +17,7 @@ from arc_engine.monitors.qk_spectra import (
     MAX_LOGIT,
     MEASURED,
     QKLogitMonitor,
+    QKSpectraConfig,
     QKSpectraMonitor,
 )
 from arc_engine.monitors.router import (
@@ -26,7 +26,7 @@ from arc_engine.monitors.router import (
     router_partials_size,
     topk_routing_map,
 )
-from arc_engine.monitors.router_health import RANK_ENTROPY, ROUTER_SUMS, RouterMonitor
+from arc_engine.monitors.router_health import RANK_ENTROPY, ROUTER_SUMS, RouterConfig, RouterMonitor
 from arc_engine.monitors.trajectory import robust_trend
 from arc_engine.stats import AgreedStats, Reduce, StatLayout
 from arc_engine.stats.rank_keys import rank_key

@@ -19,8 +19,13 @@ import pytest
 import torch
 
 from arc_engine.integrations.megatron import internals as mi
+from arc_engine.monitors.consistency import ConsistencyFamily
 from arc_engine.monitors.family import section_of
 from arc_engine.monitors.loss_spike import LossSpikeFamily
+from arc_engine.monitors.qk_spectra import QKSpectraFamily
+from arc_engine.monitors.r_metric import RMetricFamily
+from arc_engine.monitors.router_health import RouterFamily
+from arc_engine.monitors.sdc import SDCFamily
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE_INTERNALS = [ROOT / "integrations" / "megatron" / name
@@ -229,11 +234,13 @@ def test_a_feature_that_is_off_turns_its_detectors_off_in_a_copy_of_the_config()
                                             "attention_spectra": ["config.kv_channels"]})
     config = ArcConfig()
     effective = adapter.effective_config(config)
-    assert effective is not config and config.detectors.sdc.enabled and config.detectors.qk_spectra.enabled
+    assert effective is not config
+    assert section_of(config, SDCFamily()).enabled and section_of(config, QKSpectraFamily()).enabled
     assert adapter.capabilities.config_off == [*CONFIG_OFF["bucket_statistics"], *CONFIG_OFF["attention_spectra"]]
-    assert not (effective.detectors.sdc.enabled or effective.detectors.consistency.enabled
-                or effective.detectors.r_metric.enabled or effective.detectors.qk_spectra.enabled)
-    assert effective.detectors.router.enabled and section_of(effective, LossSpikeFamily()).enabled  # needs no internals
+    assert not (section_of(effective, SDCFamily()).enabled or section_of(effective, ConsistencyFamily()).enabled
+                or section_of(effective, RMetricFamily()).enabled or section_of(effective, QKSpectraFamily()).enabled)
+    assert section_of(effective, RouterFamily()).enabled  # needs no internals
+    assert section_of(effective, LossSpikeFamily()).enabled
 
 
 class _FakeBucketGroup:

@@ -15,7 +15,7 @@ import torch
 
 from arc_engine.config import load_config
 from arc_engine.events import Action, Finding, Severity
-from arc_engine.monitors.family import FamilyContext, ModelParts, StepView
+from arc_engine.monitors.family import FamilyContext, ModelParts, StepView, section_of
 from arc_engine.monitors.hardware_events import HardwareEvents, pci_bus_id
 from arc_engine.monitors.r_metric import (
     EVENTS,
@@ -59,7 +59,7 @@ def test_the_normalization_matches_hand_computed_values() -> None:
 def _setup(*overrides: str) -> tuple[StatLayout, RMetricMonitor]:
     # alone here: no consistency family writes the shared worker moments, so the R-Metric writes them itself
     config = load_config(None, ["detectors.r_metric.nvml=false", "detectors.consistency.enabled=false", *overrides])
-    ctx = FamilyContext(config, config.detectors.r_metric, ["g"], Reduce.SUM)
+    ctx = FamilyContext(config, section_of(config, RMetricFamily()), ["g"], Reduce.SUM)
     family = RMetricFamily()
     layout = StatLayout()
     for name, size, reduce in names.adapter_statistics(1, Reduce.SUM):
@@ -177,7 +177,8 @@ def test_the_state_survives_a_restore_and_the_variance_is_off_under_model_parall
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     config = load_config(None, ["detectors.r_metric.nvml=false"])
-    sharded = FamilyContext(config, config.detectors.r_metric, ["g"], Reduce.SUM, ModelParts(model_parallel_size=2))
+    sharded = FamilyContext(config, section_of(config, RMetricFamily()), ["g"], Reduce.SUM,
+                            ModelParts(model_parallel_size=2))
     family = RMetricFamily()
     assert GRAD_NORM_MOMENTS not in {d.name for d in family.statistics(sharded)}
     (monitor,) = family.monitors(sharded)
@@ -202,8 +203,9 @@ def test_a_healthy_runs_growing_worker_spread_is_neutral_relative_to_its_recent_
     healthy = load_script("bench_r_metric").healthy
     warned = {}
     for relative in (True, False):
-        config = load_config(None, ["detectors.r_metric.nvml=false",
-                                    f"detectors.r_metric.variance_relative={str(relative).lower()}"]).detectors.r_metric
+        loaded = load_config(None, ["detectors.r_metric.nvml=false",
+                                    f"detectors.r_metric.variance_relative={str(relative).lower()}"])
+        config = section_of(loaded, RMetricFamily())
         warned[relative] = 0
         for seed in range(8):
             monitor = RMetricMonitor(config, variance=True)
@@ -216,7 +218,7 @@ def test_a_healthy_runs_growing_worker_spread_is_neutral_relative_to_its_recent_
 
 
 def test_the_relative_level_survives_a_restart_and_a_sustained_spread_jump_still_alerts() -> None:
-    config = load_config(None, ["detectors.r_metric.nvml=false"]).detectors.r_metric
+    config = section_of(load_config(None, ["detectors.r_metric.nvml=false"]), RMetricFamily())
     rng = np.random.default_rng(3)
     monitor, alerts = RMetricMonitor(config, variance=True), []
     for step in range(400):  # the ranks' spread jumps 30x at step 200 and stays there

@@ -13,9 +13,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
-from arc_engine.config.schema import SDCConfig
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
-from arc_engine.monitors.sdc import SDCMonitor, is_sdc, sdc_threshold, suspect_ranks, update_rms_max
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.sdc import (
+    SDCConfig,
+    SDCFamily,
+    SDCMonitor,
+    is_sdc,
+    sdc_threshold,
+    suspect_ranks,
+    update_rms_max,
+)
 from arc_engine.sinks import read_jsonl
 from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 from tests.dist_harness import run_ranks
@@ -81,7 +89,7 @@ def test_a_non_finite_norm_is_left_to_the_non_finite_detector_when_it_is_on() ->
     for non_finite_on, recompute_on in ((True, False), (False, False), (True, True)):
         config = load_config(None, [f"detectors.non_finite.enabled={str(non_finite_on).lower()}",
                                     f"detectors.sdc.recompute.enabled={str(recompute_on).lower()}"])
-        ctx = FamilyContext(config, config.detectors.sdc, ["g"], Reduce.SUM)
+        ctx = FamilyContext(config, section_of(config, SDCFamily()), ["g"], Reduce.SUM)
         (monitor,) = SDCFamily().monitors(ctx)
         monitor.evaluate(0, gathered(1.0, 5.0))
         monitor.commit(0, True)
@@ -178,7 +186,7 @@ def _default_run(rank: int, world: int, run_dir: Path, steps: int) -> dict[str, 
     wrapped = DistributedDataParallel(model) if world > 1 else model
     arc = arc_engine.attach(wrapped, optimizer, make_config(run_dir))  # the production defaults
     arc.optimizer = optimizer
-    assert arc.engine.config.detectors.sdc.enabled
+    assert section_of(arc.engine.config, SDCFamily()).enabled
     out = train_with_flips(wrapped, arc, data, rank, steps)
     out["warmed_up"] = next(m for m in arc.engine.gathering.assembly.monitors if m.name == "sdc").warmed_up
     arc.close()

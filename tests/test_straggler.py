@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
 from arc_engine.config import load_config
-from arc_engine.monitors.family import FamilyContext, StepView
+from arc_engine.monitors.family import FamilyContext, StepView, section_of
 from arc_engine.monitors.straggler import (
     NAMED_SLOTS,
     PEER,
@@ -72,12 +72,12 @@ class Simulated:
     def __init__(self, ranks: int, who: Any = lambda rank: (-1, 0, 0), stages: int = 1, *overrides: str) -> None:
         config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
                                     "detectors.straggler.min_delay_s=0.01", *overrides])
-        ctx = FamilyContext(config, config.detectors.straggler, ["g"], Reduce.SUM)
+        ctx = FamilyContext(config, section_of(config, StragglerFamily()), ["g"], Reduce.SUM)
         self.layout = StatLayout()
         for decl in StragglerFamily().statistics(ctx):
             self.layout.add(decl.name, decl.size * (stages if decl.name == STAGE_TIMES else 1), decl.reduce)
         self.layout.freeze()
-        self.monitor = StragglerMonitor(config.detectors.straggler, 1)
+        self.monitor = StragglerMonitor(section_of(config, StragglerFamily()), 1)
         self.producers = [StragglerProducer(5, 1, who(rank), rank, stages) for rank in range(ranks)]
         self.buffers = [StatBuffer(self.layout, torch.device("cpu")) for _ in range(ranks)]
 

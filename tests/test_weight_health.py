@@ -19,7 +19,7 @@ import arc_engine
 from arc_engine.config import ConfigError, load_config
 from arc_engine.events import Action
 from arc_engine.integrations.pytorch.fsdp import attach_fsdp
-from arc_engine.monitors.family import FamilyContext, ModelParts
+from arc_engine.monitors.family import FamilyContext, ModelParts, section_of
 from arc_engine.monitors.weight_health import GRAD, GRAD_HIST, RANK, WEIGHT, WeightHealthFamily, WeightHealthMonitor
 from arc_engine.monitors.weight_stats import (
     effective_rank,
@@ -104,7 +104,7 @@ def test_the_tracked_set_the_rank_rotation_and_the_score() -> None:
 def _setup(*overrides: str) -> tuple[StatLayout, WeightHealthMonitor, Any]:
     config = load_config(None, [*ON, "detectors.weight_health.max_tensors=4", "detectors.weight_health.every=1",
                                 *overrides])
-    ctx = FamilyContext(config, config.detectors.weight_health, ["g0"], Reduce.SUM)
+    ctx = FamilyContext(config, section_of(config, WeightHealthFamily()), ["g0"], Reduce.SUM)
     family = WeightHealthFamily()
     layout = StatLayout()
     for decl in family.statistics(ctx):
@@ -209,19 +209,19 @@ def test_the_gradient_cv_alarm_is_off_by_default_and_fires_above_cv_max() -> Non
 def test_the_family_is_off_by_default_off_without_the_adapters_matrix_list_and_validates_its_section() -> None:
     family = WeightHealthFamily()
     default = load_config(None, [])
-    assert not family.enabled(FamilyContext(default, default.detectors.weight_health, ["g"], Reduce.SUM))
+    assert not family.enabled(FamilyContext(default, section_of(default, WeightHealthFamily()), ["g"], Reduce.SUM))
     on = load_config(None, list(ON))
-    assert family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM))
+    assert family.enabled(FamilyContext(on, section_of(on, WeightHealthFamily()), ["g"], Reduce.SUM))
     # an adapter that describes the model (Megatron) must list its matrices, or the family stays off
-    assert not family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM, ModelParts()))
+    assert not family.enabled(FamilyContext(on, section_of(on, WeightHealthFamily()), ["g"], Reduce.SUM, ModelParts()))
     listed = ModelParts(matrices=[("layers.0.w", torch.zeros(2, 2), True)])
-    assert family.enabled(FamilyContext(on, on.detectors.weight_health, ["g"], Reduce.SUM, listed))
-    sizes = {d.name: d.size for d in family.statistics(FamilyContext(on, on.detectors.weight_health, ["g"],
+    assert family.enabled(FamilyContext(on, section_of(on, WeightHealthFamily()), ["g"], Reduce.SUM, listed))
+    sizes = {d.name: d.size for d in family.statistics(FamilyContext(on, section_of(on, WeightHealthFamily()), ["g"],
                                                                      Reduce.SUM))}
     assert sizes == {WEIGHT: 3 * 64, RANK: 2 * 64, GRAD: 3 * 64, GRAD_HIST: 48}  # independent of the ranks
     odd = load_config(None, [*ON, "stats.interval=3", "detectors.weight_health.every=10"])
     with pytest.raises(ValueError, match=r"multiple of stats\.interval"):
-        family.enabled(FamilyContext(odd, odd.detectors.weight_health, ["g"], Reduce.SUM))
+        family.enabled(FamilyContext(odd, section_of(odd, WeightHealthFamily()), ["g"], Reduce.SUM))
     for bad in ("rank_samples=65", "collapse_ratio=1.0", "hist_max_log2=-50", "score_min=2", "rank_window=-1"):
         with pytest.raises(ConfigError):
             load_config(None, [*ON, f"detectors.weight_health.{bad}"])

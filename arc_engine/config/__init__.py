@@ -14,7 +14,6 @@ from arc_engine.config.schema import (
     RunConfig,
     SinksConfig,
     StatsConfig,
-    WeightHealthConfig,
 )
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "RunConfig",
     "SinksConfig",
     "StatsConfig",
-    "WeightHealthConfig",
     "add_arc_args",
     "config_from_args",
     "from_dict",

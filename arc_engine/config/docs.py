@@ -289,15 +289,15 @@ def _render(sections: list[tuple[str, type, list[SchemaKey]]], pages: dict[str, 
 
 def render() -> str:
     """The whole page (docs/configuration.md): the schema's sections, with the sections of the built-in families
-    that bring their own config class first among the ``detectors`` ones. Raises RuntimeError as
-    :func:`render_sections` does."""
+    (each family's ``config_class``, in :func:`~arc_engine.monitors.registry.builtin_families` order) right after
+    the ``detectors`` one. Raises RuntimeError as :func:`render_sections` does."""
     from arc_engine.monitors.registry import builtin_families
 
     sections = _sections(ArcConfig, "")
-    first = next(i for i, (title, _, _) in enumerate(sections) if title.startswith("detectors."))
+    after = next(i for i, (title, _, _) in enumerate(sections) if title == "detectors") + 1
     own = [section for family in builtin_families() if family.config_class is not None
            for section in _sections(family.config_class, f"detectors.{family.name}")]
-    sections[first:first] = own
+    sections[after:after] = own
     return "\n".join([INTRO, _render(sections, SECTION_PAGES)]).rstrip("\n") + "\n"
 
 

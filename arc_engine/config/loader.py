@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 import yaml
 
 from arc_engine.config.errors import ConfigError
-from arc_engine.config.schema import ArcConfig, DetectorsConfig
+from arc_engine.config.schema import ArcConfig
 
 T = TypeVar("T")
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -90,8 +90,8 @@ def did_you_mean(key: str, allowed: Iterable[str]) -> str:
 
 
 def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str, Any]:
-    """Parse ``{family name: section}`` with each registered plugin family's config class (ConfigError for a name
-    that no built-in field and no registered family has)."""
+    """Parse ``{family name: section}`` with each family's config class, built-in or plugin (ConfigError for a name
+    that no family has)."""
     from arc_engine.monitors.registry import section_class, sectioned_names
 
     if not isinstance(sections, Mapping):
@@ -102,11 +102,8 @@ def _plugin_sections(sections: Any, prefix: str, source: str | None) -> dict[str
         family_class = section_class(str(name))
         if family_class is None:
             known = ", ".join(sectioned_names())
-            candidates = [f.name for f in dataclasses.fields(DetectorsConfig) if not f.metadata.get("plugin_sections")]
-            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(name), [*candidates, *sectioned_names()])}"
-                              f"; not a built-in section nor a registered monitor family (families with a "
-                              f"config class of their own: {known})",
-                              source)
+            raise ConfigError(dotted, value, f"unknown key{did_you_mean(str(name), sectioned_names())}; not a "
+                              f"built-in section nor a registered monitor family (the families: {known})", source)
         parsed[str(name)] = value if isinstance(value, family_class) else \
             from_dict(family_class, {} if value is None else value, source=source, prefix=dotted)
     return parsed
@@ -133,10 +130,12 @@ def _lift_sections(config: Any, plain: dict[str, Any]) -> dict[str, Any]:
         value = getattr(config, field.name)
         if field.metadata.get("plugin_sections"):
             given = plain.pop(field.name)
-            for name in sectioned_names():
-                if name not in given:
-                    with contextlib.suppress(TypeError, ValueError, ConfigError):  # (a class with required keys)
-                        given[name] = dataclasses.asdict(section_class(name)())  # type: ignore[misc]
+            for name in sectioned_names():  # in the families' order
+                if name in given:
+                    plain[name] = given.pop(name)
+                    continue
+                with contextlib.suppress(TypeError, ValueError, ConfigError):  # (a class with required keys)
+                    plain[name] = dataclasses.asdict(section_class(name)())  # type: ignore[misc]
             plain.update(given)
         elif dataclasses.is_dataclass(value):
             _lift_sections(value, plain[field.name])

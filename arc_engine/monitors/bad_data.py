@@ -40,20 +40,101 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from arc_engine import runtime
-from arc_engine.config.schema import DataConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
+from arc_engine.monitors.consistency import ConsistencyFamily
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    Producer,
+    StatDecl,
+    StepView,
+    section_of,
+    worker_positions,
+)
 from arc_engine.monitors.loss_spike import robust_baseline
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Bad data, found and localized: the data-parallel ranks' losses on one step parting from each other.
+
+    Each rank trains on its own batch; a bad shard (corrupted tokens, a broken document, a mis-tokenized file) raises
+    the loss of the rank that reads it and of no other. On every monitored step the spread of the ranks' losses
+    (the L4 norm of their deviations from the mean, from the step's one all-reduce) is compared with its run's own
+    baseline (the median of the last ``window`` accepted values and 1.4826 x their MAD): past ``warmup_steps``
+    accepted steps, a spread above the median by ``factor`` robust standard deviations, by at least ``min_ratio`` times
+    the median and by at least half of ``min_excess`` of the mean loss is a finding with ``action``, on that step (no
+    persistence: the step's update already carries the bad batch's gradient).
+    The finding names the rank with the highest loss (one MAX reduction of a rank key, on alarms only) when its loss
+    is at least ``min_excess`` (a fraction) above the mean of its peers', with the data position (the global batch
+    index) the step consumed; the position goes into the data ledger (``data_ledger.jsonl``), which a resumed run
+    honours and ``arc-engine data-ledger`` exports. Its skips count apart from the other skips
+    (``policy.max_consecutive_data_skips``). Needs two or more ranks recording a loss; off under expert parallelism
+    like ``detectors.consistency``.
+    ``quarantine``: after a step skipped for a named rank's bad data, the following steps drop only that rank's share
+    of the gradient (its local gradient x 0, the others' x n/(n − 1), before the reduction, on every rank alike) and
+    are applied, for as long as the rule keeps naming that rank and at most ``quarantine_steps`` in a row (then its
+    findings skip again, and the policy's bound on data skips applies). Where the integration's local gradients
+    cannot be reached before the reduction (FSDP2, ZeRO-3, model parallelism), the steps are skipped.
+    ``diverged_action``: where every rank holds a whole replica (DDP, ZeRO-1/2), an alarm whose replicas' weight
+    fingerprints differ is not bad data (the ranks' weights parted, e.g. a corrupted optimizer state or reduction on
+    one rank) and gets this action: a rollback to a verified snapshot (without recovery: a stop, exit code 3).
+    Skipping cannot bring diverged replicas back together."""
+
+    enabled: bool = True
+    """Bad data, found and localized: the ranks' losses on one step parting from each other (the L4 norm of their
+    deviations, from the step's one all-reduce); names the rank with the highest loss and the data position
+    ([detectors.md](detectors.md#bad-data)). Needs 2 or more ranks; off under expert parallelism."""
+    warmup_steps: int = 20
+    """Accepted steps before the rule can fire.
+    Allowed: >= 3"""
+    window: int = 100
+    """Accepted values in the baseline.
+    Allowed: >= `warmup_steps`"""
+    factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) above the baseline's median that a step's deviation must exceed.
+    Allowed: > 0"""
+    min_ratio: float = 10.0
+    """And this many times the baseline's median (10: silent on the campaign's clean runs,
+    [results.md](results.md#bad-data)).
+    Allowed: >= 1"""
+    min_excess: float = 0.05
+    """The highest-loss rank is named when its loss is at least this fraction above its peers' mean.
+    Allowed: >= 0"""
+    action: ActionName = "skip"
+    """What a finding gets; its skips count apart (`policy.max_consecutive_data_skips`)."""
+    quarantine: bool = True
+    """After a step skipped for a named rank's bad data, drop only that rank's share of the next steps' gradient (before
+    the reduction) and apply them, while the rule keeps naming it (DDP, ZeRO-1/2; elsewhere: skip)."""
+    quarantine_steps: int = 100
+    """Quarantined steps in a row at most; past them the findings skip again.
+    Allowed: >= 1"""
+    diverged_action: ActionName = "rollback"
+    """What an alarm gets whose data-parallel replicas' weights differ (not bad data; DDP, ZeRO-1/2): rollback restores
+    identical replicas (without recovery: a stop)."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_ratio >= 1, "min_ratio", self.min_ratio, "must be >= 1")
+        require(self.min_excess >= 0, "min_excess", self.min_excess, "must be >= 0")
+        require(self.quarantine_steps >= 1, "quarantine_steps", self.quarantine_steps, "must be an integer >= 1")
+
+
 
 #: [1] DETAIL: this rank's global rank: on an alarm each rank's loss becomes a rank key on the host, reduced by MAX in a
 #: follow-up (a healthy step only fills this one number).
@@ -238,6 +319,7 @@ class BadDataFamily(FamilyBase):
     """``detectors.data``: the spread of the ranks' losses (the shared worker moments), naming the bad rank."""
 
     name = "data"
+    config_class = DataConfig
 
     def __init__(self) -> None:
         self._monitor: tuple[int, BadDataMonitor] | None = None
@@ -249,7 +331,7 @@ class BadDataFamily(FamilyBase):
         if self._monitor is None or self._monitor[0] != id(ctx):
             positions, position = worker_positions(ctx.parts) or (1, 0)
             monitor = BadDataMonitor(ctx.section, runtime.global_rank(), positions, position,
-                                     write_moments=not ctx.config.detectors.consistency.enabled,
+                                     write_moments=not section_of(ctx.config, ConsistencyFamily()).enabled,
                                      quarantine=ctx.local_grad_hooks and positions == 1)
             self._monitor = (id(ctx), monitor)
         return self._monitor[1]

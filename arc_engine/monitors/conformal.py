@@ -28,15 +28,88 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from arc_engine.config.schema import ConformalConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, section_of
 from arc_engine.monitors.loss_spike import mean_loss
 from arc_engine.monitors.numerics import GradNormFamily
 from arc_engine.stats import AgreedStats, names
+
+
+@dataclass(kw_only=True)
+class ConformalConfig:
+    """Conformal loss-forecast intervals (ARC paper §3.5, Algorithms 5-6): each monitored step the agreed loss is
+    compared with its one-step forecast (Holt's linear smoothing of the accepted losses: ``level_rate``,
+    ``trend_rate``); the scores |loss − forecast| of the last ``window`` accepted steps calibrate split-conformal
+    thresholds (the ⌈(n + 1)(1 − α)⌉-th smallest score) for miscoverage ``alpha`` and ``failure_alpha``, after
+    ``min_calibration`` scores. A loss above its 1 − ``failure_alpha`` interval is a FAILURE (``action``); outside
+    the 1 − ``alpha`` one a WARNING (a metric). With ``explosion_loss`` > 0, a forecast upper bound above it warns
+    ahead (``forecast_action``: by default a preventive checkpoint). Coverage of the 1 − ``alpha`` interval over
+    the last ``coverage_window`` steps below 1 − ``alpha`` − ``coverage_tolerance`` recalibrates on the newest half
+    of the scores. ``signals``: what gets such intervals: ``loss`` and ``grad_norm`` (the agreed pre-clip global
+    gradient norm, in log space; its warning ahead uses ``detectors.grad_norm.explosion_threshold``)."""
+
+    enabled: bool = False
+    """Conformal loss-forecast intervals with calibrated coverage (ARC paper §3.5;
+    [detectors.md](detectors.md#conformal-loss-intervals))."""
+    alpha: float = 0.1
+    """Miscoverage of the warning interval (1 − alpha of the losses inside).
+    Allowed: in (0, 1)"""
+    failure_alpha: float = 0.005
+    """Miscoverage of the failure interval: a loss above it is a failure.
+    Allowed: in (0, `alpha`)"""
+    window: int = 500
+    """Scores of accepted steps kept as the calibration set.
+    Allowed: >= `min_calibration`"""
+    min_calibration: int = 200
+    """Scores before any verdict.
+    Allowed: >= ⌈(1 − failure_alpha) / failure_alpha⌉"""
+    level_rate: float = 0.3
+    """The forecast's level smoothing (Holt).
+    Allowed: in (0, 1]"""
+    trend_rate: float = 0.05
+    """The forecast's trend smoothing (Holt; 0: no trend).
+    Allowed: in [0, 1]"""
+    coverage_window: int = 500
+    """Steps over which the warning interval's coverage is measured.
+    Allowed: >= 10"""
+    coverage_tolerance: float = 0.05
+    """Coverage below 1 − alpha − this recalibrates on the newest half of the scores.
+    Allowed: in [0, 1)"""
+    explosion_loss: float = 0.0
+    """A forecast upper bound above this loss warns ahead (a preventive checkpoint is advised); 0: off.
+    Allowed: >= 0"""
+    signals: list[Literal["loss", "grad_norm"]] = field(default_factory=lambda: ["loss"])
+    """The scalar signals that get conformal intervals: `loss` (the agreed mean loss) and `grad_norm` (the agreed
+    pre-clip global gradient norm, judged in log space; its forecast warns ahead of
+    `detectors.grad_norm.explosion_threshold`). Metrics of a signal other than the loss carry its name as a prefix.
+    Allowed: a list of loss, grad_norm"""
+    action: ActionName = "warn"
+    """What a loss above its failure interval gets."""
+    forecast_action: ActionName = "checkpoint"
+    """What the forecast's bound crossing `explosion_loss` gets (`checkpoint`: a preventive checkpoint)."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.alpha < 1, "alpha", self.alpha, "must be in (0, 1)")
+        require(0 < self.failure_alpha < self.alpha, "failure_alpha", self.failure_alpha, "must be in (0, alpha)")
+        needed = math.ceil((1 - self.failure_alpha) / self.failure_alpha)
+        require(self.min_calibration >= needed, "min_calibration", self.min_calibration,
+                f"must be >= {needed}: fewer scores cannot calibrate failure_alpha = {self.failure_alpha}")
+        require(self.window >= self.min_calibration, "window", self.window, "must be >= min_calibration")
+        require(0 < self.level_rate <= 1, "level_rate", self.level_rate, "must be in (0, 1]")
+        require(0 <= self.trend_rate <= 1, "trend_rate", self.trend_rate, "must be in [0, 1]")
+        require(self.coverage_window >= 10, "coverage_window", self.coverage_window, "must be an integer >= 10")
+        require(0 <= self.coverage_tolerance < 1, "coverage_tolerance", self.coverage_tolerance, "must be in [0, 1)")
+        require(self.explosion_loss >= 0, "explosion_loss", self.explosion_loss, "must be >= 0 (0 = off)")
+        require(len(self.signals) >= 1 and len(set(self.signals)) == len(self.signals), "signals", self.signals,
+                "must name each signal once, at least one")
+
+
 
 HEALTHY, WARNING, FAILURE = "healthy", "warning", "failure"
 
@@ -270,6 +343,7 @@ class ConformalFamily(FamilyBase):
     """``detectors.conformal`` (off by default): reads the agreed loss (the standard loss slots)."""
 
     name = "conformal"
+    config_class = ConformalConfig
 
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
         grad_norm = section_of(ctx.config, GradNormFamily())

@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from arc_engine import runtime
-from arc_engine.config.schema import ConsistencyConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import (
@@ -50,12 +52,94 @@ from arc_engine.monitors.family import (
     StatDecl,
     StepView,
     periodic_due,
+    section_of,
     worker_positions,
 )
 from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
+
+
+@dataclass(kw_only=True)
+class ConsistencyConfig:
+    """Cross-worker consistency over the data-parallel ranks (silent-inconsistency paper), on every monitored step:
+    the loss dispersion (std over ranks), the dispersion of the ranks' local pre-reduction gradient norms (std and
+    coefficient of variation) and, every ``direction_every`` monitored steps, the gradient-direction consistency
+    C_dir (mean pairwise cosine of the local gradients, from a ``sketch_size``-number signed chunk-sum sketch per rank
+    summed through the step's one all-reduce; exact, from the whole local gradient, under DDP and FSDP2 when the model
+    has at most ``exact_max_params`` trainable elements and the SDC sketch is off). Ranges (max - min) and the rank
+    farthest from its peers come every ``detail_every`` monitored steps through a fixed-size MAX reduction (the
+    extreme ranks); every rank's values are fetched on an alarm. Alarm: after ``warmup_steps`` accepted
+    steps, the gradient-norm CV above the median of the last ``window`` accepted values by ``factor`` robust standard
+    deviations and by at least ``min_cv_ratio`` times that median, or C_dir below its median by ``factor`` robust
+    standard deviations and at least ``min_direction_drop``, on ``persist`` consecutive measurements (once per
+    episode). Under megatron-core tensor/pipeline parallelism the ranks are compared within each model-parallel
+    position (the replicas of one shard); off under expert parallelism."""
+
+    enabled: bool = True
+    """Cross-worker consistency over the data-parallel ranks: loss and local gradient-norm dispersion every monitored
+    step, direction consistency periodically ([detectors.md](detectors.md)). Off by itself under tensor, pipeline,
+    context or expert parallelism."""
+    warmup_steps: int = 20
+    """Accepted steps before the alarms can fire.
+    Allowed: >= 3"""
+    window: int = 100
+    """Accepted values (gradient-norm CV, C_dir) in the baseline.
+    Allowed: >= warmup_steps"""
+    factor: float = 6.0
+    """Robust standard deviations (1.4826 x MAD) from the baseline's median that alarm.
+    Allowed: > 0"""
+    min_cv_ratio: float = 2.0
+    """The gradient-norm CV must also exceed this many times its baseline median.
+    Allowed: >= 1"""
+    min_direction_drop: float = 0.1
+    """C_dir must also fall this far below its baseline median (cosine units).
+    Allowed: [0, 2]"""
+    persist: int = 3
+    """Consecutive measurements past the limit before an alarm (one alarm per episode); one step's spread has a long
+    tail with few ranks.
+    Allowed: >= 1"""
+    direction: bool = True
+    """Measure C_dir, the mean pairwise cosine of the ranks' local gradients, from a gradient sketch (one more pass over
+    the local gradient on its steps)."""
+    direction_every: int = 10
+    """Monitored steps between C_dir measurements (the sketch is taken only then; on every monitored step when
+    `detectors.sdc.sketch_size` is set).
+    Allowed: >= 1"""
+    sketch_size: int = 256
+    """Numbers in each rank's sketch (`detectors.sdc.sketch_size` wins when set): the estimate's error falls as
+    1/sqrt(size) ([detectors.md](detectors.md)).
+    Allowed: >= 2"""
+    exact_max_params: int = 0
+    """Under DDP and FSDP2, a model with at most this many trainable elements sends each rank's whole unit gradient
+    instead of the sketch: C_dir is then exact, and the all-reduce carries that many more numbers on every monitored
+    step (small models and tests); 0: always the sketch. `detectors.sdc.sketch_size` wins when set.
+    Allowed: >= 0"""
+    detail_every: int = 100
+    """Monitored steps between readings of the ranges of the ranks' loss and local norm and of the rank farthest from
+    its peers; 0: on alarms only. One MAX reduction of 2 + 2 x positions numbers on those steps (the extreme ranks), not
+    a per-rank gather.
+    Allowed: >= 0"""
+    action: ActionName = "warn"
+    """What an alarm gets."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 3, "warmup_steps", self.warmup_steps, "must be an integer >= 3")
+        require(self.exact_max_params >= 0, "exact_max_params", self.exact_max_params,
+                "must be an integer >= 0 (0 = always the sketch)")
+        require(self.window >= self.warmup_steps, "window", self.window, "must be >= warmup_steps")
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_cv_ratio >= 1, "min_cv_ratio", self.min_cv_ratio, "must be >= 1")
+        require(0 <= self.min_direction_drop <= 2, "min_direction_drop", self.min_direction_drop, "must be in [0, 2]")
+        require(self.persist >= 1, "persist", self.persist, "must be an integer >= 1")
+        require(self.direction_every >= 1, "direction_every", self.direction_every, "must be an integer >= 1")
+        require(self.sketch_size >= 2, "sketch_size", self.sketch_size, "must be an integer >= 2")
+        require(self.detail_every >= 0, "detail_every", self.detail_every,
+                "must be an integer >= 0 (0 = on alarms only)")
+
+
 
 #: [positions x (k' + 1)] SUM, per model-parallel position: Σ_i ŝ_i (its ranks' unit gradient sketches, folded to
 #: k' = :func:`position_sketch_size` numbers) and the number of ranks with a non-zero sketch.
@@ -355,7 +439,7 @@ def shared_sketch_size(config: Any, exact_size: int = 0) -> int:
     ``sketch_size`` when set; else the whole local gradient (``exact_size`` elements, when the adapter can write it
     so) if it has at most ``exact_max_params``; else the consistency family's ``sketch_size`` (0: no family wants
     it)."""
-    sdc, consistency = config.detectors.sdc, config.detectors.consistency
+    sdc, consistency = section_of(config, SDCFamily()), section_of(config, ConsistencyFamily())
     if sdc.enabled and sdc.sketch_size:
         return sdc.sketch_size
     if not (consistency.enabled and consistency.direction):
@@ -370,6 +454,7 @@ class ConsistencyFamily(FamilyBase):
     data-parallel ranks (the standard loss and local-gradient slots, plus its own SUM slots)."""
 
     name = "consistency"
+    config_class = ConsistencyConfig
 
     def enabled(self, ctx: FamilyContext) -> bool:
         # Under model parallelism a rank's local gradient is its shard's: ranks are compared within a model-parallel

@@ -31,19 +31,120 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from arc_engine import runtime
-from arc_engine.config.schema import DynamicsConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_family_enabled
 from arc_engine.monitors.weight_health import dtensor_parameter
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.partition import owned_ids
+
+
+@dataclass(kw_only=True)
+class DynamicsConfig:
+    """Training dynamics (ARC paper §3.4): every ``every`` optimizer steps (a multiple of ``stats.interval``) the
+    parameter velocity v = ‖θ_t − θ_{t−every}‖ (exact: each rank adds its own part of the parameters, each element
+    once over the decision group; each rank keeps a copy of its part), the online Lyapunov estimate λ̂ = mean over
+    the last ``lyapunov_window`` velocities of ln(v_k / v_{k−1}) / ``every`` (per optimizer step, Algorithm 4),
+    smoothed λ̄ ← ``ema`` λ̂ + (1 − ``ema``) λ̄, and the phase (§3.4.8): λ̄ above ``divergent`` is a failure
+    (``action``; the paper rolls back), above ``warning`` a warning; |λ̄| below ``marginal`` checks the last
+    ``window`` velocities for an oscillation (§3.4.7): the largest FFT power (the window's mean removed) above
+    ``oscillation_factor`` times the
+    mean power (the paper's 2 fires on white noise; see detectors.md) gets ``oscillation_action``. Each phase is
+    reported when it begins; after ``warmup_measurements`` velocities. With ``stabilize`` (opt-in, §3.4.6), while
+    λ̄ > ``marginal`` every monitored step's gradient g becomes g S + (1 − S) clip(g, c), S = exp(−λ̄),
+    c = (1 − ``stabilize_strength``) + ``stabilize_strength`` e^{−λ̄} (a norm), from the agreed global norm.
+    Attractor detection (§3.4.5): the displacements are also written as an ``attractor_sketch``-number random-sign
+    sketch, whose running sum tracks the trajectory; over the last ``window`` positions, R = max ‖θ_t − θ̄‖ below
+    ``attractor_radius`` (> 0) or below ``attractor_ratio`` times the path length, for ``attractor_steps``
+    consecutive measurements, reports that training settled into an attractor (an info event)."""
+
+    enabled: bool = False
+    """Training dynamics (ARC paper §3.4): the parameter velocity, the online Lyapunov estimate, the phase and an FFT
+    oscillation check ([detectors.md](detectors.md#training-dynamics)). Each rank keeps a copy of its part of the
+    parameters (1/N of the model under DDP)."""
+    every: int = 10
+    """Optimizer steps between velocity measurements (v = ‖θ_t − θ_{t−every}‖).
+    Allowed: >= 1, a multiple of `stats.interval`"""
+    lyapunov_window: int = 8
+    """Velocities whose mean log-ratio is the Lyapunov estimate (Algorithm 4's window).
+    Allowed: >= 3"""
+    window: int = 32
+    """Velocities kept; the oscillation check's FFT window.
+    Allowed: >= 4 and >= `lyapunov_window`"""
+    ema: float = 0.3
+    """Smoothing of the Lyapunov estimate: λ̄ ← ema λ̂ + (1 − ema) λ̄.
+    Allowed: in (0, 1]"""
+    divergent: float = 0.2
+    """λ̄ (per optimizer step) above this: divergent, a failure that gets `action` (the paper rolls back).
+    Allowed: > `warning`"""
+    warning: float = 0.1
+    """λ̄ above this: unstable, a warning; below minus this: convergent.
+    Allowed: > 0"""
+    marginal: float = 0.05
+    """|λ̄| below this: marginal, and the velocity window is checked for an oscillation.
+    Allowed: in (0, `warning`]"""
+    oscillation_factor: float = 8.0
+    """An oscillation: the largest FFT power of the velocity window (its mean removed) above this many times the mean
+    power (the paper's 2 fires on white noise).
+    Allowed: > 1"""
+    warmup_measurements: int = 4
+    """Velocities before a phase is reported.
+    Allowed: >= 3"""
+    stabilize: bool = False
+    """Opt-in (§3.4.6): while λ̄ > `marginal`, scale each monitored step's gradient to g S + (1 − S) clip(g, c), S =
+    exp(−λ̄), on every rank alike."""
+    stabilize_strength: float = 0.5
+    """The stabilisation's intervention strength: the clip norm c = (1 − strength) + strength e^{−λ̄}.
+    Allowed: in [0, 1]"""
+    attractor_sketch: int = 128
+    """Numbers in the random-sign sketch of each displacement (in the step's one all-reduce) from which the trajectory's
+    positions are tracked; 0: no attractor detection.
+    Allowed: >= 0"""
+    attractor_ratio: float = 0.05
+    """An attractor (§3.4.5): over the last `window` positions, the largest distance from their centroid below this
+    times the path length walked; 0: off.
+    Allowed: in [0, 1)"""
+    attractor_radius: float = 0.0
+    """An attractor: that largest distance below this (parameter-space units, the paper's τ_attractor); 0: off.
+    Allowed: >= 0"""
+    attractor_steps: int = 5
+    """Consecutive measurements inside the attractor rule before it is reported (an info event).
+    Allowed: >= 1"""
+    action: ActionName = "warn"
+    """What a divergent trajectory gets."""
+    oscillation_action: ActionName = "warn"
+    """What an oscillation gets."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
+        require(self.lyapunov_window >= 3, "lyapunov_window", self.lyapunov_window,
+                "must be an integer >= 3 (velocities)")
+        require(self.window >= max(4, self.lyapunov_window), "window", self.window,
+                "must be an integer >= 4 and >= lyapunov_window (velocities)")
+        require(0 < self.ema <= 1, "ema", self.ema, "must be in (0, 1]")
+        require(self.divergent > self.warning > 0, "divergent", self.divergent, "must be > warning > 0")
+        require(0 < self.marginal <= self.warning, "marginal", self.marginal, "must be in (0, warning]")
+        require(self.oscillation_factor > 1, "oscillation_factor", self.oscillation_factor, "must be > 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3 (two velocity ratios)")
+        require(0 <= self.stabilize_strength <= 1, "stabilize_strength", self.stabilize_strength,
+                "must be in [0, 1]")
+        require(self.attractor_sketch >= 0, "attractor_sketch", self.attractor_sketch,
+                "must be an integer >= 0 (0 = no attractor detection)")
+        require(0 <= self.attractor_ratio < 1, "attractor_ratio", self.attractor_ratio, "must be in [0, 1)")
+        require(self.attractor_radius >= 0, "attractor_radius", self.attractor_radius, "must be >= 0 (0 = off)")
+        require(self.attractor_steps >= 1, "attractor_steps", self.attractor_steps, "must be an integer >= 1")
+
+
 
 #: [2] SUM: Σ over this rank's part of the parameters of (θ − θ at the last measurement)², and 1 where this rank
 #: measured (a copy existed and the step counter moved forward)
@@ -360,6 +461,7 @@ class DynamicsFamily(FamilyBase):
     """``detectors.dynamics`` (off by default): the parameter velocity every ``every`` optimizer steps."""
 
     name = "dynamics"
+    config_class = DynamicsConfig
 
     def __init__(self) -> None:
         self._shared: tuple[FamilyContext, VelocityProducer] | None = None

@@ -3,9 +3,9 @@
 A family (one module per family: ``numerics.py``, ``loss_spike.py``, ``optimizer.py``, ``sdc.py``, or a module of
 your own) says:
 
-* its **config section** -- ``detectors.<name>`` in the YAML; a built-in family's section is a typed field of
-  :class:`~arc_engine.config.schema.DetectorsConfig`, a plugin family brings its own ``config_class`` (a
-  ``kw_only`` dataclass that validates itself) and the loader parses ``detectors.<name>`` with it;
+* its **config section** -- ``detectors.<name>`` in the YAML: the family brings its own ``config_class`` (a
+  ``kw_only`` dataclass that validates itself, in the family's module), the loader parses ``detectors.<name>`` with
+  it and :func:`section_of` reads it;
 * its **statistics** (:class:`StatDecl`: name, size, how ranks combine it -- :class:`~arc_engine.stats.Reduce`);
 * its **producers** (:class:`Producer`): which hook of the step writes which of its statistics from which tensors.
   The adapters already produce the standard slots (``arc_engine.stats.names``: loss, local and reduced gradient
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from arc_engine.config.schema import ArcConfig
 from arc_engine.monitors.base import Monitor
 from arc_engine.seams import check_overrides
-from arc_engine.stats import Reduce, StatBuffer
+from arc_engine.stats import Reduce, StatBuffer, names
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ class FamilyBase:
     TypeError when the class is defined."""
 
     name = ""
-    #: the dataclass of a plugin family's ``detectors.<name>`` section; None for a built-in family.
+    #: the dataclass of the family's ``detectors.<name>`` section; None for a family without a section.
     config_class: type | None = None
 
     HOOKS = ("enabled", "statistics", "producers", "monitors", "optimizer_stats_due", "sketch_due")
@@ -241,14 +241,19 @@ class FamilyBase:
 
 
 def section_of(config: ArcConfig, family: FamilyBase) -> Any:
-    """``detectors.<family.name>``: the typed field of a built-in, or the parsed plugin section (its defaults when
-    the YAML has none)."""
-    if family.config_class is None and family.name in {f.name for f in dataclasses.fields(config.detectors)}:
-        return getattr(config.detectors, family.name)
+    """``detectors.<family.name>``: the section parsed with the family's ``config_class`` (its defaults when the
+    YAML has none; None for a family without a section). The one way to read a family's section, e.g.
+    ``section_of(config, SDCFamily()).action``."""
     section = config.detectors.plugins.get(family.name)
     if section is None and family.config_class is not None:
         section = family.config_class()
     return section
+
+
+def replace_section(config: ArcConfig, family: FamilyBase, section: Any) -> ArcConfig:
+    """A copy of ``config`` whose ``detectors.<family.name>`` is ``section`` (what :func:`section_of` then reads)."""
+    plugins = {**config.detectors.plugins, family.name: section}
+    return dataclasses.replace(config, detectors=dataclasses.replace(config.detectors, plugins=plugins))
 
 
 def periodic_family_enabled(ctx: FamilyContext, name: str, described: bool) -> bool:
@@ -271,6 +276,13 @@ def periodic_due(step: int, interval: int, every: int) -> bool:
     return bool(every) and monitored > 0 and monitored % every == 0
 
 
+def optimizer_statistics(ctx: FamilyContext) -> list[StatDecl]:
+    """The per-group weight and update slots the adapters fill inside the optimizer step (shared by every family
+    that reads them; the layout registers each once)."""
+    size = len(ctx.group_names)
+    return [StatDecl(name, size, ctx.shard_reduce) for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT)]
+
+
 def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     """``stats.optimizer_stats_every``: whether monitored step ``step`` is one of the periodic optimizer-statistics
     steps (every ``interval x every`` optimizer steps; never when 0)."""
@@ -279,5 +291,5 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
 
 
 __all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "Producer",
-           "RouterShard", "StatDecl", "StepView", "optimizer_stats_schedule", "periodic_due", "periodic_family_enabled",
-           "section_of", "worker_positions"]
+           "RouterShard", "StatDecl", "StepView", "optimizer_statistics", "optimizer_stats_schedule", "periodic_due",
+           "periodic_family_enabled", "replace_section", "section_of", "worker_positions"]

@@ -47,18 +47,97 @@ import bisect
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from arc_engine import runtime
-from arc_engine.config.schema import FisherConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_family_enabled
 from arc_engine.recovery.state import local_tensor
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.partition import owned_ids
+
+
+@dataclass(kw_only=True)
+class FisherConfig:
+    """Fisher-aware recovery (ARC paper §3.3 and §3.6, Algorithms 3, 7, 8): a diagonal Fisher estimate F ←
+    ``decay`` g² + (1 − ``decay``) F of the gradient each rank's optimizer applies to its own tensors (its partition
+    under ZeRO and FSDP2, the whole replica under DDP), updated every ``every`` applied steps (a multiple of
+    ``stats.interval``). On those steps the agreement carries ΣF, ΣF ln F, the element count and the Fisher-Rao
+    distance d_FR = √Σ F (θ − θ*)² from the last verified-stable state θ* (recovery's snapshots). After
+    ``warmup_measurements``: d_FR above ``drift_threshold`` (> 0) or above ``drift_factor`` times the median of the
+    last ``window`` healthy values gets ``drift_action`` (a preventive checkpoint); the Fisher's effective rank
+    exp(H(F / ΣF)) below ``min_rank_fraction`` of the element count a warning. With ``importance_rollback`` a
+    rollback blends θ = β θ_ckpt + (1 − β) θ_cur, β = sigmoid(``sharpness`` (F / F̄ − 1)); with ``ewc_strength``
+    λ₀ > 0 the steps after a rollback add the EWC penalty's gradient λ_t F (θ − θ*), λ_t = λ₀ exp(−t /
+    ``ewc_decay_steps``), for ``ewc_steps`` applied steps."""
+
+    enabled: bool = False
+    """Fisher-aware recovery (ARC paper §3.3, §3.6; [detectors.md](detectors.md#fisher-aware-recovery)): a diagonal
+    Fisher estimate of each rank's own part, the Fisher-Rao drift from the last verified state, the Fisher's effective
+    rank. Memory: 8 bytes per element of the rank's own part (DDP: the whole replica)."""
+    every: int = 10
+    """Applied optimizer steps between Fisher updates (and its statistics).
+    Allowed: >= 1, a multiple of `stats.interval`"""
+    decay: float = 0.05
+    """F ← decay g² + (1 − decay) F (the first update sets F = g²).
+    Allowed: in (0, 1]"""
+    warmup_measurements: int = 20
+    """Measurements before any verdict.
+    Allowed: >= 1"""
+    window: int = 64
+    """Healthy Fisher-Rao distances kept; their median scales `drift_factor`.
+    Allowed: >= 3"""
+    drift_threshold: float = 0.0
+    """A Fisher-Rao distance from the last verified-stable state above this gets `drift_action`; 0: off.
+    Allowed: >= 0"""
+    drift_factor: float = 10.0
+    """A Fisher-Rao distance above this times the median of the healthy ones gets `drift_action`; 0: off.
+    Allowed: 0 or > 1"""
+    drift_action: ActionName = "checkpoint"
+    """What a Fisher-Rao drift gets (a preventive checkpoint: the next verified snapshot goes to disk and becomes the
+    new reference)."""
+    min_rank_fraction: float = 0.001
+    """The Fisher's effective rank below this fraction of the parameters: a warning; 0: off.
+    Allowed: in [0, 1)"""
+    importance_rollback: bool = False
+    """A rollback keeps θ = β θ_ckpt + (1 − β) θ_now, β = sigmoid(sharpness (F / F̄ − 1)): the important parameters
+    restored, the others kept. Needs `recovery.enabled`."""
+    sharpness: float = 5.0
+    """The importance weights' sharpness (the paper's λ times F̄).
+    Allowed: > 0"""
+    ewc_strength: float = 0.0
+    """λ₀ of the EWC penalty (λ_t / 2) Σ F (θ − θ*)² added after a rollback (its gradient, inside the optimizer step);
+    0: off. Needs `recovery.enabled`.
+    Allowed: >= 0"""
+    ewc_decay_steps: float = 50.0
+    """λ_t = λ₀ exp(−t / this), t the applied steps since the rollback.
+    Allowed: > 0"""
+    ewc_steps: int = 200
+    """Applied steps the EWC penalty lasts after a rollback.
+    Allowed: >= 1"""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1 (optimizer steps)")
+        require(0 < self.decay <= 1, "decay", self.decay, "must be in (0, 1]")
+        require(self.warmup_measurements >= 1, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 1")
+        require(self.window >= 3, "window", self.window, "must be an integer >= 3 (measurements)")
+        require(self.drift_threshold >= 0, "drift_threshold", self.drift_threshold, "must be >= 0 (0 = off)")
+        require(self.drift_factor == 0 or self.drift_factor > 1, "drift_factor", self.drift_factor,
+                "must be 0 (off) or > 1")
+        require(0 <= self.min_rank_fraction < 1, "min_rank_fraction", self.min_rank_fraction, "must be in [0, 1)")
+        require(self.sharpness > 0, "sharpness", self.sharpness, "must be > 0")
+        require(self.ewc_strength >= 0, "ewc_strength", self.ewc_strength, "must be >= 0 (0 = off)")
+        require(self.ewc_decay_steps > 0, "ewc_decay_steps", self.ewc_decay_steps, "must be > 0 (applied steps)")
+        require(self.ewc_steps >= 1, "ewc_steps", self.ewc_steps, "must be an integer >= 1 (applied steps)")
+
+
 
 #: [6] SUM over this rank's counted elements: ΣF, ΣF ln F, element count, ΣF (θ − θ*)², 1 where this rank has a θ*,
 #: 1 where it has an F
@@ -387,6 +466,7 @@ class FisherFamily(FamilyBase):
     rollback and recovery."""
 
     name = "fisher"
+    config_class = FisherConfig
 
     def __init__(self) -> None:
         self._shared: tuple[FamilyContext, FisherState] | None = None

@@ -13,7 +13,15 @@ import numpy as np
 
 from arc_engine.events import Finding
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, optimizer_stats_schedule
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    StatDecl,
+    optimizer_statistics,
+    optimizer_stats_schedule,
+    section_of,
+)
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.stats import AgreedStats, names
 from arc_engine.stats.optim_stats import rms_per_group
 
@@ -65,13 +73,6 @@ class OptimizerStatsMonitor(Monitor):
         return None
 
 
-def optimizer_statistics(ctx: FamilyContext) -> list[StatDecl]:
-    """The per-group weight and update slots the adapters fill inside the optimizer step (shared by every family
-    that reads them; the layout registers each once)."""
-    size = len(ctx.group_names)
-    return [StatDecl(name, size, ctx.shard_reduce) for name in (names.WEIGHT_SQ, names.UPDATE_SQ, names.UPDATE_COUNT)]
-
-
 class OptimizerStatsFamily(FamilyBase):
     """Weight norms and update RMS as metrics, on the ``stats.optimizer_stats_every`` schedule (no config section
     of its own under ``detectors``; on whenever that schedule is, or when the SDC detector needs the slots)."""
@@ -79,7 +80,7 @@ class OptimizerStatsFamily(FamilyBase):
     name = "optimizer"
 
     def enabled(self, ctx: FamilyContext) -> bool:
-        return bool(ctx.config.stats.optimizer_stats_every) or ctx.config.detectors.sdc.enabled
+        return bool(ctx.config.stats.optimizer_stats_every) or section_of(ctx.config, SDCFamily()).enabled
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         return optimizer_statistics(ctx)

@@ -24,7 +24,7 @@ Through the one agreement (SUM slots; each (layer, head) is written by exactly o
 The alarm is on a persistent drop of the model's attention updates, not on one head: per measurement, each layer's
 median head is compared with that layer's healthy trajectory (a robust trend through the last ``window`` accepted
 measurements, :mod:`arc_engine.monitors.trajectory`), the relative drops are averaged over layers, and a one-sided
-CUSUM accumulates them beyond an allowance (see :class:`~arc_engine.config.QKSpectraConfig`); the event names the
+CUSUM accumulates them beyond an allowance (see :class:`QKSpectraConfig`); the event names the
 layers and the heads that fell most, with their tensor-parallel ranks. A second monitor (``qk_logit``) follows each
 head's logit bound against its own trend and names the heads that grew off it. Its cost is periodic: a few small SVDs
 per head every δ steps (``scripts/bench_qk_cores.py``), plus a host copy of the results."""
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from arc_engine import internals
-from arc_engine.config.schema import QKSpectraConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import (
@@ -59,8 +61,81 @@ from arc_engine.monitors.spectra import (
     head_spectra_t,
     split_qkv_rows,
 )
-from arc_engine.monitors.trajectory import robust_trend
+from arc_engine.monitors.trajectory import TrajectoryMonitorConfig, robust_trend
 from arc_engine.stats import Reduce, StatBuffer
+
+
+@dataclass(kw_only=True)
+class QKSpectraConfig(TrajectoryMonitorConfig):
+    """Attention weight-update and QK-product spectra per head (mechanism-driven monitors; Megatron only: the
+    adapter describes where each tensor-parallel rank's heads are).
+
+    Every ``every`` optimizer steps (δ; a multiple of ``stats.interval``), for each layer and query head: the spectra
+    of ΔW_q, ΔW_k over the last δ steps and of the QK-product increments Δ₁, Δ₂, Δ₃ (from thin-QR cores). Only W_q
+    and W_k at t − δ are kept, on one data-parallel copy per layer.
+
+    The alarm is a one-sided CUSUM on the model's relative drop of Δ₂ spectral entropy: each measurement, each
+    layer's median head is compared with that layer's trend (Theil-Sen through the last ``window`` accepted
+    measurements, :mod:`arc_engine.monitors.trajectory`); d = the mean over layers of (trend − value) / trend; the
+    sum S = max(0, S + d − ``allowance``) alarms when it exceeds ``alarm_drop``, after ``warmup_measurements``. A
+    measurement taken while S > 0 stays out of the trajectory; after an alarm S restarts at 0 and the new level
+    joins it (one alarm per episode). A sustained drop of x alarms after about ``alarm_drop`` / (x − ``allowance``)
+    measurements; a fault confined to one of L layers counts 1/L.
+
+    Attention logit growth per head: each measurement, every head's bound on its attention logits per unit input
+    norms, σ_max(W_q W_kᵀ)/√d_k (from the same thin-QR cores), is compared with its own trend (Theil-Sen of the log
+    bound through the last ``window`` accepted measurements); a head above it by a factor of more than 1 +
+    ``logit_growth`` and by more than ``logit_factor`` robust standard deviations alarms (``logit_action``), once
+    per episode (the alarmed level joins the trend), after ``logit_warmup_measurements`` accepted measurements
+    (early training moves the bounds fastest). Where the attention implementation records the measured max
+    logit per head (Transformer Engine >= 2.9 with ``current_max_attn_logits``), it is reported beside the bound.
+    """
+
+    # The inherited keys again, for this family's own docstrings (the defaults are the base's).
+    enabled: bool = True
+    """Attention ΔW and QK-product spectra per head and tensor-parallel shard (Megatron; off elsewhere)."""
+    every: int = 50
+    """δ: optimizer steps between measurements (W_q, W_k at t − δ are kept).
+    Allowed: a multiple of `stats.interval`"""
+    warmup_measurements: int = 8
+    """Accepted measurements before the alarm can fire.
+    Allowed: >= 3"""
+    window: int = 16
+    """Accepted measurements in each layer's healthy trajectory.
+    Allowed: >= `warmup_measurements`"""
+    allowance: float = 0.05
+    """Relative drop per measurement (mean over layers of each layer's median head below its trend) the accumulated sum
+    absorbs.
+    Allowed: [0, 1)"""
+    alarm_drop: float = 0.5
+    """Accumulated drop beyond the allowance that alarms (e.g. 0.5: a sustained 30 % drop alarms on the 3rd
+    measurement).
+    Allowed: > 0"""
+    action: ActionName = "warn"
+    """What an alarm gets."""
+    logit_growth: float = 1.0
+    """A head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k above its own trend by a factor of more than 1 + this alarms
+    (with `logit_factor`).
+    Allowed: > 0"""
+    logit_factor: float = 6.0
+    """... and by more than this many robust standard deviations of the log bound's residuals.
+    Allowed: > 0"""
+    logit_warmup_measurements: int = 10
+    """Accepted measurements before the logit-growth alarm can fire (early training moves the bounds fastest).
+    Allowed: 3 to `window`"""
+    logit_action: ActionName = "warn"
+    """What a logit-growth alarm gets."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.allowance < 1, "allowance", self.allowance, "must be in [0, 1)")
+        require(self.alarm_drop > 0, "alarm_drop", self.alarm_drop, "must be > 0")
+        require(self.logit_growth > 0, "logit_growth", self.logit_growth, "must be > 0 (e.g. 1.0: twice the trend)")
+        require(self.logit_factor > 0, "logit_factor", self.logit_factor, "must be > 0")
+        require(3 <= self.logit_warmup_measurements <= self.window, "logit_warmup_measurements",
+                self.logit_warmup_measurements, "an integer from 3 to `window`")
+
+
 
 HEAD_ENTROPY = "qk_delta2_entropy"
 LAYER_SUMS = "qk_layer_sums"
@@ -194,7 +269,7 @@ class QKSpectraProducer:
 
 class QKSpectraMonitor(Monitor):
     """A persistent drop of the model's attention-update entropy below its own healthy trajectory (see
-    :class:`~arc_engine.config.QKSpectraConfig`); per-head detail in the event."""
+    :class:`QKSpectraConfig`); per-head detail in the event."""
 
     name = "qk_spectra"
 
@@ -434,6 +509,7 @@ class QKSpectraFamily(FamilyBase):
     """``detectors.qk_spectra``: on when the adapter describes attention layers (Megatron)."""
 
     name = "qk_spectra"
+    config_class = QKSpectraConfig
 
     def enabled(self, ctx: FamilyContext) -> bool:
         described = ctx.parts is not None and ctx.parts.num_layers > 0 and ctx.parts.num_heads > 0

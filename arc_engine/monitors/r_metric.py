@@ -30,19 +30,114 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from arc_engine.config.schema import RMetricConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, worker_positions
+from arc_engine.monitors.consistency import ConsistencyFamily
+from arc_engine.monitors.family import (
+    FamilyBase,
+    FamilyContext,
+    Producer,
+    StatDecl,
+    StepView,
+    section_of,
+    worker_positions,
+)
 from arc_engine.monitors.hardware_events import HardwareEvents
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.policy import Decision
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names, stats_device
+
+
+@dataclass(kw_only=True)
+class RMetricConfig:
+    """The R-Metric early warning (r-metric paper): R = w_λ·norm(λ) + w_σ·norm(σ²) + w_ΔL·norm(ΔL) on every monitored
+    step. λ: system events (stragglers, framework overflow skips, SDC findings, hang reports, and NVML ECC / XID /
+    slowdown events with ``nvml`` on a GPU) per ``event_window`` monitored steps. σ²: the variance of the
+    data-parallel ranks' local gradient norms, by default relative to its recent level (``variance_relative``:
+    log σ² minus the median log σ² of the previous ``window`` values; the spread grows over a healthy run). ΔL:
+    |L − mean of the previous ``drift_window`` values| of the validation loss (``Arc.record_validation_loss``) or,
+    until one is recorded, of the agreed training loss (the proxy). norm: the mid-rank percentile p of the value
+    among the previous ``window`` values, s ← ``ema``·p + (1 − ``ema``)·s, norm = 1 / (1 + exp(−``gain``·(s − 0.5))).
+    ``score``: ``normalized`` compares R / (sum of the weights) with ``threshold`` (as written, the weights sum to
+    1.25 and a stationary run sits at R ≈ 0.62 > 0.57: see docs/detectors.md); ``paper`` compares R itself. Alert
+    after ``warmup_steps`` values, when the score is above ``threshold`` on this step and on ``persist_fraction`` of
+    the last ``persist`` monitored steps (once per episode: again only after fewer than that were above)."""
+
+    enabled: bool = True
+    """The R-Metric early warning: system events λ, worker gradient-norm variance σ², loss drift ΔL, each
+    percentile-normalized ([detectors.md](detectors.md))."""
+    lambda_weight: float = 0.10
+    """Weight of norm(λ).
+    Allowed: >= 0"""
+    variance_weight: float = 0.45
+    """Weight of norm(σ²).
+    Allowed: >= 0"""
+    drift_weight: float = 0.70
+    """Weight of norm(ΔL).
+    Allowed: >= 0 (not all three 0)"""
+    threshold: float = 0.57
+    """Alert level of the score.
+    Allowed: > 0"""
+    score: Literal["normalized", "paper"] = "normalized"
+    """`normalized`: the weighted sum divided by the weights' sum (0.5 when nothing moves); `paper`: the weighted sum
+    itself, as written (alerts on most steps of a stationary run with the default weights)."""
+    window: int = 100
+    """Previous values each percentile rank is taken among.
+    Allowed: >= 2"""
+    ema: float = 0.3
+    """Smoothing of the percentile: s = ema * p + (1 - ema) * s.
+    Allowed: in (0, 1]"""
+    gain: float = 4.0
+    """Slope of the sigmoid: norm = 1 / (1 + exp(-gain * (s - 0.5))).
+    Allowed: > 0"""
+    drift_window: int = 10
+    """Previous losses whose mean ΔL is measured from.
+    Allowed: >= 1"""
+    variance_relative: bool = True
+    """σ² read as log σ² minus the median log σ² of the previous `window` values (the ranks' spread grows over a healthy
+    run, which a percentile against the raw history reads as a warning); false: the paper's raw σ²."""
+    event_window: int = 100
+    """Monitored steps λ counts system events over.
+    Allowed: >= 1"""
+    warmup_steps: int = 30
+    """Applied monitored steps before an alert can fire.
+    Allowed: >= 1"""
+    persist: int = 40
+    """Monitored steps the alert looks back over (one alert per episode).
+    Allowed: >= 1"""
+    persist_fraction: float = 0.8
+    """Share of those steps whose score must be above the threshold (this step's too); 1: every one of them.
+    Allowed: in (0, 1]"""
+    nvml: bool = True
+    """Count NVML ECC, XID and clock-slowdown events of the rank's GPU when `nvidia-ml-py` is installed and the
+    statistics live on CUDA (polled every 10 monitored steps)."""
+    action: ActionName = "warn"
+    """What an alert gets."""
+
+    def __post_init__(self) -> None:
+        for key in ("lambda_weight", "variance_weight", "drift_weight"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+        require(self.lambda_weight + self.variance_weight + self.drift_weight > 0, "drift_weight",
+                self.drift_weight, "the three weights must not all be 0")
+        require(self.threshold > 0, "threshold", self.threshold, "must be > 0")
+        require(self.window >= 2, "window", self.window, "must be an integer >= 2")
+        require(0 < self.ema <= 1, "ema", self.ema, "must be in (0, 1]")
+        require(self.gain > 0, "gain", self.gain, "must be > 0")
+        require(self.drift_window >= 1, "drift_window", self.drift_window, "must be an integer >= 1")
+        require(self.event_window >= 1, "event_window", self.event_window, "must be an integer >= 1")
+        require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+        require(self.persist >= 1, "persist", self.persist, "must be an integer >= 1")
+        require(0 < self.persist_fraction <= 1, "persist_fraction", self.persist_fraction, "must be in (0, 1]")
+
+
 
 #: [1] SUM: system events this rank saw since its previous monitored step (hang reports, NVML events).
 EVENTS = "r_metric_events"
@@ -296,6 +391,7 @@ class RMetricFamily(FamilyBase):
     consistency family), one producer, one monitor."""
 
     name = "r_metric"
+    config_class = RMetricConfig
 
     def __init__(self) -> None:
         self._monitor: tuple[int, RMetricMonitor] | None = None
@@ -307,8 +403,9 @@ class RMetricFamily(FamilyBase):
             variance = where is not None
             device = stats_device(None, ctx.config.stats.device) if ctx.section.nvml else torch.device("cpu")
             hardware = HardwareEvents(device, True) if device.type == "cuda" else None
+            consistency = section_of(ctx.config, ConsistencyFamily())  # (it writes the moments when on)
             monitor = RMetricMonitor(ctx.section, variance, hardware, *(where or (1, 0)),
-                                     write_moments=not ctx.config.detectors.consistency.enabled)  # (it writes them)
+                                     write_moments=not consistency.enabled)
             self._monitor = (id(ctx), monitor)
         return self._monitor[1]
 

@@ -62,8 +62,8 @@ def families() -> list[FamilyBase]:
 
 
 def section_class(name: str) -> type | None:
-    """The config dataclass of family ``name`` when the family brings its own (a plugin, or a built-in in that
-    shape: ``detectors.<name>`` is parsed with it and kept in ``detectors.plugins``); None otherwise."""
+    """The config dataclass of family ``name`` (built-in or plugin: ``detectors.<name>`` is parsed with it and kept
+    in ``detectors.plugins``); None for a family without a section or no such family."""
     return next((f.config_class for f in families() if f.name == name and f.config_class is not None), None)
 
 

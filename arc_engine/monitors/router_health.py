@@ -23,13 +23,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from arc_engine import runtime
-from arc_engine.config.schema import RouterConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import (
@@ -48,9 +50,55 @@ from arc_engine.monitors.router import (
     router_partials_size,
     unpack_router_sums,
 )
-from arc_engine.monitors.trajectory import robust_trend
+from arc_engine.monitors.trajectory import TrajectoryMonitorConfig, robust_trend
 from arc_engine.stats import Reduce, StatBuffer
 from arc_engine.stats.rank_keys import check_rank, rank_key_t, split_key
+
+
+@dataclass(kw_only=True)
+class RouterConfig(TrajectoryMonitorConfig):
+    """MoE router health per MoE layer, over all the tokens of the job (mechanism-driven monitors; Megatron only).
+
+    Every ``every`` optimizer steps (a multiple of ``stats.interval``): router weight similarity sim(W_R), the
+    conditioning ratio ε, per-token routing entropy of the full softmax (mean and low percentiles), tokens per
+    expert, MaxVio and dead experts, summed over the expert-parallel and expert-data-parallel ranks. Alarms against
+    the run's own healthy trajectory (a robust trend through the last ``window`` accepted measurements, after
+    ``warmup_measurements``): the mean routing entropy falls, or the similarity rises, by more than ``factor`` robust
+    standard deviations of the residuals and by more than ``min_relative_change`` of the predicted value (the
+    similarity, a mean cosine near 0 for a healthy router, also by ``min_similarity_change`` in absolute terms); an
+    expert that received tokens in the baseline and none now (``dead_expert_action``).
+    """
+
+    enabled: bool = True
+    """MoE router health per MoE layer over every token of the job (Megatron with experts; off elsewhere)."""
+    every: int = 10
+    """Optimizer steps between measurements.
+    Allowed: a multiple of `stats.interval`"""
+    warmup_measurements: int = 5
+    """Accepted measurements before the alarms can fire.
+    Allowed: >= 3"""
+    factor: float = 6.0
+    """Robust standard deviations of change (entropy down, similarity up) that alarm.
+    Allowed: > 0"""
+    min_relative_change: float = 0.15
+    """And the fraction of the predicted value the change must exceed.
+    Allowed: >= 0"""
+    min_similarity_change: float = 0.05
+    """And, for the similarity (a mean cosine, about 0 for a healthy router), this absolute rise.
+    Allowed: [0, 2]"""
+    action: ActionName = "warn"
+    """What an entropy or similarity alarm gets."""
+    dead_expert_action: ActionName = "warn"
+    """What an expert gets that was alive in the baseline and receives no token."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.factor > 0, "factor", self.factor, "must be > 0")
+        require(self.min_relative_change >= 0, "min_relative_change", self.min_relative_change, "must be >= 0")
+        require(0 <= self.min_similarity_change <= 2, "min_similarity_change", self.min_similarity_change,
+                "must be in [0, 2]")
+
+
 
 ROUTER_SUMS = "router_sums"
 RANK_ENTROPY = "router_rank_entropy"
@@ -226,6 +274,7 @@ class RouterFamily(FamilyBase):
     """``detectors.router``: on when the adapter describes MoE routers (Megatron with ``--num-experts``)."""
 
     name = "router"
+    config_class = RouterConfig
 
     def enabled(self, ctx: FamilyContext) -> bool:
         return periodic_family_enabled(ctx, self.name, ctx.parts is not None and ctx.parts.num_experts > 0)

@@ -31,19 +31,109 @@ Recovery (withholding before the reduction, recomputation on the suspect only, t
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
-from arc_engine.config.schema import SDCConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, section_of
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, optimizer_statistics, section_of
 from arc_engine.monitors.non_finite import NonFiniteFamily
-from arc_engine.monitors.optimizer import optimizer_statistics
 from arc_engine.monitors.sdc_local import cosine_to_peers
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.optim_stats import rms_per_group
+
+
+@dataclass(kw_only=True)
+class RecomputeConfig:
+    """Recovery from SDC by localized recomputation (needs a ``recompute_fn`` at attach; DDP, DeepSpeed ZeRO-1/2 and
+    megatron-core).
+
+    Before the gradient reduction each rank checks its own local gradient (per DDP or megatron bucket / per ZeRO
+    parameter): a non-finite norm, or (after ``detectors.sdc.warmup_steps`` observations) a norm above
+    ``gate_factor`` times its running reference, is withheld (the rank contributes zeros). The suspect alone (under
+    Megatron: its data-parallel replica's model-parallel group) then re-runs forward and backward on the same
+    micro-batches with the same RNG state and adds its recomputed share back through the framework's reductions.
+    If the recomputation reproduces the anomaly, the lowest healthy rank (replica) recomputes the suspect's
+    micro-batches: agreeing (within ``peer_rtol``) means the data caused it (``detectors.loss_spike.action``
+    decides); disagreeing means the suspect's device is faulty: it is written to ``quarantine.json`` in the run
+    directory and ``on_faulty_device`` applies (``abort``: every rank stops with exit code 5; ``exclude``: the
+    peer's recomputation replaces the suspect's share and training continues). When only the update-RMS rule fires
+    (nothing withheld), every rank recomputes once, then the rule's ``action`` applies if it still fires."""
+
+    enabled: bool = False
+    """Withhold a suspect local gradient before the reduction and recompute it on that rank only (DDP, DeepSpeed
+    ZeRO-1/2; megatron-core: on its replica's model-parallel group; needs `recompute_fn` at attach)."""
+    gate_factor: float = 8.0
+    """A local gradient norm above this many times its running reference is withheld.
+    Allowed: > 1"""
+    peer_rtol: float = 0.01
+    """Relative tolerance of the peer check: the suspect's recomputation and a healthy peer's agree within it (the data
+    caused it) or not (the device is faulty).
+    Allowed: (0, 1)"""
+    on_faulty_device: Literal["abort", "exclude"] = "abort"
+    """`abort`: every rank stops with exit code 5; `exclude`: the peer's recomputation replaces the suspect's share and
+    training goes on."""
+
+    def __post_init__(self) -> None:
+        require(self.gate_factor > 1, "gate_factor", self.gate_factor, "must be > 1")
+        require(0 < self.peer_rtol < 1, "peer_rtol", self.peer_rtol, "must be in (0, 1)")
+        require(self.on_faulty_device in ("abort", "exclude"), "on_faulty_device", self.on_faulty_device,
+                "one of 'abort', 'exclude'")
+
+
+@dataclass(kw_only=True)
+class SDCConfig:
+    """Silent data corruption on jumps of the Adam update RMS (SDC paper §VI): flag step t when
+    |R_t - R_{t-1}| > μ / (α √ΔG_t), μ the mean jump over the first ``warmup_steps`` applied steps, ΔG_t the positive
+    jump of the pre-clip gradient norm; or when that norm is not finite. Needs the prospective update RMS on every
+    monitored step (so it overrides ``stats.optimizer_stats_every``); evaluated before the update is applied.
+    ``alpha`` in (0, 1]: larger is more sensitive (the paper's default 0.05). ``localize_factor``: on a flagged
+    step, a rank whose local (pre-reduction) gradient-norm jump exceeds this many times its peers' median jump is
+    named as the suspect. ``update_sample``: the fraction of each tensor's elements the update RMS is computed on (one
+    contiguous window per tensor, at least 256 elements, moving every monitored step so that every element is
+    covered every ceil(1/update_sample) steps; ZeRO-1/2 partitions in up to 16 segments); below 1 it is an
+    estimate of R_t at that fraction of the cost (the pre-clip norm stays exact). ``sketch_size``: numbers per
+    rank in the signed chunk-sum sketch of the local gradient, fetched from every rank on a flagged step (0: off,
+    the default: it costs one more pass over every local gradient bucket per step); a rank whose sketch points
+    away from its peers' stands out in the finding's ``sketch_cosine_to_peers``."""
+
+    enabled: bool = True
+    """The SDC paper's update-RMS rule (on by default); computes the sampled update RMS on every monitored step."""
+    alpha: float = 0.05
+    """α of the rule ΔR_t > μ/(α√ΔG_t); larger is more sensitive.
+    Allowed: (0, 1]"""
+    warmup_steps: int = 100
+    """Applied steps over which μ (the mean update-RMS jump) is learned; also the recomputation gate's warm-up.
+    Allowed: >= 1"""
+    localize_factor: float = 4.0
+    """On a flagged step, a rank whose local gradient-norm jump exceeds this many times its peers' median jump is named
+    the suspect.
+    Allowed: > 1"""
+    action: ActionName = "skip"
+    """What a flagged step gets."""
+    update_sample: float = 0.03125
+    """Fraction of each tensor the update RMS is computed on: one contiguous window (at least 256 elements) that moves
+    every monitored step, so every element is covered every ceil(1/update_sample) steps; 1.0 gives the paper's exact
+    R_t.
+    Allowed: (0, 1]"""
+    sketch_size: int = 0
+    """Numbers per rank in the signed chunk-sum sketch of the local gradient (0: off, the default; e.g. 256: one more
+    pass over each local gradient bucket per step).
+    Allowed: >= 0"""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+
+    def __post_init__(self) -> None:
+        require(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        require(self.localize_factor > 1, "localize_factor", self.localize_factor, "must be > 1")
+        require(self.warmup_steps >= 1, "warmup_steps", self.warmup_steps, "must be an integer >= 1")
+        require(0 < self.update_sample <= 1, "update_sample", self.update_sample, "must be in (0, 1]")
+        require(self.sketch_size >= 0, "sketch_size", self.sketch_size, "must be an integer >= 0 (0 = off)")
+
+
 
 
 def update_rms_max(update_sq_g: np.ndarray, count_g: np.ndarray) -> float:
@@ -197,6 +287,7 @@ class SDCFamily(FamilyBase):
     gradient sketch (detail) and, with the recomputation, the count of withheld slots."""
 
     name = "sdc"
+    config_class = SDCConfig
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         sdc = ctx.section

@@ -52,12 +52,73 @@ from typing import Any
 import numpy as np
 
 from arc_engine import runtime
-from arc_engine.config.schema import StragglerConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, Producer, StatDecl, StepView, periodic_due
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.rank_keys import check_rank, rank_key, split_key
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    """Straggler scores (as nvidia-resiliency-ext reports them): each rank times its own forward section (the step's
+    first forward pass, from the first forward pre-hook to the first ``record_loss``) on every monitored step, and
+    every ``compute_every`` monitored steps its local compute (the summed forward time of up to ``compute_modules``
+    modules that make no collective, so no wait on a peer is in it) -- host clock on CPU, CUDA events on CUDA (read
+    when complete, no sync). Every ``every`` monitored steps each rank scores itself against the ranks of its
+    pipeline stage (their fastest median comes through a MAX reduction on that step): relative = fastest rank's
+    median / the rank's median, individual = the rank's best median so far / its median (1 = as fast as it gets);
+    the slow ranks and their details come through fixed-size follow-up reductions (no per-rank gather). A rank is
+    slow when its relative score (forward or compute) is below ``relative_threshold`` (or its individual score below
+    ``individual_threshold``, 0 = off) and it is at least ``min_delay_s`` slower than the reference; after
+    ``warmup_reports`` reports. Under model parallelism the slow ranks of a replica are told apart: a model-parallel
+    peer that computes slowly (its peers only wait for it) or a whole slow replica. The event names the ranks;
+    stragglers also count as system events of the R-Metric."""
+
+    enabled: bool = True
+    """Per-rank straggler scores from each rank's forward-section time (first forward pre-hook to first recorded loss),
+    as nvidia-resiliency-ext scores them ([detectors.md](detectors.md))."""
+    every: int = 20
+    """Monitored steps per report: every rank scores its window medians against its stage's fastest (fixed-size
+    reductions on that step only, no per-rank gather).
+    Allowed: >= 3"""
+    relative_threshold: float = 0.7
+    """A rank whose fastest-rank-median / own-median (forward or compute, among the ranks of its pipeline stage) falls
+    below this is a straggler.
+    Allowed: in (0, 1)"""
+    individual_threshold: float = 0.7
+    """A rank whose best-median-so-far / current median falls below this is a straggler (it slowed down); 0: off.
+    Allowed: in [0, 1)"""
+    min_delay_s: float = 0.005
+    """A straggler is also at least this many seconds slower than its reference (timer noise of fast steps never flags).
+    Allowed: >= 0"""
+    warmup_reports: int = 2
+    """Reports before ranks can be flagged (the first steps compile and warm caches).
+    Allowed: >= 0"""
+    compute_every: int = 5
+    """Monitored steps between samples of each rank's local compute time (modules without a collective; tells a slow
+    tensor/pipeline-parallel peer from the peers that wait for it); 0: off.
+    Allowed: >= 0"""
+    compute_modules: int = 64
+    """At most this many leaf modules are timed on a sampled step (spread evenly over the model).
+    Allowed: >= 1"""
+    action: ActionName = "warn"
+    """What a new straggler gets (the event names the ranks)."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 3, "every", self.every, "must be an integer >= 3 (monitored steps per report)")
+        require(0 < self.relative_threshold < 1, "relative_threshold", self.relative_threshold, "must be in (0, 1)")
+        require(0 <= self.individual_threshold < 1, "individual_threshold", self.individual_threshold,
+                "must be in [0, 1) (0 = off)")
+        require(self.min_delay_s >= 0, "min_delay_s", self.min_delay_s, "must be >= 0 seconds")
+        require(self.warmup_reports >= 0, "warmup_reports", self.warmup_reports, "must be an integer >= 0")
+        require(self.compute_every >= 0, "compute_every", self.compute_every,
+                "must be an integer >= 0 (monitored steps between compute samples; 0 = off)")
+        require(self.compute_modules >= 1, "compute_modules", self.compute_modules, "must be an integer >= 1")
+
+
 
 #: [11] this rank's own (never reduced nor gathered), written on report steps: its median forward seconds over the
 #: report's window, its median iteration seconds, its number of forward times in the window, its median compute
@@ -465,6 +526,7 @@ class StragglerFamily(FamilyBase):
     reductions on report steps only)."""
 
     name = "straggler"
+    config_class = StragglerConfig
 
     @staticmethod
     def _stages(ctx: FamilyContext) -> int:

@@ -15,8 +15,37 @@ Vectorised over series (heads, layers); NaN entries (a series not measured that 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
+
+from arc_engine.config.errors import require
+
+
+@dataclass(kw_only=True)
+class TrajectoryMonitorConfig:
+    """What the mechanism families share: a measurement every ``every`` optimizer steps, alarms against a trend
+    learned from the last ``window`` accepted measurements, after ``warmup_measurements`` of them."""
+
+    enabled: bool = True
+    """Measure and alarm (on only where the adapter describes the model's structure)."""
+    every: int = 50
+    """Optimizer steps between measurements.
+    Allowed: a multiple of `stats.interval`"""
+    warmup_measurements: int = 8
+    """Accepted measurements before the alarms can fire.
+    Allowed: >= 3"""
+    window: int = 50
+    """Accepted measurements in each layer's healthy trajectory.
+    Allowed: >= `warmup_measurements`"""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(self.warmup_measurements >= 3, "warmup_measurements", self.warmup_measurements,
+                "must be an integer >= 3")
+        require(self.window >= self.warmup_measurements, "window", self.window, "must be >= warmup_measurements")
+
+
 
 MAD_TO_STD = 1.4826
 

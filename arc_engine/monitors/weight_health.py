@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from arc_engine import internals, runtime
-from arc_engine.config.schema import WeightHealthConfig
+from arc_engine.config.errors import require
+from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import (
@@ -66,6 +68,112 @@ from arc_engine.monitors.weight_stats import (
 )
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
 from arc_engine.stats.partition import owned_ids
+
+
+@dataclass(kw_only=True)
+class WeightHealthConfig:
+    """Weight-matrix health and per-layer gradient statistics (ARC paper §3.2.3, §3.2.1), every ``every`` optimizer
+    steps (a multiple of ``stats.interval``) on up to ``max_tensors`` weight matrices (parameters of 2 or more
+    dimensions, spread evenly over the model when it has more).
+
+    Alarms, on each measurement while they hold: ‖W‖_F above ``max_norm`` or non-finite (explosion); ‖W‖_F / ‖W₀‖_F
+    below ``collapse_ratio`` (W₀: the matrix at the first measurement); the fraction of |w| < ``sparsity_eps`` above
+    its first value + ``sparsity_increase``; the effective rank exp(H(σ/Σσ)) of ``rank_samples`` matrices per
+    measurement (rotating; 0: none) below (1 - ``rank_drop``) x the largest of its previous ``rank_window``
+    measured values (0: its first value, the ARC paper's rule, which a long healthy run trips: learning compresses
+    a matrix, an embedding most, well below its random initialization's rank); the weight-health score
+    (``norm_weight`` x NormScore + ``rank_weight`` x RankScore + ``sparsity_weight`` x SparsityScore, normalized over
+    the components available) below ``score_min``: all with ``action``. A layer's gradient coefficient of variation
+    σ/|μ| above ``cv_max`` (0: off; the paper's 10 fires on every layer of a healthy model) gets ``grad_action``.
+    The gradient histogram counts elements in ``hist_bins`` equal log2-magnitude bins over
+    [2^``hist_min_log2``, 2^``hist_max_log2``) (its normalized entropy is a metric)."""
+
+    enabled: bool = False
+    """Weight-matrix health (Frobenius norm, effective rank, sparsity, a score) and per-layer gradient CV and histogram
+    entropy (ARC paper; [detectors.md](detectors.md#weight-health))."""
+    every: int = 50
+    """Optimizer steps between measurements; off the schedule its slots stay zero.
+    Allowed: >= 1, a multiple of `stats.interval`"""
+    max_tensors: int = 64
+    """Weight matrices (parameters of 2+ dimensions) tracked: all when they fit, else this many spread evenly over the
+    model. Sets the slots' size (8 numbers per matrix).
+    Allowed: [1, 4096]"""
+    max_norm: float = 1.0e4
+    """Explosion: a matrix's Frobenius norm above this (or not finite).
+    Allowed: > 0"""
+    collapse_ratio: float = 1.0e-3
+    """Collapse: ‖W‖_F / ‖W₀‖_F below this (W₀: the matrix at the family's first measurement); 0: off.
+    Allowed: [0, 1)"""
+    sparsity_eps: float = 1.0e-8
+    """Sparsity counts the elements with |w| below this.
+    Allowed: > 0"""
+    sparsity_increase: float = 0.1
+    """Sparsity explosion: a matrix's sparsity above its first value plus this.
+    Allowed: (0, 1]"""
+    rank_samples: int = 2
+    """Matrices whose effective rank (one SVD each) is computed per measurement, rotating; 0: none. Replicated matrices
+    only.
+    Allowed: [0, max_tensors]"""
+    rank_drop: float = 0.5
+    """Alarm when a matrix's effective rank falls by more than this fraction of its reference (`rank_window`).
+    Allowed: (0, 1]"""
+    rank_window: int = 5
+    """The rank drop's reference: the largest of the matrix's last this many measured effective ranks (a collapse is a
+    fall within them, not learning's slow compression); 0: its first value, the ARC paper's rule.
+    Allowed: [0, 1000]"""
+    cv_max: float = 0.0
+    """Alarm when a layer's gradient σ/|μ| exceeds this; 0: off (the paper's 10 fires on every layer of a healthy
+    model).
+    Allowed: >= 0"""
+    hist_bins: int = 48
+    """Equal log2-magnitude bins of the gradient histogram (its normalized entropy is the metric `grad_entropy`).
+    Allowed: [2, 1024]"""
+    hist_min_log2: int = -40
+    """Lower edge of the histogram's bins, log2|g|; smaller values (zeros too) count in the first bin.
+    Allowed: < hist_max_log2"""
+    hist_max_log2: int = 8
+    """Upper edge of the histogram's bins, log2|g|; larger values count in the last bin.
+    Allowed: > hist_min_log2"""
+    norm_weight: float = 0.4
+    """Weight of NormScore (the fraction of matrices with a healthy norm) in the score.
+    Allowed: >= 0 (the three weights sum > 0)"""
+    rank_weight: float = 0.3
+    """Weight of RankScore (mean of min(1, rank / first rank)) in the score.
+    Allowed: >= 0"""
+    sparsity_weight: float = 0.3
+    """Weight of SparsityScore (mean of 1 − sparsity rise / `sparsity_increase`, clipped to [0, 1]) in the score.
+    Allowed: >= 0"""
+    score_min: float = 0.5
+    """Alarm when the weight-health score (in [0, 1]) falls below this; 0: off.
+    Allowed: [0, 1]"""
+    action: ActionName = "warn"
+    """What a weight alarm (explosion, collapse, sparsity, rank drop, score) gets; the paper rolls back on a low
+    score."""
+    grad_action: ActionName = "warn"
+    """What a gradient-CV alarm gets."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, "every", self.every, "must be an integer >= 1")
+        require(1 <= self.max_tensors <= 4096, "max_tensors", self.max_tensors, "must be an integer in [1, 4096]")
+        require(self.max_norm > 0, "max_norm", self.max_norm, "must be > 0")
+        require(0 <= self.collapse_ratio < 1, "collapse_ratio", self.collapse_ratio, "must be in [0, 1)")
+        require(self.sparsity_eps > 0, "sparsity_eps", self.sparsity_eps, "must be > 0")
+        require(0 < self.sparsity_increase <= 1, "sparsity_increase", self.sparsity_increase, "must be in (0, 1]")
+        require(0 <= self.rank_samples <= self.max_tensors, "rank_samples", self.rank_samples,
+                "must be an integer in [0, max_tensors]")
+        require(0 < self.rank_drop <= 1, "rank_drop", self.rank_drop, "must be in (0, 1]")
+        require(0 <= self.rank_window <= 1000, "rank_window", self.rank_window, "must be an integer in [0, 1000]")
+        require(self.cv_max >= 0, "cv_max", self.cv_max, "must be >= 0 (0 = off)")
+        require(2 <= self.hist_bins <= 1024, "hist_bins", self.hist_bins, "must be an integer in [2, 1024]")
+        require(self.hist_min_log2 < self.hist_max_log2, "hist_max_log2", self.hist_max_log2,
+                "must be > hist_min_log2")
+        for key in ("norm_weight", "rank_weight", "sparsity_weight"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+        require(self.norm_weight + self.rank_weight + self.sparsity_weight > 0, "norm_weight", self.norm_weight,
+                "norm_weight + rank_weight + sparsity_weight must be > 0")
+        require(0 <= self.score_min <= 1, "score_min", self.score_min, "must be in [0, 1] (0 = off)")
+
+
 
 WEIGHT = "weight_health_weight"
 RANK = "weight_health_rank"
@@ -426,6 +534,7 @@ class WeightHealthFamily(FamilyBase):
     the adapter's list of the whole model's matrices (:attr:`ModelParts.matrices`; off when it gives none)."""
 
     name = "weight_health"
+    config_class = WeightHealthConfig
 
     def __init__(self) -> None:
         self._shared: tuple[FamilyContext, WeightHealthProducer] | None = None

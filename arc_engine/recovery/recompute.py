@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from arc_engine.config.schema import RecomputeConfig
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.family import section_of
 from arc_engine.monitors.loss_spike import LossSpikeFamily
+from arc_engine.monitors.sdc import RecomputeConfig, SDCFamily
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.staging import bounded_runs
 from arc_engine.stats import AgreedStats, StatBuffer, names
@@ -203,7 +203,7 @@ def recompute_wanted(engine: EngineAccess, recompute_fn: RecomputeFn | None, bac
     decision group is not ``required_group`` (the adapter's ``recompute_group``: DDP and ZeRO, whose correction
     runs over the decision group, need it to be the data-parallel group; Megatron, whose units and corrections
     span its own groups, needs the whole job); warns when ``recompute_fn`` is given but the recomputation is off."""
-    sdc = engine.config.detectors.sdc
+    sdc = section_of(engine.config, SDCFamily())
     wanted = sdc.enabled and sdc.recompute.enabled
     if wanted and not supported:
         raise ValueError(f"detectors.sdc.recompute.enabled: not supported on {backend} (DDP, DeepSpeed ZeRO-1/2 "
@@ -368,7 +368,8 @@ class SDCRecompute:
         flag = torch.tensor([float(self._own.failed)], dtype=torch.float64, device=device)
         self._all_reduce(flag)
         if float(flag[0]) > 0:
-            return [Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
+            action = Action.parse(section_of(self.engine.config, SDCFamily()).action)
+            return [Finding("sdc_recompute", action, Severity.ERROR,
                             "recomputation of the step failed on some rank: the gradient was left as reduced", (),
                             {"classification": "failed"})]
         self._own_stats = self._grad_stats(self._own)  # the correction reduces into these gradients' memory
@@ -583,7 +584,7 @@ class SDCRecompute:
 
     def _findings(self, stats: AgreedStats, rows: list[int], verdict: Any, failed: set[int],
                   classes: dict[int, tuple[str, float, float]]) -> list[Finding]:
-        sdc = self.engine.config.detectors.sdc
+        sdc = section_of(self.engine.config, SDCFamily())
         findings = []
         for row in rows:
             rank = stats.ranks[row]
@@ -621,7 +622,8 @@ class SDCRecompute:
                            f"gradient anomaly on {where} reproduced by a healthy peer on the same micro-batches: "
                            f"the data caused it, not the hardware", (rank,), values)
         if kind == "unknown":
-            return Finding("sdc_recompute", Action.parse(self.engine.config.detectors.sdc.action), Severity.ERROR,
+            action = Action.parse(section_of(self.engine.config, SDCFamily()).action)
+            return Finding("sdc_recompute", action, Severity.ERROR,
                            f"gradient anomaly on {where} reproduced; no healthy peer to tell data from hardware",
                            (rank,), values)
         path = self._quarantine(rank, values)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.stats import names
 from arc_engine.stats.layout import StatBuffer
 from arc_engine.stats.optim_stats import AdamViews, update_sq_total, weight_sq_sums
@@ -53,7 +55,7 @@ def record_optimizer_stats(engine: ArcEngine, group_id: int, weights: Sequence[t
     Call on every rank where ``engine.wants_optimizer_stats()``; local, no communication."""
     assert engine.buffer is not None, "optimizer statistics are recorded on monitored steps only"
     config = engine.config
-    sample = config.detectors.sdc.update_sample
+    sample = section_of(config, SDCFamily()).update_sample
     with engine.own_work.section("optimizer_stats"):
         record_group_optimizer_stats(engine.buffer, group_id, weights, views, sample, engine.wants_weight_stats(),
                                      windows, sample_phase(engine.progress.step, config.stats.interval), grad_scale,

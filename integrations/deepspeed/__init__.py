@@ -54,6 +54,8 @@ from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.integrations.deepspeed.local import LocalGradHooks
 from arc_engine.integrations.deepspeed.partition import ZeroPartitionStats
 from arc_engine.integrations.pytorch.optim import OVERFLOW_MONITORS, drop_gradients
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
@@ -255,7 +257,7 @@ class ZeroAdapter(Adapter):
         return self.capabilities.effective_config(config, CONFIG_OFF)
 
     def check_config(self, config: ArcConfig) -> None:
-        sdc = config.detectors.sdc
+        sdc = section_of(config, SDCFamily())
         if sdc.enabled and sdc.recompute.enabled and bool(self.ds_engine.fp16_enabled()):
             raise ValueError("detectors.sdc.recompute is not supported under DeepSpeed fp16: its loss scaler checks "
                              "the gradients for overflow before arc_engine decides, so a recomputed gradient would "
@@ -285,7 +287,7 @@ class ZeroAdapter(Adapter):
         return lambda: engine.progress.iteration + int(ds_engine.global_steps) - step_offset - engine.progress.step
 
     def install(self, engine: ArcEngine, recompute_fn: RecomputeFn | None) -> list[Callable[[], None]]:
-        sdc = engine.config.detectors.sdc
+        sdc = section_of(engine.config, SDCFamily())
         gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device) \
             if recompute_fn is not None else None
         compatibility = self.capabilities.report()

@@ -51,8 +51,11 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.faults.bitflip import register_gemm_type
 from arc_engine.integrations.megatron import internals as mi
 from arc_engine.integrations.megatron.state import MegatronTrainState
-from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard
+from arc_engine.monitors.family import AttentionShard, ModelParts, RouterShard, section_of
+from arc_engine.monitors.fisher import FisherFamily
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_gradient_sketch, zero_where
+from arc_engine.monitors.weight_health import WeightHealthFamily
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
 from arc_engine.recovery.state import TrainState
@@ -345,20 +348,21 @@ class MegatronAdapter(Adapter):
             raise ValueError(f"arc_engine.attach_megatron: recovery.checkpoint.format: megatron needs megatron-core "
                              f"internals this release ({self.capabilities.version}) lacks ({', '.join(missing)}); "
                              f"use auto or dcp (tested range {mi.TESTED_MEGATRON_CORE_RANGE.text()})")
-        if config.detectors.weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
+        weight_health = section_of(config, WeightHealthFamily())
+        if weight_health.enabled and not self.parts.matrices:  # collective, at attach: every rank
             self.parts = dataclasses.replace(self.parts, matrices=self._weight_matrices())
         if config.recovery.enabled and mi.overlaps_param_gather(self.chunks):
             raise ValueError("arc_engine.attach_megatron: recovery.enabled with overlap_param_gather: a snapshot at a "
                              "step's start would read the bf16 parameters while their all-gather from the previous "
                              "update may still be in flight; turn overlap_param_gather off, or recovery.enabled off "
                              "(detection and the agreed skip work with it)")
-        sdc = config.detectors.sdc
+        sdc = section_of(config, SDCFamily())
         refusal = mi.recompute_refusal(self.chunks, self.optimizer) if sdc.enabled and sdc.recompute.enabled \
             else None
         if refusal is not None:
             raise ValueError(f"arc_engine.attach_megatron: detectors.sdc.recompute does not support {refusal}; set "
                              "detectors.sdc.recompute.enabled: false (detection and the agreed skip still work)")
-        fisher = config.detectors.fisher
+        fisher = section_of(config, FisherFamily())
         if fisher.enabled and fisher.importance_rollback and any(mi.is_distributed(m) for m in self.members):
             raise ValueError("arc_engine.attach_megatron: detectors.fisher.importance_rollback is not supported with "
                              "Megatron's DistributedOptimizer yet (its blended shards would need a parameter "
@@ -388,7 +392,7 @@ class MegatronAdapter(Adapter):
         if recompute_fn is not None:
             from arc_engine.integrations.megatron.recompute import MegatronGradientTarget
 
-            sdc = engine.config.detectors.sdc
+            sdc = section_of(engine.config, SDCFamily())
             self._gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device)
             target = MegatronGradientTarget(engine, self.chunks, self.optimizer, self.params,
                                             [self._model_group.get(id(p), 0) for p in self.params],

@@ -47,6 +47,8 @@ from arc_engine.integrations.pytorch.optim import (
     optimizer_stats,
     register_optimizer_hooks,
 )
+from arc_engine.monitors.family import section_of
+from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
 from arc_engine.recovery.state import TorchTrainState
@@ -321,7 +323,7 @@ def register_stats_hook(engine: ArcEngine, model: DistributedDataParallel, group
     sizes = [p.numel() for p in trainable]
     state.offsets = [0, *itertools.accumulate(sizes)][:-1]
     state.exact_size = sum(sizes)
-    sdc = engine.config.detectors.sdc
+    sdc = section_of(engine.config, SDCFamily())
     if sdc.enabled and sdc.recompute.enabled:
         state.gate = LocalGate(sdc.recompute.gate_factor, sdc.warmup_steps, engine.gathering.pipeline.device)
     model.register_comm_hook(state, engine.own_work.wrap("ddp.comm_hook", stats_allreduce_hook))
@@ -432,8 +434,9 @@ class TorchAdapter(ScalerSkipsHooks):
                                                                inner_state, owned=self.owned, scaler=self.scaler)
             if recompute_fn is not None:
                 target = DDPGradientTarget(self.model, hook_state, self.optimizer)
-                engine.use_recompute(SDCRecompute(engine, engine.config.detectors.sdc.recompute, hook_state.gate,
-                                                  target, recompute_fn), target.record_stats)
+                recompute = section_of(engine.config, SDCFamily()).recompute
+                engine.use_recompute(SDCRecompute(engine, recompute, hook_state.gate, target, recompute_fn),
+                                     target.record_stats)
         hooks = register_optimizer_hooks(engine, self.optimizer, self.groups, grads_from_hook=self.is_ddp,
                                          owned=self.owned, scaler=self.scaler)
         if self.scaler is not None:
@@ -463,7 +466,7 @@ def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..
         if not (isinstance(ddp_comm_hook, tuple) and len(ddp_comm_hook) == 2 and callable(ddp_comm_hook[0])):
             raise ValueError("arc_engine.attach: ddp_comm_hook must be a (hook, state) pair, as DDP's "
                              "register_comm_hook(state, hook) takes them")
-        sdc = config.detectors.sdc
+        sdc = section_of(config, SDCFamily())
         if sdc.enabled and sdc.recompute.enabled:
             raise ValueError("arc_engine.attach: detectors.sdc.recompute cannot be combined with ddp_comm_hook "
                              "(a withheld bucket would reach your hook's state); turn one of them off")
@@ -475,7 +478,7 @@ def check_ddp_comm_hook(model: torch.nn.Module, ddp_comm_hook: tuple[Callable[..
 def check_scaler_config(scaler: ScalerWatch | None, config: ArcConfig) -> None:
     """Refuse what a GradScaler rules out: the SDC recomputation, since the scaler checks and unscales the
     gradients before arc_engine's decision, so a recomputed gradient would bypass its overflow check."""
-    sdc = config.detectors.sdc
+    sdc = section_of(config, SDCFamily())
     if scaler is not None and sdc.enabled and sdc.recompute.enabled:
         raise ValueError("detectors.sdc.recompute is not supported with a loss scaler (grad_scaler=): the scaler "
                          "unscales and checks the gradients before arc_engine decides, so a recomputed gradient "
