@@ -81,7 +81,7 @@ if [ -n "$TRAINERS_SPEC" ] && ! "$py" -c "import transformers, accelerate, light
   rm -f "$pinned"
 fi
 marker="$VENV/.arc_engine_installed"
-if ! "$py" -c "import arc_engine, pytest, pytest_timeout, ruff, wandb, matplotlib" >/dev/null 2>&1 \
+if ! "$py" -c "import arc_engine, pytest, pytest_timeout, xdist, ruff, wandb, matplotlib" >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$marker" ] || [ setup.py -nt "$marker" ]; then
   echo "[setup:${LANE}] installing arc_engine (editable) with the dev extra"
   pip_install -e ".[dev]"

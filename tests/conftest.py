@@ -97,8 +97,30 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"tests/conftest.py: SLOW_IN_PROCESS names {entry}, which does not exist")
 
 
+@cache
+def _shares_module_state(path: Path) -> bool:
+    """Whether the test module ``path`` has a fixture of module or session scope: its tests share one result."""
+    text = path.read_text(encoding="utf-8")
+    return 'scope="module"' in text or 'scope="session"' in text
+
+
+def _parallel(config: pytest.Config) -> bool:
+    """Whether pytest-xdist spreads this session over worker processes (``-n N``, N > 0)."""
+    return config.pluginmanager.hasplugin("xdist") and bool(config.getoption("numprocesses", None))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
         if is_slow(item):
             item.add_marker(slow)
+    if not _parallel(config):
+        return
+    # Under pytest-xdist (``--dist loadgroup``, scripts/test.sh): the tests of a module whose fixture they share run on
+    # one worker, so it is computed once; and the tests that start processes go first, so that the quick in-process
+    # tests fill the workers' last minutes instead of one long test running alone at the end.
+    for item in items:
+        path = Path(str(item.path))
+        if path.suffix == ".py" and _shares_module_state(path):
+            item.add_marker(pytest.mark.xdist_group(path.stem))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
