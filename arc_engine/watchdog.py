@@ -82,55 +82,79 @@ STEP_STARTED, LOSS_RECORDED, AGREEING, PHASES = 1, 2, 3, 4
 
 class ProgressBoard:
     """Each rank's progress in a c10d store under ``arc/<run id>/progress/<rank>`` (written by that rank's watchdog
-    thread, read on a hang). Store errors are swallowed: the board is an aid to the hang report, never a new way
-    to fail."""
+    thread as ``<progress>:<beat>``, the beat counting its writes: a heartbeat; read on a hang and on a failed
+    collective), and ``arc/<run id>/left/<rank>`` once a rank has ended on purpose (a report made, a clean close).
+    :meth:`publish`, :meth:`read` and :meth:`leave` swallow store errors: the board is an aid to the reports, never
+    a new way to fail. :meth:`lost_ranks` raises them: its caller bounds it and reports the store unreachable."""
 
     def __init__(self, store: Any, run_id: str, world_size: int) -> None:
         self.store, self.prefix, self.world_size = store, f"arc/{run_id}/progress/", world_size
-        self.roll_prefix = f"arc/{run_id}/alive/"
+        self.left_prefix = f"arc/{run_id}/left/"
+        self._beat = 0
 
-    def publish(self, rank: int, progress: int) -> None:
+    def publish(self, rank: int, progress: int, every_s: float = PUBLISH_EVERY_S + 1.0) -> None:
+        """This rank's progress and heartbeat; ``every_s``: the longest time until its next beat (what a look for lost
+        ranks waits for, twice)."""
+        self._beat += 1
         with contextlib.suppress(Exception):
-            self.store.set(f"{self.prefix}{rank}", str(progress))
+            self.store.set(f"{self.prefix}{rank}", f"{progress}:{self._beat}:{every_s:.3f}")
+
+    def leave(self, rank: int) -> None:
+        """This rank ends on purpose: its heartbeat stopping does not make it lost."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.left_prefix}{rank}", "1")
 
     def read(self) -> dict[int, int]:
-        """{rank: progress} of the ranks that published (never blocks on a missing key): one ``check`` and one
-        ``multi_get`` when every rank published, key by key only when some did not."""
-        keys = [f"{self.prefix}{rank}" for rank in range(self.world_size)]
+        """{rank: progress} of the ranks that published (never blocks on a missing key)."""
         with contextlib.suppress(Exception):
-            if self.store.check(keys):
-                return {rank: int(value) for rank, value in enumerate(self.store.multi_get(keys))}
-        out = {}
-        for rank, key in enumerate(keys):
-            with contextlib.suppress(Exception):
-                if self.store.check([key]):
-                    out[rank] = int(self.store.get(key))
-        return out
+            return {rank: int(value.split(":")[0]) for rank, value in self._values(range(self.world_size)).items()}
+        return {}
 
+    def lost_ranks(self, rank: int, wait_s: float, poll_s: float = 0.5) -> list[int]:
+        """The other ranks whose heartbeat does not move for two of their beats (at most ``wait_s``) and that did not
+        leave on purpose: lost. Evidence about each peer only: a healthy peer still training, or late to notice the
+        failure, keeps beating (its watchdog thread publishes every ``min(5 s, timeout / 4)``, and says so with each
+        beat). A few store calls per poll, over the ranks not yet seen alive only. Raises the store's errors."""
+        pending = [r for r in range(self.world_size) if r != rank]
+        first = self._values(pending)
+        beats = [float(value.split(":")[2]) for value in first.values() if value.count(":") == 2]
+        deadline = time.monotonic() + min(wait_s, 2 * max(beats, default=wait_s / 2))
+        while True:
+            left = set(pending) - set(self._missing(self.left_prefix, pending))
+            current = self._values(pending)
+            pending = [r for r in pending if r not in left and current.get(r) == first.get(r)]
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            time.sleep(poll_s)
 
-    def roll_call(self, rank: int, wait_s: float) -> list[int] | None:
-        """Answer the roll call of a failed collective and wait (at most ``wait_s``) for every rank's answer; the
-        ranks that did not answer, found by bisection (a few ``check`` calls per missing rank, not one per rank).
-        None when the store itself is unreachable (without a torchrun agent it lives in rank 0's process)."""
-        try:
-            self.store.set(f"{self.roll_prefix}{rank}", "1")
-            answered = int(self.store.add(f"{self.roll_prefix}count", 1))
-            deadline = time.monotonic() + wait_s
-            while answered < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.1)
-                answered = int(self.store.add(f"{self.roll_prefix}count", 0))
-            return [] if answered >= self.world_size else self._silent(0, self.world_size)
-        except Exception:
-            return None
+    def wait_left(self, ranks: list[int], wait_s: float, poll_s: float = 0.5) -> list[int]:
+        """Wait (at most ``wait_s``) until every rank of ``ranks`` has left; the ones that have not. Raises the
+        store's errors."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = self._missing(self.left_prefix, ranks)
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(poll_s)
 
-    def _silent(self, first: int, stop: int) -> list[int]:
-        keys = [f"{self.roll_prefix}{rank}" for rank in range(first, stop)]
-        if self.store.check(keys):
+    def _values(self, ranks: Any) -> dict[int, str]:
+        """{rank: raw progress value} of the ``ranks`` that published: one ``check`` and one ``multi_get`` when all
+        did (never a blocking ``get`` of a missing key)."""
+        ranks = list(ranks)
+        present = [r for r in ranks if r not in set(self._missing(self.prefix, ranks))]
+        if not present:
+            return {}
+        values = self.store.multi_get([f"{self.prefix}{r}" for r in present])
+        return {r: bytes(v).decode() for r, v in zip(present, values, strict=True)}
+
+    def _missing(self, prefix: str, ranks: list[int]) -> list[int]:
+        """The ``ranks`` without a ``<prefix><rank>`` key, by bisection (one ``check`` when none is missing)."""
+        if not ranks or self.store.check([f"{prefix}{r}" for r in ranks]):
             return []
-        if stop - first == 1:
-            return [first]
-        middle = (first + stop) // 2
-        return self._silent(first, middle) + self._silent(middle, stop)
+        if len(ranks) == 1:
+            return list(ranks)
+        middle = len(ranks) // 2
+        return self._missing(prefix, ranks[:middle]) + self._missing(prefix, ranks[middle:])
 
 
 def stuck_ranks(progress: dict[int, int], world_size: int) -> list[int]:
@@ -175,7 +199,6 @@ class HangWatchdog:
         self.board, self.world_size = board, world_size
         self.on_abort, self.exit = on_abort, exit
         self.progress = 0            # 2 x completed steps (+1 while waiting in the agreement); training thread
-        self._published = -1
         self._published_at = -math.inf
         self._timeouts = 0           # timeouts in a row in the current hang
         self.last_dump: Path | None = None
@@ -266,19 +289,31 @@ class HangWatchdog:
             if abort:
                 self._abort()
                 return
+        self.leave()  # stopped (the engine closed): the heartbeat ends on purpose, in this thread (bounded by stop)
 
     def _publish(self, now: float, timeout: float) -> None:
-        """At most every ``min(5 s, timeout / 4)``: a hang is a state that lasts, so a value a few seconds old is
-        current when the watchdog fires, and thousands of ranks stay well under the store's capacity."""
-        progress = self.progress
+        """Every ``min(5 s, timeout / 4)``, changed or not (the heartbeat :meth:`ProgressBoard.lost_ranks` reads): a
+        hang is a state that lasts, so a value a few seconds old is current when the watchdog fires, and thousands
+        of ranks stay well under the store's capacity."""
         interval = min(PUBLISH_EVERY_S, timeout / 4)
-        if self.board is not None and progress != self._published and now - self._published_at >= interval:
-            self.board.publish(self.rank, progress)
-            self._published, self._published_at = progress, now
+        if self.board is not None and now - self._published_at >= interval:
+            # the next beat comes within the interval and one wake-up of this thread (see _loop)
+            self.board.publish(self.rank, self.progress, interval + min(1.0, timeout / 20))
+            self._published_at = now
+
+    def beats_within_s(self) -> float:
+        """The longest a look for lost ranks waits: two of the longest beat any rank can have (5 s and a wake-up)."""
+        return 2 * (PUBLISH_EVERY_S + 1.0)
+
+    def leave(self) -> None:
+        """Mark this rank as ended on purpose on the board (its heartbeat stops without it being lost)."""
+        if self.board is not None:
+            self.board.leave(self.rank)
 
     def _abort(self) -> None:
         """Flush what can be flushed (bounded: a sink may hang too), then end the process."""
         self.flush()
+        self.leave()
         self.exit(EXIT_HANG)
 
     def flush(self) -> None:

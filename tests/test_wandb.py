@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from arc_engine.config import load_config
 from arc_engine.events import Event, Severity
-from arc_engine.lost_peers import is_peer_failure
 from arc_engine.policy.decision import EXIT_HANG
 from arc_engine.sinks.alerts import AlertLimiter, alert_level, alert_title, redact, summary_title
 from arc_engine.sinks.base import Sink
@@ -198,49 +196,6 @@ def test_stuck_ranks_are_the_ones_behind() -> None:
     assert stuck_ranks({0: 9, 2: 9}, 3) == [1]  # rank 1 never published (dead from the start)
     assert stuck_ranks({0: 9, 1: 9}, 2) == []  # level: nobody is ahead
     assert stuck_ranks({}, 2) == []
-
-
-def test_the_roll_call_names_the_ranks_that_do_not_answer_and_peer_failures_are_recognised() -> None:
-    store = torch.distributed.HashStore()
-    board = ProgressBoard(store, "run", 8)
-    for rank in (2, 3, 4, 6, 7):  # the other survivors answered; ranks 1 and 5 are gone
-        board.roll_call(rank, wait_s=0.0)
-    assert board.roll_call(0, wait_s=0.3) == [1, 5]
-    everyone = ProgressBoard(torch.distributed.HashStore(), "run", 2)
-    everyone.roll_call(1, wait_s=0.0)
-    assert everyone.roll_call(0, wait_s=5.0) == []
-
-    class Unreachable:
-        def set(self, *args: object) -> None:
-            raise ConnectionError("store gone")
-
-    assert ProgressBoard(Unreachable(), "run", 2).roll_call(0, wait_s=1.0) is None
-    gloo = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:9630: Connection reset by peer. GLHF!")
-    assert is_peer_failure(gloo) and not is_peer_failure(ValueError("Connection reset by peer"))
-    try:
-        try:
-            raise gloo
-        except RuntimeError as inner:
-            raise RuntimeError("the step failed") from inner
-    except RuntimeError as outer:
-        assert is_peer_failure(outer)
-    assert not is_peer_failure(RuntimeError("CUDA out of memory"))
-
-
-def test_a_sigterm_every_rank_answers_is_a_stopped_job_and_a_lost_rank_is_critical() -> None:
-    from types import SimpleNamespace
-
-    from arc_engine.lost_peers import LostPeerWatch
-
-    reports: list[tuple[str, str, dict]] = []
-    for silent in ([], [1]):
-        board = SimpleNamespace(roll_call=lambda rank, wait_s, silent=silent: silent)
-        watchdog = SimpleNamespace(rank=0, completed_steps=7, timeout_s=4.0, board=board,
-                                   report_safely=lambda *r: reports.append(r))
-        LostPeerWatch(watchdog)._report("rank 0 was sent SIGTERM (its launcher ends it)", "SIGTERM", abort=False)
-    (stopped, message, values), (lost, lost_message, lost_values) = reports
-    assert stopped == "terminated" and "every rank answered" in message and values["lost_ranks"] == []
-    assert lost == "hang" and "lost: rank(s) [1]" in lost_message and lost_values["lost_ranks"] == [1]
 
 
 def test_watchdog_abort_names_the_rank_behind_and_exits_after_abort_after_timeouts(tmp_path: Path) -> None:
