@@ -141,7 +141,7 @@ class ArcEngine:
         self.gathering.clock.start()
         if self.watchdog is not None:
             self.watchdog.reached(STEP_STARTED)
-        with self._paused():
+        with self.paused():
             for hooks in self._step_hooks:
                 hooks.on_step_start(self.progress.step)
         for source in self.event_sources:
@@ -267,7 +267,7 @@ class ArcEngine:
         together; the watchdog paused)."""
         if self.recovery is None:
             return
-        with self._paused():
+        with self.paused():
             self.recovery.settle()
 
     def _close_step(self, decision: Decision | None, *, settle: bool = True, framework_skipped: bool = False) -> None:
@@ -298,12 +298,12 @@ class ArcEngine:
         """A diagnostic runs the model between steps: its forward opens no step; the watchdog does not count it."""
         self._diagnosing = True
         try:
-            with self._paused():
+            with self.paused():
                 yield
         finally:
             self._diagnosing = False
 
-    def _paused(self) -> contextlib.AbstractContextManager[None]:  # the watchdog does not count this
+    def paused(self) -> contextlib.AbstractContextManager[None]:  # a known long phase: the watchdog does not count it
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     def rewind(self, step: int, data_position: int, applied_steps: int | None = None,

@@ -7,6 +7,7 @@ compute probe). They in turn see the engine only as :class:`EngineAccess`, so ne
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -110,4 +111,8 @@ class EngineAccess(Protocol):
 
     def wants_optimizer_stats(self) -> bool: ...
 
+    def is_monitored(self) -> bool: ...
+
     def load_counters_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def paused(self) -> contextlib.AbstractContextManager[None]: ...

@@ -22,9 +22,9 @@ collective. A dead rank stops publishing and is behind too. Equal progress every
 collective, or every rank stuck alike).
 
 **A rank lost mid-step** (SIGKILL, a node gone) under gloo does not hang its peers: their collective with it fails
-and ends the training loop, or the launcher ends them; :mod:`arc_engine.lost_peers` then names the lost ranks by a
-roll call on this board (:meth:`ProgressBoard.roll_call`). Under NCCL the survivors block in the collective instead,
-and the hang path below names the rank behind.
+and ends the training loop, or the launcher ends them; :mod:`arc_engine.lost_peers` then names the lost ranks from
+their heartbeats on this board (:meth:`ProgressBoard.lost_ranks`). Under NCCL the survivors block in the
+collective instead, and the hang path below names the rank behind.
 
 **Ending a hang** (``action: abort``): after ``abort_after`` timeouts in a row without a completed step, the
 watchdog reports a critical ``hang`` event with ``"abort": true``, flushes the sinks (bounded) and exits the
@@ -253,6 +253,11 @@ class HangWatchdog:
             with self._lock:
                 self._pauses -= 1
                 self._last_beat = self.clock()
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether a known long phase is under way (:meth:`paused`): its time does not count."""
+        return self._pauses > 0
 
     @property
     def stopped(self) -> bool:

@@ -112,3 +112,37 @@ def test_the_recorded_loss_is_per_token_on_every_rank_when_the_ranks_hold_differ
     for run in runs:
         assert len(run["recorded"]) == len(run["expected"]) == 6
         assert run["recorded"] == pytest.approx(run["expected"], rel=1e-5), run
+
+
+def test_an_evaluation_a_callback_starts_and_the_best_models_load_are_not_counted_as_a_hang(tmp_path: Path) -> None:
+    """Before: only the Trainer's own ``_evaluate`` and ``_save_checkpoint`` paused the hang watchdog; an
+    ``evaluate()`` a user's callback starts (or ``predict``, ``save_model``, the best model's load) counted toward
+    a hang, and a long one ended the job. Every batch the evaluation reads is read with the watchdog paused."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from arc_engine.integrations.hf import ArcCallback
+    from arc_engine.integrations.hf.internals import WATCHDOG_PAUSED_METHODS
+
+    paused_at_read: list[bool] = []
+
+    class Watched(VariableLengths):
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            paused_at_read.append(callback.arc.engine.watchdog.is_paused)
+            return super().__getitem__(index)
+
+    class EvaluateAtStep2(TrainerCallback):  # a user's callback evaluating on its own schedule
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                trainer.evaluate(eval_dataset=Watched())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=3, per_device_train_batch_size=2,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0, seed=0)
+    callback = ArcCallback(make_config(tmp_path / "arc", "stats.interval=1"))
+    trainer = Trainer(model=model, args=args, train_dataset=VariableLengths(), data_collator=pad,
+                      callbacks=[callback, EvaluateAtStep2()])
+    trainer.train()
+    assert len(paused_at_read) == len(Watched()) and all(paused_at_read)
+    assert {"evaluate", "predict", "save_model", "_load_best_model"} <= set(WATCHDOG_PAUSED_METHODS)

@@ -182,6 +182,59 @@ def test_rollback_restores_state_and_rng_bitwise(tmp_path: Path, tier: str) -> N
     assert [(e["action"], e["values"]["target_step"]) for e in actions] == [("rollback", 10)]
 
 
+def _slow_save_of_step_10(rank: int, world: int, config: ArcConfig, steps: int) -> dict[str, Any]:
+    from arc_engine.recovery import checkpoint
+
+    finish = checkpoint.CheckpointManager._finish_save
+
+    def slow(manager: Any, job: Any) -> None:  # the save of step 10 takes 12 s in the background, on every rank
+        if job.step == 10:
+            time.sleep(12.0)
+        finish(manager, job)
+
+    checkpoint.CheckpointManager._finish_save = slow
+    return _run(rank, world, "ddp", config, steps)
+
+
+def test_a_disk_rollback_waits_for_the_save_in_flight_with_the_watchdog_paused(tmp_path: Path) -> None:
+    """The rollback of step 12 goes to disk (no memory ring) while the save of step 10 is still being written: it
+    drains that save (12 s) in the optimizer step's hooks. Before: the drain counted toward a hang, and the
+    watchdog (4 s timeout, abort after 2) ended every rank with exit code 6 mid-drain. Now the drain is a known
+    phase: the rollback restores step 10 and training goes on, with no hang reported."""
+    config = recovery_config(tmp_path, lr_spike(12), "recovery.lr_reduction_factor=1.0", "recovery.skip_data=none",
+                             "recovery.memory_ring_mb=0", "recovery.checkpoint.every_steps=5",
+                             "watchdog.initial_timeout_s=4", "watchdog.warmup_steps=1000", "watchdog.action=abort",
+                             "watchdog.abort_after=2")
+    results = run_ranks(_slow_save_of_step_10, 2, config, 20, timeout_s=240)
+    for result in results:
+        recovery = result["summary"]["recovery"]
+        assert recovery["rollbacks"] == 1 and recovery["restored_from_disk"] == 1, recovery
+    assert not [e for e in events(tmp_path) if e["detector"] == "hang"]
+    actions = [e for e in events(tmp_path) if e["kind"] == "action" and e["detector"] == "recovery"]
+    assert [(e["action"], e["values"]["target_step"]) for e in actions] == [("rollback", 10)]
+
+
+@pytest.mark.parametrize("interval", [1, 2, 5])
+def test_snapshots_stay_verified_at_any_interval_after_a_skip(tmp_path: Path, interval: int) -> None:
+    """Monitored every ``interval`` steps, a snapshot due every 5 healthy steps: a NaN skipped at step 10 moves the
+    healthy count, and a 6-step LR x 50 spike from step 30 is rolled back. Before: a due capture was taken at the
+    next step, monitored or not; an unmonitored one is never verified, and after the skip every capture fell on such
+    steps (interval 5), so the rollback went back to step 5. Now a due capture waits for a monitored step: the
+    rollback restores a snapshot verified after the skip."""
+    spike = "{kind: lr_scale, rank: -1, step: 30, steps: 6, scale: 50.0}"
+    config = recovery_config(tmp_path, f"faults.injections=[{{kind: nan_loss, rank: 0, step: 10}}, {spike}]",
+                             f"stats.interval={interval}", "detectors.loss_spike.warmup_steps=4")
+    results = run_ranks(_run, 2, "ddp", config, 45)
+    for result in results:
+        recovery = result["summary"]["recovery"]
+        assert recovery["rollbacks"] >= 1 and recovery["restored_from_memory"] >= 1, recovery
+    decided = [e for e in events(tmp_path) if e["kind"] == "action" and e["detector"] in ("recovery", "non_finite")]
+    assert any(e["action"] == "skip" and e["step"] == 10 for e in events(tmp_path)), decided
+    rollbacks = [e for e in decided if e["action"] == "rollback"]
+    assert rollbacks and 20 <= rollbacks[0]["values"]["target_step"] <= 30, rollbacks
+    assert not [e for e in events(tmp_path) if e["detector"] == "rollback_failed"]
+
+
 # ------------------------------------------------------------------ end to end: LR x 50 spike, healed
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])

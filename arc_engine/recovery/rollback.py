@@ -248,12 +248,14 @@ class Recovery:
     # ------------------------------------------------------------------ step start
 
     def on_step_start(self, step: int) -> None:
-        """At the first forward of step ``step`` (every rank). Takes the candidate snapshot when one is due (or
-        carries out a rollback that no :meth:`settle` did). May be collective (the first capture sizes the ring with
-        one all-reduce)."""
+        """At the first forward of step ``step`` (every rank). Takes the candidate snapshot when one is due and the
+        step is monitored (or carries out a rollback that no :meth:`settle` did). May be collective (the first
+        capture sizes the ring with one all-reduce)."""
         if self.pending is not None:
             self.settle()
-        elif self.capture_due:
+        elif self.capture_due and self.engine.is_monitored():
+            # a candidate is verified by its own step's decision: taken on a monitored step only (a due capture
+            # waits for one), whatever the interval and wherever a skip or a rollback moved the healthy count
             self.capture_due = False
             with self.engine.own_work.section("recovery.snapshot"):
                 if not self._ring_sized:
@@ -334,7 +336,8 @@ class Recovery:
             metadata = {"data_position": verified.extra["data_position"], "world_size": self._world(),
                         "run_id": self.engine.run_id, "applied_steps": verified.extra.get("applied_steps"),
                         "lineage": self.lineage}
-            self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
+            with self.engine.paused():  # may first drain the previous save (bounded by commit_timeout_s)
+                self.checkpoints.save_async(verified.step, state_dict, metadata=metadata, stable=stable)
             self._disk_source = weakref.ref(verified) if stable else None
         self.last_disk_step = verified.step
         self.disk_saves += 1
@@ -449,7 +452,8 @@ class Recovery:
     def _agreed_disk_latest(self) -> CommitInfo | None:
         if self.checkpoints is None:
             return None
-        self.checkpoints.wait(self.config.checkpoint.commit_timeout_s)
+        with self.engine.paused():  # the drain of an in-flight save, on every rank alike (bounded: commit_timeout_s)
+            self.checkpoints.wait(self.config.checkpoint.commit_timeout_s)
         latest = [self.checkpoints.latest(self.lineage)]  # this job's history: never a run it did not resume
         if self.group is not None:
             dist.broadcast_object_list(latest, group_src=0, group=self.group)

@@ -272,9 +272,9 @@ class ArcCallback(TrainerCallback):
         accelerator.__class__ = type(base.__name__, (base,), {"__module__": base.__module__,
                                                               "optimizer_step_was_skipped": property(step_was_skipped)})
 
-        if self._has("watchdog_pauses"):
-            trainer._evaluate = _paused(arc, trainer._evaluate)
-            trainer._save_checkpoint = _paused(arc, trainer._save_checkpoint)
+        if self._has("watchdog_pauses"):  # nestable: evaluate() inside _evaluate() is one pause
+            for name in hf_internals.WATCHDOG_PAUSED_METHODS:
+                setattr(trainer, name, _paused(arc, getattr(trainer, name)))
 
         trainer_log = trainer.log
 

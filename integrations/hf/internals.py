@@ -13,6 +13,10 @@ from arc_engine.compat import Capabilities, TestedRange
 #: The transformers releases the tests run (docs/compatibility.md): others get a warning.
 TESTED_TRANSFORMERS_RANGE = TestedRange("transformers", "5.0.0", "5.25.0", "integrations/hf/internals.py")
 
+#: The Trainer's long phases between optimizer steps, whoever calls them: the hang watchdog does not count them.
+WATCHDOG_PAUSED_METHODS = ("evaluate", "_evaluate", "predict", "_save_checkpoint", "save_model", "_load_best_model",
+                           "_load_from_checkpoint")
+
 #: What each feature reads of the Trainer's private surface: (what it does, what being off means), then the members.
 FEATURES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
     "logged_loss": (("the logged loss leaves out the steps arc_engine did not apply",
@@ -20,8 +24,10 @@ FEATURES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
     "log_counter": (("a rollback takes the Trainer's logging counter back with global_step",
                      "the first log after a rollback averages over a wrong number of steps"),
                     ("_globalstep_last_logged",)),
-    "watchdog_pauses": (("the hang watchdog does not count evaluation and checkpoint saves",
-                         "a slow evaluation or save counts toward a hang"), ("_evaluate", "_save_checkpoint")),
+    "watchdog_pauses": (("the hang watchdog does not count evaluation, prediction, checkpoint saves and the best "
+                         "model's load, from the Trainer or from any caller (a callback's own evaluate())",
+                         "a slow evaluation, save or load counts toward a hang"),
+                        WATCHDOG_PAUSED_METHODS),
     "per_token_loss": (("the recorded loss is each rank's per-token loss under num_items_in_batch",
                         "with variable-length batches a rank's recorded loss follows its share of the tokens"),
                        ("compute_loss", "model_accepts_loss_kwargs", "compute_loss_func", "_loss_shifts_labels",
