@@ -115,6 +115,7 @@ class LostPeerWatch:
         self._closed = threading.Event()
         self._reporting = threading.Lock()  # one report per process
         self._handing_back = False  # the SIGTERM's report is done: the main thread's handler re-raises it
+        self._thread: threading.Thread | None = None
         self.reported = False
 
     def install(self) -> LostPeerWatch:
@@ -132,7 +133,8 @@ class LostPeerWatch:
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
             self._take_wakeup_fd()
-            threading.Thread(target=self._sigterm_thread, name="arc-sigterm", daemon=True).start()
+            self._thread = threading.Thread(target=self._sigterm_thread, name="arc-sigterm", daemon=True)
+            self._thread.start()
         return self
 
     def _take_wakeup_fd(self) -> None:
@@ -156,6 +158,11 @@ class LostPeerWatch:
             sys.excepthook = self._excepthooks[0]
         self._excepthooks = None
         self._closed.set()
+        if self._wakeup is not None:  # wake the thread (it ends), so the pipe is closed only once it is unused
+            with contextlib.suppress(OSError):
+                os.write(self._wakeup[1], b"\0")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
         on_main_thread = threading.current_thread() is threading.main_thread()
         if self._sigterm_installed and on_main_thread and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -204,15 +211,16 @@ class LostPeerWatch:
     def _sigterm_thread(self) -> None:
         """Wait for a SIGTERM: its number on the wake-up pipe (written even while the main thread is blocked in C
         code), or the main thread's handler's record; then report."""
+        wakeup = self._wakeup  # (remove() may clear the attribute meanwhile)
         while not self._closed.is_set():
-            if self._wakeup is not None:
+            if wakeup is not None:
                 try:
-                    readable, _, _ = select.select([self._wakeup[0]], [], [], 0.5)
-                    if readable and signal.SIGTERM in os.read(self._wakeup[0], 512):
+                    readable, _, _ = select.select([wakeup[0]], [], [], 0.5)
+                    if readable and signal.SIGTERM in os.read(wakeup[0], 512):
                         self._signalled.set()
                 except (OSError, ValueError):  # the pipe closed by remove()
                     self._closed.wait(0.5)
-            if self._signalled.wait(0 if self._wakeup is not None else 0.5):
+            if self._signalled.wait(0 if wakeup is not None else 0.5):
                 self._sigterm_received()
                 return
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -486,6 +488,57 @@ def test_an_unwritable_checkpoint_dir_is_one_clear_error_or_with_continue_an_eve
     assert all(s["steps"] == 8 and s["recovery"]["checkpoint_saves"] == {} for s in summaries)
     disabled = [e for e in events(tmp_path / "b") if e.get("action") == "checkpoint_disabled"]
     assert disabled and disabled[0]["severity"] == "error" and "not writable" in disabled[0]["message"]
+
+
+@contextlib.contextmanager
+def full_disk(path: Path, size: str = "32k") -> Any:
+    """A filesystem of ``size`` mounted at ``path`` (a tmpfs, where this process may mount one: root with
+    CAP_SYS_ADMIN): True. Elsewhere an empty folder, and False: the ranks then inject ENOSPC themselves."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, check=False).returncode == 0 if shutil.which("mount") else False
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def _on_a_full_disk(rank: int, world: int, backend: str, config: ArcConfig, steps: int, mounted: bool) -> Any:
+    if not mounted:  # no small filesystem to fill: every small file a save writes there fails as on a full disk
+        from arc_engine.recovery import commit
+
+        write_atomic = commit.write_atomic
+
+        def no_space(path: Path, payload: bytes) -> None:
+            if "step_" in str(path):
+                raise OSError(28, "No space left on device", str(path))
+            write_atomic(path, payload)
+
+        commit.write_atomic = no_space
+    return _run(rank, world, backend, config, steps)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
+def test_a_full_disk_is_an_event_per_save_and_training_goes_on(tmp_path: Path, backend: str) -> None:
+    """The checkpoint directory on a 32 KB filesystem: every save fails with ENOSPC. Before: a rank that could not
+    write its report left rank 0 waiting for it until the save's deadline (600 s), the next save waited for that
+    one, and the job hung, its event log holding only the start event, the failed step's files left behind. Now a
+    report that cannot be written goes through the job's store: each save fails at once as an event on every rank,
+    its files are removed, and training runs to the end."""
+    ckpt = tmp_path / "small"
+    with full_disk(ckpt) as mounted:
+        config = recovery_config(tmp_path, "recovery.checkpoint.every_steps=5", f"recovery.checkpoint.dir={ckpt}",
+                                 "recovery.memory_ring_mb=0")
+        results = run_ranks(_on_a_full_disk, 2, backend, config, 25, mounted, timeout_s=240)
+        left = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.name != ".arc_shared_probe")
+    for result in results:
+        assert result["summary"]["steps"] == 25
+        assert result["summary"]["recovery"]["checkpoint_saves"]["failed"] >= 3, result["summary"]["recovery"]
+    failed = [e for e in events(tmp_path) if e.get("action") == "checkpoint_failed"]
+    assert sorted({e["values"]["step"] for e in failed}) >= [5, 10, 15], failed  # (20: drained at close)
+    assert all("No space left on device" in e["message"] for e in failed), failed[0]["message"]
+    assert left in ([], ["latest"]), left  # every failed save's files removed, no temporary file left
 
 
 @pytest.mark.parametrize("failing_rank", [1, 0])

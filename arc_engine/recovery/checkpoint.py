@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ import queue
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from arc_engine import internals
+from arc_engine import internals, runtime
 from arc_engine.recovery.commit import (
     DCP_METADATA_NAME,
     LATEST_NAME,
@@ -128,6 +130,7 @@ class _SaveJob:
     pinned: bool
     metadata: dict
     upload: Any  # concurrent.futures.Future[Metadata]
+    number: int = 0  # the how-manyth save of this manager: equal on every rank (save_async is collective)
     finished: threading.Event = field(default_factory=threading.Event)
     expected_files: set[str] = field(default_factory=set)
     commit: CommitInfo | None = None
@@ -177,6 +180,10 @@ class CheckpointManager:
         # what happened to the saves this rank started (rank 0 alone knows which committed)
         self.saves = {"started": 0, "committed": 0, "failed": 0}
         self.on_event = on_event  # (what, message, values): a failed save, cleanup or fallback, for the sinks
+        # a rank that cannot write its report file (a full disk) posts it here: the job's store, and this rank's own
+        self._store = runtime.default_store() if self._group is not None else None
+        self._store_prefix = f"arc/checkpoint/{zlib.crc32(str(self.root.resolve()).encode()):08x}/"
+        self._own_posts: dict[int, dict[str, Any]] = {}
         self._atexit_hook = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit_hook)
 
@@ -236,7 +243,8 @@ class CheckpointManager:
             self._worker.start()
         upload = dcp.async_save(staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
                                 planner=planner, process_group=self._group, **_async_save_options(self._group))
-        self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload)
+        self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload,
+                             number=self.saves["started"])
         self.saves["started"] += 1
         self._jobs.put(self._job)
         self.last_stall_s = time.perf_counter() - started
@@ -271,12 +279,13 @@ class CheckpointManager:
         except BaseException as err:
             self.last_save_error = err
             self.saves["failed"] += 1
-            reason = _first_lines(f"{type(err).__name__}: {err}", 400)
+            reason = _failure_reason(err)
             logger.error("checkpoint %s: save of step %d failed, not committed: %s", job.step_dir, job.step, reason)
             cleanup = ""
             if self.rank == 0:  # the partial shards and the ranks' checksum reports go; the previous commit stays
                 try:
-                    await_rank_reports(job.step_dir, self.world_size, deadline)  # no rank writes there after
+                    # no rank writes there after (a rank whose disk is full has posted its report instead)
+                    await_rank_reports(job.step_dir, self.world_size, deadline, self._posted_reports(job))
                     remove_checkpoint(job.step_dir)
                     cleanup = "; its files were removed"
                 except OSError as clean_err:
@@ -307,11 +316,44 @@ class CheckpointManager:
         except BaseException as err:
             # rank 0 removes a failed save's directory only after every report arrived (or its deadline passed;
             # a report later than that is removed by the next commit's retention)
-            job.step_dir.mkdir(parents=True, exist_ok=True)
-            write_rank_report(job.step_dir, self.rank, save_id, None, error=f"{type(err).__name__}: {err}")
+            self._write_report(job, save_id, None, error=f"{type(err).__name__}: {err}")
             raise
-        write_rank_report(job.step_dir, self.rank, save_id, checksums)
+        self._write_report(job, save_id, checksums)
         return save_id
+
+    def _write_report(self, job: _SaveJob, save_id: str | None, files: dict[str, str] | None,
+                      error: str | None = None) -> None:
+        """This rank's report, on disk; where that fails (a full disk, an unwritable directory) it is posted as an
+        error to the job's store (and kept here for rank 0's own wait), so rank 0 learns of the failure at once
+        instead of waiting for a file until the save's deadline. Raises the write's error when it failed."""
+        try:
+            job.step_dir.mkdir(parents=True, exist_ok=True)
+            write_rank_report(job.step_dir, self.rank, save_id, files, error=error)
+        except OSError as err:
+            why = f"{type(err).__name__}: {err}"
+            record = {"rank": self.rank, "save_id": save_id, "files": None,
+                      "error": f"{error}; writing its report failed too: {why}" if error else
+                      f"writing its report failed: {why}"}
+            self._own_posts[job.number] = record
+            if self._store is not None:
+                with contextlib.suppress(Exception):
+                    self._store.set(f"{self._store_prefix}{job.number}/{self.rank}", json.dumps(record))
+            if error is None:
+                raise
+
+    def _posted_reports(self, job: _SaveJob) -> Callable[[int], dict[str, Any] | None]:
+        """Rank 0's look-up of a report posted instead of written (:meth:`_write_report`): never blocks."""
+        def posted(rank: int) -> dict[str, Any] | None:
+            if rank == self.rank:
+                return self._own_posts.get(job.number)
+            if self._store is None:
+                return None
+            key = f"{self._store_prefix}{job.number}/{rank}"
+            try:
+                return json.loads(self._store.get(key)) if self._store.check([key]) else None
+            except Exception:  # the store is an aid to a failed save's report, never a new way to fail
+                return None
+        return posted
 
     def _own_files(self, expected: set[str]) -> list[str]:
         """The files this rank wrote: DCP prefixes them ``__<group rank>_``; the coordinator adds ``.metadata``."""
@@ -325,7 +367,7 @@ class CheckpointManager:
     def _commit(self, job: _SaveJob, save_id: str | None, deadline: float) -> None:
         """Rank 0: gather the reports (no lock held: ``pin`` must not block on the poll), then commit and apply
         retention under the lock that ``pin`` takes."""
-        checksums = gather_rank_reports(job.step_dir, self.world_size, save_id, deadline)
+        checksums = gather_rank_reports(job.step_dir, self.world_size, save_id, deadline, self._posted_reports(job))
         with self._lock:
             info = commit_checkpoint(job.step_dir, step=job.step, world_size=self.world_size, checksums=checksums,
                                      expected=job.expected_files, pinned=job.pinned, metadata=job.metadata)
@@ -549,6 +591,18 @@ class CheckpointManager:
         self._emit("checkpoint_fallback", f"checkpoint of step {info.step} ({info.path}) skipped: "
                    f"{_first_lines('; '.join(problems), 400)}; trying an older commit",
                    {"step": info.step, "path": str(info.path), "problems": problems})
+
+
+def _failure_reason(err: BaseException) -> str:
+    """What made a save fail, in one line: DCP's ``CheckpointException`` by each failing rank's own error (a full
+    disk reads ``rank 1: OSError: [Errno 28] No space left on device``), anything else by its first lines."""
+    if isinstance(err, CheckpointException) and err.failures:
+        parts = []
+        for rank, (cause, _trace) in sorted(err.failures.items()):
+            parts.append(f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}"
+                         if str(cause).strip() else f"rank {rank}: {type(cause).__name__}")
+        return _first_lines("; ".join(parts), 400)
+    return _first_lines(f"{type(err).__name__}: {err}", 400)
 
 
 def _first_lines(text: str, limit: int = 800) -> str:

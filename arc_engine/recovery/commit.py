@@ -21,6 +21,7 @@ abandoned timeline left committed checkpoints with higher steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,11 +107,16 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, payload: bytes) -> None:
     """Replace ``path`` with ``payload`` atomically and durably: tmp file, fsync, rename, fsync of the directory."""
     tmp_path = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp_path, "wb") as stream:
-        stream.write(payload)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp_path, path)
+    try:
+        with open(tmp_path, "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:  # a full disk, an I/O error: no temporary file is left behind
+        with contextlib.suppress(OSError):
+            tmp_path.unlink()
+        raise
     fsync_dir(path.parent)
 
 
@@ -126,10 +133,16 @@ def write_rank_report(step_dir: Path, rank: int, save_id: str | None, files: dic
                                                     "error": error})
 
 
-def await_rank_reports(step_dir: Path, world_size: int, deadline: float) -> dict[int, dict[str, Any]]:
-    """Rank 0: poll (bounded by the ``time.monotonic()`` ``deadline``) until every rank's report is on disk; the
-    reports that arrived, by rank. Waiting for all of them, a failed save's directory is removed only once no rank
-    will write into it any more (else a late rank's report would outlive the removal). Reads files only."""
+#: Where a rank's report is when it could not be written to disk (a full disk): ``elsewhere(rank)``, or None.
+ReportsElsewhere = Callable[[int], "dict[str, Any] | None"]
+
+
+def await_rank_reports(step_dir: Path, world_size: int, deadline: float,
+                       elsewhere: ReportsElsewhere | None = None) -> dict[int, dict[str, Any]]:
+    """Rank 0: poll (bounded by the ``time.monotonic()`` ``deadline``) until every rank's report is on disk, or
+    ``elsewhere`` (the job's store: a rank that could not write its report file posts its error there); the reports
+    that arrived, by rank. Waiting for all of them, a failed save's directory is removed only once no rank will
+    write into it any more (else a late rank's report would outlive the removal). No collectives."""
     reports: dict[int, dict[str, Any]] = {}
     pause_s = 0.01
     while len(reports) < world_size:
@@ -137,6 +150,8 @@ def await_rank_reports(step_dir: Path, world_size: int, deadline: float) -> dict
             path = step_dir / report_name(rank)
             if rank not in reports and path.exists():
                 reports[rank] = json.loads(path.read_text())
+            elif rank not in reports and elsewhere is not None and (posted := elsewhere(rank)) is not None:
+                reports[rank] = posted
         if len(reports) < world_size:
             if time.monotonic() > deadline:
                 break
@@ -145,11 +160,12 @@ def await_rank_reports(step_dir: Path, world_size: int, deadline: float) -> dict
     return reports
 
 
-def gather_rank_reports(step_dir: Path, world_size: int, save_id: str | None, deadline: float) -> dict[str, str]:
+def gather_rank_reports(step_dir: Path, world_size: int, save_id: str | None, deadline: float,
+                        elsewhere: ReportsElsewhere | None = None) -> dict[str, str]:
     """Rank 0: every rank's report (:func:`await_rank_reports`); the union of their checksums. Raises
     CheckpointError naming the directory when a rank reported an error, a report belongs to another save, or ranks
     are still missing at the deadline. Reads files only, no collectives."""
-    reports = await_rank_reports(step_dir, world_size, deadline)
+    reports = await_rank_reports(step_dir, world_size, deadline, elsewhere)
     checksums: dict[str, str] = {}
     for rank, report in sorted(reports.items()):
         path = step_dir / report_name(rank)
