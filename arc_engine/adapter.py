@@ -22,7 +22,7 @@ from arc_engine.stats import Reduce
 if TYPE_CHECKING:
     from arc_engine.config import ArcConfig
     from arc_engine.engine import ArcEngine
-    from arc_engine.monitors.family import ModelParts
+    from arc_engine.monitors.family import LocalGrads, ModelParts
     from arc_engine.recovery.recompute import RecomputeFn
     from arc_engine.recovery.state import TrainState
 
@@ -51,8 +51,9 @@ class Adapter:
     parts: ModelParts | None = None
     #: the exact gradient sketch's size where the framework's reduction hooks serve it (0: none)
     exact_sketch_size: int = 0
-    #: whether the framework's hooks see each rank's local gradient before its reduction
-    local_grad_hooks: bool = False
+    #: where a tensor hook sees each rank's local gradient before the framework's reduction, and over which group
+    #: that reduction averages (None: nowhere)
+    local_grad_reduction: LocalGrads | None = None
 
     #: the optional hooks' prefixes: a subclass method with one of them must be a hook of this class
     HOOK_PREFIXES = ("before_", "after_", "close_", "framework_", "effective_", "on_")

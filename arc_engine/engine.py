@@ -24,7 +24,7 @@ from arc_engine.data_ledger import LEDGER_FILE, DataLedger
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.gathering import StepGathering
 from arc_engine.lost_peers import LostPeerWatch
-from arc_engine.monitors.family import ModelParts
+from arc_engine.monitors.family import LocalGrads, ModelParts
 from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.own_work import OwnWork
 from arc_engine.policy import ArcAbort, Decision, DecisionPolicy
@@ -46,14 +46,14 @@ class ArcEngine:
                  group_names: list[str] | None = None, shard_reduce: Reduce = Reduce.REPLICATED,
                  sinks: SinkSet | None = None, params: Sequence[torch.Tensor] = (),
                  parts: ModelParts | None = None, exact_sketch_size: int = 0,
-                 local_grad_hooks: bool = False) -> None:
+                 local_grads: LocalGrads | None = None) -> None:
         self.config, self.group, self.rank = config, group, runtime.global_rank()
         self.group_names = list(group_names or ["group0"])
         device = stats_device(group, config.stats.device, model_device(params))
         self.own_work = OwnWork(config.stats.own_work, device)  # stats.own_work: arc_engine's own time, by piece
         self.gathering = StepGathering(config, group, device, self.own_work, group_names=self.group_names,
                                        shard_reduce=shard_reduce, params=params, parts=parts,
-                                       exact_sketch_size=exact_sketch_size, local_grad_hooks=local_grad_hooks,
+                                       exact_sketch_size=exact_sketch_size, local_grads=local_grads,
                                        current_step=lambda: self.progress.step)
         self.hooks = MonitorHooks()  # the monitors' optional methods, gathered at start
         self.policy = DecisionPolicy(config.policy, num_ranks=self.gathering.pipeline.num_ranks)

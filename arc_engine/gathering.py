@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from arc_engine.config.schema import ArcConfig
 from arc_engine.monitors.assembly import assemble
-from arc_engine.monitors.family import ModelParts, StepView
+from arc_engine.monitors.family import LocalGrads, ModelParts, StepView
 from arc_engine.own_work import OwnWork
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, StatLayout, StatsPipeline, names
 from arc_engine.stats.timing import ComputeProbe, SectionClock
@@ -30,13 +30,13 @@ class StepGathering:
 
     def __init__(self, config: ArcConfig, group: dist.ProcessGroup | None, device: torch.device,
                  own_work: OwnWork, *, group_names: list[str], shard_reduce: Reduce, params: Sequence[torch.Tensor],
-                 parts: ModelParts | None, exact_sketch_size: int, local_grad_hooks: bool,
+                 parts: ModelParts | None, exact_sketch_size: int, local_grads: LocalGrads | None,
                  current_step: Callable[[], int]) -> None:
         self.layout = StatLayout()
         for name, size, reduce in names.adapter_statistics(len(group_names), shard_reduce):
             self.layout.add(name, size, reduce)
         self.assembly = assemble(config, self.layout, group_names=group_names, shard_reduce=shard_reduce, parts=parts,
-                                 exact_sketch_size=exact_sketch_size, local_grad_hooks=local_grad_hooks,
+                                 exact_sketch_size=exact_sketch_size, local_grads=local_grads,
                                  wrap=own_work.wrap, current_step=current_step)
         self.pipeline = StatsPipeline(self.layout, group, device)
         self.clock = SectionClock(device)  # this rank's forward and iteration times (families read them)

@@ -180,7 +180,7 @@ def wire(adapter: Adapter, config: ArcConfig | str | Path | None, *, group: dist
     engine = ArcEngine(config, group=adapter.decision_group(group), group_names=adapter.group_names,
                        shard_reduce=adapter.shard_reduce, params=adapter.params,
                        parts=adapter.parts, exact_sketch_size=adapter.exact_sketch_size,
-                       local_grad_hooks=adapter.local_grad_hooks)
+                       local_grads=adapter.local_grad_reduction)
     wants_recompute = recompute_wanted(engine, recompute_fn, adapter.name, adapter.supports_recompute,
                                        required_group=adapter.recompute_group)
     engine.start()

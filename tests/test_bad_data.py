@@ -215,27 +215,43 @@ def test_the_data_ledger_command_prints_exports_and_refuses_bad_input(tmp_path: 
 # ------------------------------------------------------------------ the quarantine's hooks under DDP
 
 
-def _quarantined_grads(rank: int, world: int) -> dict:
+def _quarantined_grads(rank: int, world: int, groups: list[list[int]] | None = None, blamed: int = 1) -> dict:
+    """DDP over this rank's group of ``groups`` (None: every rank); ``blamed`` quarantined for one backward."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from arc_engine.monitors.bad_data import Quarantine
+    from arc_engine.monitors.family import LocalGrads
     from tests.training import BATCH, tiny_model_and_data
 
+    mine = None
+    for members in groups or []:  # every rank creates every group, in the same order
+        group = dist.new_group(members)
+        if rank in members:
+            mine = group
     model, data = tiny_model_and_data(0)
     alone, _ = tiny_model_and_data(0)  # the same weights, no DDP: each rank's own local gradient
     alone(*data.batch(0, rank, BATCH)).backward()
     own = [p.grad.clone() for p in alone.parameters()]
-    ddp = DistributedDataParallel(model)
-    quarantine = Quarantine(rank)
-    quarantine.params = list(model.parameters())
-    quarantine.start(blamed=1, ranks=world, step=0)
+    ddp = DistributedDataParallel(model, process_group=mine)
+    quarantine = Quarantine(rank, LocalGrads(tuple(model.parameters()), mine))
+    quarantine.start(blamed=blamed, step=0)
+    hooked = len(quarantine._handles)
     ddp(*data.batch(0, rank, BATCH)).backward()
     held = [p.grad.clone() for p in model.parameters()]
     quarantine.stop()
     model.zero_grad(set_to_none=True)
     ddp(*data.batch(0, rank, BATCH)).backward()
     released = [p.grad.clone() for p in model.parameters()]
-    return {"own": own, "held": held, "released": released, "hooks": len(quarantine._handles)}
+    return {"own": own, "held": held, "released": released, "hooks": len(quarantine._handles), "hooked": hooked}
+
+
+def _mean(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [sum(parts) / len(parts) for parts in zip(*grads, strict=True)]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b, strict=True))
 
 
 def test_a_quarantined_ranks_share_is_left_out_of_the_ddp_reduction_exactly() -> None:
@@ -249,6 +265,21 @@ def test_a_quarantined_ranks_share_is_left_out_of_the_ddp_reduction_exactly() ->
         mean = [(a + b) / 2 for a, b in zip(results[0]["own"], results[1]["own"], strict=True)]
         assert all(torch.allclose(r, m, rtol=1e-6, atol=1e-7) for r, m in zip(result["released"], mean, strict=True))
         assert not all(torch.equal(r, h) for r, h in zip(result["released"], result["held"], strict=True))
+
+
+def test_the_quarantine_scales_by_the_reductions_own_group_at_3_ranks_and_on_ddp_sub_groups() -> None:
+    """At 3 ranks the peers of the blamed rank scale by 3/2 (before: by n/(n-1) with n the ranks that recorded a
+    loss, which need not be the ranks DDP averages over). With DDP on sub-groups {0, 2} and {1, 3} of 4 ranks (a
+    2 x 2 grid) and rank 1 blamed: its group's reduction is rank 3's own gradient, the other group's is untouched
+    (before: every rank scaled by 4/3, the other group trained on gradients 4/3 too large)."""
+    three = run_ranks(_quarantined_grads, 3)
+    peers = _mean([three[0]["own"], three[2]["own"]])
+    assert all(_close(result["held"], peers) for result in three)
+    four = run_ranks(_quarantined_grads, 4, [[0, 2], [1, 3]])
+    assert [result["hooked"] > 0 for result in four] == [False, True, False, True]
+    assert _close(four[1]["held"], four[3]["own"]) and _close(four[3]["held"], four[3]["own"])
+    untouched = _mean([four[0]["own"], four[2]["own"]])
+    assert _close(four[0]["held"], untouched) and _close(four[2]["held"], untouched)
 
 
 # ------------------------------------------------------------------ replicas that diverged are not bad data

@@ -530,3 +530,14 @@ def test_a_release_outside_the_range_trains_with_only_the_missing_feature_off(tm
     assert "deepspeed 0.17.6, outside the tested range 0.18.0 .. 0.19.x" in compatibility[0]["message"]
     nan_event = next(e for e in events if e["kind"] == "detection" and e["detector"] == "non_finite")
     assert nan_event["step"] == 2 and nan_event["ranks"] == [1]
+
+
+def test_deepspeed_moe_expert_parameters_are_told_apart_for_the_quarantine() -> None:
+    """DeepSpeed-MoE marks an expert's parameters ``allreduce = False`` (averaged over their expert-data-parallel
+    group): the bad-data quarantine and the replicas' fingerprint leave them out (before: every bad-data alarm under
+    ``ep_size > 1`` read "replicas diverged", the experts differing by design)."""
+    from arc_engine.integrations.deepspeed.internals import expert_params
+
+    dense, expert = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    expert.allreduce = False
+    assert expert_params([dense, expert]) == [expert]

@@ -11,7 +11,7 @@ from typing import Any
 
 from arc_engine.config.schema import ArcConfig
 from arc_engine.monitors.base import Monitor, missing_stats
-from arc_engine.monitors.family import HOOKS, FamilyBase, FamilyContext, ModelParts, Producer, section_of
+from arc_engine.monitors.family import HOOKS, FamilyBase, FamilyContext, LocalGrads, ModelParts, Producer, section_of
 from arc_engine.monitors.hooks import MonitorHooks
 from arc_engine.monitors.registry import families
 from arc_engine.stats import Reduce, StatLayout
@@ -67,7 +67,7 @@ class Assembly:
 
 
 def assemble(config: ArcConfig, layout: StatLayout, *, group_names: list[str], shard_reduce: Reduce,
-             parts: ModelParts | None, exact_sketch_size: int, local_grad_hooks: bool, wrap: Wrap,
+             parts: ModelParts | None, exact_sketch_size: int, local_grads: LocalGrads | None, wrap: Wrap,
              current_step: Callable[[], int] = lambda: 0) -> Assembly:
     """Ask every registered family (:func:`~arc_engine.monitors.registry.families`) whether it is enabled; add the
     enabled ones' statistics to ``layout`` and gather their producers (each wrapped by ``wrap(name, write)``) and
@@ -75,7 +75,7 @@ def assemble(config: ArcConfig, layout: StatLayout, *, group_names: list[str], s
     assembly = Assembly()
     for family in families():
         context = FamilyContext(config, section_of(config, family), group_names, shard_reduce, parts,
-                                exact_sketch_size, local_grad_hooks, current_step)
+                                exact_sketch_size, local_grads, current_step)
         if not family.enabled(context):
             continue
         assembly.families.append((family, context))

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from arc_engine import runtime
 from arc_engine.config.errors import require
@@ -55,6 +56,7 @@ from arc_engine.monitors.consistency import ConsistencyFamily
 from arc_engine.monitors.family import (
     FamilyBase,
     FamilyContext,
+    LocalGrads,
     Producer,
     StatDecl,
     StepView,
@@ -143,22 +145,35 @@ RANK = "data_rank"
 
 class Quarantine:
     """One rank's share of the gradient dropped before the reduction (see the module docstring): tensor hooks on
-    ``params``, registered only while a rank is quarantined. Local; every rank starts and stops it on the same
-    agreed step."""
+    ``local.params``, registered only while a rank is quarantined, on the ranks of the blamed rank's reduction
+    group (``local.group``) only. Local; every rank starts and stops it on the same agreed step."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, local: LocalGrads | None = None) -> None:
         self.rank = rank
-        self.params: list[torch.Tensor] = []
+        self.params: list[torch.Tensor] = [p for p in local.params if p.requires_grad] if local is not None else []
+        self.group = local.group if local is not None else None
         self.blamed: int | None = None  # the quarantined rank
         self.since = -1                 # the first step applied without its share
         self.steps = 0                  # quarantined steps so far
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def start(self, blamed: int, ranks: int, step: int) -> None:
-        """From the next backward on: this rank's local gradient dropped (``blamed`` is this rank) or scaled by
-        ``ranks / (ranks − 1)`` (its peers), so the mean over the ``ranks`` ranks is the peers' mean."""
+    def reduction_ranks(self) -> list[int]:
+        """The global ranks this rank's local gradient is averaged with (its own included)."""
+        if self.group is not None:
+            return dist.get_process_group_ranks(self.group)
+        return list(range(dist.get_world_size())) if dist.is_initialized() else [self.rank]
+
+    def start(self, blamed: int, step: int) -> None:
+        """From the next backward on, on the ranks of ``blamed``'s reduction group: this rank's local gradient dropped
+        (``blamed`` is this rank) or scaled by ``n / (n − 1)`` (its peers), n the ranks that reduction averages over
+        (every one contributes a gradient, whether it recorded a loss or not), so the mean is the peers' mean.
+        Elsewhere nothing changes: their reduction does not hold the blamed rank's gradient."""
         self.stop()
-        scale = ranks / (ranks - 1)
+        members = self.reduction_ranks()
+        self.blamed, self.since, self.steps = blamed, step + 1, 0
+        if blamed not in members or len(members) < 2:
+            return
+        scale = len(members) / (len(members) - 1)
 
         def drop(grad: torch.Tensor) -> torch.Tensor:
             return torch.zeros_like(grad)  # (not grad * 0: a NaN in the bad batch's gradient would stay)
@@ -168,7 +183,6 @@ class Quarantine:
 
         hook = drop if self.rank == blamed else rescale
         self._handles = [param.register_hook(hook) for param in self.params if param.requires_grad]
-        self.blamed, self.since, self.steps = blamed, step + 1, 0
 
     def stop(self) -> None:
         for handle in self._handles:
@@ -196,10 +210,10 @@ class BadDataMonitor(Monitor):
     name = "data"
 
     def __init__(self, config: DataConfig, rank: int, positions: int = 1, position: int = 0,
-                 write_moments: bool = True, quarantine: bool = False) -> None:
+                 write_moments: bool = True, local: LocalGrads | None = None) -> None:
         check_rank(rank)
         self.config = config
-        self.quarantine = Quarantine(rank) if quarantine and config.quarantine else None
+        self.quarantine = Quarantine(rank, local) if local is not None and config.quarantine else None
         self._named = -1  # the rank this step's finding names (-1: none)
         self.rank = rank
         self.moments = WorkerMoments(positions, position)
@@ -218,8 +232,6 @@ class BadDataMonitor(Monitor):
         """Producer: this rank's global rank and the shared loss moments, unless the consistency family writes them
         (device-side, no sync)."""
         buffer.view(RANK).fill_(float(self.rank))
-        if self.quarantine is not None and not self.quarantine.params:
-            self.quarantine.params = [p for p in view.params if p.requires_grad]
         if self.write_moments:
             self.moments.write(buffer)
 
@@ -295,7 +307,7 @@ class BadDataMonitor(Monitor):
                 held.steps += 1
             ranks = int(self._values.get("ranks", 0.0))
             if held.blamed is None and self._named >= 0 and not applied and ranks >= 2:
-                held.start(self._named, ranks, step)
+                held.start(self._named, step)
         if applied and not self._flagged and math.isfinite(self._values.get("deviation", math.nan)) \
                 and self._values.get("ranks", 0.0) >= 2:
             self.history.append(self._values["deviation"])
@@ -332,7 +344,7 @@ class BadDataFamily(FamilyBase):
             positions, position = worker_positions(ctx.parts) or (1, 0)
             monitor = BadDataMonitor(ctx.section, runtime.global_rank(), positions, position,
                                      write_moments=not section_of(ctx.config, ConsistencyFamily()).enabled,
-                                     quarantine=ctx.local_grad_hooks and positions == 1)
+                                     local=ctx.local_grads if positions == 1 else None)
             self._monitor = (id(ctx), monitor)
         return self._monitor[1]
 

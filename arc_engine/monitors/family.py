@@ -159,11 +159,22 @@ class FamilyContext:
     #: the local gradient's element count when the adapter can write it whole, each element at its own place, as
     #: the gradient sketch (DDP: the same on every rank); 0 when it cannot
     exact_sketch_size: int = 0
-    #: a tensor hook on each of the engine's ``params`` sees this rank's whole local gradient before any reduction,
-    #: and what it returns is what gets reduced (DDP, DeepSpeed ZeRO-1/2; not FSDP2's or ZeRO-3's shards)
-    local_grad_hooks: bool = False
+    #: where a tensor hook sees this rank's whole local gradient before the framework's reduction, and over which
+    #: group that reduction averages (DDP, DeepSpeed ZeRO-1/2; not FSDP2's or ZeRO-3's shards); None: nowhere
+    local_grads: LocalGrads | None = None
     #: the optimizer step being computed (the engine's counter; for what runs inside the forward pass)
     current_step: Callable[[], int] = lambda: 0
+
+
+@dataclass(frozen=True)
+class LocalGrads:
+    """Parameters a tensor hook on which sees this rank's whole local gradient before the framework averages it over
+    ``group`` (None: every rank of the job), and what it returns is what gets averaged. ``left_out``: the
+    parameters of this rank not among them and why (e.g. DeepSpeed-MoE experts, averaged over another group)."""
+
+    params: tuple[torch.Tensor, ...]
+    group: Any = None
+    left_out: str = ""
 
 
 @dataclass
@@ -290,6 +301,6 @@ def optimizer_stats_schedule(config: ArcConfig, step: int) -> bool:
     return bool(every) and step % (config.stats.interval * every) == 0
 
 
-__all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "ModelParts", "Producer",
+__all__ = ["HOOKS", "AttentionShard", "FamilyBase", "FamilyContext", "LocalGrads", "ModelParts", "Producer",
            "RouterShard", "StatDecl", "StepView", "optimizer_statistics", "optimizer_stats_schedule", "periodic_due",
            "periodic_family_enabled", "replace_section", "section_of", "worker_positions"]

@@ -54,7 +54,7 @@ from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.integrations.deepspeed.local import LocalGradHooks
 from arc_engine.integrations.deepspeed.partition import ZeroPartitionStats
 from arc_engine.integrations.pytorch.optim import OVERFLOW_MONITORS, drop_gradients
-from arc_engine.monitors.family import section_of
+from arc_engine.monitors.family import LocalGrads, section_of
 from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import LocalGate
 from arc_engine.recovery.heal import heal_step, restore_learning_rates
@@ -226,8 +226,16 @@ class ZeroAdapter(Adapter):
         self.data_parallel_group = deepspeed_internals.data_parallel_group(self.zero)
         self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.stage in (1, 2)
-        # ZeRO-1/2 reduce from hooks on each parameter's gradient accumulation, after its tensor hooks have run
-        self.local_grad_hooks = self.stage in (1, 2)
+        # ZeRO-1/2 reduce from hooks on each parameter's gradient accumulation, after its tensor hooks have run, over
+        # the data-parallel group; a DeepSpeed-MoE expert's over its expert-data-parallel group: left out
+        if self.stage in (1, 2):
+            experts = deepspeed_internals.expert_params(self.params)
+            dense = tuple(p for p in self.params if id(p) not in {id(e) for e in experts})
+            left_out = (f"{len(experts)} DeepSpeed-MoE expert parameter(s), averaged over their expert-data-parallel "
+                        "group: the bad-data quarantine leaves them out" if experts else "")
+            self.local_grad_reduction = LocalGrads(dense, self.data_parallel_group, left_out)
+            if left_out and runtime.global_rank() == 0:
+                log.info("arc_engine: %s", left_out)
         self.hooks: ZeroStepHooks | None = None
 
     @property

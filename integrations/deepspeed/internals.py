@@ -547,3 +547,9 @@ def restore_loss_scaler(zero: Any, state: dict[str, Any]) -> None:
     for name in LOSS_SCALER_STATE:
         if name in state and hasattr(scaler, name):
             setattr(scaler, name, state[name])
+
+
+def expert_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The DeepSpeed-MoE expert parameters among ``params``: DeepSpeed marks them ``allreduce = False`` (they are
+    averaged over their expert-data-parallel group, not the data-parallel one; ``deepspeed.moe.utils``)."""
+    return [p for p in params if getattr(p, "allreduce", True) is False]

@@ -272,9 +272,14 @@ class ArcCallback(TrainerCallback):
         accelerator.__class__ = type(base.__name__, (base,), {"__module__": base.__module__,
                                                               "optimizer_step_was_skipped": property(step_was_skipped)})
 
-        if self._has("watchdog_pauses"):  # nestable: evaluate() inside _evaluate() is one pause
-            for name in hf_internals.WATCHDOG_PAUSED_METHODS:
-                setattr(trainer, name, _paused(arc, getattr(trainer, name)))
+        if self._has("watchdog_pauses"):  # hf_internals.WATCHDOG_PAUSED_METHODS; nestable: evaluate() in _evaluate()
+            trainer.evaluate = _paused(arc, trainer.evaluate)
+            trainer._evaluate = _paused(arc, trainer._evaluate)
+            trainer.predict = _paused(arc, trainer.predict)
+            trainer._save_checkpoint = _paused(arc, trainer._save_checkpoint)
+            trainer.save_model = _paused(arc, trainer.save_model)
+            trainer._load_best_model = _paused(arc, trainer._load_best_model)
+            trainer._load_from_checkpoint = _paused(arc, trainer._load_from_checkpoint)
 
         trainer_log = trainer.log
 

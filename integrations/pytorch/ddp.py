@@ -47,7 +47,7 @@ from arc_engine.integrations.pytorch.optim import (
     optimizer_stats,
     register_optimizer_hooks,
 )
-from arc_engine.monitors.family import section_of
+from arc_engine.monitors.family import LocalGrads, section_of
 from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.recovery.recompute import RecomputeFn, ReplicaTarget, SDCRecompute
@@ -399,8 +399,9 @@ class TorchAdapter(ScalerSkipsHooks):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # the comm hook can write the whole local gradient as the sketch (detectors.consistency.exact_max_params)
         self.exact_sketch_size = sum(p.numel() for p in self.params) if self.is_ddp else 0
-        self.local_grad_hooks = True  # a parameter's tensor hook runs before DDP's reducer reads its gradient
         self.data_parallel_group = model.process_group if self.is_ddp else None
+        # a parameter's tensor hook runs before DDP's reducer reads its gradient, averaged over DDP's own group
+        self.local_grad_reduction = LocalGrads(tuple(self.params), self.data_parallel_group)
         self.recompute_group = self.data_parallel_group
         self.supports_recompute = self.is_ddp
 
