@@ -262,3 +262,50 @@ def test_the_fisher_shaped_rollback_keeps_megatron_replicas_identical(tmp_path: 
         assert not torch.equal(ours[rank]["params"], theirs[rank]["params"])
     for first, second in ((0, 2), (1, 3)):  # the data-parallel replicas of each tensor-parallel shard
         assert torch.equal(ours[first]["params"], ours[second]["params"])
+
+
+def _on_a_full_disk(rank: int, world: int, flags: list[str], config: str, mounted: bool) -> dict[str, Any]:
+    if not mounted:  # no small filesystem to fill: every small file a save writes there fails as on a full disk
+        from arc_engine.recovery import commit
+
+        write_atomic = commit.write_atomic
+
+        def no_space(path: Path, payload: bytes) -> None:
+            if "step_" in str(path):
+                raise OSError(28, "No space left on device", str(path))
+            write_atomic(path, payload)
+
+        commit.write_atomic = no_space
+    script, args, state = _build([*flags, "--arc-config", config])
+    while state.arc.progress.step < 8:
+        script.train_step(state, args, state.arc.progress.data_position)
+    summary = state.arc.summary()
+    state.arc.close()
+    return {"steps": summary["steps"], "saves": summary["recovery"]["checkpoint_saves"]}
+
+
+@pytest.mark.timeout(400)
+def test_a_full_disk_under_megatron_is_an_event_per_save_and_training_goes_on(tmp_path: Path) -> None:
+    """megatron-core (TP=2), its checkpoints in Megatron's format on a 32 KB filesystem (or with injected ENOSPC
+    where the test cannot mount one): every save fails as an event and training runs to the end, as under DDP,
+    FSDP2 and ZeRO-2 (``tests/test_recovery_dist.py``: before, the job hung)."""
+    from tests.test_recovery_dist import full_disk
+
+    ckpt = tmp_path / "small"
+    config = tmp_path / "disk.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"run_id": "disk", "run_dir": str(tmp_path / "runs")}, "stats": {"interval": 1},
+        "sinks": {"console": {"enabled": False}},
+        "recovery": {"enabled": True, "checkpoint_freq": 1, "memory_ring_mb": 64,
+                     "checkpoint": {"enabled": True, "every_steps": 2, "dir": str(ckpt), "format": "auto"}}}))
+    flags = [*SMALL, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+    with full_disk(ckpt) as mounted:
+        results = run_ranks(_on_a_full_disk, 2, flags, str(config), mounted, timeout_s=360)
+        left = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.name != ".arc_shared_probe")
+    assert [r["steps"] for r in results] == [8, 8]
+    assert all(r["saves"]["failed"] >= 3 and r["saves"]["committed"] == 0 for r in results), results
+    lines = (tmp_path / "runs" / "disk" / "events.jsonl").read_text().splitlines()
+    failed = [e for e in map(yaml.safe_load, lines) if e.get("action") == "checkpoint_failed"]
+    assert len({e["values"]["step"] for e in failed}) >= 3, failed  # every save (steps 1, 3, 5: verified ones)
+    assert all("No space left on device" in e["message"] for e in failed), failed[0]["message"]
+    assert left in ([], ["latest"]), left
