@@ -265,17 +265,9 @@ def test_the_fisher_shaped_rollback_keeps_megatron_replicas_identical(tmp_path: 
 
 
 def _on_a_full_disk(rank: int, world: int, flags: list[str], config: str, mounted: bool) -> dict[str, Any]:
-    if not mounted:  # no small filesystem to fill: every small file a save writes there fails as on a full disk
-        from arc_engine.recovery import commit
+    from tests.test_recovery_dist import fill_the_disk_unless
 
-        write_atomic = commit.write_atomic
-
-        def no_space(path: Path, payload: bytes) -> None:
-            if "step_" in str(path):
-                raise OSError(28, "No space left on device", str(path))
-            write_atomic(path, payload)
-
-        commit.write_atomic = no_space
+    fill_the_disk_unless(mounted)
     script, args, state = _build([*flags, "--arc-config", config])
     while state.arc.progress.step < 8:
         script.train_step(state, args, state.arc.progress.data_position)

@@ -504,18 +504,25 @@ def full_disk(path: Path, size: str = "32k") -> Any:
             subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
+def fill_the_disk_unless(mounted: bool) -> None:
+    """In a rank: where :func:`full_disk` could mount no small filesystem, every small file a save writes into a
+    checkpoint's directory fails as on a full disk (ENOSPC)."""
+    if mounted:
+        return
+    from arc_engine.recovery import commit
+
+    write_atomic = commit.write_atomic
+
+    def no_space(path: Path, payload: bytes) -> None:
+        if "step_" in str(path):
+            raise OSError(28, "No space left on device", str(path))
+        write_atomic(path, payload)
+
+    commit.write_atomic = no_space
+
+
 def _on_a_full_disk(rank: int, world: int, backend: str, config: ArcConfig, steps: int, mounted: bool) -> Any:
-    if not mounted:  # no small filesystem to fill: every small file a save writes there fails as on a full disk
-        from arc_engine.recovery import commit
-
-        write_atomic = commit.write_atomic
-
-        def no_space(path: Path, payload: bytes) -> None:
-            if "step_" in str(path):
-                raise OSError(28, "No space left on device", str(path))
-            write_atomic(path, payload)
-
-        commit.write_atomic = no_space
+    fill_the_disk_unless(mounted)
     return _run(rank, world, backend, config, steps)
 
 
