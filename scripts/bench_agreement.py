@@ -143,7 +143,7 @@ def report_step_bytes(num_ranks: int) -> tuple[float, list[int]]:
     section = section_of(engine.config, StragglerFamily())
     step = next(s for s in range(1, 10_000) if report_due(s, engine.config.stats.interval, section.every))
     buffer.put(SECTION_TIMES, torch.tensor([0.1, 0.5, 20.0, np.nan, 0.0, -1.0, 0.0, 0.0, 0.1, np.inf, 0.0]))
-    buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5]))
+    buffer.put(STAGE_TIMES, torch.tensor([-0.1, 0.1, -np.inf, -np.inf, 0.5, 1.0]))
     engine.progress.step = step
     stats = pipeline.agree(buffer, reduce_max=engine.gathering.assembly.max_due(step))
     assert evaluate_all(engine, stats, step) == 0, "the simulated report step must be healthy"

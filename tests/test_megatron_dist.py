@@ -520,7 +520,8 @@ SLOW_MODULE = "decoder.layers.0.self_attention.linear_qkv"  # the first attentio
 
 def _straggler_config(tmp_path: Path, injections: list[dict]) -> str:
     return _arc_yaml(tmp_path / "straggler.yaml", "straggler", straggler={
-        "every": 5, "warmup_reports": 1, "min_delay_s": 0.05, "compute_every": 1, "individual_threshold": 0.0},
+        "every": 5, "warmup_reports": 1, "persist_reports": 1, "min_delay_s": 0.05, "compute_every": 1,
+        "individual_threshold": 0.0},
         injections=[{"kind": "stall", "seconds": 0.15, "pattern": SLOW_MODULE, **i} for i in injections])
 
 

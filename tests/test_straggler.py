@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
 from arc_engine.config import load_config
+from arc_engine.events import Severity
 from arc_engine.monitors.family import FamilyContext, StepView, section_of
 from arc_engine.monitors.straggler import (
     NAMED_SLOTS,
@@ -71,7 +72,8 @@ class Simulated:
 
     def __init__(self, ranks: int, who: Any = lambda rank: (-1, 0, 0), stages: int = 1, *overrides: str) -> None:
         config = load_config(None, ["detectors.straggler.every=5", "detectors.straggler.warmup_reports=1",
-                                    "detectors.straggler.min_delay_s=0.01", *overrides])
+                                    "detectors.straggler.min_delay_s=0.01", "detectors.straggler.persist_reports=1",
+                                    *overrides])
         ctx = FamilyContext(config, section_of(config, StragglerFamily()), ["g"], Reduce.SUM)
         self.layout = StatLayout()
         for decl in StragglerFamily().statistics(ctx):
@@ -82,8 +84,11 @@ class Simulated:
         self.buffers = [StatBuffer(self.layout, torch.device("cpu")) for _ in range(ranks)]
 
     def run(self, steps: int, times: Any) -> dict[int, list[Any]]:
+        return self.run_from(1, steps, times)
+
+    def run_from(self, first: int, last: int, times: Any) -> dict[int, list[Any]]:
         findings = {}
-        for step in range(1, steps + 1):
+        for step in range(first, last + 1):
             for rank, (producer, buffer) in enumerate(zip(self.producers, self.buffers, strict=True)):
                 forward, compute = times(step, rank)
                 buffer.reset()
@@ -117,17 +122,71 @@ def test_a_slow_rank_is_named_once_after_the_warmup_report_and_survives_a_restor
 
 
 def test_the_individual_score_is_the_ranks_own_best_and_a_restore_keeps_only_its_own() -> None:
-    """Every rank slows down by 50% at once (relative scores stay 1): only the individual score (each rank's best
-    over its current median) sees it. A restore from another rank's state (a checkpoint's shared copy) does not take
-    that rank's best."""
+    """Rank 1 slows down by 30% (to the level of rank 0, which was always slower: its relative score stays above the
+    threshold): only its individual score (its best over its current median) sees it. When every rank slows down at
+    once (relative scores stay 1) that is the machine's or the job's, not a rank's: one info event, no straggler. A
+    restore from another rank's state (a checkpoint's shared copy) does not take that rank's best."""
     sim = Simulated(2, lambda rank: (-1, 0, 0), 1, "detectors.straggler.individual_threshold=0.8")
-    findings = sim.run(15, lambda step, rank: (0.15 if step > 10 else 0.10, math.nan))
-    assert list(findings) == [15] and findings[15][0].ranks == (0, 1)
-    assert findings[15][0].values["individual_score_min"] == pytest.approx(0.10 / 0.15, rel=1e-6)
+    findings = sim.run(15, lambda step, rank: (0.13 if step > 10 or rank == 0 else 0.10, math.nan))
+    assert list(findings) == [15] and findings[15][0].ranks == (1,)
+    assert findings[15][0].severity == Severity.WARNING
+    assert findings[15][0].values["individual_score_min"] == pytest.approx(0.10 / 0.13, rel=1e-6)
+    together = Simulated(2, lambda rank: (-1, 0, 0), 1, "detectors.straggler.individual_threshold=0.8")
+    found = together.run(25, lambda step, rank: (0.15 if step > 10 else 0.10, math.nan))
+    assert list(found) == [15] and [(f.severity, f.ranks) for f in found[15]] == [(Severity.INFO, ())]
+    assert "every rank is slower than its own best" in found[15][0].message and found[15][0].values["every_rank_slower"]
+    assert together.monitor.stragglers == frozenset() and together.monitor.events == 0
     own, other = StragglerProducer(5, 1, rank=1), StragglerProducer(5, 1, rank=1)
     own.load_state_dict(sim.producers[1].state_dict())
     other.load_state_dict(sim.producers[0].state_dict())
     assert own.best_forward == pytest.approx(0.10) and other.best_forward == math.inf
+
+
+def test_a_rank_is_named_only_when_slow_in_persist_reports_reports_in_a_row_and_a_restore_keeps_the_count() -> None:
+    """persist_reports=2, reports every 5 steps (the first a warm-up): rank 3 slow in the window of step 10 only
+    is passing, not named; rank 1 slow in the windows of 20 and 25 is named at 25, once, also by a monitor restored
+    from the state of step 20; its streak ends when it recovers."""
+    sim = Simulated(4, lambda rank: (-1, 0, 0), 1, "detectors.straggler.persist_reports=2")
+
+    def times(step: int, rank: int) -> tuple[float, float]:
+        slow = (rank == 3 and 6 <= step <= 10) or (rank == 1 and 16 <= step <= 25)
+        return (0.30 if slow else 0.10), math.nan
+
+    findings = sim.run(20, times)
+    assert findings == {} and sim.monitor.streaks == {1: 1} and sim.monitor.metrics()["passing_slow_ranks"] == 1.0
+    restored = StragglerMonitor(sim.monitor.config, 1)
+    restored.load_state_dict(sim.monitor.state_dict())
+    for monitor in (sim.monitor, restored):
+        sim.monitor = monitor
+        found = sim.run_from(21, 30, times)
+        assert list(found) == [25] and [(f.severity, f.ranks) for f in found[25]] == [(Severity.WARNING, (1,))]
+        assert "(2 reports in a row of 5 monitored steps)" in found[25][0].message
+        assert monitor.stragglers == frozenset() and monitor.streaks == {} and monitor.events == 1
+        for producer in sim.producers:  # replay steps 21-30 for the restored monitor
+            producer.forward.clear()
+            producer.compute.clear()
+
+
+def test_slowness_that_moves_between_ranks_is_one_info_event_about_the_machine_and_no_straggler() -> None:
+    """A contended machine: each report another rank is the slow one (never twice in a row). Once two ranks have been
+    slow and recovered, one info event names them; no straggler is named; after CALM_REPORTS calm reports the next
+    episode is told again, once."""
+    from arc_engine.monitors.straggler import CALM_REPORTS
+
+    sim = Simulated(3, lambda rank: (-1, 0, 0), 1, "detectors.straggler.persist_reports=2")
+    turns = {2: 0, 3: 1, 4: 2, 5: 0, 6: 1}  # report index (step // 5) -> the slow rank of its window
+    second = 7 + CALM_REPORTS  # the next episode: after CALM_REPORTS calm reports
+    turns.update({second: 2, second + 1: 1, second + 2: 0})
+
+    def times(step: int, rank: int) -> tuple[float, float]:
+        return (0.30 if turns.get((step + 4) // 5) == rank else 0.10), math.nan
+
+    findings = sim.run(5 * (second + 3), times)
+    assert [(step, [(f.severity, f.ranks) for f in found]) for step, found in findings.items()] == [
+        (20, [(Severity.INFO, ())]), (5 * (second + 2), [(Severity.INFO, ())])]
+    first = findings[20][0]
+    assert "ranks 0, 1 were each slow and recovered within 1 report(s), none for 2 in a row" in first.message
+    assert first.values["passing_ranks"] == [0, 1] and sim.monitor.events == 0 and not sim.monitor.stragglers
 
 
 def test_the_producer_writes_window_medians_on_report_steps_only() -> None:
@@ -142,10 +201,15 @@ def test_the_producer_writes_window_medians_on_report_steps_only() -> None:
         if step == 5:
             assert np.array_equal(values, [0.03, 0.5, 5.0, math.nan, 0.0, 3.0, 1.0, 0.0, math.inf, math.inf, 7.0],
                                   equal_nan=True), values
-            assert stage == [-0.03, 0.03, -math.inf, -math.inf, 0.5]  # no compute sample: MAX's identity
+            # no compute sample, no earlier best (no individual score): MAX's identity
+            assert stage == [-0.03, 0.03, -math.inf, -math.inf, 0.5, -math.inf]
         else:
-            assert values == [0.0] * 11 and stage == [-math.inf] * 5
+            assert values == [0.0] * 11 and stage == [-math.inf] * 6
     assert not producer.forward and producer.best_forward == pytest.approx(0.03)  # the next window starts empty
+    for step in range(6, 11):  # twice as slow: the individual score against the best of the first window
+        buffer.reset()
+        producer.write(buffer, StepView(step, [], (0.06, 0.5), 0))
+    assert buffer.view(STAGE_TIMES).tolist()[5] == pytest.approx(0.5)
 
 
 def test_many_slow_ranks_fill_their_slots_and_the_rest_are_counted() -> None:
@@ -322,13 +386,14 @@ def _train(rank: int, world: int, run_dir: Path, stall_rank: int) -> dict[str, A
 
 
 def test_a_rank_sleeping_in_its_forward_is_named_and_counts_towards_lambda(tmp_path: Path) -> None:
-    """Rank 2 sleeps 150 ms in each forward from step 20: the report at step 30 names it on every rank, once (the
-    reports at 40 and 50 see the same straggler); the R-Metric's λ counts the event from the next step on. A clean
+    """Rank 2 sleeps 150 ms in each forward from step 20: slow at the report of step 30 and again at 40, it is named
+    at 40 (persist_reports = 2) on every rank, once (the report at 50 sees the same straggler); the R-Metric's λ
+    counts the event from the next step on. A clean
     run (below) names nobody. Only fixed-size reductions travel, on report steps only."""
     results = run_ranks(_train, 4, tmp_path, 2)
     for result in results:
-        assert result["findings"] == {30: ["straggler", 2]}, result["findings"]
-        assert result["lambdas"][:31] == [0.0] * 31 and result["lambdas"][31:] == [1.0] * 29
+        assert result["findings"] == {40: ["straggler", 2]}, result["findings"]
+        assert result["lambdas"][:41] == [0.0] * 41 and result["lambdas"][41:] == [1.0] * 19
         # no all-gather: one fixed-size follow-up per report (steps 10-50), one more with a slow rank (30, 40, 50)
         assert result["detail_fetches"] == 0 and result["follow_ups"] == 5 + 3
 

@@ -145,7 +145,8 @@ EVENTS = "r_metric_events"
 VALIDATION = "r_metric_validation"
 #: The terms, in weight order.
 TERMS = ("lambda", "variance", "drift")
-#: Agreed findings that count as system events for λ (a straggler finding counts each rank it names).
+#: Agreed findings that count as system events for λ (a straggler finding counts each rank it names; its info event
+#: about a contended machine names none and counts nothing).
 EVENT_DETECTORS = ("straggler", "deepspeed_overflow", "grad_scaler_overflow", "megatron_overflow", "sdc")
 #: σ² below this is read as this in its log level (identical norms: a zero spread).
 VARIANCE_FLOOR = 1e-30
@@ -329,7 +330,7 @@ class RMetricMonitor(Monitor):
         """Agreed findings that are system events (see :data:`EVENT_DETECTORS`) count towards λ."""
         for finding in decision.findings:
             if finding.detector in EVENT_DETECTORS:
-                self.observed += max(len(finding.ranks), 1) if finding.detector == "straggler" else 1
+                self.observed += len(finding.ranks) if finding.detector == "straggler" else 1
 
     def commit(self, step: int, applied: bool) -> None:
         self._validation.clear()  # sent with this step's agreement

@@ -18,8 +18,11 @@ Every ``every`` monitored steps (a report) each rank takes its window medians. S
 * individual score = the rank's best median so far / its median (1: as fast as it ever was; kept by the rank).
 
 A rank is slow when a relative score falls below ``relative_threshold`` (or its individual score below
-``individual_threshold``) while it is at least ``min_delay_s`` slower than that reference. Within a replica (the
-ranks that wait on each other inside the forward pass, :func:`attribute`):
+``individual_threshold``, unless every rank of its stage slowed as much) while it is at least ``min_delay_s`` slower
+than that reference. It is named only once slow in ``persist_reports`` reports in a row: on a contended machine
+(another job on the cores) the slowest rank changes from one report to the next, and that, or a slowdown every rank
+shares, is one info event about the machine, not a straggler. Within a replica (the ranks that wait on each other
+inside the forward pass, :func:`attribute`):
 
 * some but not all of its ranks compute slowly: those are **slow model-parallel peers** (tensor-parallel or
   pipeline); their peers' long forward sections are waits and the peers are not named;
@@ -29,16 +32,17 @@ ranks that wait on each other inside the forward pass, :func:`attribute`):
 Without replicas (DDP, ZeRO, FSDP2) each rank stands alone.
 
 **What travels, O(1) in ranks.** Nothing between reports. On a report step: the step's agreement reduces a MAX slot
-of ``5 x stages`` numbers (each stage's fastest and slowest forward and compute medians, and the slowest iteration
-median); then every rank judges *itself* against its stage's fastest, exactly, and one follow-up MAX of
-``2 x NAMED_SLOTS + 3`` numbers carries the candidates: each slow rank's badness packed with its rank
+of ``6 x stages`` numbers (each stage's fastest and slowest forward and compute medians, the slowest iteration median
+and the highest individual score); then every rank judges *itself* against its stage's fastest, exactly, and one
+follow-up MAX of ``2 x NAMED_SLOTS + 3`` numbers carries the candidates: each slow rank's badness packed with its rank
 (:mod:`arc_engine.stats.rank_keys`) in slot ``rank mod NAMED_SLOTS`` (compute-slow ranks in one half, forward-only
 ones in the other; a slot keeps its worst rank) and the lowest scores. Only when a slot holds a rank: a SUM of the
 named ranks' details (times, scores, who they are) and the count of slow ranks; and, under model parallelism, a SUM of
 the named ranks' replicas' member counts (how many compute slowly) for the attribution. Up to ``NAMED_SLOTS`` ranks
 of each kind are named per report; slow ranks that shared a slot with a worse one are counted in the event
-(``unnamed_slow_ranks``). The event names each new straggler once; stragglers are also system events of the R-Metric
-(its λ).
+(``unnamed_slow_ranks``). Each candidate's run of slow reports is counted from these agreed candidates, so every
+rank keeps the same counts. The event names each new straggler once; stragglers are also system events of the
+R-Metric (its λ).
 """
 
 from __future__ import annotations
@@ -72,10 +76,12 @@ class StragglerConfig:
     median / the rank's median, individual = the rank's best median so far / its median (1 = as fast as it gets);
     the slow ranks and their details come through fixed-size follow-up reductions (no per-rank gather). A rank is
     slow when its relative score (forward or compute) is below ``relative_threshold`` (or its individual score below
-    ``individual_threshold``, 0 = off) and it is at least ``min_delay_s`` slower than the reference; after
-    ``warmup_reports`` reports. Under model parallelism the slow ranks of a replica are told apart: a model-parallel
-    peer that computes slowly (its peers only wait for it) or a whole slow replica. The event names the ranks;
-    stragglers also count as system events of the R-Metric."""
+    ``individual_threshold``, 0 = off; not when every rank slowed) and it is at least ``min_delay_s`` slower than the
+    reference; after ``warmup_reports`` reports; it is named once slow in ``persist_reports`` reports in a row
+    (slowness that moves between ranks, or that every rank shares, is one info event about the machine). Under model
+    parallelism the slow ranks of a replica are told apart: a model-parallel peer that computes slowly (its peers
+    only wait for it) or a whole slow replica. The event names the ranks; stragglers also count as system events of
+    the R-Metric."""
 
     enabled: bool = True
     """Per-rank straggler scores from each rank's forward-section time (first forward pre-hook to first recorded loss),
@@ -97,6 +103,11 @@ class StragglerConfig:
     warmup_reports: int = 2
     """Reports before ranks can be flagged (the first steps compile and warm caches).
     Allowed: >= 0"""
+    persist_reports: int = 2
+    """Consecutive reports a rank must be slow in before it is named: a rank slow in one report only is the machine's
+    noise (another job on the cores), told once as an info event when it moves between ranks; 1 names a rank at its
+    first slow report.
+    Allowed: >= 1"""
     compute_every: int = 5
     """Monitored steps between samples of each rank's local compute time (modules without a collective; tells a slow
     tensor/pipeline-parallel peer from the peers that wait for it); 0: off.
@@ -114,6 +125,8 @@ class StragglerConfig:
                 "must be in [0, 1) (0 = off)")
         require(self.min_delay_s >= 0, "min_delay_s", self.min_delay_s, "must be >= 0 seconds")
         require(self.warmup_reports >= 0, "warmup_reports", self.warmup_reports, "must be an integer >= 0")
+        require(self.persist_reports >= 1, "persist_reports", self.persist_reports,
+                "must be an integer >= 1 (consecutive slow reports before a rank is named)")
         require(self.compute_every >= 0, "compute_every", self.compute_every,
                 "must be an integer >= 0 (monitored steps between compute samples; 0 = off)")
         require(self.compute_modules >= 1, "compute_modules", self.compute_modules, "must be an integer >= 1")
@@ -127,10 +140,13 @@ class StragglerConfig:
 SECTION_TIMES = "straggler_times"
 (FORWARD, ITERATION, FORWARD_COUNT, COMPUTE, COMPUTE_COUNT, REPLICA, TENSOR_RANK, STAGE, BEST_FORWARD, BEST_COMPUTE,
  GLOBAL_RANK) = range(11)
-#: [stages x 5] MAX, reduced on report steps only: per pipeline stage -fastest and slowest forward median, -fastest
-#: and slowest compute median, slowest iteration median (-inf: no rank of the stage has one).
+#: [stages x 6] MAX, reduced on report steps only: per pipeline stage -fastest and slowest forward median, -fastest
+#: and slowest compute median, slowest iteration median, and the highest individual score (the rank that slowed
+#: least against its own best) (-inf: no rank of the stage has one).
 STAGE_TIMES = "straggler_stage_times"
-STAGE_COLUMNS = 5
+STAGE_COLUMNS = 6
+#: calm reports (no rank slow) after which a contended machine's info event can be told again
+CALM_REPORTS = 5
 #: candidate slots per kind (compute-slow, forward-only slow) of the follow-up reduction: a report names at most this
 #: many ranks of each kind; a slow rank shares slot ``rank mod NAMED_SLOTS`` with others and the worst one is named
 NAMED_SLOTS = 64
@@ -208,25 +224,37 @@ class Verdict:
                    float(relative_compute), float(individual), forward_slow, bool(computing))
 
 
+def individual_score(forward: float, compute: float, best_forward: float, best_compute: float
+                     ) -> tuple[float, float, float]:
+    """(individual score, current time, best time) of one rank: of its compute where it is measured (a coupled
+    forward pass slows every rank waiting for a slow one), else of its forward section; the score is NaN without an
+    earlier best. Pure."""
+    own_time, own_best = (compute, best_compute) if math.isfinite(compute) and compute > 0 else \
+        (forward, best_forward)
+    individual = _ratio(min(own_best, own_time), own_time) if math.isfinite(own_best) else math.nan
+    return individual, own_time, own_best
+
+
 def judge(row: np.ndarray, stage_rows: np.ndarray, config: StragglerConfig, warm: bool) -> Verdict:
     """One rank's verdict on itself from its own report ``row`` (:data:`SECTION_TIMES`) and the agreed per-stage times
-    ``stage_rows`` (:data:`STAGE_TIMES`, ``[stages, 5]``); nobody is slow before ``warm``. Pure."""
+    ``stage_rows`` (:data:`STAGE_TIMES`, ``[stages, 6]``); nobody is slow before ``warm``. An individual slowdown
+    that every rank of the stage shares (the stage's highest individual score below the threshold) is the machine's
+    or the job's, not a rank's: it flags nobody. Pure."""
     stage = int(row[STAGE])
-    fastest, _, fastest_compute, _, _ = stage_rows[min(max(stage, 0), len(stage_rows) - 1)]
+    fastest, _, fastest_compute, _, _, stage_individual = stage_rows[min(max(stage, 0), len(stage_rows) - 1)]
     fastest, fastest_compute = -fastest, -fastest_compute
     forward, compute = float(row[FORWARD]), float(row[COMPUTE])
     relative, relative_compute = _ratio(fastest, forward), _ratio(fastest_compute, compute)
-    # the individual score of the rank's compute where it is measured (a coupled forward pass slows every rank
-    # waiting for a slow one), else of its forward section
     compute_known = math.isfinite(relative_compute)
-    own_time, own_best = (compute, row[BEST_COMPUTE]) if compute_known else (forward, row[BEST_FORWARD])
-    individual = _ratio(min(own_best, own_time), own_time) if math.isfinite(own_best) else math.nan
+    individual, own_time, own_best = individual_score(forward, compute, float(row[BEST_FORWARD]),
+                                                      float(row[BEST_COMPUTE]))
     delay = config.min_delay_s
     forward_slow = math.isfinite(relative) and relative < config.relative_threshold and forward - fastest >= delay
     compute_slow = compute_known and relative_compute < config.relative_threshold and \
         compute - fastest_compute >= delay
-    if config.individual_threshold and math.isfinite(individual) and individual < config.individual_threshold and \
-            own_time - own_best >= delay:
+    shared = math.isfinite(stage_individual) and stage_individual < config.individual_threshold
+    if config.individual_threshold and not shared and math.isfinite(individual) and \
+            individual < config.individual_threshold and own_time - own_best >= delay:
         compute_slow |= compute_known
         forward_slow |= not compute_known
     if not warm:
@@ -333,8 +361,10 @@ class StragglerProducer:
                 slot[index].fill_(value)
             row = min(max(int(report[STAGE]), 0), self.stages - 1) * STAGE_COLUMNS
             stage = buffer.view(STAGE_TIMES)
+            individual, _, _ = individual_score(report[FORWARD], report[COMPUTE], report[BEST_FORWARD],
+                                                report[BEST_COMPUTE])
             for index, value in enumerate((-report[FORWARD], report[FORWARD], -report[COMPUTE], report[COMPUTE],
-                                           report[ITERATION])):
+                                           report[ITERATION], individual)):
                 if math.isfinite(value):
                     stage[row + index].fill_(value)
 
@@ -349,7 +379,8 @@ class StragglerProducer:
 
 class StragglerMonitor(Monitor):
     """Judges every rank on report steps, each rank itself, and tells which ranks are slow (see the module
-    docstring); names the ranks that become stragglers."""
+    docstring); names the ranks that stay slow for ``persist_reports`` reports, and tells once (an info event) when
+    the slowness is the machine's: it moves between ranks, or every rank of a stage slowed against its own best."""
 
     name = "straggler"
 
@@ -358,9 +389,15 @@ class StragglerMonitor(Monitor):
         self.interval = interval
         self.producer = producer  # this rank's (its best medians travel with the monitor's state)
         self.reports = 0
-        self.stragglers: frozenset[int] = frozenset()  # global ranks flagged at the last report
+        self.stragglers: frozenset[int] = frozenset()  # global ranks named at the last report
         self.events = 0
-        self._pending: frozenset[int] | None = None
+        # agreed: each slow rank's consecutive slow reports; the ranks whose run ended short of persist_reports
+        # since the machine was last calm, whether that was told, and the calm reports since
+        self.streaks: dict[int, int] = {}
+        self.passing: frozenset[int] = frozenset()
+        self.contention_told = False
+        self.calm = 0
+        self._pending: _Report | None = None
         self._values: dict[str, float] = {}
 
     def required_stats(self) -> tuple[str, ...]:
@@ -385,8 +422,15 @@ class StragglerMonitor(Monitor):
                    if math.isfinite(key)]
         named_verdicts, unnamed = self._named(stats, verdict_of, winners)
         verdicts = attribute(*named_verdicts) if named_verdicts[0] else []
-        named = frozenset(v.rank for _, slow, _, _ in verdicts for v in slow)
-        self._pending = named
+        # a slow rank is named once slow in persist_reports reports in a row; before that it is passing
+        streaks = {v.rank: self.streaks.get(v.rank, 0) + 1 for _, slow, _, _ in verdicts for v in slow}
+        lasting = [(kind, kept, waiting, others) for kind, slow, waiting, others in verdicts
+                   if (kept := [v for v in slow if streaks[v.rank] >= config.persist_reports])]
+        named = frozenset(v.rank for _, slow, _, _ in lasting for v in slow)
+        passing = frozenset(rank for rank in streaks if rank not in named)
+        individual = stage_rows[:, 5]
+        shared = warm and config.individual_threshold > 0 and bool(np.isfinite(individual).any()) and \
+            bool((individual[np.isfinite(individual)] < config.individual_threshold).all())
         with np.errstate(invalid="ignore"):
             self._values = {"forward_fastest_s": _extreme(-stage_rows[:, 0], min),
                             "forward_slowest_s": _extreme(stage_rows[:, 1], max),
@@ -394,25 +438,57 @@ class StragglerMonitor(Monitor):
                             "compute_slowest_s": _extreme(stage_rows[:, 3], max),
                             "relative_score_min": _finite(lowest[0]), "compute_score_min": _finite(lowest[1]),
                             "individual_score_min": _finite(lowest[2]),
+                            "individual_score_max": _extreme(individual, max),
                             "iteration_slowest_s": _extreme(stage_rows[:, 4], max),
-                            "stragglers": float(len(named))}
+                            "stragglers": float(len(named)), "passing_slow_ranks": float(len(passing))}
+        findings = []
         new = named - self.stragglers
-        if not new:
-            return []
-        parts = [self._describe(kind, slow, waiting, others) for kind, slow, waiting, others in verdicts]
+        if new:
+            findings.append(self._stragglers(lasting, named, new, unnamed))
+        # ranks whose run of slow reports ended short of persist_reports: the machine's, not theirs
+        ended = frozenset(rank for rank, count in self.streaks.items()
+                          if rank not in streaks and count < config.persist_reports)
+        seen = (frozenset() if self.calm >= CALM_REPORTS else self.passing) | ended
+        told = self.contention_told and self.calm < CALM_REPORTS
+        if not told and (len(seen) >= 2 or shared):
+            told = True
+            findings.append(self._contention(seen, shared))
+        self._pending = _Report(named, streaks, seen, told, bool(streaks) or shared)
+        return findings
+
+    def _stragglers(self, lasting: list[tuple[str, list[Verdict], list[int], int]], named: frozenset[int],
+                    new: frozenset[int], unnamed: int) -> Finding:
+        config = self.config
+        parts = [self._describe(kind, slow, waiting, others) for kind, slow, waiting, others in lasting]
         shown = parts[:8]
         more = f"; and {len(parts) - 8} more" if len(parts) > 8 else ""
         if unnamed:
             more += f"; {unnamed} more slow rank(s) not named (they share a slot with a slower rank)"
-        slow_verdicts = [v for _, slow, _, _ in verdicts for v in slow]
+        slow_verdicts = [v for _, slow, _, _ in lasting for v in slow]
         values = {**self._values, "ranks": sorted(named), "unnamed_slow_ranks": unnamed,
-                  "kinds": {v.rank: kind for kind, slow, _, _ in verdicts for v in slow},
+                  "kinds": {v.rank: kind for kind, slow, _, _ in lasting for v in slow},
                   "forward_s": {v.rank: v.forward for v in slow_verdicts},
                   "compute_s": {v.rank: v.compute for v in slow_verdicts},
                   "relative_score": {v.rank: v.relative for v in slow_verdicts}}
-        return [Finding(self.name, Action.parse(config.action), Severity.WARNING,
-                        f"stragglers: {'; '.join(shown)}{more} (medians over {config.every} monitored steps)",
-                        ranks=tuple(sorted(new)), values=values)]
+        persisted = f"{config.persist_reports} reports in a row of {config.every} monitored steps" \
+            if config.persist_reports > 1 else f"medians over {config.every} monitored steps"
+        return Finding(self.name, Action.parse(config.action), Severity.WARNING,
+                       f"stragglers: {'; '.join(shown)}{more} ({persisted})", ranks=tuple(sorted(new)), values=values)
+
+    def _contention(self, seen: frozenset[int], shared: bool) -> Finding:
+        """The info event of a contended machine: slowness that no rank keeps, or that every rank shares."""
+        config = self.config
+        if shared:
+            what = (f"every rank is slower than its own best (the highest individual score "
+                    f"{self._values['individual_score_max']:.2f} < {config.individual_threshold}): the machine or "
+                    f"the job slowed, not a rank")
+        else:
+            what = (f"ranks {', '.join(map(str, sorted(seen)))} were each slow and recovered within "
+                    f"{config.persist_reports - 1} report(s), none for {config.persist_reports} in a row: the machine "
+                    f"is contended (another job on the cores, a noisy neighbour), not a rank")
+        return Finding(self.name, Action.WARN, Severity.INFO,
+                       f"{what}; no straggler is named for it (told once until {CALM_REPORTS} calm reports)",
+                       values={**self._values, "passing_ranks": sorted(seen), "every_rank_slower": shared})
 
     @staticmethod
     def _named(stats: AgreedStats, verdict_of: Callable[[np.ndarray], Verdict], winners: list[tuple[int, int]]
@@ -487,11 +563,14 @@ class StragglerMonitor(Monitor):
         return f"slow replica {replica} ({where}): {members}"
 
     def commit(self, step: int, applied: bool) -> None:
-        if self._pending is None:
+        report = self._pending
+        if report is None:
             return
-        named = self._pending
-        self.events += len(named - self.stragglers)
-        self.stragglers = named
+        self.events += len(report.named - self.stragglers)
+        self.stragglers = report.named
+        self.streaks = report.streaks
+        self.passing, self.contention_told = report.passing, report.told
+        self.calm = 0 if report.slow else self.calm + 1
         self.reports += 1
         self._pending = None
 
@@ -499,7 +578,10 @@ class StragglerMonitor(Monitor):
         return {**self._values, "events": float(self.events)}
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"reports": self.reports, "stragglers": sorted(self.stragglers), "events": self.events}
+        state: dict[str, Any] = {"reports": self.reports, "stragglers": sorted(self.stragglers), "events": self.events,
+                                 "streaks": [[rank, count] for rank, count in sorted(self.streaks.items())],
+                                 "passing": sorted(self.passing), "contention_told": self.contention_told,
+                                 "calm": self.calm}
         if self.producer is not None:
             state["own"] = self.producer.state_dict()
         return state
@@ -508,8 +590,27 @@ class StragglerMonitor(Monitor):
         self.reports = int(state["reports"])
         self.stragglers = frozenset(int(r) for r in state["stragglers"])
         self.events = int(state["events"])
+        # a checkpoint written before persist_reports existed holds no streaks: its stragglers count as lasting
+        self.streaks = {int(rank): int(count) for rank, count in state.get(
+            "streaks", [[rank, self.config.persist_reports] for rank in self.stragglers])}
+        self.passing = frozenset(int(r) for r in state.get("passing", ()))
+        self.contention_told = bool(state.get("contention_told", False))
+        self.calm = int(state.get("calm", 0))
         if self.producer is not None and "own" in state:
             self.producer.load_state_dict(state["own"])
+
+
+@dataclass(frozen=True)
+class _Report:
+    """A report's agreed outcome, committed with its step: the ranks named, each slow rank's streak, the ranks slow
+    for a shorter run since the machine was last calm, whether the contention was told, and whether any rank was
+    slow."""
+
+    named: frozenset[int]
+    streaks: dict[int, int]
+    passing: frozenset[int]
+    told: bool
+    slow: bool
 
 
 def _finite(value: float) -> float:
