@@ -78,10 +78,10 @@ class DataLedger:
         """``bad_data`` findings with the data position the step consumed; plus, where this ledger skipped
         ``position`` for bad data before (a resumed or replaying run), the finding that skips it again."""
         out = [dataclasses.replace(f, message=f"{f.message} (data position {position})",
-                                   values={**f.values, "data_position": position}) if f.bad_data else f
-               for f in findings]
+                                   values={**f.values, "data_position": position})
+               if f.bad_data or f.data_suspect else f for f in findings]
         known = self.bad(position)
-        if known is not None and not any(f.bad_data for f in out):
+        if known is not None and not any(f.bad_data or f.data_suspect for f in out):
             ranks = tuple(known["ranks"])
             whose = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
             out.append(Finding("data_ledger", Action.SKIP, Severity.WARNING,
@@ -91,9 +91,9 @@ class DataLedger:
         return out
 
     def record_decision(self, decision: Decision, *, position: int, iteration: int) -> None:
-        """Record the step's batch when its update is not applied or a finding blames it (identical on every
-        rank)."""
-        blamed = [f for f in decision.findings if f.bad_data]
+        """Record the step's batch when its update is not applied or a finding blames it (``bad_data``, or
+        ``data_suspect``: a bad-data entry as well) (identical on every rank)."""
+        blamed = [f for f in decision.findings if f.bad_data or f.data_suspect]
         if decision.applies_update and not blamed:
             return
         causes = [f for f in decision.findings if f.action >= Action.SKIP] or blamed

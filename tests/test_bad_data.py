@@ -282,6 +282,61 @@ def test_the_quarantine_scales_by_the_reductions_own_group_at_3_ranks_and_on_ddp
     assert _close(four[0]["held"], untouched) and _close(four[2]["held"], untouched)
 
 
+def _zero_quarantined(rank: int, world: int, stage: int, run_dir: Path, blamed: int = 1) -> dict:
+    """A DeepSpeed ZeRO-``stage`` engine (SGD, lr 1, no clipping: the update is the reduced gradient) with arc_engine
+    attached; ``blamed`` quarantined over the adapter's reduction group for one step. Returns this rank's own local
+    gradient (the same weights and batch, no DeepSpeed) and the update."""
+    import os
+
+    import deepspeed
+
+    from arc_engine.integrations.deepspeed import attach_deepspeed
+    from arc_engine.monitors.bad_data import Quarantine
+    from tests.training import BATCH, tiny_model_and_data
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    model, data = tiny_model_and_data(0)
+    alone, _ = tiny_model_and_data(0)
+    alone(*data.batch(0, rank, BATCH)).backward()
+    own = [p.grad.clone() for p in alone.parameters()]
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10_000}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=config)
+    arc = attach_deepspeed(engine, make_config(run_dir))
+    local = arc.adapter.local_grad_reduction
+    quarantine = Quarantine(rank, local)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    quarantine.start(blamed=blamed, step=0)
+    loss = engine(*data.batch(0, rank, BATCH))
+    arc.record_loss(loss)
+    engine.backward(loss)
+    engine.step()
+    quarantine.stop()
+    update = [b - p.detach() for b, p in zip(before, engine.module.parameters(), strict=True)]
+    applied = arc.last_step_applied
+    arc.close()
+    return {"own": own, "update": update, "applied": applied, "members": quarantine.reduction_ranks(),
+            "covered": len(local.params) == len(own) and not local.left_out}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("stage", "world"), [(1, 3), (2, 4)])
+def test_under_zero_1_and_2_the_quarantine_leaves_the_blamed_ranks_share_out_of_deepspeeds_reduction(
+        tmp_path: Path, stage: int, world: int) -> None:
+    """DeepSpeed ZeRO-1 at 3 ranks and ZeRO-2 at 4, rank 1 quarantined for one step: every rank's update (SGD, lr 1,
+    so the reduced gradient DeepSpeed applied) is the mean of the other ranks' own gradients -- rank 1 contributes
+    zeros and its peers scale by n/(n-1) over DeepSpeed's data-parallel group, which the adapter names."""
+    pytest.importorskip("deepspeed")
+    results = run_ranks(_zero_quarantined, world, stage, tmp_path)
+    peers = _mean([result["own"] for rank, result in enumerate(results) if rank != 1])
+    everyone = _mean([result["own"] for result in results])
+    for result in results:
+        assert result["applied"] and result["covered"] and result["members"] == list(range(world))
+        assert _close(result["update"], peers), stage
+        assert not _close(result["update"], everyone)  # the blamed rank's share would change it
+
+
 # ------------------------------------------------------------------ replicas that diverged are not bad data
 
 DIVERGE = "faults.injections=[{kind: optimizer_state, rank: 1, step: 120, scale: 1.0e-8, state_key: exp_avg_sq}]"

@@ -132,6 +132,12 @@ def test_persistent_fault_aborts_every_rank_at_the_same_step(tmp_path: Path) -> 
     assert all(r["exit_code"] == arc_engine.EXIT_ABORT for r in results)
     events = read_jsonl(tmp_path / "test" / "events.jsonl")
     assert any(e["detector"] == "policy" and e["action"] == "abort" for e in events)
+    # rank 0's NaN loss beside rank 1's finite one suspects rank 0's batches: bad-data entries in the data ledger
+    # (a resumed run skips them again), while the skips counted as ordinary ones (the abort above, at the 3rd)
+    ledger = read_jsonl(tmp_path / "test" / "data_ledger.jsonl")
+    assert [(e["first"], e["action"], e["bad_data"], e["ranks"]) for e in ledger if e["first"] < 4] == [
+        (2, "skip", True, [0]), (3, "skip", True, [0])], ledger
+    assert "suspect data: the batch of rank 0" in next(e for e in events if e["detector"] == "non_finite")["message"]
 
 
 def test_loss_spike_is_skipped_on_every_rank(tmp_path: Path) -> None:

@@ -78,11 +78,39 @@ def test_inf_counts_as_nonfinite():
     assert finding.ranks == (0,)
 
 
-def test_nonfinite_reduced_gradient_with_finite_local_gradients_is_caught():
-    # e.g. corruption inside the all-reduce: every rank's own gradient was finite
-    monitor = NonFiniteMonitor(NonFiniteConfig(action="skip"), GROUP_NAMES)
-    stats = gathered_stats([2.0, 2.0], grad_sq_g=[1.0, float("nan")])
-    (finding,) = monitor.evaluate(3, stats)
-    assert finding.action == Action.SKIP and finding.ranks == (0, 1)
-    assert finding.values["first_group_name"] == "no_decay" and finding.values["reduced"] is True
-    assert monitor.evaluate(4, gathered_stats([2.0, 2.0])) == []
+def test_a_nan_loss_on_some_ranks_blames_their_batches_in_the_data_ledger_and_the_skip_stays_an_ordinary_one(
+        tmp_path) -> None:
+    """Rank 1's loss NaN, ranks 0 and 2 finite on the same weights: the finding suspects rank 1's batch
+    (data_suspect), so the data ledger records the position as bad data (a resumed run or a replay skips it again);
+    the policy counts the skip as an ordinary one (max_consecutive_skips bounds a faulty device's NaNs, not the data
+    bound). A NaN loss on every rank (the model's, not a batch's) and a NaN gradient at a finite loss suspect no
+    batch."""
+    from arc_engine.config.schema import PolicyConfig
+    from arc_engine.data_ledger import DataLedger, read_ledger
+    from arc_engine.policy import DecisionPolicy
+
+    monitor = NonFiniteMonitor(NonFiniteConfig(), GROUP_NAMES)
+    (finding,) = monitor.evaluate(7, gathered_stats([2.0, math.nan, 2.1]))
+    assert finding.action == Action.SKIP and finding.data_suspect and not finding.bad_data
+    assert finding.values["suspect_data_ranks"] == [1]
+    assert "suspect data: the batch of rank 1 gave a non-finite loss where the other ranks" in finding.message
+    policy = DecisionPolicy(PolicyConfig(max_consecutive_skips=1), can_rollback=True)
+    decision = policy.decide(7, [finding])
+    assert decision.action == Action.SKIP and not decision.data
+    policy.commit(decision)
+    assert policy.consecutive_skips == 1 and policy.consecutive_data_skips == 0
+    assert policy.decide(8, [finding]).action == Action.ROLLBACK  # the ordinary bound escalates
+    ledger = DataLedger()
+    ledger.open(tmp_path / "data_ledger.jsonl")
+    (positioned,) = ledger.with_position([finding], 41)
+    assert positioned.values["data_position"] == 41 and positioned.message.endswith("(data position 41)")
+    ledger.record_decision(decision, position=41, iteration=7)
+    (entry,) = read_ledger(tmp_path / "data_ledger.jsonl")
+    assert entry["bad_data"] and entry["ranks"] == [1] and entry["action"] == "skip" and entry["first"] == 41
+    again = ledger.with_position([], 41)  # a resumed run, or a replay, meets the position again
+    assert [f.detector for f in again] == ["data_ledger"] and again[0].action == Action.SKIP
+    (everywhere,) = monitor.evaluate(9, gathered_stats([math.nan, math.nan, math.nan]))
+    nonfinite_rg = np.zeros((3, 2))
+    nonfinite_rg[1, 0] = 1
+    (grad_only,) = monitor.evaluate(10, gathered_stats([2.0, 2.0, 2.0], nonfinite_rg=nonfinite_rg))
+    assert not everywhere.data_suspect and not grad_only.data_suspect

@@ -91,8 +91,26 @@ class NonFiniteMonitor(Monitor):
             "first_group": first_group,
             "first_group_name": self.group_names[first_group] if first_group is not None else None,
         }
+        suspects = self._suspect_data(stats, hits)
+        suspicion = ""
+        if suspects:
+            values["suspect_data_ranks"] = list(suspects)
+            suspicion = f"; suspect data: the batch of rank {', '.join(map(str, suspects))} gave a non-finite loss " \
+                f"where the other ranks had a finite one on the same weights"
         return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
-                        "non-finite values: " + "; ".join(parts), ranks, values)]
+                        "non-finite values: " + "; ".join(parts) + suspicion, ranks, values,
+                        data_suspect=bool(suspects))]
+
+    @staticmethod
+    def _suspect_data(stats: AgreedStats, hits: list[tuple[int, str, int | None]]) -> tuple[int, ...]:
+        """The ranks whose loss is non-finite when some of the ranks that recorded one had a finite loss on the same
+        weights: their batches are suspect (their data, or that device's forward pass). The finding then blames the
+        batches (``data_suspect``: the data ledger records the positions, and a resumed run or a replay skips them
+        again) and its skip stays an ordinary one, which ``policy.max_consecutive_skips`` bounds as for a faulty
+        device. None when every rank's loss is non-finite (the model's, not a batch's)."""
+        rows = [row for row, what, _ in hits if what.startswith("loss")]
+        recorded = int(np.count_nonzero(stats.per_rank(names.LOSS_COUNT)[:, 0] > 0))
+        return tuple(stats.ranks[row] for row in rows) if 0 < len(rows) < recorded else ()
 
     def _reduced_only(self, stats: AgreedStats) -> list[Finding]:
         """Every local gradient and loss was finite, yet the reduced gradient is not: the corruption happened in
