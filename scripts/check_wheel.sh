@@ -21,8 +21,8 @@ wheel="$(ls "$work"/dist/arc_engine-*.whl)"
 echo "[wheel] built $(basename "$wheel")"
 
 "$PYTHON" -m venv "$work/venv"
-quiet "$work/venv/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC"
-quiet "$work/venv/bin/pip" install -q --disable-pip-version-check "${wheel}[report]"
+quiet "$work/venv/bin/pip" install -q --disable-pip-version-check --no-compile "$TORCH_SPEC"  # (compiled on import)
+quiet "$work/venv/bin/pip" install -q --disable-pip-version-check --no-compile "${wheel}[report]"
 cd "$work"  # nothing of the checkout on sys.path: everything below comes from the installed wheel
 
 venv/bin/python - <<'EOF'

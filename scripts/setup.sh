@@ -48,17 +48,32 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 py="$VENV/bin/python"
-pip_install() { "$py" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+# DeepSpeed's JIT-built CPU op goes to this environment's own cache (tests/conftest.py sets the same): another
+# environment of the same Python and torch (a second clone) would otherwise rebuild it in turns with this one
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
+export TORCH_EXTENSIONS_DIR
+# --no-compile: no byte-compilation of the ~10,000 modules each lane installs (torch, transformers, DeepSpeed...):
+# Python compiles and caches the few thousand the tests import on their first import; the rest were CPU time the
+# other lanes' tests waited for
+# missing MODULE...: those of MODULE... this environment does not have. Found without importing them: a check that
+# imported torch, DeepSpeed, transformers... cost 30-40 s of CPU per run of this script, which every lane runs twice
+# in CI and the Megatron demo's test once more
+missing() { "$py" -c "import importlib.util as u, sys
+print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@" 2>/dev/null || echo "$@"; }
+pip_install() { "$py" -m pip install --quiet --disable-pip-version-check --no-compile "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
-if ! "$py" -c "import torch" >/dev/null 2>&1; then
+if [ -n "$(missing torch)" ]; then
   echo "[setup:${LANE}] installing ${TORCH_SPEC} (first, pinned)"
   pip_install "${TORCH_SPEC}"
 fi
-if [ -n "$DEEPSPEED_SPEC" ] && ! "$py" -c "import deepspeed" >/dev/null 2>&1; then
+if [ -n "$DEEPSPEED_SPEC" ] && [ -n "$(missing deepspeed)" ]; then
   echo "[setup:${LANE}] installing ${DEEPSPEED_SPEC} (after torch, no build isolation, so it builds against this torch)"
   pip_install --no-build-isolation "${DEEPSPEED_SPEC}"
-  # DeepSpeed JIT-builds its CPU shared-memory op on first use (about 90 s, cached in ~/.cache/torch_extensions):
+fi
+if [ -n "$DEEPSPEED_SPEC" ] && ! compgen -G "${TORCH_EXTENSIONS_DIR}/*/deepspeed_shm_comm/*.so" >/dev/null; then
+  # DeepSpeed JIT-builds its CPU shared-memory op on first use (about 90 s, cached in TORCH_EXTENSIONS_DIR):
   # build it here, so no test's time limit pays for it
+  echo "[setup:${LANE}] building DeepSpeed's CPU communication op"
   timeout 600 "$py" -c "from deepspeed.accelerator import get_accelerator as a
 b = a().create_op_builder('ShareMemCommBuilder')
 b is None or b.load()" >/dev/null 2>&1 || {
@@ -68,23 +83,24 @@ b is None or b.load()" >/dev/null 2>&1 || {
 lock = os.path.join(d('deepspeed_shm_comm', False), 'lock'); os.path.exists(lock) and os.remove(lock)" || true
   }
 fi
-if [ -n "$MEGATRON_SPEC" ] && ! "$py" -c "import megatron.core, psutil" >/dev/null 2>&1; then
+if [ -n "$MEGATRON_SPEC" ] && [ -n "$(missing megatron.core psutil)" ]; then
   echo "[setup:${LANE}] installing ${MEGATRON_SPEC} and psutil (its checkpointing needs it)"
   pip_install "${MEGATRON_SPEC}" "psutil>=5.9"
 fi
-if [ -n "$TRAINERS_SPEC" ] && ! "$py" -c "import transformers, accelerate, lightning" >/dev/null 2>&1; then
+if [ -n "$TRAINERS_SPEC" ] && [ -n "$(missing transformers accelerate lightning)" ]; then
   echo "[setup:${LANE}] installing ${TRAINERS_SPEC} (with this torch pinned)"
   pinned="$(mktemp)"
-  "$py" -c "import torch; print(f'torch=={torch.__version__}')" > "$pinned"
+  "$py" -c "from importlib.metadata import version; print(f'torch=={version(\"torch\")}')" > "$pinned"
   # shellcheck disable=SC2086  # the spec is a list of requirements
   pip_install -c "$pinned" ${TRAINERS_SPEC}
   rm -f "$pinned"
 fi
 marker="$VENV/.arc_engine_installed"
-if ! "$py" -c "import arc_engine, pytest, pytest_timeout, xdist, ruff, wandb, matplotlib" >/dev/null 2>&1 \
+if [ -n "$(missing arc_engine pytest pytest_timeout xdist ruff wandb matplotlib)" ] \
    || [ pyproject.toml -nt "$marker" ] || [ setup.py -nt "$marker" ]; then
   echo "[setup:${LANE}] installing arc_engine (editable) with the dev extra"
   pip_install -e ".[dev]"
   touch "$marker"
 fi
-"$py" -c "import sys, torch, arc_engine; print(f'[setup:${LANE}] ready in ${VENV}: Python {sys.version.split()[0]}, torch {torch.__version__}, arc_engine {arc_engine.__version__}')"
+"$py" -c "import sys; from importlib.metadata import version as v
+print(f'[setup:${LANE}] ready in ${VENV}: Python {sys.version.split()[0]}, torch {v(\"torch\")}, arc_engine {v(\"arc_engine\")}')"

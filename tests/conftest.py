@@ -1,4 +1,5 @@
-"""Suite-wide test wiring: one thread per process, and which tests carry the ``slow`` marker.
+"""Suite-wide test wiring: one thread per process, one torch extension cache per environment, and which tests carry
+the ``slow`` marker.
 
 Tests run with ``OMP_NUM_THREADS=1`` unless it is set: on a busy 2-core machine, OpenMP's worker threads spin while
 they wait for a core, and an in-process 1,000-step test took 142 s with torch's default 2 threads against 10 s with
@@ -87,6 +88,10 @@ def is_slow(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch is imported, i.e. at collection
+    # DeepSpeed JIT-builds its CPU communication op into torch's extension cache, keyed by Python and torch versions
+    # only: two environments of the same versions (two clones, a worktree) rebuild it in turns (90-140 s each, under
+    # a file lock the other's tests wait on). One cache per environment, where scripts/setup.sh builds it.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     threads = os.environ["OMP_NUM_THREADS"]
     if "torch" in sys.modules and threads.isdigit():  # imported earlier (by a plugin): set it directly
         sys.modules["torch"].set_num_threads(int(threads))
