@@ -51,18 +51,18 @@ def _train_logs(outcome: dict) -> list[dict]:
 
 def _clean_learning_rates(steps: int, lr: float = 3e-3) -> dict[int, float]:
     """The learning rate a clean run's Trainer logs at each global step: its cosine schedule without warm-up over
-    ``steps`` (``examples/hf_trainer.py``, ``--lr`` 3e-3), built by transformers' own ``get_scheduler`` and read, as
-    the Trainer reads it, after each step (a clean run launched for it gives the same numbers, at two more
-    processes per framework)."""
+    ``steps`` (``examples/hf_trainer.py``, ``--lr`` 3e-3), built by transformers' own ``get_scheduler``; the Trainer
+    logs global step g with the rate that step trained at, before its scheduler steps (a clean run launched for it
+    gives the same numbers, at two more processes per framework)."""
     from transformers import get_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
     rates = {}
     for step in range(1, steps + 1):
+        rates[step] = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-        rates[step] = scheduler.get_last_lr()[0]
     return rates
 
 
