@@ -11,6 +11,9 @@ and into the engine's counters (checkpoints carry them; a rollback keeps them).
 **A resumed run honours it**: at start the group's first rank reads the run directory's ledger and shares it; a
 monitored step whose data position a ``bad_data`` entry skipped before is skipped again (the ``data_ledger``
 finding), so a run relaunched from a checkpoint older than the bad shard does not train on it.
+A ``suspect`` entry (a ``data_suspect`` finding: a non-finite loss on some ranks, their data or their device) is
+honoured only once the same position was suspected at two step attempts (a replay or a resume met it again): a
+transient fault of a device leaves the batch to be trained on, a bad batch is skipped from its second time on.
 
 **Export** (``arc-engine data-ledger RUN_DIR``): the bad-data positions as Megatron-LM's ``--iterations-to-skip``
 (arc_engine's data position p is Megatron-LM's iteration p + 1 of a run with one global batch per iteration) or as
@@ -53,6 +56,7 @@ class DataLedger:
         self.entries: list[dict[str, Any]] = []
         self._keys: set[tuple[int, int, int, str]] = set()
         self._bad: dict[int, dict[str, Any]] = {}  # honoured position -> its first entry
+        self._suspected: dict[int, set[int]] = {}  # suspect position -> the step attempts that suspected it
         self.path: Path | None = None
         self._warned = False
 
@@ -101,15 +105,19 @@ class DataLedger:
         self.record(first=position, step=decision.step, iteration=iteration,
                     action="dropped" if dropped else decision.action.name.lower(), bad_data=bool(blamed),
                     ranks=[r for f in blamed for r in f.ranks], detectors=[f.detector for f in causes],
-                    reason=(blamed or causes)[0].message if (blamed or causes) else "")
+                    reason=(blamed or causes)[0].message if (blamed or causes) else "",
+                    suspect=bool(blamed) and not any(f.bad_data for f in blamed))
 
     def record(self, *, first: int, last: int | None = None, step: int, iteration: int, action: str,
                bad_data: bool = False, ranks: Iterable[int] = (), detectors: Iterable[str] = (),
-               reason: str = "") -> dict[str, Any] | None:
-        """Add an entry (ignored when the same positions, iteration and action are already in); returns it."""
+               reason: str = "", suspect: bool = False) -> dict[str, Any] | None:
+        """Add an entry (ignored when the same positions, iteration and action are already in); returns it.
+        ``suspect`` (with ``bad_data``): the batch is suspected, not known, to be bad (a ``data_suspect`` finding)."""
         entry = {"first": int(first), "last": int(first if last is None else last), "step": int(step),
                  "iteration": int(iteration), "action": action, "bad_data": bool(bad_data),
                  "ranks": sorted({int(r) for r in ranks}), "detectors": sorted(set(detectors)), "reason": reason}
+        if suspect:
+            entry["suspect"] = True
         if not self._add(entry):
             return None
         self._write(entry)
@@ -123,6 +131,10 @@ class DataLedger:
         self.entries.append(entry)
         if entry.get("bad_data") and entry.get("action") in HONOURED_ACTIONS:
             for position in range(int(entry["first"]), int(entry["last"]) + 1):
+                if entry.get("suspect"):  # honoured once the same batch was suspected at two step attempts
+                    self._suspected.setdefault(position, set()).add(int(entry["iteration"]))
+                    if len(self._suspected[position]) < 2:
+                        continue
                 self._bad.setdefault(position, entry)
         return True
 

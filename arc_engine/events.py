@@ -58,8 +58,9 @@ class Finding:
     ``data_dropped`` (with ``bad_data``): the blamed ranks' share of the gradient was left out of this step, which is
     applied without it; the ledger records the position as ``dropped`` (a resumed run skips it, the exports list it).
     ``data_suspect``: the finding suspects the batch of ``ranks`` without being sure it is the data (a non-finite
-    loss on some ranks: their data, or their device): the data ledger records the position as bad data, as for
-    ``bad_data``, and the policy counts the skip as an ordinary one (``policy.max_consecutive_skips``).
+    loss on some ranks: their data, or their device): the data ledger records the position as suspect bad data
+    (skipped again once suspected twice), and the policy counts the skip as an ordinary one
+    (``policy.max_consecutive_skips``).
     """
 
     detector: str

@@ -81,7 +81,8 @@ def test_inf_counts_as_nonfinite():
 def test_a_nan_loss_on_some_ranks_blames_their_batches_in_the_data_ledger_and_the_skip_stays_an_ordinary_one(
         tmp_path) -> None:
     """Rank 1's loss NaN, ranks 0 and 2 finite on the same weights: the finding suspects rank 1's batch
-    (data_suspect), so the data ledger records the position as bad data (a resumed run or a replay skips it again);
+    (data_suspect), so the data ledger records the position as suspect bad data (skipped again once suspected
+    twice);
     the policy counts the skip as an ordinary one (max_consecutive_skips bounds a faulty device's NaNs, not the data
     bound). A NaN loss on every rank (the model's, not a batch's) and a NaN gradient at a finite loss suspect no
     batch."""
@@ -106,9 +107,15 @@ def test_a_nan_loss_on_some_ranks_blames_their_batches_in_the_data_ledger_and_th
     assert positioned.values["data_position"] == 41 and positioned.message.endswith("(data position 41)")
     ledger.record_decision(decision, position=41, iteration=7)
     (entry,) = read_ledger(tmp_path / "data_ledger.jsonl")
-    assert entry["bad_data"] and entry["ranks"] == [1] and entry["action"] == "skip" and entry["first"] == 41
-    again = ledger.with_position([], 41)  # a resumed run, or a replay, meets the position again
+    assert entry["bad_data"] and entry["suspect"] and entry["ranks"] == [1] and entry["action"] == "skip"
+    assert entry["first"] == 41
+    # a replay or a resume meets the position again: trained on (a device's transient NaN leaves a good batch);
+    # suspected a second time, the batch is known bad and skipped from then on
+    assert ledger.with_position([], 41) == [] and ledger.bad_positions() == []
+    ledger.record_decision(decision, position=41, iteration=12)
+    again = ledger.with_position([], 41)
     assert [f.detector for f in again] == ["data_ledger"] and again[0].action == Action.SKIP
+    assert ledger.bad_positions() == [41]
     (everywhere,) = monitor.evaluate(9, gathered_stats([math.nan, math.nan, math.nan]))
     nonfinite_rg = np.zeros((3, 2))
     nonfinite_rg[1, 0] = 1

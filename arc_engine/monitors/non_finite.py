@@ -105,9 +105,9 @@ class NonFiniteMonitor(Monitor):
     def _suspect_data(stats: AgreedStats, hits: list[tuple[int, str, int | None]]) -> tuple[int, ...]:
         """The ranks whose loss is non-finite when some of the ranks that recorded one had a finite loss on the same
         weights: their batches are suspect (their data, or that device's forward pass). The finding then blames the
-        batches (``data_suspect``: the data ledger records the positions, and a resumed run or a replay skips them
-        again) and its skip stays an ordinary one, which ``policy.max_consecutive_skips`` bounds as for a faulty
-        device. None when every rank's loss is non-finite (the model's, not a batch's)."""
+        batches (``data_suspect``: the data ledger records the positions as suspect bad data, skipped again once
+        suspected twice) and its skip stays an ordinary one, which ``policy.max_consecutive_skips`` bounds as for a
+        faulty device. None when every rank's loss is non-finite (the model's, not a batch's)."""
         rows = [row for row, what, _ in hits if what.startswith("loss")]
         recorded = int(np.count_nonzero(stats.per_rank(names.LOSS_COUNT)[:, 0] > 0))
         return tuple(stats.ranks[row] for row in rows) if 0 < len(rows) < recorded else ()
