@@ -192,8 +192,9 @@ def test_a_corrupted_shard_is_quarantined_naming_its_rank_and_a_rerun_honours_th
     rerun = run_ranks(_run, 2, tmp_path / "faulted", False)
     skipped = {step for step, action, findings in rerun[0]["decisions"] if action == "SKIP"}
     assert skipped == set(range(120, 132))
+    # (the straggler family times the ranks: a loaded test machine can make it report, on any step)
     assert all(f[0] == "data_ledger" and f[1] == [1] for step, _, findings in rerun[0]["decisions"]
-               if step in skipped for f in findings)
+               if step in skipped for f in findings if f[0] != "straggler")
 
 
 def test_the_data_ledger_command_prints_exports_and_refuses_bad_input(tmp_path: Path,

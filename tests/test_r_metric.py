@@ -158,7 +158,7 @@ def test_agreed_events_and_local_events_make_lambda() -> None:
     straggler = Finding("straggler", Action.WARN, Severity.WARNING, "two ranks", ranks=(1, 3))
     overflow = Finding("deepspeed_overflow", Action.SKIP, Severity.WARNING, "overflow")
     other = Finding("loss_spike", Action.SKIP, Severity.WARNING, "spike")
-    machine = Finding("straggler", Action.WARN, Severity.INFO, "a contended machine")  # names no rank: not counted
+    machine = Finding("straggler", Action.NONE, Severity.INFO, "a contended machine")  # names no rank: not counted
     _step(layout, monitor, 0, [3.0] * 4, [1.0] * 4)
     monitor.observe(Decision(0, Action.WARN, (straggler, machine, overflow, other)))
     _step(layout, monitor, 1, [3.0] * 4, [1.0] * 4, events=2)  # rank 0: two hang reports so far

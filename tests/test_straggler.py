@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
 from arc_engine.config import load_config
-from arc_engine.events import Severity
+from arc_engine.events import Action, Severity
 from arc_engine.monitors.family import FamilyContext, StepView, section_of
 from arc_engine.monitors.straggler import (
     NAMED_SLOTS,
@@ -187,6 +187,7 @@ def test_slowness_that_moves_between_ranks_is_one_info_event_about_the_machine_a
     first = findings[20][0]
     assert "ranks 0, 1 were each slow and recovered within 1 report(s), none for 2 in a row" in first.message
     assert first.values["passing_ranks"] == [0, 1] and sim.monitor.events == 0 and not sim.monitor.stragglers
+    assert first.action == Action.NONE  # an event about the machine asks for nothing
 
 
 def test_the_producer_writes_window_medians_on_report_steps_only() -> None:

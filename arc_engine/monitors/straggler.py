@@ -486,7 +486,7 @@ class StragglerMonitor(Monitor):
             what = (f"ranks {', '.join(map(str, sorted(seen)))} were each slow and recovered within "
                     f"{config.persist_reports - 1} report(s), none for {config.persist_reports} in a row: the machine "
                     f"is contended (another job on the cores, a noisy neighbour), not a rank")
-        return Finding(self.name, Action.WARN, Severity.INFO,
+        return Finding(self.name, Action.NONE, Severity.INFO,
                        f"{what}; no straggler is named for it (told once until {CALM_REPORTS} calm reports)",
                        values={**self._values, "passing_ranks": sorted(seen), "every_rank_slower": shared})
 
