@@ -70,7 +70,7 @@ if [ -n "$DEEPSPEED_SPEC" ] && [ -n "$(missing deepspeed)" ]; then
   echo "[setup:${LANE}] installing ${DEEPSPEED_SPEC} (after torch, no build isolation, so it builds against this torch)"
   pip_install --no-build-isolation "${DEEPSPEED_SPEC}"
 fi
-if [ -n "$DEEPSPEED_SPEC" ] && ! compgen -G "${TORCH_EXTENSIONS_DIR}/*/deepspeed_shm_comm/*.so" >/dev/null; then
+if [ -n "$DEEPSPEED_SPEC" ] && ! compgen -G "${TORCH_EXTENSIONS_DIR}/deepspeed_shm_comm/*.so" >/dev/null; then
   # DeepSpeed JIT-builds its CPU shared-memory op on first use (about 90 s, cached in TORCH_EXTENSIONS_DIR):
   # build it here, so no test's time limit pays for it
   echo "[setup:${LANE}] building DeepSpeed's CPU communication op"
