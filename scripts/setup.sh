@@ -52,14 +52,14 @@ py="$VENV/bin/python"
 # environment of the same Python and torch (a second clone) would otherwise rebuild it in turns with this one
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
 export TORCH_EXTENSIONS_DIR
+# missing MODULE...: those of MODULE... this environment does not have. Found without importing them: a check that
+# imported torch, DeepSpeed, transformers... cost 30-40 s of CPU per run of this script, which every lane runs twice
+# in CI and the Megatron demo's test once more. Isolated (-I): the checkout's own folder is not an installed package
+missing() { "$py" -I -c "import importlib.util as u, sys
+print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@" 2>/dev/null || echo "$@"; }
 # --no-compile: no byte-compilation of the ~10,000 modules each lane installs (torch, transformers, DeepSpeed...):
 # Python compiles and caches the few thousand the tests import on their first import; the rest were CPU time the
 # other lanes' tests waited for
-# missing MODULE...: those of MODULE... this environment does not have. Found without importing them: a check that
-# imported torch, DeepSpeed, transformers... cost 30-40 s of CPU per run of this script, which every lane runs twice
-# in CI and the Megatron demo's test once more
-missing() { "$py" -c "import importlib.util as u, sys
-print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@" 2>/dev/null || echo "$@"; }
 pip_install() { "$py" -m pip install --quiet --disable-pip-version-check --no-compile "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ -n "$(missing torch)" ]; then

@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arc_engine.campaign.scoring import GRACE
 from arc_engine.faults.library import LIBRARY, WINDOW
 
 FAULTS = ("straggler", "gpu_throttling", "network_degradation")
-GRACE = 10  # arc_engine.campaign.scoring.GRACE
 FAULT_RANK = 1
 
 
