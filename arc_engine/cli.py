@@ -1,8 +1,9 @@
 """``arc-engine``: validate a config, print the defaults, run the demo, resend undelivered W&B alerts, run the
-fault-injection campaign, write a run's report, export a run's data ledger.
+fault-injection campaign, write a run's report, export a run's data ledger, list the job's suspect and excluded
+hosts (the device ledger).
 
-Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts) or a campaign job failed, 2 bad config or usage, 3
-(EXIT_ABORT) the demo was stopped by arc_engine.
+Exit codes: 0 ok, 1 W&B could not be reached (resend-alerts), a campaign job failed, or the host named by
+``hosts --check`` is excluded, 2 bad config or usage, 3 (EXIT_ABORT) the demo was stopped by arc_engine.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
-from arc_engine.config import ConfigError, add_arc_args, config_from_args, load_config, to_dict
-from arc_engine.config.cli_args import exit_with_config_error
-
 
 def _validate(args: argparse.Namespace) -> int:
+    from arc_engine.config import ConfigError, load_config
+    from arc_engine.config.cli_args import exit_with_config_error
+
     try:
         config = load_config(args.file, args.arc_overrides)
     except (ConfigError, OSError, UnicodeDecodeError) as err:
@@ -30,8 +29,74 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    import yaml
+
+    from arc_engine.config import config_from_args, to_dict
+
+    config = to_dict(config_from_args(args))
+    if args.get is not None:  # one dotted key's value (what a launch script needs, e.g. run.run_dir)
+        for part in args.get.split("."):
+            if not isinstance(config, dict) or part not in config:
+                print(f"arc-engine show-config: no key {args.get!r}", file=sys.stderr)
+                return 2
+            config = config[part]
+        print(config)
+        return 0
+    print(yaml.safe_dump(config, sort_keys=False), end="")
+    return 0
+
+
+def _hosts(args: argparse.Namespace) -> int:
+    """The device ledger of a job: the table, the exclusion in the asked form, a host checked or cleared."""
+    import json
+
+    from arc_engine import device_ledger as ledger
+
+    path = ledger.devices_file(args.run_dir)
+    if args.clear is not None:
+        try:
+            ledger.clear_host(path, args.clear)
+        except OSError as err:
+            print(f"arc-engine hosts: {path}: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.clear}: its earlier evidence no longer counts ({path})")
+        return 0
+    try:
+        records, torn = ledger.read_devices(path)
+    except OSError as err:
+        print(f"arc-engine hosts: {path}: {err}", file=sys.stderr)
+        return 2
+    if torn:
+        print(f"arc-engine hosts: {path}: {torn} unreadable line(s) skipped (a write cut short)", file=sys.stderr)
+    verdicts = ledger.assess(records)
+    if args.check is not None:
+        why = ledger.host_evidence(verdicts, args.check)
+        if why:
+            print(f"{args.check} is excluded by arc_engine's device ledger ({path}): {why}")
+            return 1
+        return 0
+    if args.format == "json":
+        print(json.dumps({"ledger": str(path), "excluded_hosts": ledger.excluded_hosts(verdicts),
+                          "devices": [v.to_dict() for v in verdicts.values()]}, indent=1))
+    elif args.format == "slurm-exclude":
+        print(ledger.slurm_exclude(verdicts))
+    elif args.format == "hostfile":
+        if args.hostfile is None or not args.hostfile.is_file():
+            print(f"arc-engine hosts: --format hostfile needs --hostfile IN (got {args.hostfile})", file=sys.stderr)
+            return 2
+        text, dropped = ledger.filter_hostfile(args.hostfile.read_text(encoding="utf-8"), verdicts)
+        print(text, end="")
+        for host in dropped:
+            print(f"arc-engine hosts: left out {host}: {ledger.host_evidence(verdicts, host)}", file=sys.stderr)
+    elif not verdicts:
+        print(f"{path}: no hardware evidence")
+    else:
+        print(ledger.table(verdicts))
+        for v in verdicts.values():
+            if v.verdict != "ok":
+                print(f"{v.location}: {v.verdict}: {'; '.join(v.reasons)}")
+        excluded = ledger.excluded_hosts(verdicts)
+        print(f"excluded hosts: {', '.join(excluded) if excluded else 'none'}")
     return 0
 
 
@@ -45,6 +110,7 @@ def _demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _resend(args: argparse.Namespace) -> int:
     """Send an ``undelivered_alerts.jsonl`` to W&B (``sinks.wandb`` of the config, the run ``arc-<run id>``)."""
+    from arc_engine.config import config_from_args
     from arc_engine.sinks.wandb_sink import resend_alerts
 
     config = config_from_args(args)
@@ -66,8 +132,12 @@ def _resend(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     """Write ``RUN_DIR/report/index.html`` (or into ``--out``) and print its path."""
+    from arc_engine import stop_record
     from arc_engine.report import write_report
 
+    stop = stop_record.read(args.run_dir)
+    if stop is not None:  # first: why the run stopped
+        print(stop_record.describe(stop))
     try:
         page = write_report(args.run_dir, args.out)
     except (FileNotFoundError, NotADirectoryError, RuntimeError) as err:
@@ -117,6 +187,8 @@ def _data_ledger(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from arc_engine.config import add_arc_args
+
     parser = argparse.ArgumentParser(prog="arc-engine", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate-config", help="check an arc config file (exit 0 ok, 2 invalid)")
@@ -125,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show-config", help="print the effective config (defaults when no file is given)",
                           allow_abbrev=False)
     add_arc_args(show)
+    show.add_argument("--get", default=None, metavar="KEY", help="print one dotted key's value (e.g. run.run_dir)")
     demo = sub.add_parser("demo", help="run the demo job (torchrun, gloo, CPU); extra args go to the trainer")
     demo.add_argument("--nproc", type=int, default=2)
     sub.add_parser("campaign", help="the fault-injection campaign: faults x seeds against arc_engine and the "
@@ -145,10 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("--format", choices=("summary", "megatron", "skip-batches"), default="summary",
                         help="megatron: print --iterations-to-skip ...; skip-batches: write skip_batches.json")
     ledger.add_argument("--out", type=Path, default=None, help="skip-batches: the file (default: beside the ledger)")
+    _hosts_arguments(sub.add_parser("hosts", help="the job's device ledger (devices.jsonl): hardware evidence per host "
+                                    "and device, and the hosts to leave out", allow_abbrev=False))
     return parser
 
 
+def _hosts_arguments(hosts: argparse.ArgumentParser) -> None:
+    hosts.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run root (run.run_dir), a run directory in "
+                       "it, or the ledger file")
+    hosts.add_argument("--format", choices=("table", "json", "slurm-exclude", "hostfile"), default="table",
+                       help="slurm-exclude: --exclude=HOST,...; hostfile: --hostfile IN without the excluded hosts")
+    hosts.add_argument("--hostfile", type=Path, default=None, help="a DeepSpeed/MPI hostfile (--format hostfile)")
+    hosts.add_argument("--clear", default=None, metavar="HOST", help="forget HOST's evidence (after a repair)")
+    hosts.add_argument("--check", default=None, metavar="HOST", help="exit 1, with one line naming the evidence, "
+                       "when HOST is excluded (a launcher's check before joining)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["hosts"]:  # run by the launchers on every node before it joins: no torch import (the config is)
+        hosts = argparse.ArgumentParser(prog="arc-engine hosts", allow_abbrev=False)
+        _hosts_arguments(hosts)
+        return _hosts(hosts.parse_args(argv[1:]))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -165,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command == "data-ledger":
         return _data_ledger(args)
+    if args.command == "hosts":
+        return _hosts(args)
     if args.command == "validate-config":
         args.arc_overrides = args.overrides
         return _validate(args)

@@ -79,11 +79,14 @@ class DataLedger:
         self.open(path if leader else None)
 
     def with_position(self, findings: list[Finding], position: int) -> list[Finding]:
-        """``bad_data`` findings with the data position the step consumed; plus, where this ledger skipped
+        """``bad_data`` findings with the data position the step consumed (``hardware`` ones too, in their values,
+        for the device ledger); plus, where this ledger skipped
         ``position`` for bad data before (a resumed or replaying run), the finding that skips it again."""
         out = [dataclasses.replace(f, message=f"{f.message} (data position {position})",
                                    values={**f.values, "data_position": position})
-               if f.bad_data or f.data_suspect else f for f in findings]
+               if f.bad_data or f.data_suspect else
+               dataclasses.replace(f, values={**f.values, "data_position": position}) if f.hardware else f
+               for f in findings]
         known = self.bad(position)
         if known is not None and not any(f.bad_data or f.data_suspect for f in out):
             ranks = tuple(known["ranks"])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arc_engine import runtime
+from arc_engine import runtime, stop_record
 from arc_engine.config.schema import ArcConfig
 from arc_engine.data_ledger import LEDGER_FILE, DataLedger
 from arc_engine.events import Action, Finding, Severity
@@ -235,6 +235,7 @@ class ArcEngine:
         reasons = [f.message for f in decision.findings if f.detector in ("policy", "recovery")]
         reason = "; ".join(reasons) or next((f.message for f in reversed(decision.findings)
                                              if f.action == Action.ABORT), "abort")
+        self.reporter.stopping = self.reporter.stopping or stop_record.on_decision(decision, reason)
         self.close()
         step = self.progress.step
         raise ArcAbort(f"arc_engine stopped training at step {step}: {reason}", step, decision.exit_code)

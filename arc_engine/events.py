@@ -61,6 +61,10 @@ class Finding:
     loss on some ranks: their data, or their device): the data ledger records the position as suspect bad data
     (skipped again once suspected twice), and the policy counts the skip as an ordinary one
     (``policy.max_consecutive_skips``).
+    ``hardware``: the finding blames the devices of ``ranks``, on this evidence (a kind of
+    :data:`arc_engine.device_ledger.EVIDENCE`: ``sdc_persistent``, ``sdc_transient``, ``non_finite``, ``straggler``,
+    ``replica_divergence``...): the device ledger records it per host and device. Empty: not the hardware's (the
+    data's, the model's, the whole job's).
     """
 
     detector: str
@@ -73,6 +77,7 @@ class Finding:
     bad_data: bool = False
     data_dropped: bool = False
     data_suspect: bool = False
+    hardware: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from arc_engine import runtime
+from arc_engine import runtime, stop_record
 from arc_engine.config.schema import ArcConfig
+from arc_engine.device_ledger import DEVICES_FILE, assess, excluded_hosts, read_devices
 from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.monitors import Monitor
 from arc_engine.policy import Decision
 from arc_engine.sinks import ConsoleSink, JsonlSink, SinkSet
+from arc_engine.sinks.devices import DeviceLedgerSink
 from arc_engine.sinks.wandb_sink import WandbSink, active_wandb_run
 
 log = logging.getLogger("arc_engine")
@@ -53,6 +55,11 @@ class Reporter:
         self.wandb_owner = False  # this rank talks to W&B (one rank per job)
         self.event_counts: Counter[str] = Counter()
         self._metrics_due = 0
+        self.leader = False
+        self.locations: dict[int, str] = {}
+        #: the stop record of a stop under way (an abort decided, a hang's abort), written at close (stop.json)
+        self.stopping: dict[str, Any] | None = None
+        self._stop_written = False
 
     def open(self, run_id: str, run_dir: Path, *, leader: bool, group: dist.ProcessGroup | None,
              locations: dict[int, str]) -> None:
@@ -75,6 +82,12 @@ class Reporter:
                                          run_dir / (cfg.jsonl.ranks_file + suffix)))
         if wandb_owner:
             self.sinks.add(WandbSink(cfg.wandb, run_id, str(run_dir), locations, dataclasses.asdict(self.config)))
+        self.leader, self.locations = leader, dict(locations)
+        if leader:  # the job's device ledger (the run root's), and the stop record of a launch under way
+            self.sinks.add(DeviceLedgerSink(self.devices_path, locations, run_id))
+            previous = stop_record.read(run_dir)  # the last launch's stop, kept inside this one's record
+            self._write_stop({**stop_record.running(0), "previous": {k: v for k, v in (previous or {}).items()
+                                                                     if k != "previous"} or None})
 
     @property
     def emits(self) -> bool:
@@ -93,8 +106,9 @@ class Reporter:
     def finding(self, step: int, iteration: int, finding: Finding, action: str | None = None) -> None:
         """A detection event for ``finding`` (``action``: the decision's, else the finding's own)."""
         self.event_counts[finding.detector] += 1
+        values = {**finding.values, "hardware": finding.hardware} if finding.hardware else finding.values
         self.emit(Event(self.run_id, step, "detection", finding.detector, finding.severity,
-                        action or finding.action.name.lower(), finding.message, finding.ranks, finding.values,
+                        action or finding.action.name.lower(), finding.message, finding.ranks, values,
                         iteration=iteration))
 
     def action(self, step: int, iteration: int, detector: str, severity: Severity, action: str, message: str,
@@ -159,6 +173,13 @@ class Reporter:
     def hang(self, step: int, iteration: int, kind: str, message: str, values: dict[str, Any]) -> None:
         """From the watchdog thread: a hang or a lost rank (critical), or a hang's end (info), on this rank."""
         severity = Severity.CRITICAL if kind == "hang" else Severity.INFO
+        blamed = [("lost", values.get("lost_ranks")), ("hung", values.get("stuck_ranks"))] if kind == "hang" else []
+        for evidence, ranks in blamed:  # the device ledger's evidence: the ranks lost or stopped
+            if ranks:
+                values = {**values, "hardware": evidence, "hardware_ranks": list(ranks)}
+                break
+        if values.get("abort") or values.get("error") == "SIGTERM":  # the watchdog or the launcher ends this rank
+            self.stopping = stop_record.on_hang(values, step)
         self.emit(Event(self.run_id, step, "detection", "hang", severity, "none", message, (self.rank,), values,
                         iteration=iteration))
 
@@ -170,11 +191,38 @@ class Reporter:
         if own_work:
             self.lifecycle(step, iteration, "own_work", f"rank {self.rank}: {own_work[0]}", summary["own_work"])
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
+        self.stopping = self.stopping or stop_record.completed(step)
         self.lifecycle(step, iteration, "summary", f"{summary['steps']} steps, {summary['applied_steps']} applied, "
                        f"{summary['steps_not_applied']} not applied (policy {summary['skipped_by_policy']}, rollback "
                        f"{summary['rolled_back']}, framework {summary['skipped_by_framework']}), "
                        f"detections: {detections}", summary)
         self.close()
 
+    @property
+    def devices_path(self) -> Path:
+        return Path(self.config.run.run_dir) / DEVICES_FILE
+
     def close(self) -> None:
+        """The stop record (when a stop is under way: ``stop.json`` and one ``stop`` event), then the sinks closed."""
+        if self.stopping is not None and not self._stop_written:
+            self._stop_written = True
+            try:
+                excluded = excluded_hosts(assess(read_devices(self.devices_path)[0])) if self.leader else []
+            except (OSError, ValueError, KeyError):
+                excluded = []
+            record = stop_record.complete(self.stopping, self.locations, excluded)
+            record["previous"] = (stop_record.read(self.run_dir) or {}).get("previous")
+            if self.leader or record["cause"] in ("hang", "terminated"):  # (a lost leader writes nothing)
+                self._write_stop(record)
+            # (a job stopped by its launcher, every rank alive, is no alert: a cancellation or a preemption)
+            quiet = record["exit_code"] == 0 or (record["cause"] == "terminated" and not record["ranks"])
+            severity = Severity.INFO if quiet else Severity.CRITICAL
+            self.emit(Event(self.run_id, int(record["step"]), "lifecycle", "stop", severity, "none",
+                            stop_record.describe(record).replace("\n", "; "), tuple(record["ranks"]), record))
         self.sinks.close()
+
+    def _write_stop(self, record: dict[str, Any]) -> None:
+        try:
+            stop_record.write(self.run_dir, record)
+        except OSError as err:
+            log.warning("arc_engine: %s cannot be written (%s)", self.run_dir / stop_record.STOP_FILE, err)

@@ -42,7 +42,9 @@ def host_memory_bytes() -> int:
 
 
 def hostname() -> str:
-    return socket.gethostname()
+    """This machine's name, as the device ledger records it. ``ARC_TEST_HOSTNAME`` replaces it: for tests only, which
+    play several hosts on one machine (docs/hardware.md)."""
+    return os.environ.get("ARC_TEST_HOSTNAME") or socket.gethostname()
 
 
 def new_run_id() -> str:

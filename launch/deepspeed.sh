@@ -26,6 +26,10 @@
 #   PYTHON (python)         interpreter with deepspeed installed (runs deepspeed.launcher.runner, and the workers)
 #   OMP_NUM_THREADS (1)     threads per worker
 #   ARC_PREFLIGHT (1)       0 skips checking the --arc-config file and --arc.* overrides before launching
+#   ARC_RUN_DIR (run.run_dir of --arc-config)  the run root holding arc_engine's device ledger (devices.jsonl): the
+#                           hosts it excludes are left out of HOSTFILE (with NODE_RANK: such a host does not join);
+#                           ARC_HOST_CHECK=0 skips it
+#   MIN_NODES (1)           fewer hosts than this left after the exclusions: say so and exit 2 instead of launching
 #
 # Exit status: 2 for a usage error or an invalid arc_engine config (checked before any worker starts); otherwise
 # the launcher's: 0 when all workers exited 0, else the exit code of the first worker that failed (arc_engine's 3
@@ -48,21 +52,11 @@ PYTHON="${PYTHON:-python}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-launcher=(--master_port "$MASTER_PORT" --launcher "${LAUNCHER:-pdsh}")
-if [ -n "${HOSTFILE:-}" ]; then
-  if [ ! -f "$HOSTFILE" ]; then echo "$0: HOSTFILE=$HOSTFILE: no such file" >&2; exit 2; fi
-  launcher+=(--hostfile "$HOSTFILE")
-fi
-if [ -n "${MASTER_ADDR:-}" ]; then launcher+=(--master_addr "$MASTER_ADDR"); fi
-if [ -n "${NUM_NODES:-}" ]; then launcher+=(--num_nodes "$NUM_NODES"); fi
-if [ -n "${NUM_GPUS:-}" ]; then launcher+=(--num_gpus "$NUM_GPUS"); fi
-if [ -n "${NODE_RANK:-}" ]; then
-  if [ -z "${HOSTFILE:-}" ] || [ -z "${MASTER_ADDR:-}" ]; then
-    echo "$0: NODE_RANK=$NODE_RANK (launch without ssh) needs HOSTFILE and MASTER_ADDR" >&2
-    usage
-    exit 2
-  fi
-  launcher+=(--no_ssh --node_rank "$NODE_RANK")
+if [ -n "${HOSTFILE:-}" ] && [ ! -f "$HOSTFILE" ]; then echo "$0: HOSTFILE=$HOSTFILE: no such file" >&2; exit 2; fi
+if [ -n "${NODE_RANK:-}" ] && { [ -z "${HOSTFILE:-}" ] || [ -z "${MASTER_ADDR:-}" ]; }; then
+  echo "$0: NODE_RANK=$NODE_RANK (launch without ssh) needs HOSTFILE and MASTER_ADDR" >&2
+  usage
+  exit 2
 fi
 read -r -a extra <<<"${DS_LAUNCHER_ARGS:-}"
 
@@ -73,6 +67,26 @@ shift
 # shellcheck source=launch/_preflight.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_preflight.sh"
 arc_preflight "$@"
+if [ -n "${NODE_RANK:-}" ]; then
+  arc_host_check  # launched per node: a host the device ledger excludes does not join (docs/hardware.md)
+elif [ -n "${HOSTFILE:-}" ] && [ -f "${ARC_RUN_DIR:-.}/devices.jsonl" ] && [ "${ARC_HOST_CHECK:-1}" != "0" ]; then
+  # from one node: the hostfile without the hosts arc_engine's device ledger excludes (docs/hardware.md)
+  filtered="$(mktemp "${TMPDIR:-/tmp}/arc-hostfile.XXXXXX")"
+  "$PYTHON" -m arc_engine.cli hosts "$ARC_RUN_DIR" --format hostfile --hostfile "$HOSTFILE" >"$filtered"
+  left=$(grep -cvE '^[[:space:]]*(#|$)' "$filtered" || true)
+  if [ "$left" -lt "${MIN_NODES:-1}" ]; then
+    echo "$0: not launching: ${left} host(s) of $HOSTFILE left after the device ledger's exclusions, fewer than" \
+         "MIN_NODES=${MIN_NODES:-1} (arc-engine hosts $ARC_RUN_DIR)" >&2
+    exit 2
+  fi
+  HOSTFILE="$filtered"
+fi
+launcher=(--master_port "$MASTER_PORT" --launcher "${LAUNCHER:-pdsh}")
+if [ -n "${HOSTFILE:-}" ]; then launcher+=(--hostfile "$HOSTFILE"); fi
+if [ -n "${MASTER_ADDR:-}" ]; then launcher+=(--master_addr "$MASTER_ADDR"); fi
+if [ -n "${NUM_NODES:-}" ]; then launcher+=(--num_nodes "$NUM_NODES"); fi
+if [ -n "${NUM_GPUS:-}" ]; then launcher+=(--num_gpus "$NUM_GPUS"); fi
+if [ -n "${NODE_RANK:-}" ]; then launcher+=(--no_ssh --node_rank "$NODE_RANK"); fi
 
 command=("$PYTHON" -m deepspeed.launcher.runner "${launcher[@]}" ${extra[@]+"${extra[@]}"} "${target[@]}" "$@")
 echo "[launch] ${command[*]}" >&2

@@ -31,6 +31,9 @@
 #   PYTHON (python)       the interpreter of the training environment (runs torch.distributed.run)
 #   OMP_NUM_THREADS (1)   threads per worker
 #   ARC_PREFLIGHT (1)     0 skips checking the --arc-config file and --arc.* overrides before launching
+#   ARC_RUN_DIR (run.run_dir of --arc-config)  the run root holding the device ledger (devices.jsonl): a host it
+#                         excludes does not join; one line names the evidence; exit ARC_EXCLUDED_EXIT (0), so that
+#                         an elastic job (NNODES=MIN:MAX) carries on without it. ARC_HOST_CHECK=0 skips the check
 #
 # Exit status: 2 for a usage error or an invalid arc_engine config (checked here, before any worker starts);
 # otherwise torchrun's: 0 when every worker exited 0, 1 when a worker failed after MAX_RESTARTS restarts
@@ -84,6 +87,7 @@ shift
 # shellcheck source=launch/_preflight.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_preflight.sh"
 arc_preflight "$@"
+arc_host_check  # a host that arc_engine's device ledger excludes does not join (docs/hardware.md)
 
 launcher=(--nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max_restarts "$MAX_RESTARTS"
           --rdzv_backend "$RDZV_BACKEND" --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID")

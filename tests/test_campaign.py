@@ -16,6 +16,7 @@ from arc_engine.campaign.plan import PROFILES, PROTECT, backend_plan, observe_co
 from arc_engine.campaign.scoring import ARC, detection_step, score, table
 from arc_engine.campaign.worker import lr_factor
 from arc_engine.config import load_config
+from arc_engine.device_ledger import DEVICES_FILE, assess, read_devices
 from arc_engine.monitors.conformal import ConformalFamily
 from arc_engine.monitors.family import section_of
 from arc_engine.monitors.fisher import FisherFamily
@@ -147,6 +148,9 @@ def test_quick_campaign_end_to_end(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all((Path(out) / "runs" / r["name"].replace("/", "-") / "events.jsonl").is_file()
                for r in records if r["arm"] != "bare")
+    # no device is blamed: a NaN or Inf on one rank once is its data or its device, and the clean runs blame none
+    verdicts = assess(read_devices(out / "runs" / DEVICES_FILE)[0])
+    assert {v.verdict for v in verdicts.values()} <= {"ok"}, [v.to_dict() for v in verdicts.values()]
 
 
 def test_megatron_tp2_campaign_backend(tmp_path: Path) -> None:

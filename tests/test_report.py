@@ -62,7 +62,12 @@ def test_the_run_data_reads_every_file_and_tolerates_a_torn_last_line(tmp_path: 
 
 
 def test_the_page_has_the_summary_the_figures_and_every_finding(tmp_path: Path) -> None:
-    page = write_report(_run_dir(tmp_path, ranks=20))  # 20 ranks: the per-rank panel draws the band
+    run_dir = _run_dir(tmp_path, ranks=20)  # 20 ranks: the per-rank panel draws the band
+    (run_dir / "stop.json").write_text(json.dumps({
+        "cause": "faulty_device", "exit_code": 5, "step": 30, "message": "SDC on rank 1", "ranks": [1],
+        "devices": ["node17:cuda:1"], "evidence": [{"detector": "sdc_recompute", "message": "faulty device"}],
+        "excluded_hosts": ["node17"], "suggested": "resume without the faulty host"}))
+    page = write_report(run_dir)
     out = page.parent
     assert page == tmp_path / "report" / "index.html"
     names = sorted(p.name for p in out.glob("*.png"))
@@ -72,6 +77,9 @@ def test_the_page_has_the_summary_the_figures_and_every_finding(tmp_path: Path) 
     text = page.read_text()
     assert all(f'src="{name}"' in text for name in names)
     assert "<th>rollbacks / escapes</th><td>1 / 0</td>" in text
+    # why it stopped comes first, before the summary
+    assert text.index("Why it stopped") < text.index("<h2>Summary") and "node17:cuda:1" in text
+    assert "resume without the faulty host" in text
     assert '<tr class="error"><td>12</td>' in text and "recovery rollback" in text
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
@@ -117,7 +125,8 @@ def test_a_real_runs_report_loads_in_headless_chromium(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     page = run_dir / "report" / "index.html"
-    assert made.stdout.strip() == f"report: {page}"
+    lines = made.stdout.strip().splitlines()  # why the run stopped first (stop.json), then the page
+    assert lines[0].startswith("stopped: completed (exit code 0) at step 170") and lines[-1] == f"report: {page}"
     figures = sorted(p.name for p in page.parent.glob("*.png"))
     assert "timeline.png" in figures and "ranks-consistency_loss.png" in figures
     assert {"monitor-non_finite.png", "monitor-loss_spike.png", "monitor-sdc.png"} <= set(figures)

@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
+from arc_engine.device_ledger import DEVICES_FILE, assess, excluded_hosts, read_devices
 from arc_engine.faults.bitflip import BitFlipInjector, BitFlipSpec
 from arc_engine.monitors.sdc_local import (
     LocalGate,
@@ -252,6 +253,9 @@ def test_a_forward_corruption_is_repaired_not_skipped(tmp_path: Path, fault: str
     recompute = [e for e in read_jsonl(tmp_path / "faulty" / "test" / "events.jsonl")
                  if e["detector"] == "sdc_recompute"]
     assert len(recompute) == 1 and recompute[0]["step"] == 30
+    records, _ = read_devices(tmp_path / "faulty" / DEVICES_FILE)  # a transient SDC: a suspect, not excluded
+    assert [(r["rank"], r["evidence"]) for r in records] == [(1, "sdc_transient")]
+    assert [v.verdict for v in assess(records).values()] == ["suspect"]
 
 
 def persistent_flip(rank: int, start: int) -> dict[str, Any]:
@@ -269,6 +273,13 @@ def test_persistent_fault_is_classified_as_a_faulty_device_quarantined_and_stops
     quarantine = json.loads((tmp_path / "test" / "quarantine.json").read_text())["quarantined"]
     assert [(e["rank"], e["step"]) for e in quarantine] == [(1, 30)]
     assert quarantine[0]["location"].endswith(":cpu")
+    # the device ledger (the run root's) excludes the device; stop.json says why and what to do
+    records, _ = read_devices(tmp_path / DEVICES_FILE)
+    assert [(r["rank"], r["evidence"], r["step"]) for r in records] == [(1, "sdc_persistent", 30)]
+    assert excluded_hosts(assess(records)) == [quarantine[0]["location"].split(":")[0]]
+    stop = json.loads((tmp_path / "test" / "stop.json").read_text())
+    assert (stop["cause"], stop["exit_code"], stop["ranks"]) == ("faulty_device", 5, [1])
+    assert stop["excluded_hosts"] == excluded_hosts(assess(records)) and "without the faulty host" in stop["suggested"]
 
 
 def test_faulty_device_excluded_keeps_training_like_a_clean_run(tmp_path: Path) -> None:
@@ -291,6 +302,7 @@ def test_a_crafted_batch_is_classified_as_data_not_hardware(tmp_path: Path) -> N
         assert all(f[3] != "device" for f in result["findings"][30])
         assert torch.equal(result["snapshots"][30], result["snapshots"][29])  # the spike policy skipped it
     assert not (tmp_path / "test" / "quarantine.json").exists()
+    assert not (tmp_path / DEVICES_FILE).exists()  # the data's: never the hardware's
 
 
 def test_no_recomputation_in_a_clean_1000_step_run(tmp_path: Path) -> None:

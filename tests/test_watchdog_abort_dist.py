@@ -38,6 +38,11 @@ def _two_workers(run_dir: Path, mode: str, world: int = 2,
     return [proc.returncode for proc in procs], outputs
 
 
+def _last_report(events: list[dict]) -> dict:
+    """The last event before the stop record's (``stop``, written at the exit)."""
+    return [e for e in events if e["detector"] != "stop"][-1]
+
+
 def test_a_rank_asleep_past_the_timeout_ends_the_job_with_exit_6_naming_it(tmp_path: Path) -> None:
     codes, outputs = _two_workers(tmp_path, "stall")  # rank 1 sleeps 600 s
     assert codes == [EXIT_HANG, EXIT_HANG], outputs
@@ -54,10 +59,14 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor_which_ends_with_exit_6(
     codes, outputs = _two_workers(tmp_path, "kill")  # rank 1: SIGKILL between its forward and its backward
     assert codes == [EXIT_HANG, -signal.SIGKILL], outputs
     events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl.rank0").read_text().splitlines()]
-    last = events[-1]  # the survivor's last word names the rank it lost
+    last = _last_report(events)  # the survivor's last word names the rank it lost
     assert last["detector"] == "hang" and last["severity"] == "critical", last
     assert last["values"]["lost_ranks"] == [1] and last["values"]["exit_code"] == EXIT_HANG, last
     assert "lost: rank(s) [1]" in last["message"] and "Connection" in last["values"]["error"], last
+    # then why it stopped: stop.json and its event (docs/hardware.md), the lost rank's device blamed
+    stop = json.loads((tmp_path / "test" / "stop.json").read_text())
+    assert (stop["cause"], stop["exit_code"], stop["ranks"]) == ("hang", EXIT_HANG, [1]), stop
+    assert events[-1]["detector"] == "stop" and events[-1]["severity"] == "critical", events[-1]
 
 
 def test_five_bare_processes_every_survivor_names_the_killed_rank_and_no_other(tmp_path: Path) -> None:
@@ -72,7 +81,7 @@ def test_five_bare_processes_every_survivor_names_the_killed_rank_and_no_other(t
     for rank in (0, 1, 3, 4):
         events = [json.loads(line) for line in
                   (tmp_path / "test" / f"events.jsonl.rank{rank}").read_text().splitlines()]
-        last = events[-1]
+        last = _last_report(events)
         assert last["detector"] == "hang" and last["severity"] == "critical", (rank, last)
         assert last["values"]["lost_ranks"] == [2], (rank, last, outputs[rank][-3000:])
 
@@ -101,9 +110,12 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_collective_after_its_report(tmp_path
             proc.kill()
     assert procs[0].returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), output[-3000:]
     events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl.rank0").read_text().splitlines()]
-    last = events[-1]
+    last = _last_report(events)
     assert last["detector"] == "hang" and last["severity"] == "info", (last, output[-3000:])  # a stopped job
     assert last["values"]["lost_ranks"] == [] and "every other rank is alive" in last["message"], last
+    stop = json.loads((tmp_path / "test" / "stop.json").read_text())  # a cancellation: told, not alerted
+    assert (stop["cause"], stop["exit_code"], stop["ranks"]) == ("terminated", 128 + signal.SIGTERM, []), stop
+    assert events[-1]["detector"] == "stop" and events[-1]["severity"] == "info", events[-1]
 
 
 def test_under_torchrun_a_rank_killed_mid_step_is_named_by_the_survivor_the_agent_ends(tmp_path: Path) -> None:
@@ -114,6 +126,6 @@ def test_under_torchrun_a_rank_killed_mid_step_is_named_by_the_survivor_the_agen
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0, result.stderr[-2000:]
     events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl.rank0").read_text().splitlines()]
-    last = events[-1]
+    last = _last_report(events)
     assert last["detector"] == "hang" and last["values"]["lost_ranks"] == [1], (last, result.stderr[-2000:])
     assert "lost: rank(s) [1]" in last["message"], last

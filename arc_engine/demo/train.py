@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,12 @@ def train(args: argparse.Namespace, config: ArcConfig | None) -> dict:
     if world > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
-    arc = arc_engine.attach(model, optimizer, config) if config is not None else None
+    arc: Any = None
+
+    def recompute(module: torch.nn.Module, data_rank: int) -> list[torch.Tensor]:  # detectors.sdc.recompute's
+        return [module(*(t.to(device) for t in data.batch(arc.progress.data_position, data_rank, args.batch_size)))]
+
+    arc = arc_engine.attach(model, optimizer, config, recompute_fn=recompute) if config is not None else None
     loss_value = float("nan")
     start = time.perf_counter()
     iteration = 0

@@ -274,7 +274,8 @@ class BadDataMonitor(Monitor):
             return [Finding(self.name, Action.parse(self.config.diverged_action), Severity.WARNING,
                             f"the data-parallel replicas' weights differ (parameter sums {-float(key[2]):.9g} to "
                             f"{float(key[1]):.9g}): the ranks' losses parted because their weights did, not their "
-                            f"data; {where}", ranks=(rank,) if named else (), values=values)]
+                            f"data; {where}", ranks=(rank,) if named else (), values=values,
+                            hardware="replica_divergence")]
         self._named = rank if named else -1
         held = self.quarantine
         dropped = held is not None and named and rank == held.blamed and held.steps < self.config.quarantine_steps

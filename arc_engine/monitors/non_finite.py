@@ -99,7 +99,7 @@ class NonFiniteMonitor(Monitor):
                 f"where the other ranks had a finite one on the same weights"
         return [Finding(self.name, Action.parse(self.config.action), Severity.ERROR,
                         "non-finite values: " + "; ".join(parts) + suspicion, ranks, values,
-                        data_suspect=bool(suspects))]
+                        data_suspect=bool(suspects), hardware="non_finite")]
 
     @staticmethod
     def _suspect_data(stats: AgreedStats, hits: list[tuple[int, str, int | None]]) -> tuple[int, ...]:

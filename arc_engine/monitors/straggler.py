@@ -473,7 +473,8 @@ class StragglerMonitor(Monitor):
         persisted = f"{config.persist_reports} reports in a row of {config.every} monitored steps" \
             if config.persist_reports > 1 else f"medians over {config.every} monitored steps"
         return Finding(self.name, Action.parse(config.action), Severity.WARNING,
-                       f"stragglers: {'; '.join(shown)}{more} ({persisted})", ranks=tuple(sorted(new)), values=values)
+                       f"stragglers: {'; '.join(shown)}{more} ({persisted})", ranks=tuple(sorted(new)), values=values,
+                       hardware="straggler")
 
     def _contention(self, seen: frozenset[int], shared: bool) -> Finding:
         """The info event of a contended machine: slowness that no rank keeps, or that every rank shares."""

@@ -602,7 +602,8 @@ class SDCRecompute:
                 findings.append(Finding("sdc_recompute", Action.WARN, Severity.WARNING,
                                         f"SDC on {where}: its gradient was withheld, recomputed on "
                                         f"{self._recomputed_on(stats, row)} and the transient fault corrected",
-                                        (rank,), {**values, "classification": "transient"}))
+                                        (rank,), {**values, "classification": "transient"},
+                                        hardware="sdc_transient"))
             else:
                 findings.append(self._classified(rank, where, values, *classes[row]))
         return findings
@@ -636,7 +637,7 @@ class SDCRecompute:
         outcome = "stopping every rank" if abort else "its share replaced by the peer's recomputation"
         return Finding("sdc_recompute", Action.ABORT if abort else Action.WARN, Severity.CRITICAL,
                        f"faulty device: SDC on {where} reproduced there but not by a healthy peer; quarantined "
-                       f"({path}); {outcome}", (rank,), values)
+                       f"({path}); {outcome}", (rank,), values, hardware="sdc_persistent")
 
     def _quarantine(self, rank: int, values: dict[str, Any]) -> Path:
         """Record ``rank``'s device in the run directory's quarantine file (the decision group's first rank writes

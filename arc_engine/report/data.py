@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arc_engine import stop_record
 from arc_engine.sinks import read_jsonl
 
 #: Actions drawn on the timeline, and how (matplotlib marker / line style per action).
@@ -31,6 +32,7 @@ class RunData:
     ranks: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     attached: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] | None = None  # stop.json: why the run stopped (arc_engine.stop_record)
 
     @property
     def findings(self) -> list[dict[str, Any]]:
@@ -67,7 +69,7 @@ def load_run(run_dir: Path) -> RunData:
     if events_path is None:
         raise FileNotFoundError(f"{run_dir}: no events.jsonl (an arc_engine run directory has one; "
                                 f"is sinks.jsonl.enabled off?)")
-    data = RunData(run_dir=run_dir, events=read_jsonl(events_path))
+    data = RunData(run_dir=run_dir, events=read_jsonl(events_path), stop=stop_record.read(run_dir))
     for event in data.events:
         data.run_id = data.run_id or str(event.get("run_id", ""))
         if event.get("kind") == "lifecycle" and event.get("detector") == "summary":

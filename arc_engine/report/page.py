@@ -82,6 +82,17 @@ def render(data: RunData, figures: dict[str, list[tuple[str, str]]]) -> str:
              f"<title>arc_engine report: {html.escape(data.run_id)}</title>", f"<style>{STYLE}</style>",
              f"<script>{SCRIPT}</script></head><body>",
              f"<h1>arc_engine run report: {html.escape(data.run_id or data.run_dir.name)}</h1>"]
+    if data.stop is not None:  # first: why the run stopped, and what to do
+        stop = data.stop
+        parts.append('<h2>Why it stopped</h2><table class="stop">')
+        rows = [("cause", f"{stop.get('cause')} (exit code {stop.get('exit_code')}) at step {stop.get('step')}"),
+                ("what", stop.get("message")), ("blamed", f"ranks {stop.get('ranks') or '-'} "
+                                                          f"({', '.join(stop.get('devices') or ()) or '-'})"),
+                ("evidence", "; ".join(f"{e.get('detector')}: {e.get('message')}" for e in stop.get("evidence", ()))
+                 or "-"), ("excluded hosts", ", ".join(stop.get("excluded_hosts") or ()) or "none"),
+                ("suggested", stop.get("suggested"))]
+        parts += [f"<tr><th>{label}</th><td>{html.escape(str(value))}</td></tr>" for label, value in rows]
+        parts.append("</table>")
     if data.attached:
         parts.append(f'<p class="muted">{html.escape(data.attached["message"])}</p>')
     parts.append("<h2>Summary</h2><table>")
