@@ -21,9 +21,9 @@ wheel="$(ls "$work"/dist/arc_engine-*.whl)"
 echo "[wheel] built $(basename "$wheel")"
 
 "$PYTHON" -m venv "$work/venv"
-# (byte-compiled by pip: with PYTHONDONTWRITEBYTECODE set, nothing else would cache it; scripts/setup.sh says more)
-quiet "$work/venv/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC"
-quiet "$work/venv/bin/pip" install -q --disable-pip-version-check "${wheel}[report]"
+unset PYTHONDONTWRITEBYTECODE  # the modules are compiled on their first import, and cached (scripts/setup.sh)
+quiet "$work/venv/bin/pip" install -q --disable-pip-version-check --no-compile "$TORCH_SPEC"
+quiet "$work/venv/bin/pip" install -q --disable-pip-version-check --no-compile "${wheel}[report]"
 cd "$work"  # nothing of the checkout on sys.path: everything below comes from the installed wheel
 
 venv/bin/python - <<'EOF'

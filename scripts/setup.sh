@@ -57,11 +57,12 @@ export TORCH_EXTENSIONS_DIR
 # in CI and the Megatron demo's test once more. Isolated (-I): the checkout's own folder is not an installed package
 missing() { "$py" -I -c "import importlib.util as u, sys
 print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@" 2>/dev/null || echo "$@"; }
-# pip byte-compiles what it installs (its default; keep it): where PYTHONDONTWRITEBYTECODE is set, as on this project's
-# machines and CI, Python never caches the bytecode of an import, so a module pip did not compile is compiled from
-# source again in every process that imports it: torch's 2,000 in every rank of every test (with --no-compile, CI
-# took 3,905 s instead of 3,317 s)
-pip_install() { "$py" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+# --no-compile: no byte-compilation of the ~10,000 modules each lane installs (torch, transformers, DeepSpeed...),
+# 5 minutes of CPU for the three lanes' torch builds alone. Python compiles the few thousand the tests import on
+# their first import and caches them: scripts/test.sh and .ci/run unset PYTHONDONTWRITEBYTECODE, which this
+# project's machines set; with it, every process that imports torch compiled its 2,000 modules from source again
+# (a CI run took 3,905 s instead of 3,317 s)
+pip_install() { "$py" -m pip install --quiet --disable-pip-version-check --no-compile "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ -n "$(missing torch)" ]; then
   echo "[setup:${LANE} +${SECONDS}s] installing ${TORCH_SPEC} (first, pinned)"
@@ -103,7 +104,5 @@ if [ -n "$(missing arc_engine pytest pytest_timeout xdist ruff wandb matplotlib)
   pip_install -e ".[dev]"
   touch "$marker"
 fi
-# the checkout's own modules too (the tests start a few hundred processes that import them): -q, only what changed
-"$py" -m compileall -q -j 0 arc_engine integrations tests examples scripts >/dev/null || true
 "$py" -c "import sys; from importlib.metadata import version as v
 print(f'[setup:${LANE} +${SECONDS}s] ready in ${VENV}: Python {sys.version.split()[0]}, torch {v(\"torch\")}, arc_engine {v(\"arc_engine\")}')"

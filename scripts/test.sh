@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LANE="${ARC_LANE:-py311}"
+# Python caches the bytecode of what it imports (scripts/setup.sh installs without compiling; with
+# PYTHONDONTWRITEBYTECODE, which this project's machines set, every test process compiled torch from source)
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 case "$LANE" in
   py311) venv=.venv; tests=() ;;
