@@ -148,9 +148,13 @@ def test_quick_campaign_end_to_end(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all((Path(out) / "runs" / r["name"].replace("/", "-") / "events.jsonl").is_file()
                for r in records if r["arm"] != "bare")
-    # no device is blamed: a NaN or Inf on one rank once is its data or its device, and the clean runs blame none
-    verdicts = assess(read_devices(out / "runs" / DEVICES_FILE)[0])
-    assert {v.verdict for v in verdicts.values()} <= {"ok"}, [v.to_dict() for v in verdicts.values()]
+    # The device ledger (docs/hardware.md): the clean runs blame no device, and a NaN or Inf on one rank once (its
+    # data or its device) is recorded without a verdict. Timing evidence (a straggler) aside: this test shares two
+    # cores with the other test worker, and a rank slowed by it is named as a straggler would be.
+    untimed = [r for r in read_devices(out / "runs" / DEVICES_FILE)[0] if r["evidence"] != "straggler"]
+    assert not [r for r in untimed if "-clean-" in r["run"]], untimed
+    assert {r["evidence"] for r in untimed} <= {"non_finite"}, untimed
+    assert {v.verdict for v in assess(untimed).values()} <= {"ok"}, [v.to_dict() for v in assess(untimed).values()]
 
 
 def test_megatron_tp2_campaign_backend(tmp_path: Path) -> None:
