@@ -71,7 +71,8 @@ if [ -n "${NODE_RANK:-}" ]; then
   arc_host_check  # launched per node: a host the device ledger excludes does not join (docs/hardware.md)
 elif [ -n "${HOSTFILE:-}" ] && [ -f "${ARC_RUN_DIR:-.}/devices.jsonl" ] && [ "${ARC_HOST_CHECK:-1}" != "0" ]; then
   # from one node: the hostfile without the hosts arc_engine's device ledger excludes (docs/hardware.md)
-  filtered="$(mktemp "${TMPDIR:-/tmp}/arc-hostfile.XXXXXX")"
+  # kept in the run root beside the ledger it came from (the launcher is exec'd: nothing could remove a temporary)
+  filtered="${ARC_RUN_DIR}/hostfile.launch"
   "$PYTHON" -m arc_engine.cli hosts "$ARC_RUN_DIR" --format hostfile --hostfile "$HOSTFILE" >"$filtered"
   left=$(grep -cvE '^[[:space:]]*(#|$)' "$filtered" || true)
   if [ "$left" -lt "${MIN_NODES:-1}" ]; then

@@ -27,7 +27,7 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 
 # A function that names any of these starts other processes (gloo ranks, torchrun, launchers, the CLI, the demo).
-PROCESS_STARTERS = frozenset({"run_ranks", "subprocess", "Popen", "spawn", "start_processes", "Process"})
+PROCESS_STARTERS = frozenset({"run_ranks", "run_script", "subprocess", "Popen", "spawn", "start_processes", "Process"})
 
 # Single-process tests that take more than about 10 s on a 2-core machine, as "file::test name" relative to tests/.
 # None today: the longest, test_sdc.py::test_no_false_flag_in_a_clean_1000_step_run, takes 3-5 s.

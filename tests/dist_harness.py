@@ -12,12 +12,15 @@ import faulthandler
 import io
 import os
 import queue as queue_module
+import runpy
 import shutil
 import socket
+import sys
 import time
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -194,3 +197,86 @@ def run_ranks_to_exit(fn: Callable[..., Any], world: int, *args: Any, timeout_s:
     finally:
         _reap(procs, 0.0)
     return codes
+
+
+def _script_entry(script: str, argv: list[str], cwd: str, environ: dict[str, str], log: str) -> None:
+    """One rank of :func:`run_script`: ``script`` run as ``__main__`` with ``argv``, as ``python script argv`` under
+    torchrun would, its output (the native one too) to ``log``; the process ends with the script's exit status."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    with open(log, "wb", buffering=0) as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    faulthandler.enable()
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
+    # the platform's default start method, as in a fresh interpreter (a fork server's child inherits its own; a data
+    # loader's workers with a local worker_init_fn cannot be pickled to it)
+    mp.set_start_method(None, force=True)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # what python would print before exiting with 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class ScriptRun:
+    """What :func:`run_script` returns: the launcher's exit status (0 when every rank exited 0, else 1, as
+    torchrun's), each rank's exit status and the ranks' output, rank by rank."""
+
+    returncode: int
+    codes: list[int | None]
+    output: str
+
+
+def run_script(script: Path, args: list[str], nproc: int, cwd: Path, env: dict[str, str],
+               timeout_s: float = 500.0, grace_s: float = 20.0) -> ScriptRun:
+    """``torchrun --nproc-per-node nproc script args``, started as forks of the fork server that has imported the
+    frameworks once (``tests/rank_preload.py``) instead of a launcher and ``nproc`` interpreters importing them
+    anew (10-15 s of CPU each for a trainer's script). Each rank gets torchrun's environment (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``: the frameworks see an
+    elastic launch) and rendezvouses on a store this process holds, as torchrun's agent does. When a rank fails the
+    others get ``grace_s`` to end, then are stopped, as torchrun stops them; past ``timeout_s`` every rank is.
+    Tests of what torchrun itself does (its exit status, its restarts) start the real one."""
+    ctx = _context("gloo")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    logs = [cwd / f".rank{rank}.{os.getpid()}.{store.port}.log" for rank in range(nproc)]
+    procs = []
+    for rank in range(nproc):
+        environ = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                   "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "GROUP_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   "TORCHELASTIC_RUN_ID": f"test-{store.port}", "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+        procs.append(ctx.Process(target=_script_entry, args=(str(script), list(args), str(cwd), environ,
+                                                               str(logs[rank]))))
+        procs[-1].start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.1)
+    finally:
+        stopped = {rank for rank, proc in enumerate(procs) if proc.is_alive()}
+        for rank in stopped:
+            procs[rank].terminate()  # SIGTERM, as torchrun's agent sends it
+        _reap(procs, 10.0)
+    output = ""
+    for rank, log in enumerate(logs):
+        text = log.read_text(errors="replace") if log.exists() else ""
+        log.unlink(missing_ok=True)
+        output += f"[rank {rank}] exit {procs[rank].exitcode}{' (stopped)' if rank in stopped else ''}\n{text}"
+    codes = [proc.exitcode for proc in procs]
+    return ScriptRun(0 if all(code == 0 for code in codes) else 1, codes, output)

@@ -160,6 +160,7 @@ def test_the_deepspeed_launcher_gets_the_hostfile_without_the_excluded_host(tmp_
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("hostfile given:\n", 1)[1] == "node-a slots=8\nnode-c slots=8\n"
+    assert (runs / "hostfile.launch").read_text() == "node-a slots=8\nnode-c slots=8\n"  # in the run root
     assert "left out node-b" in proc.stderr and "SDC reproduced" in proc.stderr
     short = subprocess.run(command, cwd=tmp_path, env={**env, "MIN_NODES": "3"}, capture_output=True, text=True,
                            timeout=120)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import free_port
+from tests.dist_harness import free_port, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "tests" / "megatron_lm_cpu_entry.py"
@@ -79,7 +79,14 @@ def _env() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, *args: str, real: bool = False) -> subprocess.CompletedProcess:
+    """The entry on 2 ranks. ``real``: under the real torchrun, for the runs whose exit status and "Root Cause"
+    report are asserted; the others start their ranks as forks of the test session's fork server
+    (``tests.dist_harness.run_script``: torchrun's environment, the frameworks imported once), their output in
+    ``stdout``."""
+    if not real:
+        forked = run_script(ENTRY, list(args), 2, tmp_path, _env(), timeout_s=280)
+        return subprocess.CompletedProcess(args, forked.returncode, forked.output, "")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), str(ENTRY), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=_env(),
@@ -248,7 +255,7 @@ detectors:
     args[args.index("--lr-decay-style") + 1] = "linear"
     own = tmp_path / "megatron"
     first = _torchrun(tmp_path, *args, "--arc-config", str(arc_config("relaunch", checkpoints, fault=True)),
-                      "--save", str(own), "--save-interval", "4")
+                      "--save", str(own), "--save-interval", "4", real=True)
     output = first.stdout + first.stderr
     assert first.returncode != 0 and re.search(r"Root Cause.*?exitcode\s*:\s*7 ", output, re.S), output[-4000:]
     assert sorted(path.name for path in own.glob("iter_*")) == ["iter_0000004"], output[-4000:]
@@ -289,7 +296,7 @@ detectors:
 
     # Megatron-LM's own checkpoint of iteration 4 beside arc_engine's newer ones: refused, both steps named
     fourth = _torchrun(tmp_path, *args, "--arc-config", str(arc_config("relaunch", checkpoints, fault=False)),
-                       "--load", str(own), "--no-load-optim")
+                       "--load", str(own), "--no-load-optim", real=True)
     output = fourth.stdout + fourth.stderr
     assert re.search(r"Root Cause.*?exitcode\s*:\s*2 ", output, re.S), output[-4000:]
     assert "two resumes disagree" in output and "Megatron-LM (--load) resumed step 4" in output, output[-4000:]
