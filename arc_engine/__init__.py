@@ -7,6 +7,8 @@ run by a launcher on every node before it joins) starts without importing torch.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,6 +42,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_WHERE])
+
+
+class _Package(types.ModuleType):
+    """This package's module type. Importing a submodule binds it as an attribute of its package, and the submodule
+    ``arc_engine.attach`` has the name of the function ``attach``: imported first by anyone (``from
+    arc_engine.attach import Arc``), it would hide the function, and ``arc_engine.attach(model, optimizer)`` would
+    call a module. The function is kept in its place."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "attach" and isinstance(value, types.ModuleType):
+            value = value.attach
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

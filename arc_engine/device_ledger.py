@@ -12,8 +12,8 @@ run root, shared by every run id, so the ledger outlives restarts, relaunches an
 - ``sdc_transient`` (SDC corrected by a recomputation): suspect; a second one within :data:`TRANSIENT_WINDOW_STEPS`
   training steps of another: exclude.
 - ``straggler`` (slow for ``persist_reports`` reports in a row), ``lost`` (named lost by the survivors), ``hung``
-  (stopped behind the others), ``replica_divergence`` (its replica's weights differ): suspect; seen in
-  :data:`LAUNCHES_TO_EXCLUDE` launches: exclude.
+  (stopped behind the others), ``replica_divergence`` (its replica's weights differ), ``hardware_event`` (NVML ECC,
+  XID or clock-slowdown events of the device): suspect; seen in :data:`LAUNCHES_TO_EXCLUDE` launches: exclude.
 - ``non_finite`` (a non-finite loss or gradient on some ranks only: their data or their device): suspect once at two
   data positions. Never exclude by itself: only a recomputation on a peer tells a bad batch from a bad device (the
   ``sdc_recompute`` verdicts above). A position non-finite at two step attempts is the data's and is not counted.
@@ -50,10 +50,11 @@ EVIDENCE: dict[str, str] = {
     "lost": "named lost by the surviving ranks (no heartbeat)",
     "hung": "stopped behind the other ranks (hang report)",
     "replica_divergence": "its data-parallel replica's weights differ from the others'",
+    "hardware_event": "NVML ECC, XID or clock-slowdown events reported by the device",
 }
 #: two transient SDC verdicts on one device within this many training steps exclude it
 TRANSIENT_WINDOW_STEPS = 10_000
-#: straggler, lost, hung, replica_divergence: excluded once seen in this many launches
+#: straggler, lost, hung, replica_divergence, hardware_event: excluded once seen in this many launches
 LAUNCHES_TO_EXCLUDE = 2
 #: non_finite: suspect once seen at this many data positions (never excluded by itself)
 NON_FINITE_POSITIONS = 2

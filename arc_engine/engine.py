@@ -61,7 +61,7 @@ class ArcEngine:
         self.buffer: StatBuffer | None = None
         self.run_id, self.run_dir = "", Path(config.run.run_dir)
         self.progress = Progress()  # the counters (arc.progress)
-        self.local_events = 0     # this rank's system events so far (hang reports, injected events)
+        self.local_events = self.device_events = 0  # system events so far: hang reports + the device's own
         self.ledger = DataLedger()  # the skipped and suspect data positions
         self.locations: dict[int, str] = {}  # global rank -> "host:device"
         self.recovery: Recovering | None = None
@@ -127,7 +127,7 @@ class ArcEngine:
         """``hook(param_groups, state)`` before every applied update (:func:`arc_engine.recovery.heal.heal_step`)."""
         self.update_hooks.append(hook)
 
-    def add_event_source(self, source: Callable[[], int]) -> None:  # its events join local_events at step start
+    def add_event_source(self, source: Callable[[], int]) -> None:  # this rank's device events, read at step start
         self.event_sources.append(source)
 
     # ------------------------------------------------------------------ per step
@@ -145,7 +145,8 @@ class ArcEngine:
             for hooks in self._step_hooks:
                 hooks.on_step_start(self.progress.step)
         for source in self.event_sources:
-            self.local_events += source()
+            events = source()
+            self.local_events, self.device_events = self.local_events + events, self.device_events + events
 
     def is_monitored(self) -> bool:  # the current step gathers statistics (every ``stats.interval`` steps)
         return self.progress.step % self.config.stats.interval == 0
@@ -186,7 +187,7 @@ class ArcEngine:
         it does when the agreed gradient is non-finite, and this makes the finding)."""
         if not self.is_monitored():
             return Decision(self.progress.step, Action.NONE)
-        stats = self.gathering.agree(self.progress.step, self.local_events, self._waiting)
+        stats = self.gathering.agree(self.progress.step, (self.local_events, self.device_events), self._waiting)
         monitors = [m for m in self.gathering.assembly.monitors if only is None or m.name in only]
 
         def evaluate(agreed: AgreedStats) -> list[Finding]:
@@ -222,7 +223,7 @@ class ArcEngine:
 
     def _regather(self) -> AgreedStats:
         assert self.sdc_recompute is not None and self._rerecord is not None
-        return self.gathering.regather(self.progress.step, self.local_events, self._waiting,
+        return self.gathering.regather(self.progress.step, (self.local_events, self.device_events), self._waiting,
                                        self.sdc_recompute.write_local_stats, self._rerecord)
 
     def _abort_if_needed(self, decision: Decision, *, commit_monitors: bool) -> None:

@@ -101,17 +101,18 @@ class StepGathering:
         finally:
             self._recomputed = None
 
-    def agree(self, step: int, local_events: int, waiting: Callable[[], None]) -> AgreedStats:
+    def agree(self, step: int, events: tuple[int, int], waiting: Callable[[], None]) -> AgreedStats:
         """Collective: the recorded losses' mean, the folds, the producers, the monitors' own values, then the
-        agreement (``waiting()`` right before it: a peer's hang report shows this rank as waiting)."""
+        agreement (``waiting()`` right before it: a peer's hang report shows this rank as waiting). ``events``: this
+        rank's running counts of system events and of its device's own (:class:`StepView`)."""
         assert self.buffer is not None, "ArcEngine.start() was not called"
         if self.losses:
             self.buffer.view(names.LOSS).div_(self.losses)
         self.buffer.put(names.LOSS_COUNT, float(self.losses))
         self.buffer.put(names.LOSS_RANKS, float(self.losses > 0))
-        return self._agree(step, local_events, waiting)
+        return self._agree(step, events, waiting)
 
-    def regather(self, step: int, local_events: int, waiting: Callable[[], None], write_local: Prepare,
+    def regather(self, step: int, events: tuple[int, int], waiting: Callable[[], None], write_local: Prepare,
                  rerecord: Callable[[], None]) -> AgreedStats:
         """Collective, after a correction of the reduced gradient: the reduced slots recorded again (``rerecord``),
         the pre-reduction ones kept except what ``write_local`` replaces, and agreed again."""
@@ -121,15 +122,16 @@ class StepGathering:
                 self.buffer.view(name).zero_()
         write_local(self.buffer)
         rerecord()
-        return self._agree(step, local_events, waiting)
+        return self._agree(step, events, waiting)
 
-    def _agree(self, step: int, local_events: int, waiting: Callable[[], None]) -> AgreedStats:
+    def _agree(self, step: int, events: tuple[int, int], waiting: Callable[[], None]) -> AgreedStats:
         assert self.buffer is not None
         for fold in self._folds:
             fold()
         if self.assembly.producers:
-            view = StepView(step, self.params, self.clock.times(), local_events,
-                            tuple(self.probe.take()) if self.probe is not None else (), self.partition_parts)
+            view = StepView(step, self.params, self.clock.times(), events[0],
+                            tuple(self.probe.take()) if self.probe is not None else (), self.partition_parts,
+                            device_events=events[1])
             for producer in self.assembly.producers:
                 producer.write(self.buffer, view)
         for name, prepare in self._own_values:

@@ -7,6 +7,8 @@ the seams' misspelt-override check is the one test here that imports them."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,3 +165,14 @@ def test_the_configuration_reference_is_generated_from_the_schema() -> None:
 def test_the_engine_is_small_enough_to_hold_in_ones_head() -> None:
     lines = (ROOT / "arc_engine" / "engine.py").read_text(encoding="utf-8").count("\n")
     assert lines < 400, f"arc_engine/engine.py has {lines} lines: move what is not the commit point out"
+
+
+def test_the_package_imports_no_torch_and_its_attach_stays_the_function_after_its_module_is_imported() -> None:
+    """``import arc_engine`` imports no torch (``arc-engine hosts`` runs on every node before it joins), and the
+    submodule ``arc_engine.attach``, imported first, does not hide the function ``arc_engine.attach``."""
+    code = ("import sys, arc_engine; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from arc_engine.attach import Arc; assert callable(arc_engine.attach) and "
+            "arc_engine.attach.__name__ == 'attach' and arc_engine.attach is sys.modules['arc_engine.attach'].attach; "
+            "from arc_engine import attach; assert attach is arc_engine.attach; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]

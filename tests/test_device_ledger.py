@@ -20,6 +20,8 @@ from arc_engine.events import Action, Event, Finding, Severity
 from arc_engine.policy.decision import EXIT_FAULTY_DEVICE, Decision
 from arc_engine.sinks.base import Sink
 from arc_engine.sinks.devices import DeviceLedgerSink
+from tests.dist_harness import run_ranks
+from tests.training import make_config, train_ddp
 
 LOCATIONS = {0: "nodeA:cuda:0", 1: "nodeA:cuda:1", 2: "nodeB:cuda:0", 3: "nodeB:cuda:1"}
 
@@ -228,3 +230,28 @@ def test_a_relaunch_keeps_the_last_stop_record_inside_its_own(tmp_path: Path) ->
     second.close()
     record = stop_record.read(tmp_path / "r")
     assert (record["cause"], record["previous"]["cause"], record["previous"]["step"]) == ("completed", "hang", 17)
+
+
+def _launch_with_device_events(rank: int, world: int, runs: Path) -> list[tuple]:
+    os.environ["ARC_TEST_HOSTNAME"] = f"node{rank}"  # a host per rank (runtime.hostname: tests only)
+    config = make_config(runs, "faults.injections=[{kind: hardware_events, rank: 1, step: 3, count: 2}]")
+    return train_ddp(rank, 6, config)["decisions"]
+
+
+def test_device_events_of_one_rank_are_named_and_exclude_its_host_after_two_launches(tmp_path: Path) -> None:
+    """A device reporting hardware events (the ``hardware_events`` fault, NVML's stand-in on CPU ranks) on rank 1:
+    every rank names rank 1 in a ``hardware_events`` finding with no action, the ledger records its device; seen in
+    a second launch, its host is excluded, and rank 0's is not in the ledger at all."""
+    runs = tmp_path / "runs"
+    for launch in (1, 2):
+        decisions = run_ranks(_launch_with_device_events, 2, runs)
+        assert decisions[0] == decisions[1], "ranks disagree"
+        named = [(step, action, findings) for step, action, findings in decisions[0]
+                 if ("hardware_events", [1]) in findings]
+        assert [(step, action) for step, action, _ in named] == [(3, "NONE")], decisions[0]
+        records, torn = ledger.read_devices(runs / ledger.DEVICES_FILE)
+        assert not torn and [(r["host"], r["evidence"], r["step"]) for r in records] == \
+            [("node1", "hardware_event", 3)] * launch, records
+        verdicts = ledger.assess(records)
+        assert [v.verdict for v in verdicts.values()] == ["suspect" if launch == 1 else "exclude"], verdicts
+    assert ledger.excluded_hosts(verdicts) == ["node1"]

@@ -18,6 +18,7 @@ from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.family import FamilyContext, ModelParts, StepView, section_of
 from arc_engine.monitors.hardware_events import HardwareEvents, pci_bus_id
 from arc_engine.monitors.r_metric import (
+    DEVICE_EVENTS,
     EVENTS,
     VALIDATION,
     Normalizer,
@@ -234,3 +235,35 @@ def test_the_relative_level_survives_a_restart_and_a_sustained_spread_jump_still
             monitor.load_state_dict(state)
             assert list(monitor.log_variances) == state["log_variances"] and len(state["log_variances"]) == 100
     assert len(alerts) == 1 and 200 < alerts[0] <= 250, alerts
+
+
+def test_the_devices_that_reported_events_are_named_from_their_rows_only_on_a_step_with_events() -> None:
+    """Each rank writes its device's new events (NVML's, or the ``hardware_events`` fault's) into one SUM slot;
+    only when the agreed sum is not 0 are the rows read, naming the devices in a finding with no action whose
+    evidence the device ledger records, once per episode. The events count in λ as well."""
+    layout, monitor = _setup()
+    peers = [_setup()[1] for _ in range(3)]  # the other ranks' producers (the same layout)
+
+    def step(number: int, device_events: list[int]) -> list[Finding]:
+        rows = []
+        for writer, events in zip([monitor, *peers], device_events, strict=True):
+            buffer = StatBuffer(layout, torch.device("cpu"))
+            buffer.put(names.LOSS, 3.0)
+            buffer.put(names.LOSS_COUNT, 1.0)
+            buffer.put(names.LOSS_RANKS, 1.0)
+            buffer.put(names.GRAD_SQ_LOCAL, 1.0)
+            writer.write(buffer, StepView(number, [], local_events=events, device_events=events))
+            rows.append(buffer.values.numpy().copy())
+        findings = monitor.evaluate(number, AgreedStats.from_rows(layout, np.stack(rows), ranks=(4, 5, 6, 7)))
+        monitor.commit(number, True)
+        return findings
+
+    assert not [f for f in step(0, [0, 0, 0, 0]) if f.detector == "hardware_events"]
+    (named,) = [f for f in step(1, [0, 0, 3, 0]) if f.detector == "hardware_events"]  # running counts
+    assert (named.ranks, named.action, named.hardware) == ((6,), Action.NONE, "hardware_event"), named
+    assert named.values == {"events_per_rank": {"6": 3}} and "rank 6: 3" in named.message
+    assert monitor.metrics()["lambda"] == 3.0
+    assert DEVICE_EVENTS in layout
+    # the same device again within event_window monitored steps: counted in λ, not named again; another device is
+    later = [f for f in step(2, [0, 0, 5, 1]) if f.detector == "hardware_events"]
+    assert [f.ranks for f in later] == [(7,)] and monitor.metrics()["lambda"] == 6.0, later  # 3 + 2 + 1

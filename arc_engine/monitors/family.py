@@ -187,7 +187,7 @@ class StepView:
     params: Sequence[torch.Tensor] = field(default_factory=list)
     #: this rank's (forward, iteration) seconds (:class:`arc_engine.stats.timing.SectionClock`; NaN when unknown)
     times: tuple[float, float] = (math.nan, math.nan)
-    #: this rank's system events so far (hang reports of the watchdog), a running count
+    #: this rank's system events so far (hang reports of the watchdog, its device's events), a running count
     local_events: int = 0
     #: this rank's local compute seconds of the sampled steps read since the last monitored step
     #: (:class:`arc_engine.stats.timing.ComputeProbe`; empty on most steps)
@@ -196,6 +196,9 @@ class StepView:
     #: parts of the parameter's master values, of its gradient as the optimizer applies it); over the ranks the
     #: parts are the whole parameter, each element once. None elsewhere (read the parameters and their ``.grad``)
     partition_parts: Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+    #: the part of ``local_events`` that the device itself reported (the engine's event sources: an injected
+    #: ``hardware_events`` fault), a running count; blamed on this rank's device (docs/hardware.md)
+    device_events: int = 0
 
 
 @dataclass(frozen=True)

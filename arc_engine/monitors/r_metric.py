@@ -5,7 +5,8 @@ R(t) = w_λ·norm(λ_t) + w_σ·norm(σ²_t) + w_ΔL·norm(ΔL_t), weights 0.10 
 * λ_t -- system events in the last ``event_window`` monitored steps: stragglers named by the straggler family,
   framework overflow skips, SDC findings (agreed: counted from the decisions, :meth:`RMetricMonitor.observe`),
   plus each rank's own hang reports and NVML hardware events (:mod:`arc_engine.monitors.hardware_events`), summed
-  through a SUM slot;
+  through a SUM slot; the devices that reported events are named in a ``hardware_events`` finding (no action) that
+  the device ledger records (docs/hardware.md);
 * σ²_t -- the variance of the data-parallel ranks' local gradient norms (:mod:`arc_engine.monitors.worker_spread`;
   held neutral under model parallelism, where a rank's norm is a shard's); by default read relative to its own
   recent level (``variance_relative``: log σ²_t − the median log σ² of the previous ``window`` values), because the
@@ -141,6 +142,10 @@ class RMetricConfig:
 
 #: [1] SUM: system events this rank saw since its previous monitored step (hang reports, NVML events).
 EVENTS = "r_metric_events"
+#: [1] SUM: the part of :data:`EVENTS` this rank's device reported (NVML events, an injected ``hardware_events``
+#: fault). When the sum is not 0 the ranks are read from the rows (:meth:`RMetricMonitor.evaluate`, on demand) and
+#: named in a ``hardware_events`` finding, whose evidence the device ledger records.
+DEVICE_EVENTS = "r_metric_device_events"
 #: [2] SUM: Σ validation losses recorded since the previous monitored step, and their number.
 VALIDATION = "r_metric_validation"
 #: The terms, in weight order.
@@ -152,6 +157,17 @@ EVENT_DETECTORS = ("straggler", "deepspeed_overflow", "grad_scaler_overflow", "m
 VARIANCE_FLOOR = 1e-30
 #: NVML is polled every this many monitored steps.
 NVML_POLL_EVERY = 10
+
+
+def device_events_finding(named: dict[int, int]) -> Finding:
+    """The ``hardware_events`` finding: the ranks whose devices reported events (``{global rank: events}``), with
+    their evidence for the device ledger. No action: the events count in λ, and the ledger's rule decides what they
+    say of the device. Pure."""
+    listed = ", ".join(f"rank {rank}: {count}" for rank, count in named.items())
+    return Finding("hardware_events", Action.NONE, Severity.WARNING,
+                   f"hardware events (NVML ECC / XID / clock slowdown) reported by the device of {listed}",
+                   ranks=tuple(named), values={"events_per_rank": {str(r): c for r, c in named.items()}},
+                   hardware="hardware_event")
 
 
 def percentile_rank(history: np.ndarray, value: float) -> float:
@@ -213,12 +229,15 @@ class RMetricMonitor(Monitor):
         self.above: deque[bool] = deque(maxlen=config.persist)  # the last applied steps: score above the threshold
         self.armed = True  # an alert is possible (re-armed once the condition no longer holds)
         self.alerts = 0
-        self._local_seen = 0  # this rank's local events already sent
+        self._local_seen = self._device_seen = 0  # this rank's local (and device) events already sent
         self._monitored = 0
         self._last_step = -1
-        self._new_events = 0.0  # this step's, as written
+        self._new_events = self._new_device_events = 0.0  # this step's, as written
         self._validation: list[float] = []  # this rank's, since its previous monitored step
         self._pending: dict[str, Any] | None = None
+        self._committed = 0  # monitored steps committed
+        self._reported: dict[int, int] = {}  # this step's devices with events (global rank: events), until commit
+        self._device_named: dict[int, int] = {}  # global rank -> the monitored step its device's events were last seen
         self._spread: Spread | None = None  # this step's, until commit
         self._values: dict[str, float] = {}
 
@@ -235,8 +254,10 @@ class RMetricMonitor(Monitor):
                 self._monitored % NVML_POLL_EVERY == 0 else 0
             self._monitored += 1
             self._new_events = float(view.local_events - self._local_seen + hardware)
-            self._local_seen = view.local_events
+            self._new_device_events = float(view.device_events - self._device_seen + hardware)
+            self._local_seen, self._device_seen = view.local_events, view.device_events
         buffer.view(EVENTS).fill_(self._new_events)
+        buffer.view(DEVICE_EVENTS).fill_(self._new_device_events)
         validation = buffer.view(VALIDATION)
         validation[0].fill_(math.fsum(self._validation))
         validation[1].fill_(float(len(self._validation)))
@@ -246,7 +267,7 @@ class RMetricMonitor(Monitor):
     # ------------------------------------------------------------ the agreed score
 
     def required_stats(self) -> tuple[str, ...]:
-        wanted = (names.LOSS, names.LOSS_RANKS, EVENTS, VALIDATION)
+        wanted = (names.LOSS, names.LOSS_RANKS, EVENTS, DEVICE_EVENTS, VALIDATION)
         return (*wanted, *WorkerMoments.required_stats()) if self.variance else wanted
 
     def _raw(self, stats: AgreedStats) -> dict[str, float]:
@@ -283,7 +304,18 @@ class RMetricMonitor(Monitor):
         return values
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
-        return self.judge(self._raw(stats))
+        findings = self.judge(self._raw(stats))
+        self._reported = {}
+        if float(stats.total(DEVICE_EVENTS)[0]) > 0:  # agreed: every rank reads the rows (rare: on demand)
+            counts = stats.per_rank(DEVICE_EVENTS)[:, 0]
+            self._reported = {int(stats.ranks[row]): int(counts[row]) for row in np.flatnonzero(counts > 0)}
+            # named once per episode: again only after event_window monitored steps without its device's events
+            fresh = {rank: count for rank, count in self._reported.items()
+                     if self._committed - self._device_named.get(rank, -self.config.event_window - 1)
+                     > self.config.event_window}
+            if fresh:
+                findings.append(device_events_finding(fresh))
+        return findings
 
     def judge(self, raw: dict[str, float]) -> list[Finding]:
         """The score and the alert from this step's agreed raw inputs (:meth:`evaluate` without the statistics
@@ -334,6 +366,8 @@ class RMetricMonitor(Monitor):
 
     def commit(self, step: int, applied: bool) -> None:
         self._validation.clear()  # sent with this step's agreement
+        self._device_named.update(dict.fromkeys(self._reported, self._committed))
+        self._reported, self._committed = {}, self._committed + 1
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -411,7 +445,8 @@ class RMetricFamily(FamilyBase):
         return self._monitor[1]
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        decls = [StatDecl(EVENTS, 1, Reduce.SUM), StatDecl(VALIDATION, 2, Reduce.SUM)]
+        decls = [StatDecl(EVENTS, 1, Reduce.SUM), StatDecl(DEVICE_EVENTS, 1, Reduce.SUM),
+                 StatDecl(VALIDATION, 2, Reduce.SUM)]
         monitor = self._monitor_for(ctx)
         return decls + monitor.moments.statistics() if monitor.variance else decls
 
