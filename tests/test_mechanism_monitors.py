@@ -5,6 +5,7 @@ rank), the attention-logit growth alarm per head, and the router alarms (entropy
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from arc_engine.events import Action
@@ -265,6 +266,44 @@ def test_qk_spectra_skip_diverged_weights_without_raising() -> None:
     assert measured_at(2) == 0.0  # skipped, no exception
     weight[0, 0] = 0.0
     assert [measured_at(3), measured_at(4)] == [0.0, 2.0]  # a new baseline first
+
+
+def test_qk_spectra_make_the_same_few_svd_calls_per_measurement_for_any_number_of_layers_and_heads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SVDs of a measurement are batched over the heads of every layer: 2 layers of 2 heads and 6 layers of 8
+    heads make the same number of ``svdvals`` calls (one per spectrum kind), and each head's values are those of
+    its layer measured alone."""
+    from types import SimpleNamespace
+
+    from arc_engine.monitors.family import AttentionShard, ModelParts
+    from arc_engine.monitors.qk_spectra import QKSpectraProducer
+
+    calls = []
+    svdvals = torch.linalg.svdvals
+    monkeypatch.setattr(torch.linalg, "svdvals", lambda *a, **k: calls.append(1) or svdvals(*a, **k))
+
+    def measure(layers: int, heads: int, only: int | None = None) -> tuple[int, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(heads * 3 * 4, 16, generator=gen) for _ in range(layers)]
+        shards = [AttentionShard(layer=i, weight=w, num_query_groups=heads, heads_per_group=1, head_dim=4,
+                                 first_head=0, tp_rank=0, owner=True)
+                  for i, w in enumerate(weights) if only is None or i == only]
+        producer = QKSpectraProducer(ModelParts(num_layers=layers, num_heads=heads, attention=shards), every=1)
+        slots = {HEAD_ENTROPY: torch.zeros(layers * heads), LAYER_SUMS: torch.zeros(layers * len(LAYER_FIELDS)),
+                 MEASURED: torch.zeros(layers), LOGIT_BOUND: torch.zeros(layers * heads)}
+        buffer = SimpleNamespace(device=torch.device("cpu"), view=lambda name: slots[name])
+        producer.write(buffer, SimpleNamespace(step=0))
+        for w in weights:
+            w.add_(0.01 * torch.randn(w.shape, generator=gen))
+        calls.clear()
+        producer.write(buffer, SimpleNamespace(step=1))
+        return len(calls), slots[HEAD_ENTROPY].view(layers, heads)
+
+    small, _ = measure(2, 2)
+    large, entropy = measure(6, 8)
+    assert small == large <= 6, (small, large)
+    _, alone = measure(6, 8, only=3)
+    assert torch.equal(entropy[3], alone[3]) and bool((entropy > 0).all())
 
 
 def _logit_stats(bound_lh: np.ndarray, max_logit_lh: np.ndarray | None = None) -> AgreedStats:

@@ -13,6 +13,7 @@ from arc_engine.monitors.spectra import (
     core_singular_values,
     dense_singular_values,
     head_spectra,
+    head_spectra_t,
     layer_spectra,
     qk_increment_factors,
     spectral_summary,
@@ -115,3 +116,16 @@ def test_tensor_parallel_shards_give_the_per_head_spectra_of_the_whole_layer() -
     summary = summarise_heads(whole)
     low, median, high = summary["delta2"]
     assert low <= median <= high and set(summary) == {"dwq", "dwk", "delta1", "delta2", "delta3"}
+
+
+def test_batched_spectra_equal_each_heads_own() -> None:
+    """The heads of every layer go through one call per quantity: batched over ``[heads, d, d_k]``, each head's
+    summaries and core spectrum are the ones computed for that head alone (bitwise on CPU)."""
+    batch = [heads(seed=seed) for seed in range(6)]
+    stacked = [torch.stack(parts) for parts in zip(*batch, strict=True)]
+    together = head_spectra_t(*stacked)
+    assert together.shape == (6, 5, 4)
+    for index, one in enumerate(batch):
+        assert torch.equal(together[index], head_spectra_t(*one)), index
+    cores = core_singular_values(stacked[0], stacked[1])
+    assert all(torch.equal(cores[i], core_singular_values(q, k)) for i, (q, k, _, _) in enumerate(batch))

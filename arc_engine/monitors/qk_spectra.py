@@ -188,7 +188,7 @@ class QKSpectraProducer:
         sums = np.zeros((num_layers, len(LAYER_FIELDS)))
         measured = np.zeros(num_layers)
         bounds = np.zeros((num_layers, num_heads))
-        pending = [(shard, *self._measure(shard, view.step)) for shard in self.shards]
+        pending = self._measure(view.step)
         # one host read for every shard: [finite flag, the heads' logit bounds, the heads' summaries] per shard
         flat = [torch.cat([finite.double().reshape(1), bound, heads.reshape(-1)])
                 for _, finite, bound, heads in pending]
@@ -232,11 +232,29 @@ class QKSpectraProducer:
                 row = slot[shard.layer, shard.first_head:shard.first_head + values.numel()]
                 torch.maximum(row, values[:row.numel()], out=row)
 
-    def _measure(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(finite flag, ``[heads]`` logit bounds, ``[heads, quantities, summaries]`` of :func:`head_spectra_t`,
-        empty when there is no increment of exactly δ steps) of one shard, on its device; the shard's W_q, W_k become
-        the next measurement's reference. Non-finite weights are measured as zeros and dropped once the flag is
-        read."""
+    def _measure(self, step: int) -> list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per shard: (the shard, finite flag, ``[heads]`` logit bounds, ``[heads, quantities, summaries]`` of
+        :func:`head_spectra_t`, empty when there is no increment of exactly δ steps), on its device. The SVDs are
+        batched over the heads of every layer: the shards whose heads have one shape go through one QR and one SVD
+        call per quantity, a handful of device calls per measurement whatever the number of layers and heads (one
+        per head and layer made a 32-layer, 32-head model synchronise a GPU thousands of times). The shards' W_q,
+        W_k become the next measurement's reference. Non-finite weights are measured as zeros and dropped once the
+        flag is read."""
+        prepared = [self._prepare(shard, step) for shard in self.shards]
+        bounds = _batched([(q, k) for _, q, k, _ in prepared], _logit_bounds,
+                          lambda n, device: torch.zeros(n, dtype=torch.float64, device=device))
+        heads = _batched([(q, k, *previous) if previous is not None else None for _, q, k, previous in prepared],
+                         head_spectra_t, lambda n, device: torch.full((n, len(HEAD_QUANTITIES), len(SUMMARIES)),
+                                                                       math.nan, dtype=torch.float64, device=device))
+        empty = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64)
+        return [(shard, finite, bound if bound is not None else empty.new_zeros(0).to(finite.device),
+                 measured if measured is not None else empty.to(finite.device))
+                for shard, (finite, _, _, _), bound, measured in zip(self.shards, prepared, bounds, heads, strict=True)]
+
+    def _prepare(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        tuple[torch.Tensor, torch.Tensor] | None]:
+        """One shard's (finite flag, its query heads ``[heads, d, d_k]``, each head's key ``[heads, d, d_k]``, the
+        same δ steps ago when that is the previous measurement, else None); keeps this step's as the reference."""
         weight = shard.weight.detach()
         if shard.gather is not None:  # a query group split over TP ranks: gather its rows (periodic only)
             pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(shard.gather))]
@@ -247,24 +265,46 @@ class QKSpectraProducer:
         q, k = split_qkv_rows(weight, shard.num_query_groups, shard.heads_per_group, shard.head_dim)
         first, last = shard.heads if shard.heads is not None else (0, q.shape[0])
         q = q[first:last]
-        heads = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64, device=weight.device)
-        group = [(first + h) // shard.heads_per_group for h in range(q.shape[0])]
-        try:
-            bound = torch.stack([core_singular_values(q[h], k[group[h]])[0] for h in range(q.shape[0])])
-            bound = bound / math.sqrt(shard.head_dim)
-        except torch.linalg.LinAlgError:
-            bound = torch.zeros(q.shape[0], dtype=torch.float64, device=weight.device)
+        group = torch.arange(first, first + q.shape[0], device=weight.device) // shard.heads_per_group
         previous = self.previous.get(shard.layer)
+        earlier = None
         if previous is not None and step - previous[0] == self.every:
             _, q_prev, k_prev = previous
-            try:
-                heads = torch.stack([head_spectra_t(q[h], k[group[h]], q_prev[h], k_prev[group[h]])
-                                     for h in range(q.shape[0])])
-            except torch.linalg.LinAlgError:  # an SVD that does not converge (overflowing updates)
-                heads = torch.full((q.shape[0], len(HEAD_QUANTITIES), len(SUMMARIES)), math.nan,
-                                   dtype=torch.float64, device=weight.device)
+            earlier = (q_prev, k_prev[group])
         self.previous[shard.layer] = (step, q.float().clone(), k.float().clone())
-        return finite, bound, heads
+        return finite, q, k[group], earlier
+
+
+def _logit_bounds(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Each head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k (``[heads, d, d_k]`` factors)."""
+    return core_singular_values(q, k)[..., 0] / math.sqrt(q.shape[-1])
+
+
+def _batched(items: list[tuple[torch.Tensor, ...] | None], compute: Any, failed: Any) -> list[torch.Tensor | None]:
+    """``compute(*item)`` for each item (tensors batched along dim 0, the heads; None: nothing to compute), the items
+    of one shape, device and dtype concatenated into one call and split back. When a call fails to converge
+    (``LinAlgError``: overflowing updates), its items are computed one by one, and ``failed(heads, device)`` stands
+    for an item that fails alone."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    present = {index: item for index, item in enumerate(items) if item is not None and item[0].shape[0] > 0}
+    batches: dict[tuple[Any, ...], list[int]] = {}
+    for index, item in present.items():
+        batches.setdefault(tuple((t.shape[1:], t.dtype, t.device) for t in item), []).append(index)
+    for members in batches.values():
+        sizes = [present[i][0].shape[0] for i in members]
+        try:
+            joined = compute(*(torch.cat(parts) for parts in zip(*(present[i] for i in members), strict=True)))
+            out_parts = list(joined.split(sizes))
+        except torch.linalg.LinAlgError:
+            out_parts = []
+            for i, size in zip(members, sizes, strict=True):
+                try:
+                    out_parts.append(compute(*present[i]))
+                except torch.linalg.LinAlgError:
+                    out_parts.append(failed(size, present[i][0].device))
+        for i, part in zip(members, out_parts, strict=True):
+            out[i] = part
+    return out
 
 
 class QKSpectraMonitor(Monitor):

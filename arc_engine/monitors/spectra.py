@@ -32,15 +32,15 @@ HEAD_QUANTITIES = ("dwq", "dwk", "delta1", "delta2", "delta3")
 
 
 def spectral_summary_t(sigma: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
-    """:func:`spectral_summary` as a ``[4]`` float64 tensor on ``sigma``'s device, in :data:`SUMMARIES` order, with
-    no host synchronisation."""
+    """:func:`spectral_summary` as a float64 tensor on ``sigma``'s device, in :data:`SUMMARIES` order, with no host
+    synchronisation. Batched: ``sigma`` ``[..., n]`` gives ``[..., 4]`` (one spectrum per leading index)."""
     sigma = sigma.detach().double().abs()
-    energy = sigma.square().sum()
+    energy = sigma.square().sum(-1)
     weights = sigma.pow(alpha)
-    p = weights / weights.sum()
-    entropy = -torch.special.xlogy(p, p).sum()  # 0 log 0 = 0
-    values = torch.stack([entropy, entropy.exp(), energy / sigma.max().square(), energy.sqrt()])
-    return torch.where(energy == 0, torch.zeros_like(values), values)
+    p = weights / weights.sum(-1, keepdim=True)
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0
+    values = torch.stack([entropy, entropy.exp(), energy / sigma.amax(-1).square(), energy.sqrt()], dim=-1)
+    return torch.where((energy == 0).unsqueeze(-1), torch.zeros_like(values), values)
 
 
 def spectral_summary(sigma: torch.Tensor, alpha: float = ALPHA) -> dict[str, float]:
@@ -53,15 +53,16 @@ def spectral_summary(sigma: torch.Tensor, alpha: float = ALPHA) -> dict[str, flo
 def core_singular_values(a_dr: torch.Tensor, b_dr: torch.Tensor) -> torch.Tensor:
     """The singular values of A Bᵀ that can be nonzero (``[d, r]`` factors) from the core R_A R_Bᵀ of thin QR
     factorisations (min(d, r) square), largest first; trailing values are ~0 when the product has lower rank.
-    Computed in float64. Cost O(d r² + r³) instead of the O(d³) of the d x d product's decomposition."""
+    Computed in float64. Cost O(d r² + r³) instead of the O(d³) of the d x d product's decomposition. Batched:
+    ``[..., d, r]`` factors give ``[..., min(d, r)]``, in one QR and one SVD call each."""
     a = a_dr.detach().double()
     b = b_dr.detach().double()
-    if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(f"core_singular_values: A and B must be [d, r] of the same shape, got {tuple(a.shape)} "
-                         f"and {tuple(b.shape)}")
+    if a.shape != b.shape or a.dim() < 2:
+        raise ValueError(f"core_singular_values: A and B must be [..., d, r] of the same shape, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
     _, r_a = torch.linalg.qr(a, mode="r")  # R alone: Q is never formed
     _, r_b = torch.linalg.qr(b, mode="r")
-    return torch.linalg.svdvals(r_a @ r_b.T)
+    return torch.linalg.svdvals(r_a @ r_b.mT)
 
 
 def dense_singular_values(a_dr: torch.Tensor, b_dr: torch.Tensor) -> torch.Tensor:
@@ -72,22 +73,23 @@ def dense_singular_values(a_dr: torch.Tensor, b_dr: torch.Tensor) -> torch.Tenso
 def qk_increment_factors(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.Tensor, wk_prev: torch.Tensor
                          ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The (A, B) factors with Δ = A Bᵀ for ``delta1``, ``delta2`` and ``delta3`` of one head (all inputs
-    ``[d, d_k]``: W_q, W_k at t and at t − δ)."""
+    ``[d, d_k]``: W_q, W_k at t and at t − δ; or ``[..., d, d_k]``, a batch of heads)."""
     dq, dk = wq_t - wq_prev, wk_t - wk_prev
-    return {"delta1": (torch.cat([wq_t, wq_prev], dim=1), torch.cat([wk_t, -wk_prev], dim=1)),
-            "delta2": (torch.cat([dq, wq_prev], dim=1), torch.cat([wk_prev, dk], dim=1)),
+    return {"delta1": (torch.cat([wq_t, wq_prev], dim=-1), torch.cat([wk_t, -wk_prev], dim=-1)),
+            "delta2": (torch.cat([dq, wq_prev], dim=-1), torch.cat([wk_prev, dk], dim=-1)),
             "delta3": (dq, dk)}
 
 
 def head_spectra_t(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.Tensor, wk_prev: torch.Tensor,
                    alpha: float = ALPHA) -> torch.Tensor:
     """:func:`head_spectra` as a ``[5, 4]`` float64 tensor on the weights' device (rows :data:`HEAD_QUANTITIES`,
-    columns :data:`SUMMARIES`); no host read of its own (on CUDA the SVDs check their convergence)."""
+    columns :data:`SUMMARIES`); no host read of its own (on CUDA the SVDs check their convergence). Batched: inputs
+    ``[..., d, d_k]`` (heads of every layer) give ``[..., 5, 4]`` in five SVD calls, whatever the number of heads."""
     factors = qk_increment_factors(wq_t, wk_t, wq_prev, wk_prev)
     return torch.stack([spectral_summary_t(torch.linalg.svdvals((wq_t - wq_prev).double()), alpha),
                         spectral_summary_t(torch.linalg.svdvals((wk_t - wk_prev).double()), alpha),
                         *(spectral_summary_t(core_singular_values(*factors[name]), alpha)
-                          for name in HEAD_QUANTITIES[2:])])
+                          for name in HEAD_QUANTITIES[2:])], dim=-2)
 
 
 def head_spectra(wq_t: torch.Tensor, wk_t: torch.Tensor, wq_prev: torch.Tensor, wk_prev: torch.Tensor,
