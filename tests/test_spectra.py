@@ -13,6 +13,7 @@ from arc_engine.monitors.spectra import (
     core_singular_values,
     dense_singular_values,
     head_spectra,
+    head_spectra_and_bound_t,
     head_spectra_t,
     layer_spectra,
     qk_increment_factors,
@@ -129,3 +130,14 @@ def test_batched_spectra_equal_each_heads_own() -> None:
         assert torch.equal(together[index], head_spectra_t(*one)), index
     cores = core_singular_values(stacked[0], stacked[1])
     assert all(torch.equal(cores[i], core_singular_values(q, k)) for i, (q, k, _, _) in enumerate(batch))
+
+
+def test_the_logit_bound_from_the_two_shared_qrs_is_the_dense_products_largest_singular_value() -> None:
+    """σ_max(W_q,t W_k,tᵀ) taken from the same two QRs as the spectra (W_q,t = W_q,t−δ + ΔW_q) equals the dense
+    product's, and equals the bound from the head's own core at t."""
+    for seed in range(3):
+        wq_t, wk_t, wq_prev, wk_prev = heads(seed=seed, step=0.3)
+        bound, _ = head_spectra_and_bound_t(wq_t, wk_t, wq_prev, wk_prev)
+        dense = dense_singular_values(wq_t, wk_t)[0]
+        assert abs(float(bound) - float(dense)) <= 1e-9 * float(dense)
+        assert abs(float(bound) - float(core_singular_values(wq_t, wk_t)[0])) <= 1e-9 * float(dense)

@@ -58,7 +58,7 @@ from arc_engine.monitors.spectra import (
     HEAD_QUANTITIES,
     SUMMARIES,
     core_singular_values,
-    head_spectra_t,
+    head_spectra_and_bound_t,
     split_qkv_rows,
 )
 from arc_engine.monitors.trajectory import TrajectoryMonitorConfig, robust_trend
@@ -235,21 +235,28 @@ class QKSpectraProducer:
     def _measure(self, step: int) -> list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per shard: (the shard, finite flag, ``[heads]`` logit bounds, ``[heads, quantities, summaries]`` of
         :func:`head_spectra_t`, empty when there is no increment of exactly δ steps), on its device. The SVDs are
-        batched over the heads of every layer: the shards whose heads have one shape go through one QR and one SVD
-        call per quantity, a handful of device calls per measurement whatever the number of layers and heads (one
-        per head and layer made a 32-layer, 32-head model synchronise a GPU thousands of times). The shards' W_q,
+        batched over the heads of every layer: the shards whose heads have one shape go through two QR calls and
+        six SVD calls in all (:func:`head_spectra_and_bound_t`), whatever the number of layers and heads (one call
+        per head, layer and product made a 32-layer, 32-head model synchronise a GPU thousands of times per
+        measurement, and eight QRs per head cost four times the arithmetic). The shards' W_q,
         W_k become the next measurement's reference. Non-finite weights are measured as zeros and dropped once the
         flag is read."""
         prepared = [self._prepare(shard, step) for shard in self.shards]
-        bounds = _batched([(q, k) for _, q, k, _ in prepared], _logit_bounds,
-                          lambda n, device: torch.zeros(n, dtype=torch.float64, device=device))
-        heads = _batched([(q, k, *previous) if previous is not None else None for _, q, k, previous in prepared],
-                         head_spectra_t, lambda n, device: torch.full((n, len(HEAD_QUANTITIES), len(SUMMARIES)),
-                                                                       math.nan, dtype=torch.float64, device=device))
-        empty = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64)
-        return [(shard, finite, bound if bound is not None else empty.new_zeros(0).to(finite.device),
-                 measured if measured is not None else empty.to(finite.device))
-                for shard, (finite, _, _, _), bound, measured in zip(self.shards, prepared, bounds, heads, strict=True)]
+        # a head with a previous measurement: its bound and spectra from one pair of QRs; without, its bound alone
+        both = _batched([(q, k, *previous) if previous is not None else None for _, q, k, previous in prepared],
+                        _bounds_and_spectra, lambda n, device: torch.cat([
+                            torch.zeros(n, 1, dtype=torch.float64, device=device),
+                            torch.full((n, len(HEAD_QUANTITIES) * len(SUMMARIES)), math.nan, dtype=torch.float64,
+                                       device=device)], dim=1))
+        alone = _batched([(q, k) if previous is None else None for _, q, k, previous in prepared], _logit_bounds,
+                         lambda n, device: torch.zeros(n, dtype=torch.float64, device=device))
+        out = []
+        for shard, (finite, q, _, _), packed, bound in zip(self.shards, prepared, both, alone, strict=True):
+            heads = torch.zeros((0, len(HEAD_QUANTITIES), len(SUMMARIES)), dtype=torch.float64, device=q.device)
+            if packed is not None:
+                bound, heads = packed[:, 0], packed[:, 1:].reshape(-1, len(HEAD_QUANTITIES), len(SUMMARIES))
+            out.append((shard, finite, bound if bound is not None else heads.new_zeros(0), heads))
+        return out
 
     def _prepare(self, shard: Any, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                         tuple[torch.Tensor, torch.Tensor] | None]:
@@ -278,6 +285,12 @@ class QKSpectraProducer:
 def _logit_bounds(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Each head's attention-logit bound σ_max(W_q W_kᵀ)/√d_k (``[heads, d, d_k]`` factors)."""
     return core_singular_values(q, k)[..., 0] / math.sqrt(q.shape[-1])
+
+
+def _bounds_and_spectra(q: torch.Tensor, k: torch.Tensor, q_prev: torch.Tensor, k_prev: torch.Tensor) -> torch.Tensor:
+    """``[heads, 1 + quantities x summaries]``: each head's logit bound, then its :func:`head_spectra_t` values."""
+    bound, spectra = head_spectra_and_bound_t(q, k, q_prev, k_prev)
+    return torch.cat([(bound / math.sqrt(q.shape[-1])).unsqueeze(-1), spectra.flatten(-2)], dim=-1)
 
 
 def _batched(items: list[tuple[torch.Tensor, ...] | None], compute: Any, failed: Any) -> list[torch.Tensor | None]:
