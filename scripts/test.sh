@@ -26,11 +26,11 @@ case "$LANE" in
   *) echo "scripts/test.sh: unknown ARC_LANE=${LANE}" >&2; exit 2 ;;
 esac
 VENV="${VENV:-$venv}"
-# Two pytest-xdist workers by default (ARC_TEST_WORKERS; 0 runs the tests in this one process), a test file per unit of
-# work, taken in the order tests/conftest.py sorts them (the longest first): a multi-process test leaves a core idle
-# while its ranks wait on each other, a timer or a launcher, and the other worker's test takes it
-# (docs/testing.md#workers).
-workers="${ARC_TEST_WORKERS:-2}"
+# Three pytest-xdist workers by default (ARC_TEST_WORKERS; 0 runs the tests in this one process), a test file per unit
+# of work, taken in the order tests/conftest.py sorts them (the longest first): a multi-process test leaves a core
+# idle while its ranks wait on each other, a timer or a launcher, and another worker's test takes it; on 2 cores a
+# third worker fills what two leave idle (the py311 lane in 544 s against 587 s: docs/testing.md#workers).
+workers="${ARC_TEST_WORKERS:-3}"
 parallel=()
 [ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 "$VENV/bin/ruff" check arc_engine integrations tests scripts launch examples
