@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_scale.py qk                       # the QK spectra's measurement, every size
     .venv/bin/python scripts/bench_scale.py qk --sizes 1.3b --repeats 5
     .venv/bin/python scripts/bench_scale.py layout                   # the per-step agreement's size, every size
+    .venv/bin/python scripts/bench_scale.py step --sizes 125m --backends ddp zero2   # a training step, 2 ranks
 
 ``qk``: one measurement of ``detectors.qk_spectra`` (:class:`arc_engine.monitors.qk_spectra.QKSpectraProducer`) on
 one rank holding every layer (TP=1), on random ``linear_qkv`` weights of the real shapes moved by a small update:
@@ -12,6 +13,16 @@ time (what the producer did before: one SVD call per head and spectrum, each a h
 Reported per size: the median time of a measurement of each (``--repeats``), the ``svdvals`` calls each makes, and
 the cost per training step at the default period (``detectors.qk_spectra.every``: 50 steps). On a CUDA device
 (``--device cuda``) the times are taken after a synchronisation.
+
+``step``: a training step of the GPT at each size on 2 CPU ranks (torchrun, gloo, each rank pinned to a core), under
+DDP or DeepSpeed ZeRO-2, AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens.
+In the same processes, one after the other: the model without arc_engine, then a new one with arc_engine's default
+configuration (``stats.own_work`` on), each for a warm-up step and a block of steps that spans every periodic
+schedule of the configuration (20 steps); then, with ``recovery.enabled`` (a snapshot every 5 healthy steps), the
+memory ring: the bytes of one snapshot per rank, the ring's capacity, the capture's time (own work
+``recovery.snapshot``) and a restore's. Reported per size and backend, slowest rank: the step's median time with and
+without arc_engine, arc_engine's own work per step (the timers' own cost taken out, as
+``scripts/bench_overhead.py`` does) and its share of the step, the pieces over 1% of it, peak RSS.
 
 ``layout``: the size of the one per-step all-reduce (the agreed statistics buffer) for arc_engine's default config
 on the demo GPT built at each size on the meta device (no memory): it grows with the tensors and parameter groups,
@@ -23,12 +34,17 @@ Figures and the commands that made them: docs/performance.md#at-scale.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -158,11 +174,23 @@ def bench_qk(shape: Shape, device: torch.device, repeats: int) -> dict[str, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("qk", "layout"))
+    parser.add_argument("what", choices=("qk", "layout", "step", "step-worker"))
     parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backends", nargs="+", choices=("ddp", "zero2"), default=["ddp", "zero2"])
+    parser.add_argument("--seq", type=int, default=128, help="step: tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=1, help="step: sequences per rank and step")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="step: timed steps per variant (default: the configuration's periodic block, 20)")
+    parser.add_argument("--recovery", action=argparse.BooleanOptionalAction, default=True,
+                        help="step: also measure the memory ring (recovery.enabled) after the own-work block")
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)  # step-worker: where to write its row
     args = parser.parse_args()
+    if args.what == "step":
+        return bench_step(args)
+    if args.what == "step-worker":
+        return step_worker(args)
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.what == "qk":
@@ -205,6 +233,160 @@ def layout_sizes(sizes: list[str]) -> int:
               f"{size * 4} |", flush=True)
     return 0
 
+
+# ---------------------------------------------------------------------------------------------------- step
+
+def bench_step(args: argparse.Namespace) -> int:
+    """``step``: one torchrun launch of 2 ranks per size and backend; prints a markdown table and one JSON line."""
+    rows = []
+    print(f"a training step on 2 CPU ranks (gloo, pinned), seq {args.seq} x micro-batch {args.micro_batch}, AdamW, "
+          f"clip 1.0; arc_engine's default config; slowest rank", flush=True)
+    print("| size | parameters | tensors | backend | step without, ms | step with, ms | own work, ms | own work, % of "
+          "step | largest pieces (ms) | snapshot per rank, MB | ring | capture, ms | restore, ms | peak RSS per "
+          "rank, MB |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    for name in args.sizes:
+        for backend in args.backends:
+            with tempfile.TemporaryDirectory() as tmp:
+                result = Path(tmp) / "row.json"
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       __file__, "step-worker", "--sizes", name, "--backends", backend, "--seq", str(args.seq),
+                       "--micro-batch", str(args.micro_batch), "--result", str(result),
+                       "--recovery" if args.recovery else "--no-recovery",
+                       *(["--steps", str(args.steps)] if args.steps else [])]
+                env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                code = subprocess.call(cmd, env=env)
+                if code != 0 or not result.is_file():
+                    print(f"| {name} | | | {backend} | failed: exit code {code} |", flush=True)
+                    continue
+                row = json.loads(result.read_text())
+            rows.append(row)
+            pieces = ", ".join(f"{piece} {ms:.1f}" for piece, ms in row["pieces"])
+            ring = "-" if row["ring_capacity"] is None else str(row["ring_capacity"])
+            print(f"| {name} | {row['parameters'] / 1e6:.0f}M | {row['tensors']} | {backend} | {row['bare_ms']:.0f} "
+                  f"| {row['arc_ms']:.0f} | {row['own_ms']:.1f} | {row['own_fraction'] * 100:.3f}% | {pieces} | "
+                  f"{_maybe(row['snapshot_mb'], '.0f')} | {ring} | {_maybe(row['capture_ms'], '.0f')} | "
+                  f"{_maybe(row['restore_ms'], '.0f')} | {row['rss_mb']:.0f} |", flush=True)
+    print(json.dumps(rows))
+    return 0 if len(rows) == len(args.sizes) * len(args.backends) else 1
+
+
+def _maybe(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def step_worker(args: argparse.Namespace) -> int:
+    """One size and backend on this rank (under torchrun); rank 0 writes the slowest rank's figures."""
+    import gc
+    import resource
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from bench_overhead import periodic_block, pin_to_core, slowest_rank, timer_cost_ns, without_timers
+
+    from arc_engine.config import load_config
+    from arc_engine.recovery.snapshot import restore
+
+    pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=3600))
+    rank = dist.get_rank()
+    shape, backend = SHAPES[args.sizes[0]], args.backends[0]
+    run_dir = os.path.join(tempfile.gettempdir(), f"arc_bench_scale_{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}")
+    overrides = ["run.run_id=bench", f"run.run_dir={run_dir}", "sinks.console.enabled=false",
+                 "sinks.jsonl.enabled=false", "stats.own_work=true"]
+    config = load_config(None, overrides)
+    steps = args.steps or periodic_block(config)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(step * 1000 + rank)
+        tokens = torch.randint(0, shape.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def timed_steps(step_fn: Callable[[torch.Tensor, torch.Tensor], None], first: int, count: int) -> list[float]:
+        times = []
+        for step in range(first, first + count):
+            inputs, targets = batch(step)
+            dist.barrier()
+            start = time.perf_counter()
+            step_fn(inputs, targets)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        return times
+
+    # without arc_engine, then with it: one model at a time (two of 350M do not fit 2 ranks in 24 GB)
+    bare_fn, _ = _train_step(shape, backend, args, None)
+    timed_steps(bare_fn, 0, 1)
+    bare_ms = statistics.median(timed_steps(bare_fn, 1, steps)) * 1e3
+    del bare_fn
+    gc.collect()
+    arc_fn, arc = _train_step(shape, backend, args, config)
+    timed_steps(arc_fn, 0, 1)
+    arc.engine.own_work.reset()
+    arc_times = timed_steps(arc_fn, 1, steps)
+    arc_ms = statistics.median(arc_times) * 1e3
+    own = arc.engine.own_work.report()
+    mine = {"host_ms": own.host_ms, "timed_calls": sum(p["calls"] for p in own.pieces.values()),
+            "pieces": {name: p["host_ms"] for name, p in own.pieces.items()}}
+    tensors = len(arc.engine.gathering.params)
+    parameters = sum(p.numel() for p in arc.engine.gathering.params)
+    arc.close()
+    del arc_fn, arc
+    gc.collect()
+    ring = {"snapshot_mb": None, "ring_capacity": None, "capture_ms": None, "restore_ms": None}
+    if args.recovery:
+        rconfig = load_config(None, [*overrides, "recovery.enabled=true", "recovery.checkpoint_freq=5"])
+        rec_fn, rarc = _train_step(shape, backend, args, rconfig)
+        timed_steps(rec_fn, 0, 1)
+        rarc.engine.own_work.reset()
+        timed_steps(rec_fn, 1, 7)  # at least one snapshot captured and verified
+        recovery = rarc.engine.recovery
+        capture = rarc.engine.own_work.report().pieces.get("recovery.snapshot", {"host_ms": 0.0, "calls": 0.0})
+        latest = recovery.ring.latest()
+        if latest is None:
+            raise SystemExit(f"bench_scale: no snapshot in the memory ring after 7 steps ({recovery.summary()})")
+        restores = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            restore(latest, recovery.state)
+            restores.append(time.perf_counter() - start)
+        ring = {"snapshot_mb": latest.nbytes / 2**20, "ring_capacity": recovery.ring.capacity,
+                "capture_ms": capture["host_ms"] / capture["calls"] if capture["calls"] else None,
+                "restore_ms": statistics.median(restores) * 1e3}
+        rarc.close()
+    mine["ring"] = ring
+    mine["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    if rank == 0:
+        timer_ms = timer_cost_ns() / 1e6
+        for report in reports:
+            report["untimed_ms"] = without_timers(report["host_ms"], report["timed_calls"], timer_ms)
+            report["fraction"] = report["untimed_ms"] / arc_ms
+        slowest = slowest_rank(reports)
+        pieces = sorted(((name, ms) for name, ms in slowest["pieces"].items() if ms >= 0.01 * slowest["host_ms"]),
+                        key=lambda item: -item[1])[:4]
+        row = {"size": shape.name, "backend": backend, "parameters": parameters, "tensors": tensors,
+               "seq": args.seq, "micro_batch": args.micro_batch, "steps": steps, "bare_ms": bare_ms,
+               "arc_ms": arc_ms, "own_ms": slowest["untimed_ms"], "own_fraction": slowest["untimed_ms"] / arc_ms,
+               "pieces": pieces, "all_pieces": slowest["pieces"], "rss_mb": max(r["rss_mb"] for r in reports),
+               **{key: max((r["ring"][key] for r in reports if r["ring"][key] is not None), default=None)
+                  for key in ("snapshot_mb", "ring_capacity", "capture_ms", "restore_ms")}}
+        Path(args.result).write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _train_step(shape: Shape, backend: str, args: argparse.Namespace, config: object) -> tuple[Callable, object]:
+    """A fresh model of ``shape`` under ``backend`` and its ``step(inputs, targets)`` (scripts/bench_overhead.py's
+    ``build``: its GPT has ``d_model / 64`` heads, the shapes' own); with arc_engine attached when ``config`` is
+    given."""
+    from bench_overhead import build
+
+    spec = argparse.Namespace(seq_len=args.seq, layers=shape.layers, d_model=shape.hidden, micro_batch=args.micro_batch,
+                              bucket_mb=None, backend="deepspeed" if backend == "zero2" else "ddp")
+    return build(spec, SimpleNamespace(vocab_size=shape.vocab), config)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -107,6 +107,10 @@ def test_scoring_lead_recovery_and_the_verdict_against_the_best_baseline() -> No
     assert row["recovered"] == 1 and row["unprotected_ok"] == 0  # 2.09 is within 5% of 2.0
     assert row["steps_lost"] == 3  # 2 extra attempts + 1 skipped update
     assert row["verdict"] == "yes"  # the z-score sees the NaN at 7 only: lead 0 < 1
+    assert row["arc_ranks"] == [[]]  # the first alarm named no rank
+    named = [dict(r, events=[{**_detection(6), "ranks": [1]}]) if r["arm"] == "observe" and r["fault"] != "clean"
+             else r for r in records]
+    assert score(named)["rows"][0]["arc_ranks"] == [[1]]
     assert scores["clean"]["backends"]["ddp"]["arc_warnings"] == 1
     assert scores["clean"]["backends"]["ddp"]["false_interventions"] == 0
     assert scores["crash_recovery"] == {"recovered": 1, "crash_runs": 1}
@@ -188,3 +192,30 @@ def test_the_verdict_counts_a_baseline_only_beyond_what_its_false_alarms_give() 
     assert _best_baseline(row) == "sharp" and _verdict(row, "sharp") == "no: fewer detections"
     row["detectors"][ARC]["detected"] = 3
     assert _verdict(row, "sharp") == "yes"
+
+
+def test_the_realtext_profile_trains_on_per_rank_shards_of_real_text_and_evaluates_on_held_out_documents(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from arc_engine.campaign import worker
+    from arc_engine.demo.realtext import MixedText, build_corpus
+
+    plan = backend_plan(PROFILES["realtext"], "ddp", tmp_path)
+    assert plan["data"] == "realtext" and backend_plan(PROFILES["quick"], "ddp", tmp_path)["data"] == "generated"
+    assert {run["fault"] for run in plan["runs"]} == {"clean", "data_corruption", "lr_spike", "gradient_explosion"}
+    (tmp_path / "code").mkdir()
+    (tmp_path / "prose").mkdir()
+    for index in range(20):  # every document's text its own: a window tells which document it came from
+        (tmp_path / "code" / f"m{index}.py").write_text(f"x{index:03d} = [{index:03d}]\n" * 8)
+        (tmp_path / "prose" / f"doc{index}").write_text(f"<prose {index:03d}> " * 8)
+    small = build_corpus({"code": ((str(tmp_path / "code"), "*.py"),), "prose": ((str(tmp_path / "prose"), "*"),)})
+    monkeypatch.setattr(worker, "build_corpus", lambda: small)
+    data = worker.training_data({"model": {"seq_len": 16}, "data": "realtext"})
+    assert isinstance(data, MixedText) and data.vocab_size == 256
+    assert b"x000 = [000]" in bytes(data.streams["code"].tolist()) + bytes(data.held_out["code"].tolist())
+    assert data.kinds_of(3, 0, 4) == ["code"] * 4 and data.kinds_of(3, 1, 4) == ["prose"] * 4  # rank 0 code, 1 prose
+    held = worker.HeldOut(data, 16, 2)
+    seen = b"".join(bytes(x.flatten().tolist()) for x, _ in held.batches)
+    train = bytes(torch.cat(list(data.streams.values())).tolist())
+    assert seen and all(bytes(x[0].tolist()) not in train for x, _ in held.batches[:2])  # held-out documents only

@@ -94,6 +94,9 @@ class Profile:
                                                            "batch_size": 8, "lr": 3e-3})
     per_backend: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Backend -> fields that differ there (e.g. fewer faults and seeds for the slower Megatron models)."""
+    data: str = "generated"
+    """The training text: ``generated`` (the demo's grammar) or ``realtext`` (the machine's own files, rank 0 code
+    and rank 1 prose: :mod:`arc_engine.demo.realtext`; demo GPT backends only)."""
 
     def for_backend(self, backend: str) -> Profile:
         return dataclasses.replace(self, **self.per_backend.get(backend, {}), per_backend={})
@@ -104,6 +107,8 @@ MEGATRON_TP2_FAULTS = ("gqa_mismatch", "rmsnorm_error", "nan_bomb", "catastrophi
 """Under TP=2: the attention and normalization faults, two crash scenarios, a bit flip in a parallel linear."""
 MEGATRON_EP2_FAULTS = ("router_imbalance", "expert_failure", "nan_bomb")
 """Under EP=2: the router and expert faults, and a crash scenario."""
+REALTEXT_FAULTS = ("data_corruption", "lr_spike", "gradient_explosion")
+"""On the machine's real text (rank 0 code, rank 1 prose): the faults whose signal a heavy-tailed loss could hide."""
 MEGATRON_SIZE: dict[str, Any] = {"steps": 200, "fault_step": 110, "jitter": 20, "clean_steps": 200,
                                  "model": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "batch_size": 8}}
 """The Megatron runs: 200 steps (a Megatron step costs several of the demo GPT's on CPU), a smaller fault set."""
@@ -115,6 +120,9 @@ PROFILES: dict[str, Profile] = {
                     jitter=40, clean_steps=2000, per_backend={
                         "megatron_tp2": {"faults": MEGATRON_TP2_FAULTS, **MEGATRON_SIZE},
                         "megatron_ep2": {"faults": MEGATRON_EP2_FAULTS, **MEGATRON_SIZE}}),
+    "realtext": Profile("realtext", backends=("ddp",), faults=REALTEXT_FAULTS, seeds=(0, 1), steps=600,
+                        fault_step=300, jitter=60, clean_steps=600, data="realtext",
+                        model={"layers": 4, "d_model": 128, "heads": 4, "seq_len": 64, "batch_size": 8, "lr": 2e-3}),
 }
 
 
@@ -184,7 +192,7 @@ def backend_plan(profile: Profile, backend: str, out: Path, faults: tuple[str, .
                                      at, injections, run_dir, end=fault_end(specs)))
     schedule = {"decay_steps": profile.steps, "min_ratio": profile.min_lr_ratio}
     return {"backend": backend, "model": profile.model, "schedule": schedule, "results": str(out / "results.jsonl"),
-            "runs": runs}
+            "runs": runs, "data": profile.data}
 
 
 __all__ = ["BACKENDS", "CRASH_SCENARIOS", "PROFILES", "PROTECT", "Profile", "applicable", "backend_plan",

@@ -2,6 +2,7 @@
 
     arc-engine campaign --profile quick            # CI: the crash scenarios on DDP, one seed (about a minute)
     arc-engine campaign --profile full --out docs/campaign_full   # docs/results.md (under an hour on 2 cores)
+    arc-engine campaign --profile realtext         # three faults on the machine's real text (docs/results.md#real-text)
 
 Per backend, one torchrun job (:mod:`arc_engine.campaign.worker`) runs the profile's runs one after another; a
 progress bar follows them. The output folder gets ``plan-<backend>.json``, ``worker-<backend>.log``,

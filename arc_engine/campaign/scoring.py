@@ -125,6 +125,11 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         row["arc_detectors"] = sorted({e["detector"] for r, at in zip(observed, first_arc, strict=True)
                                        for e in r["events"] if at is not None and e["kind"] == "detection" and
                                        e["iteration"] == at and e.get("severity") in ALARM_SEVERITIES})
+        # the ranks arc_engine's first alarm in the window named, per seed (empty: none, or the whole job)
+        row["arc_ranks"] = [sorted({rank for e in r["events"] if at is not None and e["kind"] == "detection" and
+                                    e["iteration"] == at and e.get("severity") in ALARM_SEVERITIES
+                                    for rank in e.get("ranks") or ()})
+                            for r, at in zip(observed, first_arc, strict=True)]
         for name, alarms_of in rules.items():
             steps = [detection_step(alarms_of(r), r) for r in observed]
             leads = [r["terminal_step"] - s for r, s in zip(observed, steps, strict=True)

@@ -34,6 +34,7 @@ import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.corpus import CharDataset, generate_corpus
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.demo.realtext import MixedText, build_corpus, shards
 from arc_engine.demo.train import exit_hard
 from arc_engine.progress import Progress
 from arc_engine.sinks import read_jsonl
@@ -68,8 +69,12 @@ class HeldOut:
     """Evaluation text that is not drawn from the training stream: a corpus generated with another seed, tokenized
     with the training vocabulary; ``EVAL_BATCHES`` fixed batches, the same on every rank."""
 
-    def __init__(self, train: CharDataset, seq_len: int, batch_size: int) -> None:
-        tokens = CharDataset(generate_corpus(num_sentences=600, seed=HELD_OUT_SEED), seq_len, vocabulary=train).tokens
+    def __init__(self, train: CharDataset | MixedText, seq_len: int, batch_size: int) -> None:
+        if isinstance(train, MixedText):  # real text: the corpus's held-out documents, every kind
+            tokens = torch.cat([train.held_out[kind] for kind in train.kinds])
+        else:
+            tokens = CharDataset(generate_corpus(num_sentences=600, seed=HELD_OUT_SEED), seq_len,
+                                 vocabulary=train).tokens
         gen = torch.Generator().manual_seed(HELD_OUT_SEED)
         starts = torch.randint(0, tokens.numel() - seq_len - 1, (EVAL_BATCHES, batch_size), generator=gen)
         window = tokens[starts[..., None] + torch.arange(seq_len + 1)]
@@ -240,6 +245,16 @@ def _compact(event: dict) -> dict:
                                             "message")}
 
 
+def training_data(plan: dict) -> CharDataset | MixedText:
+    """The plan's training text: the generated corpus, or (``"data": "realtext"``) the machine's own real text with
+    per-rank shards of different kinds (:mod:`arc_engine.demo.realtext`)."""
+    seq_len = plan["model"]["seq_len"]
+    if plan.get("data", "generated") == "realtext":
+        corpus = build_corpus()
+        return MixedText(corpus.train, seq_len, shards, held_out=corpus.held_out)
+    return CharDataset(generate_corpus(), seq_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plan = json.loads(Path(argv[0]).read_text())
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=plan.get("timeout_s", 300)))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    data = CharDataset(generate_corpus(), plan["model"]["seq_len"])
+    data = training_data(plan)
     results = Path(plan["results"])
     runs = plan["runs"]
     for index, run in enumerate(runs):
