@@ -67,7 +67,8 @@ def terminal(loss: float) -> bool:
 
 class HeldOut:
     """Evaluation text that is not drawn from the training stream: a corpus generated with another seed, tokenized
-    with the training vocabulary; ``EVAL_BATCHES`` fixed batches, the same on every rank."""
+    with the training vocabulary (real text: the corpus's held-out documents); ``EVAL_BATCHES`` fixed batches, the
+    same on every rank."""
 
     def __init__(self, train: CharDataset | MixedText, seq_len: int, batch_size: int) -> None:
         if isinstance(train, MixedText):  # real text: the corpus's held-out documents, every kind
