@@ -219,3 +219,14 @@ def test_the_realtext_profile_trains_on_per_rank_shards_of_real_text_and_evaluat
     seen = b"".join(bytes(x.flatten().tolist()) for x, _ in held.batches)
     train = bytes(torch.cat(list(data.streams.values())).tolist())
     assert seen and all(bytes(x[0].tolist()) not in train for x, _ in held.batches[:2])  # held-out documents only
+
+
+def test_a_profile_of_real_text_on_a_megatron_backend_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from arc_engine.campaign.runner import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--profile", "realtext", "--backends", "ddp", "megatron_tp2", "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2 and not (tmp_path / "out").exists()
+    assert "realtext text, which the demo GPT backends (ddp, zero2) read and megatron_tp2 does not" in \
+        capsys.readouterr().err

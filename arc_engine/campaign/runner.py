@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None:
         profile = dataclasses.replace(profile, seeds=tuple(args.seeds))
     backends = tuple(args.backends or profile.backends)
+    other_data = [backend for backend in backends if backend.startswith("megatron")] if profile.data != "generated" \
+        else []
+    if other_data:  # the Megatron backends train their own model on their own data: the profile's would not apply
+        parser.error(f"profile {profile.name} trains on {profile.data} text, which the demo GPT backends (ddp, zero2) "
+                     f"read and {', '.join(other_data)} does not")
     out: Path = args.out or Path("arc_campaign") / profile.name
     if out.exists():
         shutil.rmtree(out)
