@@ -95,7 +95,8 @@ class StragglerConfig:
     below this is a straggler.
     Allowed: in (0, 1)"""
     individual_threshold: float = 0.7
-    """A rank whose best-median-so-far / current median falls below this is a straggler (it slowed down); 0: off.
+    """A rank whose best-median-so-far / current median falls below this, and that is ``min_delay_s`` behind its
+    stage's fastest rank, is a straggler (it slowed down); 0: off.
     Allowed: in [0, 1)"""
     min_delay_s: float = 0.005
     """A straggler is also at least this many seconds slower than its reference (timer noise of fast steps never flags).
@@ -239,7 +240,9 @@ def judge(row: np.ndarray, stage_rows: np.ndarray, config: StragglerConfig, warm
     """One rank's verdict on itself from its own report ``row`` (:data:`SECTION_TIMES`) and the agreed per-stage times
     ``stage_rows`` (:data:`STAGE_TIMES`, ``[stages, 6]``); nobody is slow before ``warm``. An individual slowdown
     that every rank of the stage shares (the stage's highest individual score below the threshold) is the machine's
-    or the job's, not a rank's: it flags nobody. Pure."""
+    or the job's, not a rank's: it flags nobody; nor does it flag a rank that is not ``min_delay_s`` behind its
+    stage's fastest now (a rank as fast as its peers does not hold the job back, and a job whose work per step grew,
+    such as a batch-size ramp, slows every rank against a best its ranks took at different noise levels). Pure."""
     stage = int(row[STAGE])
     fastest, _, fastest_compute, _, _, stage_individual = stage_rows[min(max(stage, 0), len(stage_rows) - 1)]
     fastest, fastest_compute = -fastest, -fastest_compute
@@ -255,8 +258,9 @@ def judge(row: np.ndarray, stage_rows: np.ndarray, config: StragglerConfig, warm
     shared = math.isfinite(stage_individual) and stage_individual < config.individual_threshold
     if config.individual_threshold and not shared and math.isfinite(individual) and \
             individual < config.individual_threshold and own_time - own_best >= delay:
-        compute_slow |= compute_known
-        forward_slow |= not compute_known
+        # and behind its stage's fastest now: a slowdown its fastest peer shares is the job's (a batch-size ramp)
+        compute_slow |= compute_known and compute - fastest_compute >= delay
+        forward_slow |= not compute_known and forward - fastest >= delay
     if not warm:
         forward_slow = compute_slow = False
     return Verdict(int(row[GLOBAL_RANK]), int(row[REPLICA]), int(row[TENSOR_RANK]), stage, forward, compute, relative,
