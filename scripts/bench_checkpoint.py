@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_checkpoint.py                      # 2 gloo ranks (spawned), 512 MB per rank
     .venv/bin/python scripts/bench_checkpoint.py --ranks 1 --size-mb 200
+    .venv/bin/python scripts/bench_checkpoint.py --ranks 1 --pin --size-mb 1500   # the writer on a spare core
 
 One process tree: ``--ranks`` processes spawned from this one and joined by gloo (``--ranks 1``: a single process,
 no torch.distributed). Every rank holds the same state -- a stack of Linear layers plus AdamW's two moments, about
@@ -23,6 +24,11 @@ Per repeat, alternating so machine noise hits both alike:
   the snapshot's copies (``from_snapshot``), ``save_async(stable=...)``: what recovery does when the memory ring
   is on, so the save stages nothing again.
 
+``--pin``: each rank's training thread on a core of its own and the save's threads (arc_engine's commit worker,
+DCP's writer) on another, re-pinned after every ``save_async`` (core ``2 r`` and ``2 r + 1`` for rank ``r``, modulo
+the machine's cores; one torch thread): on 2 cores, ``--ranks 1 --pin`` is a trainer with a spare core for the
+writer, what a node with 8 or more cores per GPU gives every rank.
+
 Rollback: ``load_latest`` from disk (verify checksums, then ``dcp.load`` in place) against the memory tier's
 restore, an in-place ``copy_`` of a host clone into the live tensors. Each figure is the slowest rank's, the median
 over the repeats. Printed: a markdown table and one JSON line.
@@ -31,12 +37,15 @@ over the repeats. Printed: a markdown table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import shutil
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -65,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks to spawn; 1 = single process")
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--pin", action="store_true",
+                        help="training thread and the save's threads on separate cores (see the module docstring)")
     args = parser.parse_args()
     if args.size_mb <= 0 or args.repeats < 1 or args.ranks < 1:
         parser.error("--size-mb must be > 0, --repeats and --ranks >= 1")
@@ -125,18 +136,30 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
+def pin_threads(rank: int) -> None:
+    """``--pin``: this rank's main (training) thread on core ``2 rank``, every other Python thread of the process
+    (the save's) on core ``2 rank + 1``, modulo the cores. Linux: a thread id pins that thread alone."""
+    cores = os.cpu_count() or 1
+    os.sched_setaffinity(0, {(2 * rank) % cores})
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and thread.native_id is not None:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(thread.native_id, {(2 * rank + 1) % cores})
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
 def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  root: Path, repeats: int) -> dict[str, Any]:
+                  root: Path, repeats: int, pin: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Alternate async (stall only) and sync saves, each building its state dict inside the timed region; the first
     async save (cold buffers) is reported apart. Between them, training-like steps with and without a save in
     flight."""
     group = dist.group.WORLD if dist.is_initialized() else None
     cold_stall = slowest(timed(lambda: manager.save_async(0, save_state(model, optimizer, 0))), group)
+    pin()
     staged_mb = manager.last_staged_bytes / 2**20
     manager.wait()
     batch = torch.randn(64, LAYER_WIDTH)
@@ -149,6 +172,7 @@ def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer:
         barrier()
         stalls.append(slowest(timed(lambda repeat=repeat: manager.save_async(
             repeat, save_state(model, optimizer, repeat))), group))
+        pin()  # (untimed) the save's threads, some new, off the training core
         started = time.perf_counter()
         overlapped = []
         while manager.in_flight:  # steps that overlap the background write (at least one)
@@ -210,7 +234,9 @@ def measure_rollback(manager: CheckpointManager, model: torch.nn.Module, optimiz
 def run(rank: int, world: int, port: int, args: argparse.Namespace, root: str, queue: Any) -> None:
     """One rank: build the state, measure, and (rank 0) put the figures on ``queue``."""
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(1 if args.pin else max(1, (os.cpu_count() or 1) // world))
+    pin = functools.partial(pin_threads, rank) if args.pin else (lambda: None)
+    pin()
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
@@ -219,11 +245,11 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, root: str, q
         state_bytes = sum(t.numel() * t.element_size() for t in
                           [*model.parameters(), *[v for s in optimizer.state.values() for v in s.values()]])
         manager = CheckpointManager(Path(root) / "ckpt", keep_last=2)
-        figures = measure_saves(manager, model, optimizer, Path(root), args.repeats)
+        figures = measure_saves(manager, model, optimizer, Path(root), args.repeats, pin)
         figures.update(measure_rollback(manager, model, optimizer, args.repeats))
         manager.close()
         if rank == 0:
-            queue.put({"ranks": world, "state_mb_per_rank": state_bytes / 2**20, **figures})
+            queue.put({"ranks": world, "pinned": args.pin, "state_mb_per_rank": state_bytes / 2**20, **figures})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -239,7 +265,8 @@ def report(figures: dict[str, Any]) -> None:
     median = {key: statistics.median(value) for key, value in figures.items() if isinstance(value, list)}
     ratio = median["async_stall_s"] / median["sync_save_s"]
     paired = statistics.median(a / s for a, s in zip(figures["async_stall_s"], figures["sync_save_s"], strict=True))
-    print(f"\n{figures['ranks']} rank(s), {figures['state_mb_per_rank']:.0f} MB per rank (rank 0 stages "
+    pinned = ", training and the save's threads on separate cores" if figures.get("pinned") else ""
+    print(f"\n{figures['ranks']} rank(s){pinned}, {figures['state_mb_per_rank']:.0f} MB per rank (rank 0 stages "
           f"{figures['staged_mb_rank0']:.0f} MB), median of {len(figures['async_stall_s'])} (slowest rank each time)\n")
     print("| measure | median (ms) |\n|---|---|")
     rows = [("save_async stall (warm buffers)", median["async_stall_s"]),

@@ -2,7 +2,12 @@
 against no arc_engine, side by side in one process, plus arc_engine's own work (``stats.own_work``).
 
     python scripts/bench_gpu_overhead.py                   # CUDA: DDP over NCCL at world size 1, ~1.0B parameters
+    python scripts/bench_gpu_overhead.py --size 1.3b         # the shapes of scripts/bench_scale.py: 125m, 350m, 1.3b
     python scripts/bench_gpu_overhead.py --tiny --blocks 4  # the same on CPU over gloo, a small model: a dry run
+
+``--size``: OPT / GPT-3's 125M, 350M or 1.3B (layers x hidden x heads as in ``scripts/bench_scale.py``, vocabulary
+50,272, sequence 2,048), the sizes whose CPU step the scale bench measures; two copies of the 1.3B model with their
+AdamW states and a micro-batch of 8 x 2,048 tokens need about 60 GB of device memory.
 
 Two copies of the model (the same initial weights), each with its own fused AdamW, live in the process; one has
 arc_engine attached. They take turns in blocks of ``--steps-per-block`` steps, and each block is timed as a whole
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_scale import SHAPES  # the scale bench's shapes (this script's folder is on sys.path)
 from torch.nn.parallel import DistributedDataParallel
 
 import arc_engine
@@ -44,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=8, help="block pairs (one block per variant each)")
     parser.add_argument("--steps-per-block", type=int, default=20, help="a multiple of the periodic schedules")
     parser.add_argument("--warmup", type=int, default=3, help="steps per variant before timing")
+    parser.add_argument("--size", choices=sorted(SHAPES), default=None,
+                        help="a shape of scripts/bench_scale.py (sets layers, d-model, heads, vocab, seq-len)")
     parser.add_argument("--tiny", action="store_true", help="a small model (a CPU dry run)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     return parser.parse_args()
@@ -100,6 +108,10 @@ def timed_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: a
 
 def main() -> int:
     args = parse_args()
+    if args.size:
+        shape = SHAPES[args.size]
+        args.layers, args.d_model, args.heads, args.vocab, args.seq_len = \
+            shape.layers, shape.hidden, shape.heads, shape.vocab, 2048
     if args.tiny:
         args.layers, args.d_model, args.heads, args.seq_len, args.micro_batch, args.vocab = 2, 64, 4, 64, 4, 256
     device = init_world()
@@ -140,7 +152,8 @@ def main() -> int:
     arc.close()
     shutil.rmtree(run_dir, ignore_errors=True)  # the run's events: nothing the result needs
     result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "parameters": params, "layers": args.layers, "d_model": args.d_model,
+              "torch": torch.__version__, "size": args.size, "parameters": params, "layers": args.layers,
+              "d_model": args.d_model,
               "seq_len": args.seq_len, "micro_batch": args.micro_batch, "blocks": args.blocks,
               "steps_per_block": args.steps_per_block, "plain_step_s": statistics.median(plain_s),
               "arc_step_s": statistics.median(arc_s), "overhead_median": statistics.median(ratios) - 1.0,

@@ -304,6 +304,11 @@ def test_qk_spectra_make_the_same_few_svd_calls_per_measurement_for_any_number_o
     assert small == large <= 6, (small, large)
     _, alone = measure(6, 8, only=3)
     assert torch.equal(entropy[3], alone[3]) and bool((entropy > 0).all())
+    # batches bounded in bytes (whole layers): 2 layers of 8 heads per call, 3 calls of each kind, the same values
+    one_layer = 8 * 4 * 8 * 16 * 4  # float64 bytes of a layer's q, k and their previous values: [8 heads, 16, 4]
+    monkeypatch.setattr("arc_engine.monitors.qk_spectra.BATCH_BYTES", 2 * one_layer)
+    bounded, bounded_entropy = measure(6, 8)
+    assert bounded == 3 * large and torch.equal(bounded_entropy, entropy), (bounded, large)
 
 
 def _logit_stats(bound_lh: np.ndarray, max_logit_lh: np.ndarray | None = None) -> AgreedStats:

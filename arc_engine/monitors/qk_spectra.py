@@ -235,10 +235,11 @@ class QKSpectraProducer:
     def _measure(self, step: int) -> list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per shard: (the shard, finite flag, ``[heads]`` logit bounds, ``[heads, quantities, summaries]`` of
         :func:`head_spectra_t`, empty when there is no increment of exactly δ steps), on its device. The SVDs are
-        batched over the heads of every layer: the shards whose heads have one shape go through two QR calls and
-        six SVD calls in all (:func:`head_spectra_and_bound_t`), whatever the number of layers and heads (one call
-        per head, layer and product made a 32-layer, 32-head model synchronise a GPU thousands of times per
-        measurement, and eight QRs per head cost four times the arithmetic). The shards' W_q,
+        batched over the heads of many layers: the shards whose heads have one shape go through two QR calls and
+        six SVD calls per :data:`BATCH_BYTES` of inputs (:func:`head_spectra_and_bound_t`; one batch at 125M
+        parameters, 2 at 350M, 8 at 1.3B), not per head (one call per head, layer and product made a 32-layer, 32-head
+        model synchronise a GPU thousands of times per measurement, and eight QRs per head cost four times the
+        arithmetic). The shards' W_q,
         W_k become the next measurement's reference. Non-finite weights are measured as zeros and dropped once the
         flag is read."""
         prepared = [self._prepare(shard, step) for shard in self.shards]
@@ -293,17 +294,31 @@ def _bounds_and_spectra(q: torch.Tensor, k: torch.Tensor, q_prev: torch.Tensor, 
     return torch.cat([(bound / math.sqrt(q.shape[-1])).unsqueeze(-1), spectra.flatten(-2)], dim=-1)
 
 
+#: The float64 bytes of the inputs one batched call takes at most (whole items: a layer's heads are never split).
+#: Batches of every layer at once hold temporaries of several times this: at 1.3B (24 layers x 32 heads, d 2048)
+#: one call over all 768 heads made about 1.6 GB of them and was slower on a CPU than head by head.
+BATCH_BYTES = 2**29
+
+
 def _batched(items: list[tuple[torch.Tensor, ...] | None], compute: Any, failed: Any) -> list[torch.Tensor | None]:
     """``compute(*item)`` for each item (tensors batched along dim 0, the heads; None: nothing to compute), the items
-    of one shape, device and dtype concatenated into one call and split back. When a call fails to converge
-    (``LinAlgError``: overflowing updates), its items are computed one by one, and ``failed(heads, device)`` stands
-    for an item that fails alone."""
+    of one shape, device and dtype concatenated into calls of at most :data:`BATCH_BYTES` of float64 inputs and split
+    back. When a call fails to converge (``LinAlgError``: overflowing updates), its items are computed one by one,
+    and ``failed(heads, device)`` stands for an item that fails alone."""
     out: list[torch.Tensor | None] = [None] * len(items)
     present = {index: item for index, item in enumerate(items) if item is not None and item[0].shape[0] > 0}
-    batches: dict[tuple[Any, ...], list[int]] = {}
+    batches: list[list[int]] = []
+    open_batch: dict[tuple[Any, ...], tuple[list[int], int]] = {}
     for index, item in present.items():
-        batches.setdefault(tuple((t.shape[1:], t.dtype, t.device) for t in item), []).append(index)
-    for members in batches.values():
+        kind = tuple((t.shape[1:], t.dtype, t.device) for t in item)
+        size = 8 * sum(t.numel() for t in item)
+        members, held = open_batch.get(kind, (None, 0))
+        if members is None or held + size > BATCH_BYTES:
+            members, held = [], 0
+            batches.append(members)
+        members.append(index)
+        open_batch[kind] = (members, held + size)
+    for members in batches:
         sizes = [present[i][0].shape[0] for i in members]
         try:
             joined = compute(*(torch.cat(parts) for parts in zip(*(present[i] for i in members), strict=True)))
