@@ -18,6 +18,20 @@ loss; the finding names it when its loss is at least ``min_excess`` above its pe
 ``bad_data`` (:class:`~arc_engine.events.Finding`): the engine adds the data position the step consumed and records
 it in the data ledger (:mod:`arc_engine.data_ledger`). A spread past the limit never enters the baseline.
 
+A bad shard that lasts (``sustained_threshold``): where the ranks' losses differ by the nature of their data (per-rank
+shards of different kinds: one rank code, one prose) or scatter widely batch to batch (heavy-tailed real text, small
+per-rank batches), one step's spread cannot tell a corrupted batch from a hard one. Each rank then follows its own
+excess -- its loss minus the ranks' agreed mean -- against its own level and scale (exponential averages over
+``window`` accepted steps, each step's deviation clipped at 3 scales), and sums the standardized excess above a
+slack of 0.5 in a one-sided CUSUM (clipped at 3 per step, held below ``sustained_threshold`` + 2.5). Before the next
+agreement each rank writes its sum as a rank key into one MAX slot; past ``warmup_steps`` accepted steps, an agreed
+sum above ``sustained_threshold`` is an alarm naming the rank that holds it, a step after the evidence (the sum of
+step t travels in the agreement of step t + 1), and goes through the same fingerprint check, finding and quarantine
+as the spread's. While a rank's sum is above the threshold its level and scale stand still, so a shard that stays bad
+keeps it named (quarantined); the first step its loss is back at its level sets the sum back to the threshold, so
+it is named one step more (the step whose agreement carries that sum). Each rank's
+sum is its own state: a restore from another rank's copy (a checkpoint's shared state) starts it again.
+
 Under tensor or pipeline parallelism the ranks of one replica record the same loss; the named rank is then the
 highest global rank of the replica whose batch it was (ties in a rank key go to the higher rank).
 
@@ -124,6 +138,11 @@ class DataConfig:
     quarantine_steps: int = 100
     """Quarantined steps in a row at most; past them the findings skip again.
     Allowed: >= 1"""
+    sustained_threshold: float = 12.0
+    """A bad shard that lasts: each rank's one-sided CUSUM of its loss above the ranks' mean, in its own robust units
+    (slack 0.5, steps clipped at 3), alarms above this and names the rank; 0: off
+    ([detectors.md](detectors.md#bad-data)).
+    Allowed: >= 0"""
     diverged_action: ActionName = "rollback"
     """What an alarm gets whose data-parallel replicas' weights differ (not bad data; DDP, ZeRO-1/2): rollback restores
     identical replicas (without recovery: a stop)."""
@@ -135,12 +154,73 @@ class DataConfig:
         require(self.min_ratio >= 1, "min_ratio", self.min_ratio, "must be >= 1")
         require(self.min_excess >= 0, "min_excess", self.min_excess, "must be >= 0")
         require(self.quarantine_steps >= 1, "quarantine_steps", self.quarantine_steps, "must be an integer >= 1")
+        require(self.sustained_threshold >= 0, "sustained_threshold", self.sustained_threshold,
+                "must be >= 0 (0 = off)")
 
 
 
 #: [1] DETAIL: this rank's global rank: on an alarm each rank's loss becomes a rank key on the host, reduced by MAX in a
 #: follow-up (a healthy step only fills this one number).
 RANK = "data_rank"
+#: [1] MAX: the rank key of this rank's sustained-excess sum (:class:`SustainedExcess`), with ``sustained_threshold``.
+SUSTAINED = "data_sustained"
+
+
+class SustainedExcess:
+    """One rank's one-sided CUSUM of its loss above the ranks' agreed mean, in units of its own scale (the module
+    docstring). Host arithmetic on two numbers a step; local state."""
+
+    SLACK = 0.5   # standardized excess a step must exceed to add to the sum
+    CLIP = 3.0    # the most one step adds (a heavy-tailed batch is one step)
+    MAD_TO_STD = 1.2533  # a normal variable's standard deviation over its mean absolute deviation
+
+    def __init__(self, threshold: float, window: int, warmup: int) -> None:
+        self.threshold, self.alpha, self.warmup = threshold, 2.0 / (window + 1), warmup
+        self.level = 0.0   # the excess's exponential mean over accepted steps
+        self.spread = 0.0  # its mean absolute deviation, likewise
+        self.count = 0     # accepted steps seen
+        self.cusum = 0.0
+
+    @property
+    def warm(self) -> bool:
+        return self.count >= self.warmup and self.spread > 0
+
+    def value(self) -> float:
+        """The sum this rank reports (0 before it is warm)."""
+        return self.cusum if self.warm else 0.0
+
+    def update(self, excess: float, accept: bool) -> None:
+        """One step's excess (this rank's loss minus the agreed mean); ``accept``: the step was applied and not
+        flagged, so it may move the level and scale (unless the sum is past the threshold)."""
+        scale = self.MAD_TO_STD * self.spread
+        if self.warm:
+            z = min(self.CLIP, max(-self.CLIP, (excess - self.level) / scale))
+            if self.cusum > self.threshold and z <= self.SLACK:  # its loss rejoined: no longer named from the next step
+                self.cusum = self.threshold
+            self.cusum = min(self.threshold + self.CLIP - self.SLACK, max(0.0, self.cusum + z - self.SLACK))
+        if not accept or self.cusum >= self.threshold:
+            return
+        if self.count == 0:
+            self.level = excess
+        else:
+            alpha = max(self.alpha, 1.0 / (self.count + 1))
+            deviation = excess - self.level
+            if self.warm:
+                deviation = min(self.CLIP * scale, max(-self.CLIP * scale, deviation))
+            self.level += alpha * deviation
+            self.spread += alpha * (abs(deviation) - self.spread)
+        self.count += 1
+
+    def state_dict(self, rank: int) -> dict[str, float]:
+        return {"rank": rank, "level": self.level, "spread": self.spread, "count": self.count, "cusum": self.cusum}
+
+    def load_state_dict(self, state: dict[str, Any] | None, rank: int) -> None:
+        """This rank's own state; another rank's (or none) starts it again."""
+        own = state is not None and int(state.get("rank", -1)) == rank
+        self.level = float(state["level"]) if own else 0.0
+        self.spread = float(state["spread"]) if own else 0.0
+        self.count = int(state["count"]) if own else 0
+        self.cusum = float(state["cusum"]) if own else 0.0
 
 
 class Quarantine:
@@ -223,15 +303,20 @@ class BadDataMonitor(Monitor):
         self._spread: Spread | None = None
         self._flagged = False
         self._values: dict[str, float] = {}
+        self.sustained = SustainedExcess(config.sustained_threshold, config.window, config.warmup_steps) \
+            if config.sustained_threshold > 0 else None
+        self._excess = math.nan  # this step's own loss minus the agreed mean
 
     def required_stats(self) -> tuple[str, ...]:
-        return (*WorkerMoments.required_stats(), RANK)
+        return (*WorkerMoments.required_stats(), RANK, *((SUSTAINED,) if self.sustained is not None else ()))
 
     @torch.no_grad()
     def write(self, buffer: StatBuffer, view: StepView) -> None:
-        """Producer: this rank's global rank and the shared loss moments, unless the consistency family writes them
-        (device-side, no sync)."""
+        """Producer: this rank's global rank, its sustained-excess key and the shared loss moments, unless the
+        consistency family writes them (device-side fills of host numbers, no sync)."""
         buffer.view(RANK).fill_(float(self.rank))
+        if self.sustained is not None:
+            buffer.view(SUSTAINED).fill_(rank_key(self.sustained.value(), self.rank))
         if self.write_moments:
             self.moments.write(buffer)
 
@@ -241,6 +326,8 @@ class BadDataMonitor(Monitor):
         ranks = float(stats.total(names.LOSS_RANKS)[0])
         deviation = spread.loss_l4
         self._values = {"loss_std": spread.loss_std, "deviation": deviation, "ranks": ranks}
+        recorded = float(stats.local(names.LOSS_COUNT)[0]) > 0
+        self._excess = float(stats.local(names.LOSS)[0]) - spread.loss_mean if recorded else math.nan
         if ranks < 2 or not (math.isfinite(deviation) and math.isfinite(spread.loss_mean)) \
                 or len(self.history) < self.config.warmup_steps:
             return []
@@ -249,8 +336,19 @@ class BadDataMonitor(Monitor):
         # whose ranks read the same data has a baseline of rounding noise)
         limit = max(limit, 0.5 * self.config.min_excess * abs(spread.loss_mean))
         self._values.update(limit=limit, baseline=median)
-        if deviation <= limit:
+        held_sum, held_by = split_key(float(stats.total(SUSTAINED)[0])) if self.sustained is not None else (0.0, -1)
+        self._values["sustained"] = held_sum if held_by >= 0 else 0.0
+        sustained = self.sustained is not None and held_by >= 0 and held_sum > self.config.sustained_threshold
+        if deviation <= limit and not sustained:
             return []
+        if deviation <= limit:  # the sustained excess alone
+            return self._alarm(stats, spread, ranks, deviation, limit, median, sustained_by=held_by,
+                               sustained_sum=held_sum)
+        return self._alarm(stats, spread, ranks, deviation, limit, median)
+
+    def _alarm(self, stats: AgreedStats, spread: Spread, ranks: float, deviation: float, limit: float,
+               median: float, sustained_by: int = -1, sustained_sum: float = math.nan) -> list[Finding]:
+        """An agreed alarm (every rank takes it): who, whether the replicas diverged, the finding."""
         self._flagged = True
         self.alarms += 1
         layout = stats.layout
@@ -268,6 +366,11 @@ class BadDataMonitor(Monitor):
                   "rank": rank if named else -1, "rank_loss": highest, "peers_loss": peers, "excess": excess}
         where = (f"rank {rank}'s loss {highest:.4g} is {excess:.0%} above its peers' {peers:.4g}" if named else
                  "no single rank's loss stands out")
+        if sustained_by >= 0:  # the sum names the rank whose loss has stood above its own level
+            rank, named = sustained_by, True
+            values.update(rank=rank, sustained=sustained_sum, sustained_threshold=self.config.sustained_threshold)
+            where = (f"rank {rank}'s loss has stood above the ranks' mean, against its own level, for several steps "
+                     f"(sustained excess {sustained_sum:.3g} > {self.config.sustained_threshold:g})")
         action = Action.parse(self.config.action)
         if diverged:  # not the data: the replicas' weights differ, which no skip repairs
             values.update(replicas_diverged=True, fingerprint_max=float(key[1]), fingerprint_min=-float(key[2]))
@@ -283,10 +386,10 @@ class BadDataMonitor(Monitor):
             action = Action.WARN  # its share is not in this step's gradient: the step can be applied
             where += f"; applied without rank {rank}'s share of the gradient (quarantined since step {held.since})"
             values["quarantined"] = rank
-        return [Finding(self.name, action, Severity.WARNING,
-                        f"bad data: the ranks' losses parted (deviation {deviation:.3g}, limit {limit:.3g}, "
-                        f"baseline {median:.3g}); {where}", ranks=(rank,) if named else (), values=values,
-                        bad_data=True, data_dropped=bool(dropped))]
+        what = "one rank's loss stood apart" if sustained_by >= 0 else \
+            f"the ranks' losses parted (deviation {deviation:.3g}, limit {limit:.3g}, baseline {median:.3g})"
+        return [Finding(self.name, action, Severity.WARNING, f"bad data: {what}; {where}",
+                        ranks=(rank,) if named else (), values=values, bad_data=True, data_dropped=bool(dropped))]
 
     @torch.no_grad()
     def _fingerprint(self) -> tuple[float, float]:
@@ -300,6 +403,9 @@ class BadDataMonitor(Monitor):
     def commit(self, step: int, applied: bool) -> None:
         if self._spread is not None:
             self.moments.advance(self._spread)
+        if self.sustained is not None and math.isfinite(self._excess) and self._values.get("ranks", 0.0) >= 2:
+            self.sustained.update(self._excess, applied and not self._flagged)
+        self._excess = math.nan
         held = self.quarantine
         if held is not None:
             if held.blamed is not None and self._named != held.blamed:
@@ -314,11 +420,12 @@ class BadDataMonitor(Monitor):
             self.history.append(self._values["deviation"])
 
     def metrics(self) -> dict[str, float]:
-        return {**{key: self._values.get(key, math.nan) for key in ("loss_std", "deviation", "limit")},
+        return {**{key: self._values.get(key, math.nan) for key in ("loss_std", "deviation", "limit", "sustained")},
                 "alarms": float(self.alarms)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "alarms": self.alarms, **self.moments.state_dict()}
+        own = {"sustained": self.sustained.state_dict(self.rank)} if self.sustained is not None else {}
+        return {"history": list(self.history), "alarms": self.alarms, **self.moments.state_dict(), **own}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.quarantine is not None:  # a restore (rollback, resume) ends a quarantine
@@ -326,6 +433,8 @@ class BadDataMonitor(Monitor):
         self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
         self.alarms = int(state["alarms"])
         self.moments.load_state_dict(state)
+        if self.sustained is not None:
+            self.sustained.load_state_dict(state.get("sustained"), self.rank)
 
 
 class BadDataFamily(FamilyBase):
@@ -350,7 +459,9 @@ class BadDataFamily(FamilyBase):
         return self._monitor[1]
 
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
-        return [*self._monitor_for(ctx).moments.statistics(), StatDecl(RANK, 1, Reduce.DETAIL)]
+        monitor = self._monitor_for(ctx)
+        return [*monitor.moments.statistics(), StatDecl(RANK, 1, Reduce.DETAIL),
+                *((StatDecl(SUSTAINED, 1, Reduce.MAX),) if monitor.sustained is not None else ())]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", self._monitor_for(ctx).write)]
@@ -359,4 +470,5 @@ class BadDataFamily(FamilyBase):
         return [self._monitor_for(ctx)]
 
 
-__all__ = ["RANK", "BadDataFamily", "BadDataMonitor", "Quarantine", "loss_key", "spread_limit"]
+__all__ = ["RANK", "SUSTAINED", "BadDataFamily", "BadDataMonitor", "Quarantine", "SustainedExcess", "loss_key",
+           "spread_limit"]
