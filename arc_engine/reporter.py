@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,7 +192,9 @@ class Reporter:
         if own_work:
             self.lifecycle(step, iteration, "own_work", f"rank {self.rank}: {own_work[0]}", summary["own_work"])
         detections = ", ".join(f"{k}={v}" for k, v in sorted(summary["detections"].items())) or "none"
-        self.stopping = self.stopping or stop_record.completed(step)
+        # called from arc.close(): in a finally block or a with block's exit, what the training loop raised is still
+        # the exception being handled
+        self.stopping = self.stopping or stop_record.at_close(step, sys.exc_info()[1])
         self.lifecycle(step, iteration, "summary", f"{summary['steps']} steps, {summary['applied_steps']} applied, "
                        f"{summary['steps_not_applied']} not applied (policy {summary['skipped_by_policy']}, rollback "
                        f"{summary['rolled_back']}, framework {summary['skipped_by_framework']}), "

@@ -1,7 +1,9 @@
 """Why the run stopped: ``stop.json`` in the run directory, written at every exit arc_engine makes or sees.
 
 One JSON object: ``exit_code``, ``cause`` (``completed``, ``abort``, ``recovery_exhausted``, ``faulty_device``,
-``hang``, ``relaunch``, ``terminated``; ``running`` while a launch runs: a file still saying so after the job ended
+``hang``, ``relaunch``, ``terminated``, ``error`` and ``interrupted`` (the training loop raised, or was interrupted,
+while it closed arc_engine: ``arc.close()`` in a ``finally`` or the ``with`` block's exit); ``running`` while a
+launch runs: a file still saying so after the job ended
 means it died without a word, a kill or a crash outside arc_engine), ``step``, ``message``, the ``ranks`` and
 ``devices`` blamed, the ``evidence`` (each blaming finding: detector, message, hardware evidence kind), the
 ``excluded_hosts`` of the device ledger at that moment and the ``suggested`` action. ``arc-engine report`` shows it
@@ -27,9 +29,11 @@ from arc_engine.policy.decision import (
 
 STOP_FILE = "stop.json"
 EXIT_TERMINATED = 128 + 15  # the default action of SIGTERM, as a shell reports it
+EXIT_ERROR = 1  # Python's exit code for an uncaught exception
+EXIT_INTERRUPTED = 128 + 2  # the default action of SIGINT (Ctrl-C: KeyboardInterrupt), as a shell reports it
 CAUSES = {0: "completed", EXIT_ABORT: "abort", EXIT_RECOVERY_EXHAUSTED: "recovery_exhausted",
           EXIT_FAULTY_DEVICE: "faulty_device", EXIT_HANG: "hang", EXIT_RELAUNCH: "relaunch",
-          EXIT_TERMINATED: "terminated"}
+          EXIT_TERMINATED: "terminated", EXIT_ERROR: "error", EXIT_INTERRUPTED: "interrupted"}
 #: the detectors whose stop asks for a lower learning rate (the optimisation diverged, not the data or a device)
 DIVERGED = ("loss_spike", "grad_norm", "numerics", "dynamics", "weight_health", "conformal", "r_metric", "recovery",
             "policy")
@@ -45,6 +49,26 @@ def running(step: int) -> dict[str, Any]:
 def completed(step: int) -> dict[str, Any]:
     return {"exit_code": 0, "cause": "completed", "step": step, "time": time.time(), "message": "the run completed",
             "ranks": [], "evidence": [], "suggested": "nothing to do"}
+
+
+def at_close(step: int, error: BaseException | None) -> dict[str, Any]:
+    """The stop record of a close: completed, or what the training loop raised while it closed arc_engine (a
+    ``SystemExit`` with code 0 or None is a completed run; with another code, that code)."""
+    if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
+        return completed(step)
+    if isinstance(error, SystemExit):
+        code = error.code if isinstance(error.code, int) else EXIT_ERROR
+        return {"exit_code": code, "cause": CAUSES.get(code, "exit"), "step": step, "time": time.time(),
+                "message": f"the training loop exited with code {error.code!r}", "ranks": [], "evidence": [],
+                "suggested": "read the job's log; resume from the last checkpoint"}
+    interrupted = isinstance(error, KeyboardInterrupt)
+    code = EXIT_INTERRUPTED if interrupted else EXIT_ERROR
+    text = f"{type(error).__name__}: {error}".rstrip(": ")
+    return {"exit_code": code, "cause": CAUSES[code], "step": step, "time": time.time(),
+            "message": f"the training loop {'was interrupted' if interrupted else 'raised'} ({text[:500]})",
+            "ranks": [], "evidence": [],
+            "suggested": "resume from the last checkpoint" if interrupted else
+                         "read the traceback in the job's log; resume from the last checkpoint"}
 
 
 def on_decision(decision: Decision, reason: str) -> dict[str, Any]:
@@ -128,5 +152,5 @@ def describe(record: dict[str, Any]) -> str:
             f"suggested: {record.get('suggested')}")
 
 
-__all__ = ["CAUSES", "STOP_FILE", "complete", "completed", "describe", "on_decision", "on_hang", "read", "running",
-           "write"]
+__all__ = ["CAUSES", "STOP_FILE", "at_close", "complete", "completed", "describe", "on_decision", "on_hang", "read",
+           "running", "write"]

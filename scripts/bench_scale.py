@@ -18,8 +18,8 @@ the cost per training step at the default period (``detectors.qk_spectra.every``
 DDP or DeepSpeed ZeRO-2, AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens.
 In the same processes, one after the other: the model without arc_engine, then a new one with arc_engine's default
 configuration (``stats.own_work`` on), each for a warm-up step and a block of steps that spans every periodic
-schedule of the configuration (20 steps); then, with ``recovery.enabled`` (a snapshot every 5 healthy steps), the
-memory ring: the bytes of one snapshot per rank, the ring's capacity, the capture's time (own work
+schedule of the configuration (20 steps); then, with ``recovery.enabled`` (a snapshot every 5 healthy steps, no disk
+checkpoints), the memory ring: the bytes of one snapshot per rank, the ring's capacity, the capture's time (own work
 ``recovery.snapshot``) and a restore's. Reported per size and backend, slowest rank: the step's median time with and
 without arc_engine, arc_engine's own work per step (the timers' own cost taken out, as
 ``scripts/bench_overhead.py`` does) and its share of the step, the pieces over 1% of it, peak RSS.
@@ -334,7 +334,8 @@ def step_worker(args: argparse.Namespace) -> int:
     gc.collect()
     ring = {"snapshot_mb": None, "ring_capacity": None, "capture_ms": None, "restore_ms": None}
     if args.recovery:
-        rconfig = load_config(None, [*overrides, "recovery.enabled=true", "recovery.checkpoint_freq=5"])
+        rconfig = load_config(None, [*overrides, "recovery.enabled=true", "recovery.checkpoint_freq=5",
+                                               "recovery.checkpoint.every_steps=0"])  # the memory ring only
         rec_fn, rarc = _train_step(shape, backend, args, rconfig)
         timed_steps(rec_fn, 0, 1)
         rarc.engine.own_work.reset()

@@ -250,7 +250,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for seed in args.seeds:
-        for stop in (args.steps // 2 + 40, None):  # past the second disk checkpoint (every quarter)
+        # past the disk checkpoint due at the middle (every quarter, at the first verified snapshot after it) and its
+        # background write: the second launch resumes from the middle
+        for stop in (args.steps // 2 + 100, None):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                    *sys.argv[1:], "--worker", "--seed", str(seed), "--out", str(args.out / f"seed{seed}"),
                    *(["--stop-at", str(stop)] if stop is not None else [])]

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from arc_engine import device_ledger as ledger
 from arc_engine import stop_record
 from arc_engine.cli import main as cli
@@ -202,6 +204,38 @@ def test_the_reporter_writes_hardware_findings_only_and_a_running_stop_record(tm
     reporter.close()
     records, _ = ledger.read_devices(tmp_path / ledger.DEVICES_FILE)
     assert [(r["host"], r["evidence"], r["step"]) for r in records] == [("nodeB", "straggler", 6)]
+
+
+def test_a_training_loop_that_raises_while_it_closes_arc_is_an_error_stop_not_a_completed_run(tmp_path: Path) -> None:
+    """``with arc:`` around a loop that raises (or ``arc.close()`` in its ``finally``): stop.json says ``error``, exit
+    code 1, naming the exception; Ctrl-C is ``interrupted`` (130); ``sys.exit(0)`` and a plain close are completed."""
+    import arc_engine
+    from arc_engine.config import load_config
+
+    def run(name: str, error: BaseException | None) -> dict:
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = load_config(None, [f"run.run_dir={tmp_path}", f"run.run_id={name}", "sinks.console.enabled=false"])
+        try:
+            with arc_engine.attach(model, optimizer, config) as arc:
+                loss = model(torch.randn(3, 4)).square().mean()
+                arc.record_loss(loss)
+                loss.backward()
+                optimizer.step()
+                if error is not None:
+                    raise error
+        except BaseException as caught:  # what the loop raised goes on after arc closed
+            assert caught is error
+        return stop_record.read(tmp_path / name)
+
+    raised = run("raised", ValueError("the data loader broke"))
+    assert (raised["cause"], raised["exit_code"]) == ("error", 1)
+    assert "ValueError: the data loader broke" in raised["message"]
+    assert (run("interrupted", KeyboardInterrupt())["cause"], run("ctrl_c", KeyboardInterrupt())["exit_code"]) == \
+        ("interrupted", 130)
+    assert run("exit0", SystemExit(0))["cause"] == "completed"
+    assert run("exit2", SystemExit(2))["exit_code"] == 2
+    assert run("clean", None)["cause"] == "completed"
 
 
 def test_a_relaunch_keeps_the_last_stop_record_inside_its_own(tmp_path: Path) -> None:
