@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,8 @@ class Reporter:
         self.event_counts: Counter[str] = Counter()
         self._metrics_due = 0
         self.leader = False
+        self.leader_rank = 0
+        self._ledger: DeviceLedgerSink | None = None
         self.locations: dict[int, str] = {}
         #: the stop record of a stop under way (an abort decided, a hang's abort), written at close (stop.json)
         self.stopping: dict[str, Any] | None = None
@@ -71,8 +74,13 @@ class Reporter:
         cfg = self.config.sinks
         self.owns_sinks = cfg.all_ranks or leader
         holds_run = cfg.wandb.enabled and cfg.wandb.reuse_run and active_wandb_run() is not None
-        wandb_owner = cfg.wandb.enabled and runtime.elect_rank(holds_run, group) == self.rank
+        # one gather: who holds the script's W&B run, and the launch's name in the device ledger (the leader's)
+        gathered = runtime.gather_by_rank((bool(holds_run), f"{run_id}@{time.time():.3f}"), group)
+        elected = min([rank for rank, (holds, _) in gathered.items() if holds] or gathered)
+        wandb_owner = cfg.wandb.enabled and elected == self.rank
         self.wandb_owner = wandb_owner
+        self.leader_rank = min(gathered)
+        launch = gathered[self.leader_rank][1]
         if self.owns_sinks:
             suffix = f".rank{self.rank}" if cfg.all_ranks else ""
             if cfg.console.enabled:
@@ -84,8 +92,11 @@ class Reporter:
         if wandb_owner:
             self.sinks.add(WandbSink(cfg.wandb, run_id, str(run_dir), locations, dataclasses.asdict(self.config)))
         self.leader, self.locations = leader, dict(locations)
-        if leader:  # the job's device ledger (the run root's), and the stop record of a launch under way
-            self.sinks.add(DeviceLedgerSink(self.devices_path, locations, run_id))
+        # the job's device ledger (the run root's): written by the leader; the others hold it in reserve for a lost
+        # leader (:meth:`hang`), under the same launch name
+        self._ledger = DeviceLedgerSink(self.devices_path, locations, run_id, launch=launch)
+        if leader:  # the ledger, and the stop record of a launch under way
+            self.sinks.add(self._ledger)
             previous = stop_record.read(run_dir)  # the last launch's stop, kept inside this one's record
             self._write_stop({**stop_record.running(0), "previous": {k: v for k, v in (previous or {}).items()
                                                                      if k != "previous"} or None})
@@ -181,8 +192,13 @@ class Reporter:
                 break
         if values.get("abort") or values.get("error") == "SIGTERM":  # the watchdog or the launcher ends this rank
             self.stopping = stop_record.on_hang(values, step)
-        self.emit(Event(self.run_id, step, "detection", "hang", severity, "none", message, (self.rank,), values,
-                        iteration=iteration))
+        event = Event(self.run_id, step, "detection", "hang", severity, "none", message, (self.rank,), values,
+                      iteration=iteration)
+        self.emit(event)
+        lost = set(values.get("lost_ranks") or ())
+        if not self.leader and self._ledger is not None and self.leader_rank in lost and \
+                self.rank == min(set(self.locations) - lost, default=-1):
+            self._ledger.emit(event)  # the leader, which writes the ledger, is the one lost: its successor does
 
     def close_run(self, step: int, iteration: int, summary: dict[str, Any], own_work: list[str]) -> None:
         """The end of the run on this rank: its own-work table (``stats.own_work``: logged, and its first line as an

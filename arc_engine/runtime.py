@@ -99,14 +99,6 @@ def gather_locations(group: dist.ProcessGroup | None) -> dict[int, str]:
     return gather_by_rank(f"{hostname()}:{device_name()}", group)
 
 
-def elect_rank(candidate: bool, group: dist.ProcessGroup | None) -> int:
-    """The lowest global rank of ``group`` whose ``candidate`` is true, else the group's lowest global rank.
-    Collective (:func:`gather_by_rank`); call it at attach time, on every rank of ``group``."""
-    candidates = gather_by_rank(bool(candidate), group)
-    chosen = [rank for rank, wanted in candidates.items() if wanted]
-    return min(chosen or candidates)
-
-
 def default_store() -> Any | None:
     """The c10d store the default process group was created with (None without one): where the hang watchdog
     publishes each rank's progress. (``torch.distributed`` exposes it only through a private accessor.)"""

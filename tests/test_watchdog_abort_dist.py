@@ -129,3 +129,22 @@ def test_under_torchrun_a_rank_killed_mid_step_is_named_by_the_survivor_the_agen
     last = _last_report(events)
     assert last["detector"] == "hang" and last["values"]["lost_ranks"] == [1], (last, result.stderr[-2000:])
     assert "lost: rank(s) [1]" in last["message"], last
+
+
+def test_under_torchrun_a_lost_leader_is_written_to_the_device_ledger_by_its_successor(tmp_path: Path) -> None:
+    """Rank 0 (the decision group's leader, which writes the device ledger) killed mid-step under torchrun: the
+    survivor names it, and as the lowest surviving rank writes its device to the ledger (``lost``), once, under the
+    launch's one name. Before: nobody wrote it, and a host lost twice was never excluded."""
+    from arc_engine import device_ledger
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "tests.hang_worker", str(tmp_path), "kill"], cwd=REPO_ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "ARC_TEST_KILL_RANK": "0"},
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0, result.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "test" / "events.jsonl.rank1").read_text().splitlines()]
+    last = _last_report(events)
+    assert last["detector"] == "hang" and last["values"]["lost_ranks"] == [0], (last, result.stderr[-2000:])
+    records, torn = device_ledger.read_devices(tmp_path / device_ledger.DEVICES_FILE)
+    assert not torn and [(r["rank"], r["evidence"]) for r in records] == [(0, "lost")], records
+    assert records[0]["launch"].startswith("test@")

@@ -17,12 +17,13 @@ log = logging.getLogger("arc_engine")
 
 class DeviceLedgerSink(Sink):
     """Appends the job's hardware evidence to the device ledger (added by the reporter on the decision group's
-    first rank). ``locations``: global rank -> ``host:device``; ``run_id``: this run's id. Each instance is one launch.
+    first rank; its successor writes a lost leader's). ``locations``: global rank -> ``host:device``; ``run_id``: this
+    run's id; ``launch``: the launch's name, the same on every rank (default: made here).
     A write that fails is reported once; training goes on."""
 
-    def __init__(self, path: Path, locations: dict[int, str], run_id: str) -> None:
+    def __init__(self, path: Path, locations: dict[int, str], run_id: str, launch: str | None = None) -> None:
         self.path, self.locations, self.run_id = path, dict(locations), run_id
-        self.launch = f"{run_id}@{time.time():.3f}"
+        self.launch = launch or f"{run_id}@{time.time():.3f}"
         self._seen: set[tuple[int, int, str]] = set()
         self._warned = False
 
