@@ -237,7 +237,7 @@ class QKSpectraProducer:
         :func:`head_spectra_t`, empty when there is no increment of exactly δ steps), on its device. The SVDs are
         batched over the heads of many layers: the shards whose heads have one shape go through two QR calls and
         six SVD calls per :data:`BATCH_BYTES` of inputs (:func:`head_spectra_and_bound_t`; one batch at 125M
-        parameters, 2 at 350M, 8 at 1.3B), not per head (one call per head, layer and product made a 32-layer, 32-head
+        parameters, 2 at 350M, 6 at 1.3B), not per head (one call per head, layer and product made a 32-layer, 32-head
         model synchronise a GPU thousands of times per measurement, and eight QRs per head cost four times the
         arithmetic). The shards' W_q,
         W_k become the next measurement's reference. Non-finite weights are measured as zeros and dropped once the
