@@ -126,20 +126,21 @@ def test_a_bad_shard_that_lasts_is_named_where_the_ranks_losses_differ_by_their_
     """Per-rank data of different kinds and heavy-tailed batches (what real text gave: the spread rule's limit grew
     past a corrupted rank's deviation): no finding in 1,500 clean steps; rank 1's loss 0.6 above its own level for
     50 steps from step 1,500 (3 noise scales, no single step out of the ordinary) is named by the sustained excess
-    within 12 steps, on every rank alike, and no longer once its loss rejoined. The spread rule alone finds nothing."""
-    found = _gap_run((1500, 1, 0.6))
+    within 12 steps, on every rank alike, and no longer once its loss rejoined. With the sum off (the default) the
+    spread rule alone finds nothing."""
+    found = _gap_run((1500, 1, 0.6), "detectors.data.sustained_threshold=12")
     steps = [step for step, _ in found]
     assert steps and 1500 < steps[0] <= 1512 and steps[-1] <= 1558, steps
     first = found[0][1]
     assert first.ranks == (1,) and first.bad_data and first.action is Action.SKIP
     assert first.values["sustained"] > 12 and "rank 1's loss has stood above" in first.message
-    assert _gap_run((1500, 1, 0.6), "detectors.data.sustained_threshold=0") == []
+    assert _gap_run((1500, 1, 0.6)) == []  # off by default
 
 
 def test_the_sustained_excess_is_each_ranks_own_state() -> None:
     """A monitor restored from its own state keeps its sum and level; from another rank's (a checkpoint's shared
     copy) it starts again, and warms up before it reports anything."""
-    layout, monitors = _family()
+    layout, monitors = _family("detectors.data.sustained_threshold=12")
     for step in range(30):
         rows = []
         for monitor, loss in zip(monitors[:2], (3.0 + 0.01 * (step % 3), 2.0), strict=True):
@@ -156,7 +157,7 @@ def test_the_sustained_excess_is_each_ranks_own_state() -> None:
     zero, one = monitors[0].sustained, monitors[1].sustained
     assert zero.count == one.count == 30 and zero.level == pytest.approx(0.5, abs=0.01) and zero.warm
     assert one.level == pytest.approx(-0.5, abs=0.01)
-    config = section_of(load_config(None, []), BadDataFamily())
+    config = section_of(load_config(None, ["detectors.data.sustained_threshold=12"]), BadDataFamily())
     restored, other = BadDataMonitor(config, 1), BadDataMonitor(config, 1)
     restored.load_state_dict(monitors[1].state_dict())
     other.load_state_dict(monitors[0].state_dict())
@@ -243,11 +244,10 @@ def _run(rank: int, world: int, run_dir: Path, fault: bool) -> dict:
 def test_a_corrupted_shard_is_quarantined_naming_its_rank_and_a_rerun_honours_the_ledger(tmp_path: Path) -> None:
     """Default settings (recovery off). Clean: no data finding in 150 steps. Rank 1's tokens all random on steps
     120-131: step 120 is skipped with a data finding naming rank 1 and its data position, on both ranks alike; steps
-    121-131 are applied without rank 1's share (quarantine: warnings naming rank 1), and step 132 too (the sustained
-    excess of step 131 travels in step 132's agreement); step 133 lifts it; the replicas stay identical; the run goes
-    on to the end; the ledger holds position 120 (skip) and 121-132 (dropped) as bad data of rank 1; the exports say
-    so; a rerun in the same run directory without the fault skips those positions (the data_ledger finding) and
-    applies every other step."""
+    121-131 are applied without rank 1's share (quarantine: warnings naming rank 1); step 132 lifts it; the replicas
+    stay identical; the run goes on to the end; the ledger holds position 120 (skip) and 121-131 (dropped) as bad data
+    of rank 1; the exports say so; a rerun in the same run directory without the fault skips those positions (the
+    data_ledger finding) and applies every other step."""
     clean = run_ranks(_run, 2, tmp_path / "clean", False)
     assert not [d for d in clean[0]["decisions"] for f in d[2] if f[0] == "data"]
     assert "aborted_at" not in clean[0]
@@ -256,20 +256,20 @@ def test_a_corrupted_shard_is_quarantined_naming_its_rank_and_a_rerun_honours_th
     assert "aborted_at" not in faulted[0], faulted[0]
     blamed = {step: action for step, action, findings in faulted[0]["decisions"]
               for detector, ranks in findings if detector == "data" and ranks == [1]}
-    assert blamed == {120: "SKIP", **dict.fromkeys(range(121, 133), "WARN")}, blamed
+    assert blamed == {120: "SKIP", **dict.fromkeys(range(121, 132), "WARN")}, blamed
     assert all(torch.equal(faulted[0]["params"][name], faulted[1]["params"][name]) for name in faulted[0]["params"])
     assert faulted[0]["summary"]["skipped_by_policy"] == 1
     run_dir = tmp_path / "faulted" / "test"
     entries = read_ledger(run_dir / "data_ledger.jsonl")
-    assert [e["first"] for e in entries if e["bad_data"]] == list(range(120, 133))
-    assert [e["action"] for e in entries if e["bad_data"]] == ["skip"] + ["dropped"] * 12
+    assert [e["first"] for e in entries if e["bad_data"]] == list(range(120, 132))
+    assert [e["action"] for e in entries if e["bad_data"]] == ["skip"] + ["dropped"] * 11
     assert all(e["ranks"] == [1] and "data position" in e["reason"] for e in entries if e["bad_data"])
-    assert megatron_iterations(entries) == list(range(121, 134))
+    assert megatron_iterations(entries) == list(range(121, 133))
     assert cli(["data-ledger", str(run_dir), "--format", "skip-batches"]) == 0
-    assert json.loads((run_dir / "skip_batches.json").read_text())["skip_batches"] == list(range(120, 133))
+    assert json.loads((run_dir / "skip_batches.json").read_text())["skip_batches"] == list(range(120, 132))
     rerun = run_ranks(_run, 2, tmp_path / "faulted", False)
     skipped = {step for step, action, findings in rerun[0]["decisions"] if action == "SKIP"}
-    assert skipped == set(range(120, 133))
+    assert skipped == set(range(120, 132))
     # (the straggler family times the ranks: a loaded test machine can make it report, on any step)
     assert all(f[0] == "data_ledger" and f[1] == [1] for step, _, findings in rerun[0]["decisions"]
                if step in skipped for f in findings if f[0] != "straggler")

@@ -181,9 +181,12 @@ def _count_collectives(rank: int, world: int, config, steps: int) -> dict:
     return counts
 
 
-@pytest.mark.parametrize(("interval", "steps", "monitored"), [(1, 4, 4), (3, 7, 3)])
-def test_one_collective_per_monitored_step(tmp_path: Path, interval: int, steps: int, monitored: int) -> None:
-    config = make_config(tmp_path, f"stats.interval={interval}")
+@pytest.mark.parametrize(("interval", "steps", "monitored", "extra"),
+                         [(1, 4, 4, ""), (3, 7, 3, ""), (1, 4, 4, "detectors.data.sustained_threshold=12")])
+def test_one_collective_per_monitored_step(tmp_path: Path, interval: int, steps: int, monitored: int,
+                                           extra: str) -> None:
+    """Also with the data detector's sustained excess on: its flag rides in the SUM slots."""
+    config = make_config(tmp_path, f"stats.interval={interval}", *filter(None, [extra]))
     for counts in run_ranks(_count_collectives, 2, config, steps):
         assert counts["arc"] - counts["plain"] == monitored, counts
         assert counts["pipeline"] == monitored and counts["host_copies"] == monitored

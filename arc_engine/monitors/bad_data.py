@@ -23,14 +23,16 @@ shards of different kinds: one rank code, one prose) or scatter widely batch to 
 per-rank batches), one step's spread cannot tell a corrupted batch from a hard one. Each rank then follows its own
 excess -- its loss minus the ranks' agreed mean -- against its own level and scale (exponential averages over
 ``window`` accepted steps, each step's deviation clipped at 3 scales), and sums the standardized excess above a
-slack of 0.5 in a one-sided CUSUM (clipped at 3 per step, held below ``sustained_threshold`` + 2.5). Before the next
-agreement each rank writes its sum as a rank key into one MAX slot; past ``warmup_steps`` accepted steps, an agreed
-sum above ``sustained_threshold`` is an alarm naming the rank that holds it, a step after the evidence (the sum of
-step t travels in the agreement of step t + 1), and goes through the same fingerprint check, finding and quarantine
-as the spread's. While a rank's sum is above the threshold its level and scale stand still, so a shard that stays bad
-keeps it named (quarantined); the first step its loss is back at its level sets the sum back to the threshold, so
-it is named one step more (the step whose agreement carries that sum). Each rank's
-sum is its own state: a restore from another rank's copy (a checkpoint's shared state) starts it again.
+slack of 0.5 in a one-sided CUSUM (clipped at 3 per step, held below ``sustained_threshold`` + 2.5). Off by default
+(0). Before the next agreement each rank writes whether its sum is past ``sustained_threshold`` into one SUM slot
+(the step's one all-reduce; the sum itself stays in a DETAIL slot); past ``warmup_steps`` accepted steps, any rank
+past it is an alarm, a step after the evidence (the sum of step t travels in the agreement of step t + 1), whose
+follow-up (the spread's, one MAX reduction) also brings the largest sum packed with its rank: the rank named. It goes
+through the same fingerprint check, finding and quarantine as the spread's. While a rank's sum is above the
+threshold its level and scale stand still, so a shard that stays bad keeps it named (quarantined); the first step
+its standardized excess is back under the slack sets the sum back to the threshold, so it is named at least one
+step more (the step whose agreement carries that sum). Each rank's sum is its own state: a restore from another
+rank's copy (a checkpoint's shared state) starts it again.
 
 Under tensor or pipeline parallelism the ranks of one replica record the same loss; the named rank is then the
 highest global rank of the replica whose batch it was (ties in a rank key go to the higher rank).
@@ -138,10 +140,10 @@ class DataConfig:
     quarantine_steps: int = 100
     """Quarantined steps in a row at most; past them the findings skip again.
     Allowed: >= 1"""
-    sustained_threshold: float = 12.0
+    sustained_threshold: float = 0.0
     """A bad shard that lasts: each rank's one-sided CUSUM of its loss above the ranks' mean, in its own robust units
-    (slack 0.5, steps clipped at 3), alarms above this and names the rank; 0: off
-    ([detectors.md](detectors.md#bad-data)).
+    (slack 0.5, steps clipped at 3), alarms above this and names the rank; 0: off (12: for per-rank data of different
+    kinds, [detectors.md](detectors.md#bad-data)).
     Allowed: >= 0"""
     diverged_action: ActionName = "rollback"
     """What an alarm gets whose data-parallel replicas' weights differ (not bad data; DDP, ZeRO-1/2): rollback restores
@@ -162,8 +164,11 @@ class DataConfig:
 #: [1] DETAIL: this rank's global rank: on an alarm each rank's loss becomes a rank key on the host, reduced by MAX in a
 #: follow-up (a healthy step only fills this one number).
 RANK = "data_rank"
-#: [1] MAX: the rank key of this rank's sustained-excess sum (:class:`SustainedExcess`), with ``sustained_threshold``.
+#: [1] DETAIL: this rank's sustained-excess sum (:class:`SustainedExcess`), with ``sustained_threshold`` (read by the
+#: alarm's follow-up only).
 SUSTAINED = "data_sustained"
+#: [1] SUM: 1 on each rank whose sum is past ``sustained_threshold``: the ranks past it, in the step's one all-reduce.
+SUSTAINED_RANKS = "data_sustained_ranks"
 
 
 class SustainedExcess:
@@ -308,7 +313,8 @@ class BadDataMonitor(Monitor):
         self._excess = math.nan  # this step's own loss minus the agreed mean
 
     def required_stats(self) -> tuple[str, ...]:
-        return (*WorkerMoments.required_stats(), RANK, *((SUSTAINED,) if self.sustained is not None else ()))
+        return (*WorkerMoments.required_stats(), RANK,
+                *((SUSTAINED, SUSTAINED_RANKS) if self.sustained is not None else ()))
 
     @torch.no_grad()
     def write(self, buffer: StatBuffer, view: StepView) -> None:
@@ -316,7 +322,9 @@ class BadDataMonitor(Monitor):
         consistency family writes them (device-side fills of host numbers, no sync)."""
         buffer.view(RANK).fill_(float(self.rank))
         if self.sustained is not None:
-            buffer.view(SUSTAINED).fill_(rank_key(self.sustained.value(), self.rank))
+            value = self.sustained.value()
+            buffer.view(SUSTAINED).fill_(value)
+            buffer.view(SUSTAINED_RANKS).fill_(1.0 if value > self.config.sustained_threshold else 0.0)
         if self.write_moments:
             self.moments.write(buffer)
 
@@ -336,26 +344,31 @@ class BadDataMonitor(Monitor):
         # whose ranks read the same data has a baseline of rounding noise)
         limit = max(limit, 0.5 * self.config.min_excess * abs(spread.loss_mean))
         self._values.update(limit=limit, baseline=median)
-        held_sum, held_by = split_key(float(stats.total(SUSTAINED)[0])) if self.sustained is not None else (0.0, -1)
-        self._values["sustained"] = held_sum if held_by >= 0 else 0.0
-        sustained = self.sustained is not None and held_by >= 0 and held_sum > self.config.sustained_threshold
+        sustained = self.sustained is not None and float(stats.total(SUSTAINED_RANKS)[0]) > 0
+        if self.sustained is not None:
+            self._values["sustained"] = float(stats.local(SUSTAINED)[0])  # this rank's own sum (metrics)
         if deviation <= limit and not sustained:
             return []
-        if deviation <= limit:  # the sustained excess alone
-            return self._alarm(stats, spread, ranks, deviation, limit, median, sustained_by=held_by,
-                               sustained_sum=held_sum)
-        return self._alarm(stats, spread, ranks, deviation, limit, median)
+        return self._alarm(stats, spread, ranks, deviation, limit, median, sustained=deviation <= limit)
 
     def _alarm(self, stats: AgreedStats, spread: Spread, ranks: float, deviation: float, limit: float,
-               median: float, sustained_by: int = -1, sustained_sum: float = math.nan) -> list[Finding]:
-        """An agreed alarm (every rank takes it): who, whether the replicas diverged, the finding."""
+               median: float, sustained: bool = False) -> list[Finding]:
+        """An agreed alarm (every rank takes it): who (the spread's highest loss, or with ``sustained`` the rank
+        holding the largest sum), whether the replicas diverged, the finding. One MAX follow-up brings them all."""
         self._flagged = True
         self.alarms += 1
         layout = stats.layout
         replicas = self.quarantine is not None and bool(self.quarantine.params)  # whole replicas on every rank
-        key = stats.follow_up(lambda row: np.array([loss_key(row, layout), *(self._fingerprint() if replicas else
-                                                                             ())]), Reduce.MAX)
+
+        def contribution(row: np.ndarray) -> np.ndarray:
+            held = [rank_key(float(row[layout[SUSTAINED].span][0]), int(row[layout[RANK].span][0]))] \
+                if sustained else []
+            return np.array([loss_key(row, layout), *held, *(self._fingerprint() if replicas else ())])
+
+        key = stats.follow_up(contribution, Reduce.MAX)
         highest, rank = split_key(float(key[0]))
+        sustained_sum, sustained_by = split_key(float(key[1])) if sustained else (math.nan, -1)
+        key = key[1:] if sustained else key  # the fingerprints follow
         diverged = replicas and float(key[1]) != -float(key[2])
         total = spread.loss_mean * ranks
         peers = (total - highest) / (ranks - 1) if rank >= 0 else math.nan
@@ -461,7 +474,8 @@ class BadDataFamily(FamilyBase):
     def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
         monitor = self._monitor_for(ctx)
         return [*monitor.moments.statistics(), StatDecl(RANK, 1, Reduce.DETAIL),
-                *((StatDecl(SUSTAINED, 1, Reduce.MAX),) if monitor.sustained is not None else ())]
+                *((StatDecl(SUSTAINED, 1, Reduce.DETAIL), StatDecl(SUSTAINED_RANKS, 1, Reduce.SUM))
+                  if monitor.sustained is not None else ())]
 
     def producers(self, ctx: FamilyContext) -> list[Producer]:
         return [Producer("before_agreement", self._monitor_for(ctx).write)]
@@ -470,5 +484,5 @@ class BadDataFamily(FamilyBase):
         return [self._monitor_for(ctx)]
 
 
-__all__ = ["RANK", "SUSTAINED", "BadDataFamily", "BadDataMonitor", "Quarantine", "SustainedExcess", "loss_key",
-           "spread_limit"]
+__all__ = ["RANK", "SUSTAINED", "SUSTAINED_RANKS", "BadDataFamily", "BadDataMonitor", "Quarantine", "SustainedExcess",
+           "loss_key", "spread_limit"]
