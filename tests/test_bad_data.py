@@ -34,7 +34,8 @@ def _family(*overrides: str) -> tuple[StatLayout, list[BadDataMonitor]]:
     return layout, [BadDataMonitor(section_of(config, BadDataFamily()), rank) for rank in range(4)]
 
 
-def _agree(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[float], step: int) -> AgreedStats:
+def _rows(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[float], step: int) -> np.ndarray:
+    """Each simulated rank's buffer (its loss, its monitor's writes) as one row."""
     rows = []
     for monitor, loss in zip(monitors, losses, strict=True):
         buffer = StatBuffer(layout, torch.device("cpu"))
@@ -44,7 +45,11 @@ def _agree(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[floa
         buffer.put(names.LOSS_RANKS, 1.0)
         monitor.write(buffer, StepView(step))
         rows.append(buffer.values.numpy().copy())
-    return AgreedStats.from_rows(layout, np.stack(rows))
+    return np.stack(rows)
+
+
+def _agree(layout: StatLayout, monitors: list[BadDataMonitor], losses: list[float], step: int) -> AgreedStats:
+    return AgreedStats.from_rows(layout, _rows(layout, monitors, losses, step))
 
 
 def test_a_rank_whose_loss_parts_from_its_peers_is_named_on_that_step_under_a_falling_loss() -> None:
@@ -104,16 +109,8 @@ def _gap_run(fault: tuple[int, int, float] | None, *overrides: str, steps: int =
         losses = [level + gap + 0.2 * noise[0], level - gap + 0.2 * noise[1]]
         if fault is not None and fault[0] <= step < fault[0] + 50:
             losses[fault[1]] += fault[2]
-        rows = []
-        for monitor, loss in zip(monitors, losses, strict=True):
-            buffer = StatBuffer(layout, torch.device("cpu"))
-            buffer.reset()
-            buffer.put(names.LOSS, loss)
-            buffer.put(names.LOSS_COUNT, 1.0)
-            buffer.put(names.LOSS_RANKS, 1.0)
-            monitor.write(buffer, StepView(step))
-            rows.append(buffer.values.numpy().copy())
-        found = [monitor.evaluate(step, AgreedStats.from_rows(layout, np.stack(rows), my_row=rank))
+        rows = _rows(layout, monitors, losses, step)
+        found = [monitor.evaluate(step, AgreedStats.from_rows(layout, rows, my_row=rank))
                  for rank, monitor in enumerate(monitors)]
         assert [[(f.action, f.ranks) for f in fs] for fs in found[1:]] == [[(f.action, f.ranks) for f in found[0]]]
         for monitor in monitors:
@@ -142,17 +139,9 @@ def test_the_sustained_excess_is_each_ranks_own_state() -> None:
     copy) it starts again, and warms up before it reports anything."""
     layout, monitors = _family("detectors.data.sustained_threshold=12")
     for step in range(30):
-        rows = []
-        for monitor, loss in zip(monitors[:2], (3.0 + 0.01 * (step % 3), 2.0), strict=True):
-            buffer = StatBuffer(layout, torch.device("cpu"))
-            buffer.reset()
-            buffer.put(names.LOSS, loss)
-            buffer.put(names.LOSS_COUNT, 1.0)
-            buffer.put(names.LOSS_RANKS, 1.0)
-            monitor.write(buffer, StepView(step))
-            rows.append(buffer.values.numpy().copy())
+        rows = _rows(layout, monitors[:2], [3.0 + 0.01 * (step % 3), 2.0], step)
         for rank, monitor in enumerate(monitors[:2]):
-            monitor.evaluate(step, AgreedStats.from_rows(layout, np.stack(rows), my_row=rank))
+            monitor.evaluate(step, AgreedStats.from_rows(layout, rows, my_row=rank))
             monitor.commit(step, True)
     zero, one = monitors[0].sustained, monitors[1].sustained
     assert zero.count == one.count == 30 and zero.level == pytest.approx(0.5, abs=0.01) and zero.warm
