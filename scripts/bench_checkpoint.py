@@ -10,7 +10,8 @@ no torch.distributed). Every rank holds the same state -- a stack of Linear laye
 
 Per repeat, alternating so machine noise hits both alike:
 
-* async stall: the time the caller is blocked to save -- building the state dict (``get_state_dict``) and
+* async stall: the time the caller is blocked to save -- the state dict (``TorchTrainState.dcp_state_dict``:
+  ``get_state_dict``'s, built at the first save and reused while it still holds the live tensors) and
   arc_engine's own state as JSON (RNG states, counters: what recovery adds to each save), then
   ``CheckpointManager.save_async`` (staging into reused host buffers, the previous save already drained); the
   write, the checksums and the commit run in the background, not timed here;
@@ -99,12 +100,13 @@ def state_dict_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {"model": model_state, "optim": optim_state}
 
 
-def save_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
-    """What a save of recovery holds: the training state dict and arc_engine's own state as JSON, built now."""
+def save_state(state: TorchTrainState, step: int) -> dict[str, Any]:
+    """What a save of recovery holds: the training state dict (``dcp_state_dict``: ``get_state_dict``'s, built at
+    the first save and reused while it holds the live tensors) and arc_engine's own state as JSON, built now."""
     arc_state = {"rng": rng_state(), "arc": {"data_position": step, "step": step, "iteration": step},
                  "controller": {"rollbacks": 0}, "engine": {"monitored_steps": step}}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return {**state_dict_of(model, optimizer), "arc_state": portable.dumps(arc_state),
+    return {**state.dcp_state_dict(), "arc_state": portable.dumps(arc_state),
             f"arc_rng/rank{rank}": portable.dumps(rng_state())}
 
 
@@ -158,20 +160,21 @@ def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer:
     async save (cold buffers) is reported apart. Between them, training-like steps with and without a save in
     flight."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    cold_stall = slowest(timed(lambda: manager.save_async(0, save_state(model, optimizer, 0))), group)
+    state = TorchTrainState(model, optimizer)
+    cold_stall = slowest(timed(lambda: manager.save_async(0, save_state(state, 0))), group)
     pin()
     staged_mb = manager.last_staged_bytes / 2**20
     manager.wait()
     batch = torch.randn(64, LAYER_WIDTH)
     stalls, syncs, background, busy_steps, idle_steps = [], [], [], [], []
-    state, snapshots, captures, snapshot_stalls, snapshot_staged = TorchTrainState(model, optimizer), [], [], [], 0
+    snapshots, captures, snapshot_stalls, snapshot_staged = [], [], [], 0
     for repeat in range(1, repeats + 1):
         with torch.no_grad():  # a "training step" in between: the live tensors change
             for param in model.parameters():
                 param.add_(1e-3)
         barrier()
         stalls.append(slowest(timed(lambda repeat=repeat: manager.save_async(
-            repeat, save_state(model, optimizer, repeat))), group))
+            repeat, save_state(state, repeat))), group))
         pin()  # (untimed) the save's threads, some new, off the training core
         started = time.perf_counter()
         overlapped = []
@@ -184,7 +187,7 @@ def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer:
         barrier()
         sync_dir = root / f"sync_{repeat}"
         syncs.append(slowest(timed(lambda sync_dir=sync_dir, repeat=repeat: dcp.save(
-            save_state(model, optimizer, repeat), storage_writer=FileSystemWriter(sync_dir, sync_files=True),
+            save_state(state, repeat), storage_writer=FileSystemWriter(sync_dir, sync_files=True),
             no_dist=group is None)), group))
         barrier()
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -194,7 +197,7 @@ def measure_saves(manager: CheckpointManager, model: torch.nn.Module, optimizer:
             repeat, state, into=snapshots.pop().tensors if snapshots else None))), group))
         barrier()
         snapshot_stalls.append(slowest(timed(lambda repeat=repeat: save_from_snapshot(
-            manager, state, snapshots[-1], save_state(model, optimizer, 1000 + repeat))), group))
+            manager, state, snapshots[-1], save_state(state, 1000 + repeat))), group))
         snapshot_staged = manager.last_staged_bytes
         manager.wait()
         barrier()

@@ -405,7 +405,7 @@ class FaultsConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Persistent sharded checkpoints (torch.distributed.checkpoint ``async_save``), the disk tier of recovery.
+    """Persistent sharded checkpoints (torch.distributed.checkpoint, written in the background): the disk tier.
 
     ``dir``: where checkpoints go (a filesystem every rank sees); default ``<run_dir>/<run_id>/checkpoints``.
     Resuming after a restart needs the same directory, so set ``run.run_id`` or ``dir`` (torchrun's

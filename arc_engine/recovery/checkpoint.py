@@ -1,9 +1,9 @@
 """Persistent, sharded, asynchronous, crash-safe checkpoints on torch.distributed.checkpoint (DCP).
 
 ``CheckpointManager.save_async`` copies the state to host buffers (``arc_engine.recovery.staging``; training may
-mutate its tensors as soon as it returns), starts ``dcp.async_save`` on a dedicated gloo group (DCP's collectives
-run in a background thread and must never interleave with training collectives on the default group), and hands
-the commit to a worker thread: each rank checksums the files it wrote and reports them; rank 0 waits (bounded)
+mutate its tensors as soon as it returns), runs ``dcp.save`` in a background thread on a dedicated gloo group
+(DCP's collectives must never interleave with training collectives on the default group), and hands the commit
+to a worker thread: each rank checksums the files it wrote and reports them; rank 0 waits (bounded)
 for every report, writes the commit marker and moves ``latest`` (``arc_engine.recovery.commit``: the layout and
 the protocol). A checkpoint is visible only once its marker exists, so a process killed mid-save leaves the
 previous checkpoint the newest one.
@@ -69,31 +69,13 @@ from arc_engine.recovery.commit import (
     write_rank_report,
 )
 from arc_engine.recovery.portable import SafeLoadPlanner
-from arc_engine.recovery.staging import AlreadyStaged, HostStager, ReplicaOwners
+from arc_engine.recovery.staging import HostStager, ReplicaOwners
 
 __all__ = ["CheckpointError", "CheckpointManager", "CommitInfo", "DiskFormat"]
 
 logger = logging.getLogger("arc_engine")
 
 
-
-@functools.cache
-def _async_save_parameters() -> frozenset[str]:
-    import inspect
-
-    return frozenset(inspect.signature(dcp.async_save).parameters)
-
-
-def _async_save_options(group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """``dcp.async_save``'s options that this torch has: ``async_stager`` (torch >= 2.9; the state is staged
-    already, so DCP copies nothing; before, DCP stages a second host copy) and ``no_dist`` (a job without a group)."""
-    names = _async_save_parameters()
-    options: dict[str, Any] = {}
-    if "async_stager" in names:
-        options["async_stager"] = AlreadyStaged()
-    if "no_dist" in names:
-        options["no_dist"] = group is None
-    return options
 
 class DiskFormat(Protocol):
     """A backend's own layout inside a checkpoint directory, written by DCP on the checkpoint group.
@@ -171,6 +153,9 @@ class CheckpointManager:
         self._job: _SaveJob | None = None
         self._jobs: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None  # started at the first save
+        # runs each save's dcp.save, one at a time: one thread for the manager's life (dcp.async_save starts one
+        # per save, inside the caller's stall), started at the first save
+        self._uploader: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # marker rewrites (pin) vs. commit + retention on rank 0
         self._closed = False
         self.last_stall_s = 0.0  # wall time the last save_async blocked the caller
@@ -238,11 +223,15 @@ class CheckpointManager:
             skipped = self._owners.skipped(state_dict) if self._owners is not None else frozenset()
             staged = self._stager.stage(state_dict, skipped, frozenset(id(t) for t in stable))
         self.last_staged_bytes = self._stager.nbytes
-        if self._worker is None:  # before DCP's thread exists: starting it then would wait for the GIL
+        if self._worker is None:  # before the upload's thread exists: starting it then would wait for the GIL
             self._worker = threading.Thread(target=self._work, name="arc-checkpoint-commit", daemon=True)
             self._worker.start()
-        upload = dcp.async_save(staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
-                                planner=planner, process_group=self._group, **_async_save_options(self._group))
+            self._uploader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arc-checkpoint-upload")
+        assert self._uploader is not None
+        # staged already: DCP's own save in the background, on the checkpoint group (what dcp.async_save does, less
+        # its staging and its thread per save)
+        upload = self._uploader.submit(dcp.save, staged, storage_writer=FileSystemWriter(step_dir, sync_files=True),
+                                       planner=planner, process_group=self._group, no_dist=self._group is None)
         self._job = _SaveJob(step=step, step_dir=step_dir, pinned=pinned, metadata=metadata, upload=upload,
                              number=self.saves["started"])
         self.saves["started"] += 1
@@ -420,6 +409,8 @@ class CheckpointManager:
             self._jobs.put(None)
             if drained:
                 self._worker.join(timeout=self.commit_timeout_s)
+        if self._uploader is not None:
+            self._uploader.shutdown(wait=False)
 
     def _check_open(self) -> None:
         if self._closed:

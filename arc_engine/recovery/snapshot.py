@@ -30,6 +30,7 @@ import torch.distributed as dist
 from arc_engine import internals
 from arc_engine.recovery.staging import DTensor, bounded_runs, with_local
 from arc_engine.recovery.state import TrainState
+from arc_engine.recovery.state_dict_cache import layout
 
 
 def rng_state() -> dict[str, Any]:
@@ -294,10 +295,6 @@ def _restore_replicated(live: list[torch.Tensor], shares: list[torch.Tensor], re
             offset += length
 
 
-def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
-
-
 def from_snapshot(state_dict: Any, live: list[torch.Tensor],
                   copies: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
     """``state_dict`` (a :class:`TrainState`'s ``dcp_state_dict``: nested dicts and lists of its live tensors, plain or
@@ -306,20 +303,20 @@ def from_snapshot(state_dict: Any, live: list[torch.Tensor],
     Valid while the live state still equals the snapshot (a disk save of the verified state, before the step's
     update): the save then writes the snapshot's host copies instead of staging the same bytes again. A tensor with
     no match stays as it is (the checkpoint stages it)."""
-    by_identity = {_identity(t): c for t, c in zip(live, copies, strict=True)
+    by_identity = {layout(t): c for t, c in zip(live, copies, strict=True)
                    if t.numel() and t.is_contiguous() and c.shape == t.shape and c.dtype == t.dtype}
     used: list[torch.Tensor] = []
 
     def swap(obj: Any) -> Any:
         if isinstance(obj, DTensor):
             local = obj.to_local()
-            copy_ = by_identity.get(_identity(local)) if local.numel() else None
+            copy_ = by_identity.get(layout(local)) if local.numel() else None
             if copy_ is None:
                 return obj
             used.append(copy_)
             return with_local(obj, copy_)
         if isinstance(obj, torch.Tensor):
-            copy_ = by_identity.get(_identity(obj)) if obj.numel() else None
+            copy_ = by_identity.get(layout(obj)) if obj.numel() else None
             if copy_ is None:
                 return obj
             used.append(copy_)

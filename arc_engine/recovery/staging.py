@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import AsyncStager
 
 
 def bounded_runs(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
@@ -175,12 +174,3 @@ class HostStager:
             self._copy_devices.add(source.device)
         self._buffers[path] = buffer
         return buffer
-
-
-class AlreadyStaged(AsyncStager):
-    """Tells ``dcp.async_save`` that the state dict is staged already (by HostStager), so DCP copies nothing."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict

@@ -17,8 +17,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
+from arc_engine.recovery.state_dict_cache import StateDictCache
 from arc_engine.seams import check_overrides
 
 if TYPE_CHECKING:
@@ -167,6 +169,7 @@ class TorchTrainState(TrainState):
         self._scaler_restored: dict[str, Any] | None = None  # loaded again once the step's update() has run
         #: DDP: parameters and optimizer state are identical on every rank of ``replica_group`` (None: the default)
         self._replicated, self._replica_group = replicated, replica_group
+        self._state_dicts = StateDictCache(get_state_dict)
 
     def live_tensors(self) -> list[torch.Tensor]:
         tensors = [local_tensor(p) for p in self.model.parameters()]
@@ -216,9 +219,9 @@ class TorchTrainState(TrainState):
         self._scaler_restored = None
 
     def dcp_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """``get_state_dict``'s, built at the first save and reused while it still holds the live tensors
+        (:mod:`arc_engine.recovery.state_dict_cache`)."""
+        model_sd, optim_sd = self._state_dicts.get(self.model, self.optimizer, self.live_tensors())
         return {"model": model_sd, "optim": optim_sd}
 
     def after_dcp_load(self, state_dict: dict[str, Any]) -> None:
