@@ -9,10 +9,13 @@ from collections import deque
 import numpy as np
 import pytest
 
+from arc_engine.config import load_config
 from arc_engine.config.schema import PolicyConfig
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.family import FamilyContext, section_of
 from arc_engine.monitors.loss_spike import (
     LossSpikeConfig,
+    LossSpikeFamily,
     LossSpikeMonitor,
     mean_loss,
     robust_baseline,
@@ -20,6 +23,7 @@ from arc_engine.monitors.loss_spike import (
 )
 from arc_engine.monitors.non_finite import NonFiniteConfig, NonFiniteMonitor
 from arc_engine.monitors.numerics import GradNormConfig, GradNormMonitor, classify_grad_norm, global_grad_norm
+from arc_engine.monitors.worker_spread import LOSS_MOMENTS
 from arc_engine.policy.decision import DecisionPolicy
 from arc_engine.stats import AgreedStats, Reduce, StatLayout, names
 
@@ -192,6 +196,98 @@ def test_loss_spike_state_round_trip_gives_identical_decisions():
     assert feed(restored, upcoming, start=29) == expected
     assert feed(LossSpikeMonitor(config), upcoming) != expected  # a cold monitor would decide differently
     assert original.state_dict() == restored.state_dict()
+
+
+def spread_stats(losses) -> AgreedStats:
+    """One step of ranks' losses with the shared worker moments the data family writes (shift 0)."""
+    layout = StatLayout()
+    for name, size in ((names.LOSS, 1), (names.LOSS_COUNT, 1), (names.LOSS_RANKS, 1), (LOSS_MOMENTS, 5)):
+        layout.add(name, size, Reduce.SUM)
+    layout.freeze()
+    rows = np.zeros((len(losses), layout.size))
+    for rank, loss in enumerate(losses):
+        rows[rank, layout[names.LOSS].span] = loss
+        rows[rank, layout[names.LOSS_COUNT].span] = 1.0
+        rows[rank, layout[names.LOSS_RANKS].span] = 1.0
+        rows[rank, layout[LOSS_MOMENTS].span] = [loss, loss ** 2, 0.0, loss ** 3, loss ** 4]
+    return AgreedStats.from_rows(layout, rows, tuple(range(len(losses))))
+
+
+def two_kinds(count: int, seed: int = 0) -> list[tuple[float, float]]:
+    """Two ranks reading different kinds of text: their own levels, and noise of their own."""
+    rng = np.random.default_rng(seed)
+    return [(2.3 + 0.08 * rng.standard_normal(), 2.8 + 0.08 * rng.standard_normal()) for _ in range(count)]
+
+
+def feed_ranks(monitor: LossSpikeMonitor, steps, start: int = 0) -> list[list[Finding]]:
+    found = []
+    for offset, losses in enumerate(steps):
+        findings = monitor.evaluate(start + offset, spread_stats(losses))
+        monitor.commit(start + offset, applied=not any(f.action >= Action.SKIP for f in findings))
+        found.append(findings)
+    return found
+
+
+def test_one_ranks_outlier_batch_is_left_to_the_data_detector_and_a_job_wide_spike_is_not() -> None:
+    monitor = LossSpikeMonitor(LossSpikeConfig(), read_spread=True)
+    assert not any(feed_ranks(monitor, two_kinds(60)))
+    history, spreads = list(monitor.history), list(monitor.spreads)
+    assert len(spreads) == 60
+    (outlier,) = monitor.evaluate(60, spread_stats([5.0, 2.8]))  # rank 0's batch: twice its level, rank 1 as usual
+    assert (outlier.action, outlier.severity) == (Action.NONE, Severity.INFO)
+    assert "left to the data detector" in outlier.message
+    assert outlier.values["loss"] > outlier.values["threshold"]  # over the threshold, as the mean alone reads it
+    monitor.commit(60, applied=True)
+    assert (monitor.one_rank, monitor.spikes) == (1, 0)
+    assert list(monitor.history) == history and list(monitor.spreads) == spreads  # kept out of both baselines
+    (spike,) = monitor.evaluate(61, spread_stats([2.3 * 1.6, 2.8 * 1.6]))  # every rank's loss up: the training's
+    assert (spike.action, spike.severity) == (Action.SKIP, Severity.WARNING)
+    monitor.commit(61, applied=False)
+    restored = LossSpikeMonitor(LossSpikeConfig(), read_spread=True)
+    restored.load_state_dict(monitor.state_dict())
+    assert list(restored.spreads) == spreads and restored.one_rank == 1
+    upcoming = [(5.0, 2.8), (3.6, 4.4), *two_kinds(3, seed=1)]
+    assert [[f.action for f in fs] for fs in feed_ranks(restored, upcoming, 62)] == \
+        [[f.action for f in fs] for fs in feed_ranks(monitor, upcoming, 62)]
+
+
+def test_without_the_spread_one_ranks_outlier_is_a_spike() -> None:
+    """The data detector off (the spread not read), or one rank: the mean's rule alone, as before."""
+    for monitor, outlier in ((LossSpikeMonitor(LossSpikeConfig(), read_spread=False), [5.0, 2.8]),
+                             (LossSpikeMonitor(LossSpikeConfig(one_rank_to_data=False), read_spread=True),
+                              [5.0, 2.8])):
+        feed_ranks(monitor, two_kinds(60))
+        (spike,) = monitor.evaluate(60, spread_stats(outlier))
+        assert spike.action == Action.SKIP
+    alone = LossSpikeMonitor(LossSpikeConfig(), read_spread=True)
+    feed_ranks(alone, [(2.3 + 0.02 * i % 0.1,) for i in range(60)])
+    (spike,) = alone.evaluate(60, spread_stats([5.0]))
+    assert spike.action == Action.SKIP
+
+
+def test_the_family_reads_the_spread_only_with_the_data_detector_on() -> None:
+    def family_reads(*overrides: str) -> tuple[bool, int, list[str]]:
+        config = load_config(None, list(overrides))
+        ctx = FamilyContext(config, section_of(config, LossSpikeFamily()), GROUP_NAMES, Reduce.REPLICATED)
+        (monitor,) = LossSpikeFamily().monitors(ctx)
+        return monitor.read_spread, monitor.spread_warmup, [decl.name for decl in LossSpikeFamily().statistics(ctx)]
+
+    assert family_reads() == (True, 20, [LOSS_MOMENTS])
+    assert family_reads("detectors.data.warmup_steps=40", "detectors.data.window=100") == (True, 40, [LOSS_MOMENTS])
+    assert family_reads("detectors.data.enabled=false")[::2] == (False, [])
+    assert family_reads("detectors.loss_spike.one_rank_to_data=false")[::2] == (False, [])
+
+
+def test_an_outlier_before_the_data_detectors_warmup_is_a_spike() -> None:
+    """The data detector cannot judge before its own warm-up: until then the mean's rule decides alone."""
+    monitor = LossSpikeMonitor(LossSpikeConfig(warmup_steps=5), read_spread=True, data_warmup=30)
+    feed_ranks(monitor, two_kinds(25))
+    (spike,) = monitor.evaluate(25, spread_stats([5.0, 2.8]))
+    assert spike.action == Action.SKIP
+    monitor.commit(25, applied=False)
+    feed_ranks(monitor, two_kinds(5, seed=2), 26)  # 30 accepted steps now
+    (outlier,) = monitor.evaluate(31, spread_stats([5.0, 2.8]))
+    assert outlier.action == Action.NONE
 
 
 # ------------------------------------------------------------------ decision policy

@@ -12,6 +12,16 @@ deviation (robust to the outliers being detected); a spike must clear both ``fac
 deviations and a minimum relative increase, so a noisy but stable loss does not alarm and a quiet plateau does
 not alarm on tiny wiggles. Flagged losses never enter the baseline.
 
+One rank's outlier batch is not a spike either: a rank whose batch is far harder than usual (a heavy-tailed
+batch of real text, a corrupted shard) raises the mean loss by 1/n of its excess and the ranks' spread with it,
+where a spike of the training (a learning-rate or optimizer fault, diverging weights) moves every rank's loss and
+leaves the spread near its usual level. With the data detector on (``detectors.data``, which judges one rank's loss
+against its peers and names it), a loss over the threshold is first reduced by what the spread's rise over its usual
+level can carry -- (σ − σ₀)/√(n − 1), σ the ranks' standard deviation this step (the shared worker moments of the
+step's one all-reduce), σ₀ the median of the last ``window`` accepted steps' -- which one rank's excess δ makes at
+most δ/n; a loss still over the threshold is a spike, one under it an info finding left to the data detector
+(``one_rank_to_data``).
+
 A sustained rise is not a spike: the level-shift arm sums each loss's distance above the median of the last
 ``level_reference`` accepted losses in a one-sided CUSUM, in units of the noise scale of *successive differences*
 (:func:`difference_noise`): a decaying learning rate's downward trend moves every loss but not the step-to-step
@@ -21,6 +31,7 @@ minus the allowance; the arm fires once when the sum passes ``level_threshold`` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import deque
@@ -32,7 +43,8 @@ from arc_engine.config.errors import require
 from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
-from arc_engine.monitors.family import FamilyBase, FamilyContext
+from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, section_of
+from arc_engine.monitors.worker_spread import WorkerMoments
 from arc_engine.stats import AgreedStats, names
 
 MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
@@ -70,6 +82,11 @@ class LossSpikeConfig:
     Allowed: >= 0"""
     action: ActionName = "skip"
     """What a spike gets."""
+    one_rank_to_data: bool = True
+    """A loss over the threshold that one rank's loss carries (the rise of the ranks' spread over its usual level
+    accounts for it) is left to the data detector, which judges and names the rank: an info finding, not a spike.
+    Only with `detectors.data` on, past its warm-up, and 2 or more ranks recording a loss
+    ([detectors.md](detectors.md#one-ranks-outlier-batch))."""
     level_shift: bool = True
     """The level-shift arm: a one-sided CUSUM of the loss above its recent median, in units of the successive-difference
     noise scale ([detectors.md](detectors.md#loss-level-shifts))."""
@@ -148,25 +165,36 @@ class LossSpikeMonitor(Monitor):
 
     name = "loss_spike"
 
-    def __init__(self, config: LossSpikeConfig) -> None:
+    def __init__(self, config: LossSpikeConfig, read_spread: bool = False, data_warmup: int = 0) -> None:
         self.config = config
+        #: whether the ranks' spread (the shared worker moments) is read: ``one_rank_to_data`` with the data detector
+        self.read_spread = read_spread and config.one_rank_to_data
+        #: accepted steps before an outlier is left to the data detector: its warm-up too (it could not judge before)
+        self.spread_warmup = max(config.warmup_steps, data_warmup)
         self.history: deque[float] = deque(maxlen=config.window)
+        self.spreads: deque[float] = deque(maxlen=config.window)  # the ranks' loss std on accepted steps
+        self.one_rank = 0  # losses over the threshold left to the data detector
+        self.last_spread = float("nan")
         self.spikes = 0
         self.last_loss = float("nan")
         self.last_threshold = float("nan")
         self._flagged = False
+        self._outlier = False
         self.level_sum = 0.0       # the level-shift CUSUM (noise units)
         self.level_shifts = 0
         self._in_shift = False     # an episode is on (the sum has not been back at 0 since it fired)
         self._pending_sum: float | None = None  # this step's sum, committed with the step
 
     def required_stats(self) -> tuple[str, ...]:
-        return (names.LOSS, names.LOSS_RANKS)
+        spread = WorkerMoments.LOSS_STATS if self.read_spread else ()
+        return (names.LOSS, names.LOSS_RANKS, *spread)
 
     def evaluate(self, step: int, stats: AgreedStats) -> list[Finding]:
-        loss = mean_loss(float(stats.total(names.LOSS)[0]), float(stats.total(names.LOSS_RANKS)[0]))
+        ranks = float(stats.total(names.LOSS_RANKS)[0])
+        loss = mean_loss(float(stats.total(names.LOSS)[0]), ranks)
         self.last_loss = loss
-        self._flagged = False
+        self.last_spread = WorkerMoments.read_loss(stats)[1] if self.read_spread else math.nan
+        self._flagged = self._outlier = False
         self._pending_sum = None
         if not math.isfinite(loss) or len(self.history) < self.config.warmup_steps:
             return []
@@ -176,12 +204,32 @@ class LossSpikeMonitor(Monitor):
         self.last_threshold = threshold
         if loss <= threshold:
             return found
-        self._flagged = True
         values = {"loss": loss, "baseline_median": median, "robust_std": robust_std, "threshold": threshold,
                   "ratio_to_median": loss / median if median else float("inf")}
+        carried = self._one_rank_share(ranks)
+        self._outlier = True  # a spike or one rank's outlier: neither enters the baselines
+        if loss - carried <= threshold:
+            self.one_rank += 1
+            spread_median = _median(list(self.spreads))
+            return [*found, Finding(self.name, Action.NONE, Severity.INFO,
+                                    f"loss {loss:.4g} over the spike threshold {threshold:.4g}, carried by one rank's "
+                                    f"loss: the ranks' spread {self.last_spread:.3g} against its usual "
+                                    f"{spread_median:.3g} accounts for {carried:.3g} of it; left to the data "
+                                    f"detector", values={**values, "spread": self.last_spread,
+                                                         "usual_spread": spread_median, "one_rank_share": carried})]
+        self._flagged = True
         return [*found, Finding(self.name, Action.parse(self.config.action), Severity.WARNING,
                                 f"loss spike: {loss:.4g} vs baseline {median:.4g} (threshold {threshold:.4g})",
                                 values=values)]
+
+    def _one_rank_share(self, ranks: float) -> float:
+        """What one rank's excess can add to the mean loss beyond the usual spread: (σ − σ₀)⁺ / √(n − 1); 0 when the
+        spread is not read, fewer than 2 ranks recorded a loss, or before the warm-ups (this rule's and the data
+        detector's)."""
+        if not (self.read_spread and ranks >= 2 and len(self.spreads) >= self.spread_warmup
+                and math.isfinite(self.last_spread)):
+            return 0.0
+        return max(0.0, self.last_spread - _median(list(self.spreads))) / math.sqrt(ranks - 1)
 
     def _level(self, loss: float) -> list[Finding]:
         """The level-shift arm on this step's loss (its sum is committed with the step)."""
@@ -207,18 +255,21 @@ class LossSpikeMonitor(Monitor):
             self.level_shifts += int(fired)
             self._in_shift = (self._in_shift or fired) and self._pending_sum > 0.0
             self.level_sum = self._pending_sum
-        if self._flagged:
-            self.spikes += 1
-        elif applied and math.isfinite(self.last_loss):
+        self.spikes += int(self._flagged)
+        if not self._outlier and applied and math.isfinite(self.last_loss):
             self.history.append(self.last_loss)
+            if math.isfinite(self.last_spread):
+                self.spreads.append(self.last_spread)
 
     def metrics(self) -> dict[str, float]:
         return {"loss": self.last_loss, "threshold": self.last_threshold, "spikes": float(self.spikes),
-                "level_cusum": self.level_sum, "level_shifts": float(self.level_shifts)}
+                "level_cusum": self.level_sum, "level_shifts": float(self.level_shifts),
+                **({"one_rank": float(self.one_rank)} if self.read_spread else {})}
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "spikes": self.spikes, "level_sum": self.level_sum,
-                "level_shifts": self.level_shifts, "in_shift": self._in_shift}
+                "level_shifts": self.level_shifts, "in_shift": self._in_shift, "spreads": list(self.spreads),
+                "one_rank": self.one_rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.config.window)
@@ -226,6 +277,8 @@ class LossSpikeMonitor(Monitor):
         self.level_sum = float(state.get("level_sum", 0.0))
         self.level_shifts = int(state.get("level_shifts", 0))
         self._in_shift = bool(state.get("in_shift", False))
+        self.spreads = deque((float(v) for v in state.get("spreads", ())), maxlen=self.config.window)
+        self.one_rank = int(state.get("one_rank", 0))
 
 
 class LossSpikeFamily(FamilyBase):
@@ -234,5 +287,20 @@ class LossSpikeFamily(FamilyBase):
     name = "loss_spike"
     config_class = LossSpikeConfig
 
+    @staticmethod
+    def _data_warmup(ctx: FamilyContext) -> int | None:
+        """The data detector's warm-up when ``one_rank_to_data`` leaves outliers to it (it is on and writes the
+        shared worker moments this reads); None otherwise."""
+        from arc_engine.monitors.bad_data import BadDataFamily  # (it reads this module's baseline helpers)
+
+        data = section_of(ctx.config, BadDataFamily())
+        if not (ctx.section.one_rank_to_data and BadDataFamily().enabled(dataclasses.replace(ctx, section=data))):
+            return None
+        return int(data.warmup_steps)
+
+    def statistics(self, ctx: FamilyContext) -> list[StatDecl]:
+        return WorkerMoments.loss_statistics() if self._data_warmup(ctx) is not None else []
+
     def monitors(self, ctx: FamilyContext) -> list[Monitor]:
-        return [LossSpikeMonitor(ctx.section)]
+        warmup = self._data_warmup(ctx)
+        return [LossSpikeMonitor(ctx.section, read_spread=warmup is not None, data_warmup=warmup or 0)]

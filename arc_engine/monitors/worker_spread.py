@@ -97,8 +97,16 @@ class WorkerMoments:
         self.loss_shift = 0.0
         self.norm_shift = np.zeros(positions)
 
+    #: what :meth:`read_loss` reads
+    LOSS_STATS = (names.LOSS_RANKS, LOSS_MOMENTS)
+
     def statistics(self) -> list[StatDecl]:
-        return [StatDecl(LOSS_MOMENTS, 5, Reduce.SUM), StatDecl(GRAD_NORM_MOMENTS, 4 * self.positions, Reduce.SUM)]
+        return [*self.loss_statistics(), StatDecl(GRAD_NORM_MOMENTS, 4 * self.positions, Reduce.SUM)]
+
+    @staticmethod
+    def loss_statistics() -> list[StatDecl]:
+        """The loss moments' slot alone (a family that reads the loss spread another family writes)."""
+        return [StatDecl(LOSS_MOMENTS, 5, Reduce.SUM)]
 
     @staticmethod
     def required_stats() -> tuple[str, ...]:
@@ -124,11 +132,19 @@ class WorkerMoments:
         grad[3].fill_(shift)
 
     @staticmethod
+    def read_loss(stats: AgreedStats) -> tuple[float, float]:
+        """The agreed (mean, population std) of the ranks' losses this step (NaN where no rank recorded one)."""
+        loss = stats.total(LOSS_MOMENTS)
+        loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
+        loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
+        return dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
+
+    @staticmethod
     def read(stats: AgreedStats) -> Spread:
         loss = stats.total(LOSS_MOMENTS)
         loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
         loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
-        loss_mean, loss_std = dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
+        loss_mean, loss_std = WorkerMoments.read_loss(stats)
         l4 = deviation_l4((float(loss[0]), float(loss[1]), float(loss[3]), float(loss[4])), loss_ranks, loss_shift,
                           loss_mean) if math.isfinite(loss_mean) else math.nan
         rows = stats.total(GRAD_NORM_MOMENTS).reshape(-1, 4)
