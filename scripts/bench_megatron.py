@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=20, help="timed blocks per variant")
     parser.add_argument("--steps-per-block", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--own-work", action="store_true",
+                        help="also time arc_engine's own work (stats.own_work) in the arc variants and print the "
+                             "default variant's per step, by piece (slowest rank)")
     return parser.parse_args()
 
 
@@ -43,7 +46,8 @@ def build(args: argparse.Namespace, overrides: list[str] | None) -> script.Train
     variant = argparse.Namespace(**vars(args))
     variant.no_arc = overrides is None
     variant.arc_overrides = [*getattr(args, "arc_overrides", []), "sinks.console.enabled=false",
-                             "run.run_dir=/tmp/arc_bench_megatron", *(overrides or [])]
+                             "run.run_dir=/tmp/arc_bench_megatron", *(overrides or []),
+                             *(["stats.own_work=true"] if args.own_work else [])]
     return script.build_model_and_optimizer(variant)
 
 
@@ -56,6 +60,27 @@ def timed_block(state: script.TrainState, args: argparse.Namespace, start: int) 
     return (time.perf_counter() - began) / args.steps_per_block
 
 
+def own_work_rows(state: script.TrainState, step_s: float) -> str:
+    """The default variant's own work per step on the slowest rank (timers' own cost taken out, as
+    ``scripts/bench_overhead.py`` does) against its median step, with the pieces over 1% of it. Collective."""
+    from bench_overhead import slowest_rank, timer_cost_ns, without_timers
+
+    report = state.arc.engine.own_work.report()
+    mine = {"host_ms": report.host_ms, "timed_calls": sum(p["calls"] for p in report.pieces.values()),
+            "pieces": {name: p["host_ms"] for name, p in report.pieces.items()}}
+    reports: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, mine)
+    timer_ms = timer_cost_ns() / 1e6
+    for entry in reports:
+        entry["untimed_ms"] = without_timers(entry["host_ms"], entry["timed_calls"], timer_ms)
+    slowest = slowest_rank(reports)
+    pieces = sorted(((name, ms) for name, ms in slowest["pieces"].items() if ms >= 0.01 * slowest["host_ms"]),
+                    key=lambda item: -item[1])[:5]
+    return (f"\narc default, own work: {slowest['untimed_ms']:.1f} ms per step = "
+            f"{100 * slowest['untimed_ms'] / (1000 * step_s):.3f}% of its median step (slowest rank); pieces: "
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in pieces))
+
+
 def main() -> int:
     args = parse_args()
     script.initialize(args)
@@ -63,11 +88,15 @@ def main() -> int:
     for state in states.values():
         for step in range(args.warmup):
             script.train_step(state, args, step)
+    for state in states.values():
+        if state.arc is not None:
+            state.arc.engine.own_work.reset()
     times: dict[str, list[float]] = {name: [] for name in states}
     for block in range(args.blocks):
         start = args.warmup + block * args.steps_per_block
         for name, state in states.items():
             times[name].append(timed_block(state, args, start))
+    own = own_work_rows(states["arc default"], statistics.median(times["arc default"])) if args.own_work else None
     for state in states.values():
         if state.arc is not None:
             state.arc.close()
@@ -82,6 +111,8 @@ def main() -> int:
             ratio = statistics.median(v / p for v, p in zip(values, plain, strict=True))
             print(f"| {name} | {1000 * statistics.median(values):.1f} | "
                   f"{'' if name == 'plain' else f'{100 * (ratio - 1):+.1f}%'} |")
+        if own is not None:
+            print(own)
     torch.distributed.barrier()
     return 0
 

@@ -65,9 +65,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     parser.add_argument("--d-model", type=int, default=None, help="override the model's width")
     parser.add_argument("--bucket-mb", type=float, default=None,
-                        help="DDP bucket_cap_mb / ZeRO-2 reduce_bucket_size (default: the model's: 25 MB DDP and "
-                             "DeepSpeed's own for standard, 1 MB for thin)")
+                        help="DDP bucket_cap_mb / ZeRO-2 reduce_bucket_size and allgather_bucket_size (default: the "
+                             "model's: 25 MB DDP and DeepSpeed's own for standard, 1 MB for thin)")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in the backward")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=80, help="alternating blocks per variant")
     parser.add_argument("--steps-per-block", type=int, default=None,
@@ -148,14 +150,15 @@ def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool 
     ``torch_hook``: no arc_engine, but torch's own default all-reduce registered as a DDP comm hook (a control)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, seq_len=args.seq_len, num_layers=args.layers,
-                          d_model=args.d_model, num_heads=max(1, args.d_model // 64)))
+                          d_model=args.d_model, num_heads=max(1, args.d_model // 64),
+                          activation_checkpointing=args.activation_checkpointing))
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
     if args.backend == "deepspeed":
         import deepspeed
 
         zero: dict = {"stage": 2}
-        if args.bucket_mb is not None:  # in elements of 4 bytes
-            zero["reduce_bucket_size"] = int(args.bucket_mb * 2**20 / 4)
+        if args.bucket_mb is not None:  # in elements of 4 bytes; the post-step all-gather's buckets alike
+            zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = int(args.bucket_mb * 2**20 / 4)
         ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0,
                      "zero_optimization": zero, "steps_per_print": 10**9}
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)

@@ -5,6 +5,8 @@
     .venv/bin/python scripts/bench_scale.py qk --sizes 1.3b --repeats 5
     .venv/bin/python scripts/bench_scale.py layout                   # the per-step agreement's size, every size
     .venv/bin/python scripts/bench_scale.py step --sizes 125m --backends ddp zero2   # a training step, 2 ranks
+    .venv/bin/python scripts/bench_scale.py step --sizes 350m --seq 2048 --steps 5 --no-recovery \
+        --activation-checkpointing --bucket-mb 25            # 350M at its context: how it fits 2 ranks in 24 GB
 
 ``qk``: one measurement of ``detectors.qk_spectra`` (:class:`arc_engine.monitors.qk_spectra.QKSpectraProducer`) on
 one rank holding every layer (TP=1), on random ``linear_qkv`` weights of the real shapes moved by a small update:
@@ -15,7 +17,9 @@ the cost per training step at the default period (``detectors.qk_spectra.every``
 (``--device cuda``) the times are taken after a synchronisation.
 
 ``step``: a training step of the GPT at each size on 2 CPU ranks (torchrun, gloo, each rank pinned to a core), under
-DDP or DeepSpeed ZeRO-2, AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens.
+DDP or DeepSpeed ZeRO-2, AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens
+(``--activation-checkpointing``: each block recomputed in the backward; ``--bucket-mb``: DDP's bucket cap, ZeRO-2's
+reduce and all-gather buckets, whose DeepSpeed default of 500M elements is 2 GB each per rank).
 In the same processes, one after the other: the model without arc_engine, then a new one with arc_engine's default
 configuration (``stats.own_work`` on), each for a warm-up step and a block of steps that spans every periodic
 schedule of the configuration (20 steps); then, with ``recovery.enabled`` (a snapshot every 5 healthy steps, no disk
@@ -181,6 +185,11 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", choices=("ddp", "zero2"), default=["ddp", "zero2"])
     parser.add_argument("--seq", type=int, default=128, help="step: tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=1, help="step: sequences per rank and step")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="step: recompute each block's activations in the backward (how a long context fits)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="step: DDP bucket_cap_mb / ZeRO-2 reduce and all-gather bucket sizes (default: each "
+                             "framework's own, 25 MB and 500M elements)")
     parser.add_argument("--steps", type=int, default=None,
                         help="step: timed steps per variant (default: the configuration's periodic block, 20)")
     parser.add_argument("--recovery", action=argparse.BooleanOptionalAction, default=True,
@@ -240,7 +249,9 @@ def bench_step(args: argparse.Namespace) -> int:
     """``step``: one torchrun launch of 2 ranks per size and backend; prints a markdown table and one JSON line."""
     rows = []
     print(f"a training step on 2 CPU ranks (gloo, pinned), seq {args.seq} x micro-batch {args.micro_batch}, AdamW, "
-          f"clip 1.0; arc_engine's default config; slowest rank", flush=True)
+          f"clip 1.0{', activation checkpointing' if args.activation_checkpointing else ''}; buckets "
+          f"{'default' if args.bucket_mb is None else f'{args.bucket_mb:g} MB'}; arc_engine's default config; "
+          f"slowest rank", flush=True)
     print("| size | parameters | tensors | backend | step without, ms | step with, ms | own work, ms | own work, % of "
           "step | largest pieces (ms) | snapshot per rank, MB | ring | capture, ms | restore, ms | peak RSS per "
           "rank, MB |")
@@ -252,6 +263,8 @@ def bench_step(args: argparse.Namespace) -> int:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        __file__, "step-worker", "--sizes", name, "--backends", backend, "--seq", str(args.seq),
                        "--micro-batch", str(args.micro_batch), "--result", str(result),
+                       *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+                       *(["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb is not None else []),
                        "--recovery" if args.recovery else "--no-recovery",
                        *(["--steps", str(args.steps)] if args.steps else [])]
                 env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -368,7 +381,9 @@ def step_worker(args: argparse.Namespace) -> int:
         pieces = sorted(((name, ms) for name, ms in slowest["pieces"].items() if ms >= 0.01 * slowest["host_ms"]),
                         key=lambda item: -item[1])[:4]
         row = {"size": shape.name, "backend": backend, "parameters": parameters, "tensors": tensors,
-               "seq": args.seq, "micro_batch": args.micro_batch, "steps": steps, "bare_ms": bare_ms,
+               "seq": args.seq, "micro_batch": args.micro_batch, "steps": steps,
+               "activation_checkpointing": args.activation_checkpointing, "bucket_mb": args.bucket_mb,
+               "bare_ms": bare_ms,
                "arc_ms": arc_ms, "own_ms": slowest["untimed_ms"], "own_fraction": slowest["untimed_ms"] / arc_ms,
                "pieces": pieces, "all_pieces": slowest["pieces"], "rss_mb": max(r["rss_mb"] for r in reports),
                **{key: max((r["ring"][key] for r in reports if r["ring"][key] is not None), default=None)
@@ -386,7 +401,8 @@ def _train_step(shape: Shape, backend: str, args: argparse.Namespace, config: ob
     from bench_overhead import build
 
     spec = argparse.Namespace(seq_len=args.seq, layers=shape.layers, d_model=shape.hidden, micro_batch=args.micro_batch,
-                              bucket_mb=None, backend="deepspeed" if backend == "zero2" else "ddp")
+                              bucket_mb=args.bucket_mb, backend="deepspeed" if backend == "zero2" else "ddp",
+                              activation_checkpointing=args.activation_checkpointing)
     return build(spec, SimpleNamespace(vocab_size=shape.vocab), config)
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ checkpoint every quarter of the run). Reported: every alarm (a detection of seve
 step and what was going on around it (the learning-rate phase, a batch-size change, the mixture switch, the
 resume), every intervention (a skipped, rolled-back, recomputed or stopped step; none is expected on a clean run),
 and per detector the alarms per 1,000 steps with a 95% Poisson interval. Written: ``OUT/realtext.json`` and the
-markdown table on stdout. Figures: docs/results.md#real-text.
+markdown table on stdout; each rank's loss at every step in ``OUT/seedN/losses_rankR.jsonl`` (a line per launch),
+to replay a detector's rule offline. Figures: docs/results.md#real-text.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def worker(args: argparse.Namespace) -> int:
     arc = arc_engine.attach(ddp, optimizer, config_for(args, args.out))
     start, first = time.perf_counter(), arc.progress.step
     stop = args.stop_at if args.stop_at is not None else args.steps
+    losses: list[tuple[int, float]] = []  # this rank's loss at each step, for replaying the detectors offline
     try:
         while arc.progress.step < stop:
             step = arc.progress.step
@@ -122,6 +124,7 @@ def worker(args: argparse.Namespace) -> int:
                                          batch_size(step, args.steps, args.ramp))
             loss = ddp(inputs, targets)
             arc.record_loss(loss)
+            losses.append((step, loss.item()))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             optimizer.step()
@@ -130,6 +133,8 @@ def worker(args: argparse.Namespace) -> int:
         print(f"[realtext] rank {rank}: {abort}", file=sys.stderr, flush=True)
         return abort.exit_code
     elapsed = time.perf_counter() - start
+    with open(args.out / f"losses_rank{rank}.jsonl", "a") as log:  # one line per launch
+        log.write(json.dumps({"first_step": first, "losses": losses}) + "\n")
     held_out = {}
     with torch.no_grad():
         for kind, tokens in corpus.held_out.items():
