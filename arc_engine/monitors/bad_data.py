@@ -79,7 +79,7 @@ from arc_engine.monitors.family import (
     section_of,
     worker_positions,
 )
-from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.robust import robust_baseline
 from arc_engine.monitors.worker_spread import Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names
 from arc_engine.stats.rank_keys import check_rank, rank_key, split_key

@@ -55,7 +55,7 @@ from arc_engine.monitors.family import (
     section_of,
     worker_positions,
 )
-from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.robust import robust_baseline
 from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.worker_spread import GRAD_NORM_MOMENTS, Spread, WorkerMoments
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer, names

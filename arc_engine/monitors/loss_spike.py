@@ -42,12 +42,13 @@ from typing import Any
 from arc_engine.config.errors import require
 from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
+from arc_engine.monitors.bad_data import BadDataFamily
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext, StatDecl, section_of
+from arc_engine.monitors.robust import median as median_of
+from arc_engine.monitors.robust import robust_baseline
 from arc_engine.monitors.worker_spread import WorkerMoments
 from arc_engine.stats import AgreedStats, names
-
-MAD_TO_STD = 1.4826  # MAD x this estimates the standard deviation of a normal distribution
 
 
 @dataclass(kw_only=True)
@@ -117,21 +118,6 @@ class LossSpikeConfig:
         require(self.level_cap > self.level_allowance, "level_cap", self.level_cap, "must be > level_allowance")
         require(self.level_threshold > 0, "level_threshold", self.level_threshold, "must be > 0")
 
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def robust_baseline(history: Iterable[float]) -> tuple[float, float]:
-    """``(median, robust_std)`` of ``history`` (finite values); robust_std = 1.4826 x median absolute deviation.
-    Plain Python: for the window's hundred values it is several times faster than numpy's median, and it runs
-    on every monitored step."""
-    values = list(history)
-    median = _median(values)
-    return median, MAD_TO_STD * _median([abs(value - median) for value in values])
 
 
 def difference_noise(history: Iterable[float]) -> float:
@@ -210,7 +196,7 @@ class LossSpikeMonitor(Monitor):
         self._outlier = True  # a spike or one rank's outlier: neither enters the baselines
         if loss - carried <= threshold:
             self.one_rank += 1
-            spread_median = _median(list(self.spreads))
+            spread_median = median_of(list(self.spreads))
             return [*found, Finding(self.name, Action.NONE, Severity.INFO,
                                     f"loss {loss:.4g} over the spike threshold {threshold:.4g}, carried by one rank's "
                                     f"loss: the ranks' spread {self.last_spread:.3g} against its usual "
@@ -229,7 +215,7 @@ class LossSpikeMonitor(Monitor):
         if not (self.read_spread and ranks >= 2 and len(self.spreads) >= self.spread_warmup
                 and math.isfinite(self.last_spread)):
             return 0.0
-        return max(0.0, self.last_spread - _median(list(self.spreads))) / math.sqrt(ranks - 1)
+        return max(0.0, self.last_spread - median_of(list(self.spreads))) / math.sqrt(ranks - 1)
 
     def _level(self, loss: float) -> list[Finding]:
         """The level-shift arm on this step's loss (its sum is committed with the step)."""
@@ -291,8 +277,6 @@ class LossSpikeFamily(FamilyBase):
     def _data_warmup(ctx: FamilyContext) -> int | None:
         """The data detector's warm-up when ``one_rank_to_data`` leaves outliers to it (it is on and writes the
         shared worker moments this reads); None otherwise."""
-        from arc_engine.monitors.bad_data import BadDataFamily  # (it reads this module's baseline helpers)
-
         data = section_of(ctx.config, BadDataFamily())
         if not (ctx.section.one_rank_to_data and BadDataFamily().enabled(dataclasses.replace(ctx, section=data))):
             return None

@@ -18,7 +18,7 @@ from arc_engine.config.schema import ActionName
 from arc_engine.events import Action, Finding, Severity
 from arc_engine.monitors.base import Monitor
 from arc_engine.monitors.family import FamilyBase, FamilyContext
-from arc_engine.monitors.loss_spike import robust_baseline
+from arc_engine.monitors.robust import robust_baseline
 from arc_engine.stats import AgreedStats, names
 
 # ---------------------------------------------------------------- pure functions

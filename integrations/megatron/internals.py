@@ -734,7 +734,7 @@ def prepare_dist_checkpoint(sharded_state_dict: dict, step_dir: Any, *, coordina
     the installed release does, :func:`dist_checkpoint_layout`: the coordinator's ``common.pt``, or a ShardedObject
     in the DCP files; the coordinator writes ``metadata.json`` into ``step_dir``), replace every ShardedTensor's
     data by ``stage``'s host copy (so training can go on while the write runs), translate to DCP. Returns the DCP
-    state dict and Megatron's save planner for ``dcp.async_save``. Collective on the default group when
+    state dict and Megatron's save planner for the disk tier's ``dcp.save``. Collective on the default group when
     ``validate`` (Megatron's access-integrity check)."""
     import copy
 
