@@ -192,11 +192,10 @@ class LossSpikeMonitor(Monitor):
             return found
         values = {"loss": loss, "baseline_median": median, "robust_std": robust_std, "threshold": threshold,
                   "ratio_to_median": loss / median if median else float("inf")}
-        carried = self._one_rank_share(ranks)
+        carried, spread_median = self._one_rank_share(ranks)
         self._outlier = True  # a spike or one rank's outlier: neither enters the baselines
         if loss - carried <= threshold:
             self.one_rank += 1
-            spread_median = median_of(list(self.spreads))
             return [*found, Finding(self.name, Action.NONE, Severity.INFO,
                                     f"loss {loss:.4g} over the spike threshold {threshold:.4g}, carried by one rank's "
                                     f"loss: the ranks' spread {self.last_spread:.3g} against its usual "
@@ -208,14 +207,15 @@ class LossSpikeMonitor(Monitor):
                                 f"loss spike: {loss:.4g} vs baseline {median:.4g} (threshold {threshold:.4g})",
                                 values=values)]
 
-    def _one_rank_share(self, ranks: float) -> float:
-        """What one rank's excess can add to the mean loss beyond the usual spread: (σ − σ₀)⁺ / √(n − 1); 0 when the
-        spread is not read, fewer than 2 ranks recorded a loss, or before the warm-ups (this rule's and the data
-        detector's)."""
+    def _one_rank_share(self, ranks: float) -> tuple[float, float]:
+        """(what one rank's excess can add to the mean loss beyond the usual spread, (σ − σ₀)⁺ / √(n − 1); σ₀): 0 and
+        NaN when the spread is not read, fewer than 2 ranks recorded a loss, or before the warm-ups (this rule's and
+        the data detector's)."""
         if not (self.read_spread and ranks >= 2 and len(self.spreads) >= self.spread_warmup
                 and math.isfinite(self.last_spread)):
-            return 0.0
-        return max(0.0, self.last_spread - median_of(list(self.spreads))) / math.sqrt(ranks - 1)
+            return 0.0, math.nan
+        usual = median_of(list(self.spreads))
+        return max(0.0, self.last_spread - usual) / math.sqrt(ranks - 1), usual
 
     def _level(self, loss: float) -> list[Finding]:
         """The level-shift arm on this step's loss (its sum is committed with the step)."""

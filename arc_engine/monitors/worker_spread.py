@@ -132,19 +132,22 @@ class WorkerMoments:
         grad[3].fill_(shift)
 
     @staticmethod
-    def read_loss(stats: AgreedStats) -> tuple[float, float]:
-        """The agreed (mean, population std) of the ranks' losses this step (NaN where no rank recorded one)."""
+    def _loss_sums(stats: AgreedStats) -> tuple[np.ndarray, float, float]:
+        """The loss moments' agreed sums, the ranks that recorded a loss, and the shift they were taken around."""
         loss = stats.total(LOSS_MOMENTS)
         loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
-        loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
+        return loss, loss_ranks, float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
+
+    @staticmethod
+    def read_loss(stats: AgreedStats) -> tuple[float, float]:
+        """The agreed (mean, population std) of the ranks' losses this step (NaN where no rank recorded one)."""
+        loss, loss_ranks, loss_shift = WorkerMoments._loss_sums(stats)
         return dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
 
     @staticmethod
     def read(stats: AgreedStats) -> Spread:
-        loss = stats.total(LOSS_MOMENTS)
-        loss_ranks = float(stats.total(names.LOSS_RANKS)[0])
-        loss_shift = float(loss[2]) / loss_ranks if loss_ranks > 0 else 0.0
-        loss_mean, loss_std = WorkerMoments.read_loss(stats)
+        loss, loss_ranks, loss_shift = WorkerMoments._loss_sums(stats)
+        loss_mean, loss_std = dispersion(float(loss[0]), float(loss[1]), loss_ranks, loss_shift)
         l4 = deviation_l4((float(loss[0]), float(loss[1]), float(loss[3]), float(loss[4])), loss_ranks, loss_shift,
                           loss_mean) if math.isfinite(loss_mean) else math.nan
         rows = stats.total(GRAD_NORM_MOMENTS).reshape(-1, 4)
