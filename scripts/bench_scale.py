@@ -7,6 +7,8 @@
     .venv/bin/python scripts/bench_scale.py step --sizes 125m --backends ddp zero2   # a training step, 2 ranks
     .venv/bin/python scripts/bench_scale.py step --sizes 350m --seq 2048 --steps 5 --no-recovery \
         --activation-checkpointing --bucket-mb 25            # 350M at its context: how it fits 2 ranks in 24 GB
+    .venv/bin/python scripts/bench_scale.py step --sizes 1.3b --backends fsdp2 --dtype bfloat16 --seq 2048 \
+        --steps 3 --no-recovery --activation-checkpointing    # 1.3B: FSDP2 in pure bf16 fits 2 ranks in 24 GB
 
 ``qk``: one measurement of ``detectors.qk_spectra`` (:class:`arc_engine.monitors.qk_spectra.QKSpectraProducer`) on
 one rank holding every layer (TP=1), on random ``linear_qkv`` weights of the real shapes moved by a small update:
@@ -17,7 +19,8 @@ the cost per training step at the default period (``detectors.qk_spectra.every``
 (``--device cuda``) the times are taken after a synchronisation.
 
 ``step``: a training step of the GPT at each size on 2 CPU ranks (torchrun, gloo, each rank pinned to a core), under
-DDP or DeepSpeed ZeRO-2, AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens
+DDP, DeepSpeed ZeRO-2 or FSDP2 (``fully_shard`` per block; ``--dtype bfloat16``: parameters, gradients and AdamW's
+moments in bf16, 8 bytes per parameter sharded over the ranks, the one way 1.3B fits here), AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens
 (``--activation-checkpointing``: each block recomputed in the backward; ``--bucket-mb``: DDP's bucket cap, ZeRO-2's
 reduce and all-gather buckets, whose DeepSpeed default of 500M elements is 2 GB each per rank).
 In the same processes, one after the other: the model without arc_engine, then a new one with arc_engine's default
@@ -182,7 +185,11 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backends", nargs="+", choices=("ddp", "zero2"), default=["ddp", "zero2"])
+    parser.add_argument("--backends", nargs="+", choices=("ddp", "zero2", "fsdp2"),
+                        default=["ddp", "zero2"], help="step: fsdp2 is FSDP2 (fully_shard per block) in --dtype")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="step, fsdp2 only: the parameters' and AdamW moments' dtype (bfloat16: pure bf16, "
+                             "how 1.3B fits 2 ranks in 24 GB)")
     parser.add_argument("--seq", type=int, default=128, help="step: tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=1, help="step: sequences per rank and step")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -247,9 +254,11 @@ def layout_sizes(sizes: list[str]) -> int:
 
 def bench_step(args: argparse.Namespace) -> int:
     """``step``: one torchrun launch of 2 ranks per size and backend; prints a markdown table and one JSON line."""
+    if args.dtype != "float32" and args.backends != ["fsdp2"]:
+        raise SystemExit("bench_scale: --dtype bfloat16 is for --backends fsdp2 only")
     rows = []
     print(f"a training step on 2 CPU ranks (gloo, pinned), seq {args.seq} x micro-batch {args.micro_batch}, AdamW, "
-          f"clip 1.0{', activation checkpointing' if args.activation_checkpointing else ''}; buckets "
+          f"clip 1.0, {args.dtype}{', activation checkpointing' if args.activation_checkpointing else ''}; buckets "
           f"{'default' if args.bucket_mb is None else f'{args.bucket_mb:g} MB'}; arc_engine's default config; "
           f"slowest rank", flush=True)
     print("| size | parameters | tensors | backend | step without, ms | step with, ms | own work, ms | own work, % of "
@@ -262,7 +271,7 @@ def bench_step(args: argparse.Namespace) -> int:
                 result = Path(tmp) / "row.json"
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        __file__, "step-worker", "--sizes", name, "--backends", backend, "--seq", str(args.seq),
-                       "--micro-batch", str(args.micro_batch), "--result", str(result),
+                       "--micro-batch", str(args.micro_batch), "--result", str(result), "--dtype", args.dtype,
                        *(["--activation-checkpointing"] if args.activation_checkpointing else []),
                        *(["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb is not None else []),
                        "--recovery" if args.recovery else "--no-recovery",
@@ -338,10 +347,9 @@ def step_worker(args: argparse.Namespace) -> int:
     arc_times = timed_steps(arc_fn, 1, steps)
     arc_ms = statistics.median(arc_times) * 1e3
     own = arc.engine.own_work.report()
-    mine = {"host_ms": own.host_ms, "timed_calls": sum(p["calls"] for p in own.pieces.values()),
+    mine = {"host_ms": own.host_ms, "parameters": sum(p.numel() for p in arc.engine.gathering.params), "timed_calls": sum(p["calls"] for p in own.pieces.values()),
             "pieces": {name: p["host_ms"] for name, p in own.pieces.items()}}
     tensors = len(arc.engine.gathering.params)
-    parameters = sum(p.numel() for p in arc.engine.gathering.params)
     arc.close()
     del arc_fn, arc
     gc.collect()
@@ -380,9 +388,12 @@ def step_worker(args: argparse.Namespace) -> int:
         slowest = slowest_rank(reports)
         pieces = sorted(((name, ms) for name, ms in slowest["pieces"].items() if ms >= 0.01 * slowest["host_ms"]),
                         key=lambda item: -item[1])[:4]
+        # FSDP2's parameters are this rank's shards; every other backend's are the whole model's
+        parameters = sum(r["parameters"] for r in reports) if backend == "fsdp2" else reports[0]["parameters"]
         row = {"size": shape.name, "backend": backend, "parameters": parameters, "tensors": tensors,
                "seq": args.seq, "micro_batch": args.micro_batch, "steps": steps,
                "activation_checkpointing": args.activation_checkpointing, "bucket_mb": args.bucket_mb,
+               "dtype": args.dtype,
                "bare_ms": bare_ms,
                "arc_ms": arc_ms, "own_ms": slowest["untimed_ms"], "own_fraction": slowest["untimed_ms"] / arc_ms,
                "pieces": pieces, "all_pieces": slowest["pieces"], "rss_mb": max(r["rss_mb"] for r in reports),
@@ -401,8 +412,8 @@ def _train_step(shape: Shape, backend: str, args: argparse.Namespace, config: ob
     from bench_overhead import build
 
     spec = argparse.Namespace(seq_len=args.seq, layers=shape.layers, d_model=shape.hidden, micro_batch=args.micro_batch,
-                              bucket_mb=args.bucket_mb, backend="deepspeed" if backend == "zero2" else "ddp",
-                              activation_checkpointing=args.activation_checkpointing)
+                              bucket_mb=args.bucket_mb, backend={"zero2": "deepspeed"}.get(backend, backend),
+                              activation_checkpointing=args.activation_checkpointing, dtype=args.dtype)
     return build(spec, SimpleNamespace(vocab_size=shape.vocab), config)
 
 if __name__ == "__main__":

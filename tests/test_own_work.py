@@ -125,3 +125,33 @@ def test_ddp_hooks_are_timed_on_every_rank(tmp_path: Path) -> None:
         assert pieces["ddp.comm_hook"]["calls"] >= 1 and pieces["ddp.reduced_stats"]["calls"] >= 1
         assert pieces["ddp.comm_hook"]["depth"] == 0 and own["host_ms"] > 0
         assert torch.isfinite(torch.tensor(own["fraction"]))
+
+
+def _fsdp_own_work(rank: int, world: int, run_dir: Path) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model, data = tiny_model_and_data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(model, optimizer, make_config(run_dir, "stats.own_work=true"))
+    for step in range(3):
+        loss = model(*data.batch(step, rank, BATCH))
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    own = arc.summary()["own_work"]
+    arc.close()
+    return own
+
+
+def test_fsdp2_gradient_hooks_are_timed_on_every_rank(tmp_path: Path) -> None:
+    """Both of FSDP2's gradient hooks: each rank's unsharded gradient (before the reduce-scatter) and its reduced
+    shard; each fires once per parameter and step."""
+    for own in run_ranks(_fsdp_own_work, 2, tmp_path):
+        pieces = own["pieces"]
+        assert pieces["fsdp.local_grad"]["calls"] >= 1 and pieces["fsdp.reduced_grad"]["calls"] >= 1
+        assert pieces["fsdp.local_grad"]["calls"] == pieces["fsdp.reduced_grad"]["calls"]
+        assert pieces["fsdp.local_grad"]["depth"] == 0 and own["host_ms"] > 0

@@ -3,15 +3,73 @@ kernels on CUDA: ``torch._foreach_norm`` launches one kernel per dtype/device)."
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import torch
 
 from arc_engine.stats.layout import StatBuffer
+
+#: Elements of a bf16/fp16 CPU tensor upcast at once by :func:`float32_norms` (a 4 MiB float32 buffer per thread).
+CPU_UPCAST_CHUNK = 1 << 20
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class _Scratch(threading.local):
+    """Each thread's float32 buffer for :func:`float32_norms` (gradient hooks run on autograd's threads)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.float32)
+
+    def get(self) -> torch.Tensor:
+        if not self.buffer.numel():
+            self.buffer = torch.empty(CPU_UPCAST_CHUNK, dtype=torch.float32)
+        return self.buffer
+
+
+_scratch = _Scratch()
+
+
+@torch.no_grad()
+def float32_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in float32, as 0-dim float32 tensors (NaN/Inf propagate).
+
+    One fused ``torch._foreach_norm`` kernel for every tensor, except bf16/fp16 tensors on the CPU: there torch's
+    norm with ``dtype=float32`` first makes a float32 copy of the whole tensor (where CUDA casts as it loads), and
+    writing those fresh pages costs about 9 times the norm itself (1.1 s of a 1.3B model's step under FSDP2 in
+    bf16). Those are upcast through one small reused buffer, a chunk at a time (also more accurate: shorter
+    float32 sums)."""
+    tensors = list(tensors)
+    slow = [i for i, t in enumerate(tensors) if t.dtype in _LOW_PRECISION and t.device.type == "cpu"]
+    if not slow:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32)) if tensors else []
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    upcast = set(slow)
+    fast = [i for i in range(len(tensors)) if i not in upcast]
+    for i, norm in zip(fast, torch._foreach_norm([tensors[i] for i in fast], 2, dtype=torch.float32) if fast
+                       else (), strict=True):
+        out[i] = norm
+    for i in slow:
+        out[i] = _upcast_norm(tensors[i])
+    return out  # type: ignore[return-value]
+
+
+def _upcast_norm(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    buffer = _scratch.get()
+    parts = []
+    for start in range(0, max(flat.numel(), 1), CPU_UPCAST_CHUNK):
+        chunk = flat[start:start + CPU_UPCAST_CHUNK]
+        piece = buffer[:chunk.numel()]
+        piece.copy_(chunk)
+        parts.append(torch.linalg.vector_norm(piece))
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
 
 
 @torch.no_grad()
 def param_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor as a float32 vector ``[len(tensors)]`` (NaN/Inf propagate)."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return torch.stack(float32_norms(tensors))
 
 
 @torch.no_grad()

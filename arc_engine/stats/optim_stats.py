@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from arc_engine import internals
+from arc_engine.stats.grad_stats import float32_norms
 
 
 def none_free(items: Sequence[object]) -> bool:
@@ -54,7 +55,7 @@ def weight_sq_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[n]`` float64: squared L2 norm of each tensor."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).double().square()
+    return torch.stack(float32_norms(tensors)).double().square()
 
 
 #: Elements processed at once by :func:`update_sq_total`: bounds its temporaries to a few x 64 MiB (fp32).

@@ -15,6 +15,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.stats import names
+from arc_engine.stats.grad_stats import float32_norms
 
 log = logging.getLogger("arc_engine")
 
@@ -187,7 +188,7 @@ class LocalGradHooks:
         if not plan.known or plan.total != tensor.numel():
             return  # not a bucket of our parameters as we know them: flush() notices the elements not taken
         self._taken_elements += plan.total
-        norms = torch._foreach_norm(list(tensor.view(-1).split(plan.sizes)), 2, dtype=torch.float32)
+        norms = float32_norms(tensor.view(-1).split(plan.sizes))
         self._norms.append(torch.stack(norms))  # folded with the step's other buckets (one index_add)
         self._norm_index.append(plan.positions)
         if len(self._norms) >= self._max_pending:  # backward passes without a step: keep the queue bounded
@@ -212,7 +213,7 @@ class LocalGradHooks:
         numel = sum(g.numel() for g in grads)
         self._seen_elements += numel
         self._taken_elements += numel
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        norms = float32_norms(grads)
         self._norms.append(torch.stack(norms))
         self._norm_index.append(torch.tensor(index, dtype=torch.long, device=self.sq_p.device))
         if self.sketch_k.numel() and self.engine.wants_sketch():
@@ -228,7 +229,7 @@ class LocalGradHooks:
             engine = self.engine
             if engine.buffer is None or not engine.is_monitored() or engine.recomputing:
                 return None
-            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            norm = float32_norms([grad])[0]
             self._norms.append(norm.reshape(1))
             self._norm_index.append(self._positions[index])
             if self.sketch_k.numel() and engine.wants_sketch():

@@ -42,7 +42,7 @@ from arc_engine.monitors.sdc import SDCFamily
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.recovery.recompute import ReplicaTarget
 from arc_engine.stats import names
-from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats, add_norm_stats
+from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats, add_norm_stats, float32_norms
 
 
 @dataclass
@@ -240,7 +240,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         queue = state.queue()
         queue.note_bucket(bucket.index())
         with engine.own_work.section("ddp.local_norms"):  # one fused kernel; folded with the others at the step
-            norms = torch.stack(torch._foreach_norm(plan.grads(buffer, bucket), 2, dtype=torch.float32))
+            norms = torch.stack(float32_norms(plan.grads(buffer, bucket)))
             queue.local_norms.append(norms)
             queue.local_index.append(plan.index)
         if engine.wants_sketch():
@@ -275,7 +275,7 @@ def stats_allreduce_hook(state: StatsHookState, bucket: dist.GradBucket) -> torc
         if monitored:
             share, share_index = plan.reduced_share(reduced, bucket)
             if share:
-                queue.reduced_norms.append(torch.stack(torch._foreach_norm(share, 2, dtype=torch.float32)))
+                queue.reduced_norms.append(torch.stack(float32_norms(share)))
                 queue.reduced_index.append(share_index)
         return reduced
 

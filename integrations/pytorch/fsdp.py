@@ -50,7 +50,7 @@ from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats
+from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats, float32_norms
 from arc_engine.wiring import Arc, wire
 
 #: fault kinds injected through tensor hooks on the parameters, which FSDP2's sharded parameters never run
@@ -112,7 +112,8 @@ class FSDPGradStats:
             known = self._hooked.get(id(param))
             if isinstance(param, DTensor) or name not in index_by_name or (known and known[0]() is param):
                 continue
-            hook = functools.partial(self.on_local_grad, index_by_name[name])
+            hook = self.engine.own_work.wrap("fsdp.local_grad", functools.partial(self.on_local_grad,
+                                                                                   index_by_name[name]))
             self._hooked[id(param)] = (weakref.ref(param), param.register_post_accumulate_grad_hook(hook))
 
     @torch.no_grad()
@@ -122,7 +123,7 @@ class FSDPGradStats:
             return
         self._local_seen.add(i)
         self._note_stream(param.grad)
-        norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32).to(self.local_cur_norm_p.device)
+        norm = float32_norms([param.grad])[0].to(self.local_cur_norm_p.device)
         current = self._cur_grad.get(i)
         new = current is None or current() is not param.grad
         if new:  # a new gradient: the previous one was reduced
@@ -147,7 +148,7 @@ class FSDPGradStats:
         i = self.position[id(param)]
         self._reduced_seen.add(i)
         self._note_stream(param.grad)
-        self.reduced_norm_p[i] = torch.linalg.vector_norm(param.grad.to_local(), dtype=torch.float32).to(
+        self.reduced_norm_p[i] = float32_norms([param.grad.to_local()])[0].to(
             self.reduced_norm_p.device)
 
     def _note_stream(self, grad: torch.Tensor) -> None:
@@ -208,7 +209,7 @@ class FSDPGradStats:
         for i in missed:
             grad = self.params[i].grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            self.reduced_norm_p[i] = torch.linalg.vector_norm(local, dtype=torch.float32).to(
+            self.reduced_norm_p[i] = float32_norms([local])[0].to(
                 self.reduced_norm_p.device)
         if missed and not self.missed_hooks_reported:
             self.missed_hooks_reported = True
