@@ -179,17 +179,23 @@ def build(args: argparse.Namespace, data: CharDataset, config, torch_hook: bool 
     arc = arc_engine.attach(ddp, optimizer, config) if config is not None else None
     if torch_hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    return torch_step(ddp, optimizer, arc), arc
 
-    def ddp_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        loss = ddp(inputs, targets)
+
+def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc) -> Callable:
+    """A PyTorch loop's ``step(inputs, targets)``: forward, the loss recorded when ``arc`` is given, backward,
+    clipping 1.0, the optimizer's step."""
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        loss = model(inputs, targets)
         if arc is not None:
             arc.record_loss(loss)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return ddp_step, arc
+    return step
 
 
 def build_fsdp2(model: GPT, args: argparse.Namespace, config) -> tuple[Callable, object]:
@@ -204,17 +210,7 @@ def build_fsdp2(model: GPT, args: argparse.Namespace, config) -> tuple[Callable,
     fully_shard(model)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
     arc = arc_engine.attach(model, optimizer, config) if config is not None else None
-
-    def fsdp_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        loss = model(inputs, targets)
-        if arc is not None:
-            arc.record_loss(loss)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return fsdp_step, arc
+    return torch_step(model, optimizer, arc), arc
 
 
 def run_steps(step_fn: Callable, data: CharDataset, rank: int, first_step: int, count: int,

@@ -20,7 +20,8 @@ the cost per training step at the default period (``detectors.qk_spectra.every``
 
 ``step``: a training step of the GPT at each size on 2 CPU ranks (torchrun, gloo, each rank pinned to a core), under
 DDP, DeepSpeed ZeRO-2 or FSDP2 (``fully_shard`` per block; ``--dtype bfloat16``: parameters, gradients and AdamW's
-moments in bf16, 8 bytes per parameter sharded over the ranks, the one way 1.3B fits here), AdamW, clipping 1.0, sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens
+moments in bf16, 8 bytes per parameter sharded over the ranks, the one way 1.3B fits here), AdamW, clipping 1.0,
+sequence ``--seq`` x micro-batch ``--micro-batch`` of random tokens
 (``--activation-checkpointing``: each block recomputed in the backward; ``--bucket-mb``: DDP's bucket cap, ZeRO-2's
 reduce and all-gather buckets, whose DeepSpeed default of 500M elements is 2 GB each per rank).
 In the same processes, one after the other: the model without arc_engine, then a new one with arc_engine's default
@@ -347,7 +348,8 @@ def step_worker(args: argparse.Namespace) -> int:
     arc_times = timed_steps(arc_fn, 1, steps)
     arc_ms = statistics.median(arc_times) * 1e3
     own = arc.engine.own_work.report()
-    mine = {"host_ms": own.host_ms, "parameters": sum(p.numel() for p in arc.engine.gathering.params), "timed_calls": sum(p["calls"] for p in own.pieces.values()),
+    mine = {"host_ms": own.host_ms, "parameters": sum(p.numel() for p in arc.engine.gathering.params),
+            "timed_calls": sum(p["calls"] for p in own.pieces.values()),
             "pieces": {name: p["host_ms"] for name, p in own.pieces.items()}}
     tensors = len(arc.engine.gathering.params)
     arc.close()

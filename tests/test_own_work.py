@@ -128,20 +128,11 @@ def test_ddp_hooks_are_timed_on_every_rank(tmp_path: Path) -> None:
 
 
 def _fsdp_own_work(rank: int, world: int, run_dir: Path) -> dict:
-    from torch.distributed.fsdp import fully_shard
+    from tests.test_fsdp_dist import sharded_gpt
 
-    model, data = tiny_model_and_data()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = make_optimizer(model)
+    model, data, optimizer = sharded_gpt()
     arc = arc_engine.attach(model, optimizer, make_config(run_dir, "stats.own_work=true"))
-    for step in range(3):
-        loss = model(*data.batch(step, rank, BATCH))
-        arc.record_loss(loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train(arc, model, optimizer, data, 3)
     own = arc.summary()["own_work"]
     arc.close()
     return own

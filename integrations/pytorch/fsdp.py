@@ -76,11 +76,13 @@ class FSDPGradStats:
         self.position = {id(p): i for i, p in enumerate(params)}
         device = engine.gathering.pipeline.device
         self.group_index_p = groups.index_tensor(list(params), device)
-        # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad);
-        # local norms of the gradients already handed to a reduce-scatter (in quadrature) and of the current one.
+        # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad).
         self.reduced_norm_p = torch.zeros(len(params), dtype=torch.float32, device=device)
-        self.local_done_norm_p = torch.zeros_like(self.reduced_norm_p)
-        self.local_cur_norm_p = torch.zeros_like(self.reduced_norm_p)
+        # The local norms, kept as the hooks' own 0-dim results and folded once at the flush (a tensor write per
+        # hook cost more host time than the norm of a small gradient): of the gradients already handed to a
+        # reduce-scatter (added in quadrature) and of the current one, by parameter.
+        self._local_done: list[tuple[int, torch.Tensor]] = []
+        self._local_cur: dict[int, torch.Tensor] = {}
         self._cur_grad: dict[int, weakref.ref] = {}
         self._hooked: dict[int, tuple[weakref.ref, torch.utils.hooks.RemovableHandle]] = {}
         # the gradient sketch (grad_sketch_local) of the unsharded local gradients, per parameter: the current
@@ -123,13 +125,15 @@ class FSDPGradStats:
             return
         self._local_seen.add(i)
         self._note_stream(param.grad)
-        norm = float32_norms([param.grad])[0].to(self.local_cur_norm_p.device)
+        norm = float32_norms([param.grad])[0]
         current = self._cur_grad.get(i)
         new = current is None or current() is not param.grad
         if new:  # a new gradient: the previous one was reduced
-            self.local_done_norm_p[i] = torch.hypot(self.local_done_norm_p[i], self.local_cur_norm_p[i])
+            previous = self._local_cur.get(i)
+            if previous is not None:
+                self._local_done.append((i, previous))
             self._cur_grad[i] = weakref.ref(param.grad)
-        self.local_cur_norm_p[i] = norm  # else: autograd added into the same tensor (no reduction in between)
+        self._local_cur[i] = norm  # else: autograd added into the same tensor (no reduction in between)
         if self.sketch_size and self.engine.wants_sketch():
             if new and i in self._sketch_cur:
                 self._sketch_done.append((i, self._sketch_cur.pop(i)))
@@ -177,7 +181,7 @@ class FSDPGradStats:
         missed = self._read_missed_gradients()
         unseen = [i for i in missed if i not in self._local_seen]
         if self.pre_reduce:
-            local_norm_p = torch.hypot(self.local_done_norm_p, self.local_cur_norm_p)
+            local_norm_p = self._local_norms()
             if unseen:  # no local hook either: the reduced norm stands in for the local one
                 index = torch.tensor(unseen, device=local_norm_p.device)
                 local_norm_p.index_copy_(0, index, self.reduced_norm_p.index_select(0, index))
@@ -195,10 +199,23 @@ class FSDPGradStats:
         accumulate_grad_stats(self.engine.buffer, list(self.reduced_norm_p.unsqueeze(1)), self.group_index_p,
                               names.GRAD_SQ)
         self._flush_sketch(inverse)
-        torch._foreach_zero_([self.reduced_norm_p, self.local_done_norm_p, self.local_cur_norm_p])
+        self.reduced_norm_p.zero_()
+        self._local_done.clear()
+        self._local_cur.clear()
         self._cur_grad.clear()
         self._reduced_seen.clear()
         self._local_seen.clear()
+
+    def _local_norms(self) -> torch.Tensor:
+        """``[params]`` float32: each parameter's local gradient norm this step, its gradients' norms in quadrature
+        (one per reduce-scatter: gradient accumulation with a reduction per micro-batch), 0 where none."""
+        entries = [*self._local_done, *self._local_cur.items()]
+        out = torch.zeros(len(self.params), dtype=torch.float64, device=self.reduced_norm_p.device)
+        if entries:
+            index = torch.tensor([i for i, _ in entries], dtype=torch.long, device=out.device)
+            norms = torch.stack([norm.to(out.device) for _, norm in entries]).double()
+            out.index_add_(0, index, norms.square())
+        return out.sqrt().float()
 
     def _read_missed_gradients(self) -> list[int]:
         """The parameters holding a gradient whose reduced-gradient hook did not run this step: their reduced norms
@@ -245,7 +262,7 @@ class FSDPGradStats:
         its scale out from this step's flush on, keeping only the step's last backward's local gradients (the
         earlier ones are iterations the scaler skipped before arc_engine knew it: the step stayed open)."""
         self.scaler = scaler
-        self.local_done_norm_p.zero_()
+        self._local_done.clear()
         self._sketch_done.clear()
 
     def remove_hooks(self) -> None:
