@@ -12,6 +12,7 @@ import faulthandler
 import io
 import os
 import queue as queue_module
+import random
 import runpy
 import shutil
 import socket
@@ -29,11 +30,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: Where :func:`free_port` picks: below Linux's ephemeral range (32768-60999, what outgoing connections' local
+#: ports come from) and below torchrun's default 29500 and the SLURM tests' 29500-30500.
+PORTS = range(20000, 29000)
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, for a launcher or store that binds it a moment later. Picked at random
+    from :data:`PORTS`: in between, an outgoing connection (a gloo pair, another test's store client) is never given
+    it, and another test's pick rarely is. The OS's choice if none of the picks is free."""
+    for port in [*random.SystemRandom().sample(PORTS, 64), 0]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free TCP port on 127.0.0.1")
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import dist_harness
+
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,9 +62,11 @@ def clean_env(**overrides: str) -> dict[str, str]:
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 now: any (the OS picks) or the first free one in [low, high)."""
-    candidates = [0] if low is None else range(low, high or low + 1)
-    for port in candidates:
+    """A TCP port free on 127.0.0.1 now: any (:func:`tests.dist_harness.free_port`: outside the ephemeral range,
+    which the launchers' outgoing connections take from) or the first free one in [low, high)."""
+    if low is None:
+        return dist_harness.free_port()
+    for port in range(low, high or low + 1):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
