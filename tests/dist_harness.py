@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,14 +39,19 @@ def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a launcher or store that binds it a moment later. Picked at random
     from :data:`PORTS`: in between, an outgoing connection (a gloo pair, another test's store client) is never given
     it, and another test's pick rarely is. The OS's choice if none of the picks is free."""
-    for port in [*random.SystemRandom().sample(PORTS, 64), 0]:
+    return first_free([*random.SystemRandom().sample(PORTS, 64), 0])
+
+
+def first_free(ports: Iterable[int]) -> int:
+    """The first of ``ports`` that 127.0.0.1 can bind now (0: the OS picks one)."""
+    for port in ports:
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return sock.getsockname()[1]
-    raise RuntimeError("no free TCP port on 127.0.0.1")
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 among {ports}")
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,16 +63,7 @@ def clean_env(**overrides: str) -> dict[str, str]:
 def free_port(low: int | None = None, high: int | None = None) -> int:
     """A TCP port free on 127.0.0.1 now: any (:func:`tests.dist_harness.free_port`: outside the ephemeral range,
     which the launchers' outgoing connections take from) or the first free one in [low, high)."""
-    if low is None:
-        return dist_harness.free_port()
-    for port in range(low, high or low + 1):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return sock.getsockname()[1]
-    raise RuntimeError(f"no free port in [{low}, {high})")
+    return dist_harness.free_port() if low is None else dist_harness.first_free(range(low, high or low + 1))
 
 
 def run_agents(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path, logs: Path,
