@@ -8,7 +8,8 @@
 # (pytest -m cuda: arc_engine's own CUDA paths, the trainer callbacks where only a GPU runs them, DeepSpeed and
 # megatron-core on CUDA), then the
 # overhead benchmark (scripts/bench_gpu_overhead.py: a ~1B-parameter GPT in bf16, with and without arc_engine in one
-# process). Everything it prints also goes under $OUT. Without CUDA (this repository's machine) it runs the same
+# process; BENCH_SIZES="125m 350m 1.3b" for the scale bench's shapes instead). Everything it prints also goes under
+# $OUT. Without CUDA (this repository's machine) it runs the same
 # steps: the tests skip and the benchmark makes a small CPU dry run. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,11 +63,26 @@ timeout "${CUDA_TESTS_TIMEOUT_S:-330}" "$PY" -m pytest -m cuda -q -p no:cachepro
 status=$?
 tail -n 30 "$OUT/cuda_tests.txt"
 log "cuda tests: exit $status ($(tail -n 1 "$OUT/cuda_tests.txt"))"
-# the overhead benchmark: a ~1B-parameter GPT in bf16, default configuration against none (a small dry run on CPU)
-bench_args=(--out "$OUT/bench_gpu.json")
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || bench_args+=(--tiny --blocks 2)
-timeout "${BENCH_TIMEOUT_S:-150}" "$PY" scripts/bench_gpu_overhead.py "${bench_args[@]}" > "$OUT/bench_gpu.txt" 2>&1
-bench_status=$?
+# the overhead benchmark: a ~1B-parameter GPT in bf16, default configuration against none (a small dry run on CPU);
+# BENCH_SIZES="125m 350m 1.3b" runs the scale bench's shapes instead (shorter blocks), each line of bench_gpu.jsonl one
+bench_args=(--blocks 8)
+sizes=("")
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  [ -n "${BENCH_SIZES:-}" ] && read -r -a sizes <<< "$BENCH_SIZES" && bench_args=(--blocks 4 --steps-per-block 10)
+else
+  bench_args=(--tiny --blocks 2)
+fi
+: > "$OUT/bench_gpu.txt"
+: > "$OUT/bench_gpu.jsonl"
+bench_status=0
+for size in "${sizes[@]}"; do
+  one="$(mktemp)"
+  timeout "${BENCH_TIMEOUT_S:-150}" "$PY" scripts/bench_gpu_overhead.py "${bench_args[@]}" ${size:+--size "$size"} \
+    --out "$one" >> "$OUT/bench_gpu.txt" 2>&1 || bench_status=$?
+  [ -s "$one" ] && "$PY" -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$one" \
+    >> "$OUT/bench_gpu.jsonl"
+  rm -f "$one"
+done
 tail -n 5 "$OUT/bench_gpu.txt"
-log "overhead benchmark: exit $bench_status ($(grep '^\[bench_gpu\]' "$OUT/bench_gpu.txt" | tail -n 1))"
+log "overhead benchmark: exit $bench_status ($(grep '^\[bench_gpu\]' "$OUT/bench_gpu.txt" | tr '\n' ' '))"
 exit $status
