@@ -40,7 +40,12 @@ for pair in hjson:hjson msgpack:msgpack ninja:ninja psutil:psutil cpuinfo:py_cpu
       gpu_wheels/"$wheel"-*.whl >> "$OUT/install.txt" 2>&1 || log "could not install $wheel"
   done
 done
-export PYTHONPATH="$site:$PWD"
+# the tests, examples and scripts run from a copy that holds no source package: arc_engine (with
+# arc_engine.integrations, which the source tree keeps in integrations/) is the installed wheel's, as users have it
+stage="$(dirname "$site")/repo"
+mkdir -p "$stage" && cp -r tests examples scripts configs launch pyproject.toml "$stage"/
+cd "$stage"
+export PYTHONPATH="$site"
 { nvidia-smi 2>&1 || echo "no nvidia-smi"
   "$PY" - <<'PYEOF'
 import importlib, sys
