@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 import arc_engine
 from arc_engine.config import load_config
 from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.policy.decision import ArcAbort
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,6 +55,8 @@ def parse_args() -> argparse.Namespace:
                         help="a shape of scripts/bench_scale.py (sets layers, d-model, heads, vocab, seq-len)")
     parser.add_argument("--tiny", action="store_true", help="a small model (a CPU dry run)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then profile this many steps with arc_engine under cProfile (host time by function)")
     return parser.parse_args()
 
 
@@ -84,6 +87,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Batches:
+    """Fresh random tokens for every step, drawn on the device from a seed of its own: each variant gets the same
+    sequence of batches, and no batch repeats (a model that sees the same few batches again and again memorises
+    them, and its falling loss and changing gradients are no clean run)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.shape, self.vocab, self.device = (args.micro_batch, args.seq_len), args.vocab, device
+        self.generator = torch.Generator(device=device).manual_seed(0)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.randint(0, self.vocab, self.shape, generator=self.generator, device=self.device)
+                     for _ in range(2))  # type: ignore[return-value]
+
+
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: arc_engine.Arc | None,
          batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> None:
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -97,13 +114,60 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: arc_engi
 
 
 def timed_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: arc_engine.Arc | None,
-                batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+                batches: Batches, steps: int, device: torch.device) -> float:
     synchronize(device)
     started = time.perf_counter()
-    for batch in batches:
-        step(model, optimizer, arc, batch, device)
+    for _ in range(steps):
+        step(model, optimizer, arc, batches(), device)
     synchronize(device)
-    return (time.perf_counter() - started) / len(batches)
+    return (time.perf_counter() - started) / steps
+
+
+def profile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: arc_engine.Arc, batches: Batches,
+            steps: int, device: torch.device) -> str:
+    """Host time of ``steps`` steps with arc_engine, by function (cProfile): the functions with the most time of
+    their own, then arc_engine's by cumulative time; a call that waits for the device shows as its own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    synchronize(device)
+    profiler.enable()
+    for _ in range(steps):
+        step(model, optimizer, arc, batches(), device)
+    synchronize(device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(r"arc_engine|integrations", 45)
+    return text.getvalue()
+
+
+def op_table(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arc: arc_engine.Arc | None,
+             batches: Batches, steps: int, device: torch.device) -> str:
+    """torch.profiler's table of ``steps`` steps by operator and runtime call, by their own host time: which
+    kernels arc_engine launches, how many, and any runtime call that waits (a copy from pageable memory, say)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(model, optimizer, arc, batches(), device)
+        synchronize(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def shifted(ratio: float | None) -> float | None:
+    """A ratio of step times as an overhead (ratio - 1)."""
+    return None if ratio is None else ratio - 1.0
 
 
 def main() -> int:
@@ -122,32 +186,40 @@ def main() -> int:
     config = load_config(None, [f"run.run_dir={run_dir}", "run.run_id=bench", "sinks.console.enabled=false",
                                 "stats.own_work=true"])
     arc = arc_engine.attach(arc_model, arc_optimizer, config)
-    generator = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=generator).to(device)
-                     for _ in range(2)) for _ in range(args.steps_per_block)]
-    for _ in range(args.warmup):
-        step(plain_model, plain_optimizer, None, batches[0], device)
-        step(arc_model, arc_optimizer, arc, batches[0], device)
-    ratios, plain_s, arc_s = [], [], []
-    for block in range(args.blocks):  # the order alternates: neither variant always runs first
-        order = [("plain", plain_model, plain_optimizer, None), ("arc", arc_model, arc_optimizer, arc)]
-        times = {}
-        for name, model, optimizer, attached in (order if block % 2 == 0 else order[::-1]):
-            times[name] = timed_block(model, optimizer, attached, batches, device)
-        ratios.append(times["arc"] / times["plain"])
-        plain_s.append(times["plain"])
-        arc_s.append(times["arc"])
-    syncs = None
-    if device.type == "cuda":
-        from arc_engine.testing.host_syncs import CudaSyncCounter
+    plain_batches, arc_batches = Batches(args, device), Batches(args, device)
+    ratios, plain_s, arc_s, syncs, stopped = [], [], [], None, None
+    try:  # a clean run: arc_engine should never stop it, and if it does, the result says why
+        for _ in range(args.warmup):
+            step(plain_model, plain_optimizer, None, plain_batches(), device)
+            step(arc_model, arc_optimizer, arc, arc_batches(), device)
+        for block in range(args.blocks):  # the order alternates: neither variant always runs first
+            order = [("plain", plain_model, plain_optimizer, None, plain_batches),
+                     ("arc", arc_model, arc_optimizer, arc, arc_batches)]
+            times = {}
+            for name, model, optimizer, attached, batches in (order if block % 2 == 0 else order[::-1]):
+                times[name] = timed_block(model, optimizer, attached, batches, args.steps_per_block, device)
+            ratios.append(times["arc"] / times["plain"])
+            plain_s.append(times["plain"])
+            arc_s.append(times["arc"])
+        if device.type == "cuda":
+            from arc_engine.testing.host_syncs import CudaSyncCounter
 
-        counter = CudaSyncCounter()
-        with counter:
-            for index, batch in enumerate(batches):
-                counter.begin(index)
-                step(arc_model, arc_optimizer, arc, batch, device)
-        syncs = {"arc_engine_syncs": sum(counter.count(i) for i in range(len(batches))), "steps": len(batches),
-                 "sites": sorted(set(counter.report().splitlines()))[:20]}
+            counter = CudaSyncCounter()
+            with counter:
+                for index in range(args.steps_per_block):
+                    counter.begin(index)
+                    step(arc_model, arc_optimizer, arc, arc_batches(), device)
+            syncs = {"arc_engine_syncs": sum(counter.count(i) for i in range(args.steps_per_block)),
+                     "steps": args.steps_per_block,
+                     "sites": sorted(set(counter.report().splitlines()))[:20]}
+        if args.profile:
+            print(profile(arc_model, arc_optimizer, arc, arc_batches, args.profile, device), flush=True)
+            for name, model, optimizer, attached, batches in order:
+                print(f"[bench_gpu] operators, {name}:\n"
+                      f"{op_table(model, optimizer, attached, batches, args.profile, device)}", flush=True)
+    except ArcAbort as error:
+        stopped = str(error)
+        print(f"[bench_gpu] arc_engine stopped the run: {error}", flush=True)
     summary = arc.summary()
     arc.close()
     shutil.rmtree(run_dir, ignore_errors=True)  # the run's events: nothing the result needs
@@ -155,20 +227,24 @@ def main() -> int:
               "torch": torch.__version__, "size": args.size, "parameters": params, "layers": args.layers,
               "d_model": args.d_model,
               "seq_len": args.seq_len, "micro_batch": args.micro_batch, "blocks": args.blocks,
-              "steps_per_block": args.steps_per_block, "plain_step_s": statistics.median(plain_s),
-              "arc_step_s": statistics.median(arc_s), "overhead_median": statistics.median(ratios) - 1.0,
-              "overhead_min": min(ratios) - 1.0, "overhead_max": max(ratios) - 1.0,
+              "steps_per_block": args.steps_per_block, "blocks_done": len(ratios), "plain_step_s": median(plain_s),
+              "arc_step_s": median(arc_s), "overhead_median": shifted(median(ratios)),
+              "overhead_min": shifted(min(ratios, default=None)), "overhead_max": shifted(max(ratios, default=None)),
               "own_work_fraction": summary.get("own_work", {}).get("fraction"),
-              "own_work_pieces": summary.get("own_work", {}).get("pieces"), "syncs": syncs}
+              "own_work_pieces": summary.get("own_work", {}).get("pieces"), "syncs": syncs,
+              "detections": summary.get("detections"), "steps_not_applied": summary.get("steps_not_applied"),
+              "stopped": stopped}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    dist.destroy_process_group()
+    if not ratios:
+        return 1
     print(f"[bench_gpu] {result['device']}: {params / 1e9:.2f}B parameters, step {result['plain_step_s'] * 1e3:.1f} ms "
           f"without arc_engine, {result['arc_step_s'] * 1e3:.1f} ms with; overhead (median of {args.blocks} block "
           f"pairs) {result['overhead_median']:+.2%} [{result['overhead_min']:+.2%}, {result['overhead_max']:+.2%}]; "
           f"own work {result['own_work_fraction']}; syncs {syncs and syncs['arc_engine_syncs']} over "
-          f"{syncs and syncs['steps']} steps", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    dist.destroy_process_group()
-    return 0
+          f"{syncs and syncs['steps']} steps; steps not applied {result['steps_not_applied']}", flush=True)
+    return 0 if stopped is None else 1
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ bench_args=(--blocks 8)
 sizes=("")
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   [ -n "${BENCH_SIZES:-}" ] && read -r -a sizes <<< "$BENCH_SIZES" && bench_args=(--blocks 4 --steps-per-block 10)
+  [ -n "${BENCH_ARGS:-}" ] && read -r -a extra <<< "$BENCH_ARGS" && bench_args+=("${extra[@]}")  # --profile 5, say
 else
   bench_args=(--tiny --blocks 2)
 fi
