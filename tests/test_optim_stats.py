@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from arc_engine.stats.optim_stats import (
+    OWN_BATCH_ELEMENTS,
     AdamHyper,
     adam_views,
     rms_per_group,
@@ -151,3 +153,66 @@ def test_apex_fused_adam_state_is_read_like_torch_adam() -> None:
                           ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**t)).sqrt() + group["eps"]))
                          .double().square().sum()) for p in params]
         torch.testing.assert_close(predicted.tolist(), applied, rtol=1e-5, atol=1e-9)
+
+
+LARGE = OWN_BATCH_ELEMENTS + 5  # a slice this large is not concatenated: the multi-tensor (_foreach) path
+
+
+@pytest.mark.parametrize(("optimizer_cls", "kwargs"), [
+    (torch.optim.AdamW, {"weight_decay": 0.1}),
+    (torch.optim.Adam, {"weight_decay": 0.1}),  # L2 decay enters the moments
+    (torch.optim.Adam, {"betas": (0.8, 0.9), "eps": 1e-6}),
+])
+def test_large_slices_give_the_applied_update_in_the_multi_tensor_path(optimizer_cls, kwargs) -> None:
+    """Large slices, mixed with small ones and cut into several batches (chunk of 2.5 large slices): Σ U² is the
+    sum of what the optimizer applies, with a gradient scale as a tensor, and no input is written."""
+    torch.manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(LARGE)), torch.nn.Parameter(torch.randn(30)),
+              torch.nn.Parameter(torch.randn(2, LARGE)), torch.nn.Parameter(torch.randn(LARGE))]
+    optimizer = optimizer_cls(params, lr=1e-3, **kwargs)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param) * 4.0
+        views = adam_views(optimizer, optimizer.param_groups[0])
+        assert views is not None
+        inputs = [*views.params, *views.grads, *(t for t in views.exp_avgs if t is not None)]
+        before = [t.clone() for t in inputs]
+        predicted = update_sq_total(views.params, views.grads, views.exp_avgs, views.exp_avg_sqs, views.step,
+                                    views.hyper, chunk_elements=LARGE * 5 // 2, grad_scale=torch.tensor(0.25))
+        assert all(torch.equal(a, b) for a, b in zip(before, inputs, strict=True))
+        for param in params:
+            param.grad.mul_(0.25)
+        optimizer.step()
+        # rtol: torch's float32 norm on the CPU accumulates a long tensor in a few float32 lanes (about 1e-4 off at
+        # 2^17 elements, whichever path); the applied update is summed in float64
+        torch.testing.assert_close(float(predicted), sum(applied_update_sq(optimizer, params)), rtol=1e-3, atol=0.0)
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the operators that do work (views aside): on a GPU, each one launches kernels."""
+
+    VIEWS = frozenset({"aten.view.default", "aten.as_strided.default", "aten.alias.default",
+                       "aten._reshape_alias.default"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func) not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("step", [7, torch.tensor(7.0)])
+def test_the_update_of_many_large_tensors_costs_the_kernels_of_a_few(step) -> None:
+    """O(1) launches in the number of tensors: 12 large tensors dispatch as many operators as 3 (each one would
+    launch its own dozen kernels on a GPU otherwise), with the step count as an int or as a device tensor."""
+    hyper = AdamHyper(0.9, 0.95, 1e-8)
+
+    def kernels(n: int) -> int:
+        tensors = [[torch.rand(LARGE) for _ in range(n)] for _ in range(4)]
+        with _Kernels() as counter:
+            update_sq_total(*tensors, step, hyper)
+        return counter.count
+
+    assert kernels(12) == kernels(3)

@@ -74,34 +74,44 @@ def update_sq_total(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     ``grads`` are the final gradients the optimizer will see (after unscaling and clipping); ``exp_avgs`` /
     ``exp_avg_sqs`` the moments *before* this step (None when the state is not created yet); ``step`` the number of
     updates already applied (0 before the first). Inputs are not modified. Tensors are cut into slices of at most
-    ``chunk_elements`` elements; a slice of at least :data:`OWN_BATCH_ELEMENTS` is processed in place, smaller ones are
-    concatenated into shared batches (one flat tensor per operand), so the cost is a handful of element-wise passes
-    whatever the number of tensors: many small windows cost no more than one large one. ``grad_scale`` multiplies the
-    gradients first (e.g. DeepSpeed's 1/(loss scale x clip factor) for gradients it has not unscaled yet); a 0-dim
-    tensor avoids a host sync.
+    ``chunk_elements`` elements; slices smaller than :data:`OWN_BATCH_ELEMENTS` are concatenated into shared batches
+    (one flat tensor per operand), larger ones are taken as they are, by multi-tensor (``_foreach``) kernels over
+    up to ``chunk_elements`` elements at a time. Either way the cost is a handful of kernels per batch whatever the
+    number of tensors: many windows cost no more launches than one (on a GPU, where each launch costs host time,
+    that is what keeps this O(1) in the number of tensors). ``grad_scale`` multiplies the gradients first (e.g.
+    DeepSpeed's 1/(loss scale x clip factor) for gradients it has not unscaled yet); a 0-dim tensor avoids a host
+    sync.
     """
+    corrections = _scales(step, hyper)  # once per call: a device step count costs kernels
     if _one_batch(grads, chunk_elements):  # e.g. sampled windows: one batch, no per-tensor slicing
-        return _batch_update_sq(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)), step, hyper,
+        return _batch_update_sq(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)), corrections, hyper,
                                 grad_scale)
     device = grads[0].device if grads else None
     total = torch.zeros((), dtype=torch.float64, device=device)
-    batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-    batch_elements = 0
+    small: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    large: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    small_elements = large_elements = 0
     for param, grad, mean, sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         numel = grad.numel()
         for start in range(0, numel, chunk_elements):
             length = min(chunk_elements, numel - start)
             piece = tuple(flat_piece(t, start, length, numel) for t in (param, grad, mean, sq))  # type: ignore[arg-type]
-            if length >= OWN_BATCH_ELEMENTS:  # large enough to be its own batch: no concatenation copy
-                total += _batch_update_sq([piece], step, hyper, grad_scale)
+            if length >= OWN_BATCH_ELEMENTS:  # large: no concatenation copy, a multi-tensor batch of its own kind
+                if large_elements + length > chunk_elements:
+                    total += _foreach_update_sq(large, corrections, hyper, grad_scale)
+                    large, large_elements = [], 0
+                large.append(piece)
+                large_elements += length
                 continue
-            batch.append(piece)
-            batch_elements += length
-            if batch_elements >= chunk_elements:
-                total += _batch_update_sq(batch, step, hyper, grad_scale)
-                batch, batch_elements = [], 0
-    if batch:
-        total += _batch_update_sq(batch, step, hyper, grad_scale)
+            small.append(piece)
+            small_elements += length
+            if small_elements >= chunk_elements:
+                total += _batch_update_sq(small, corrections, hyper, grad_scale)
+                small, small_elements = [], 0
+    if large:
+        total += _foreach_update_sq(large, corrections, hyper, grad_scale)
+    if small:
+        total += _batch_update_sq(small, corrections, hyper, grad_scale)
     return total
 
 
@@ -170,10 +180,10 @@ def _flat(pieces: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.
                       for piece, ref in zip(pieces, like, strict=True)]).float()
 
 
-def _batch_update_sq(batch: list, step: int | torch.Tensor, hyper: AdamHyper,
+def _batch_update_sq(batch: list, corrections: _Scales, hyper: AdamHyper,
                      grad_scale: float | torch.Tensor) -> torch.Tensor:
-    """Σ U² of a batch of (param, grad, exp_avg, exp_avg_sq) slices, as a 0-dim float64 tensor. Never writes to a
-    slice: the first operation on the gradient is out of place."""
+    """Σ U² of a batch of (param, grad, exp_avg, exp_avg_sq) slices, concatenated, as a 0-dim float64 tensor. Never
+    writes to a slice: the first operation on the gradient is out of place."""
     grad_pieces = [item[1] for item in batch]
     grads = _flat(grad_pieces, grad_pieces)
     assert grads is not None
@@ -184,22 +194,66 @@ def _batch_update_sq(batch: list, step: int | torch.Tensor, hyper: AdamHyper,
     means = _flat([item[2] for item in batch], grad_pieces)
     sqs = _flat([item[3] for item in batch], grad_pieces)
     new_means = grads * (1.0 - hyper.beta1) if means is None else torch.lerp(means, grads, 1.0 - hyper.beta1)
-    # U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
-    # corrections become one scalar applied to the final sum, saving two passes. With v' = β2 w,
-    # w = v + g²(1-β2)/β2 (one addcmul, no pass for β2 v): sqrt(v') = sqrt(β2) sqrt(w), and sqrt(β2) joins the scalar.
-    bias1, sqrt_bias2 = _bias_corrections(step, hyper)
-    scale, eps = sqrt_bias2 / bias1, hyper.eps * sqrt_bias2
+    scale, eps = corrections.with_moments if sqs is not None and hyper.beta2 > 0.0 else corrections.without
     if sqs is None:
         new_sqs = grads.square().mul_(1.0 - hyper.beta2)
     elif hyper.beta2 > 0.0:
         new_sqs = torch.addcmul(sqs, grads, grads, value=(1.0 - hyper.beta2) / hyper.beta2)
-        root_beta2 = math.sqrt(hyper.beta2)
-        scale, eps = scale / root_beta2, eps / root_beta2
     else:
         new_sqs = grads.square()
     new_means.div_(new_sqs.sqrt_().add_(eps))
     norm = torch.linalg.vector_norm(new_means, dtype=torch.float32).double() * scale
     return norm.square()
+
+
+def _foreach_update_sq(batch: list, corrections: _Scales, hyper: AdamHyper,
+                       grad_scale: float | torch.Tensor) -> torch.Tensor:
+    """:func:`_batch_update_sq` of large slices, left where they are: the same element-wise steps as multi-tensor
+    kernels over the list (a few launches for the whole batch; out of place, so no slice is written), then Σ of
+    the slices' squared norms. A slice without moments (the first step) takes the concatenating path."""
+    if not none_free([item[2] for item in batch]) or not none_free([item[3] for item in batch]):
+        return _batch_update_sq(batch, corrections, hyper, grad_scale)
+    grads = [item[1].float() for item in batch]
+    if not (isinstance(grad_scale, float) and grad_scale == 1.0):
+        grads = torch._foreach_mul(grads, grad_scale)
+    if hyper.l2_weight_decay:
+        grads = torch._foreach_add(grads, [item[0].float() for item in batch], alpha=hyper.l2_weight_decay)
+    means = [item[2].float() for item in batch]
+    sqs = [item[3].float() for item in batch]
+    new_means = torch._foreach_lerp(means, grads, 1.0 - hyper.beta1)
+    if hyper.beta2 > 0.0:
+        new_sqs = torch._foreach_addcmul(sqs, grads, grads, value=(1.0 - hyper.beta2) / hyper.beta2)
+        scale, eps = corrections.with_moments
+    else:
+        new_sqs = torch._foreach_mul(grads, grads)
+        scale, eps = corrections.without
+    torch._foreach_sqrt_(new_sqs)
+    torch._foreach_add_(new_sqs, eps)
+    torch._foreach_div_(new_means, new_sqs)
+    norms = torch.stack(torch._foreach_norm(new_means)).double()
+    return norms.square().sum() * (scale * scale)
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """The scalars U² needs for one step (:func:`_scales`): (scale, eps) with moments (β2 > 0, a state) and without
+    (no state yet, or β2 = 0)."""
+
+    with_moments: tuple[Any, Any]
+    without: tuple[Any, Any]
+
+
+def _scales(step: int | torch.Tensor, hyper: AdamHyper) -> _Scales:
+    """U = (m'/bc1) / (sqrt(v'/bc2) + eps) = (sqrt(bc2)/bc1) * m' / (sqrt(v') + eps*sqrt(bc2)): the bias
+    corrections become one scalar applied to the final sum, saving two passes. With v' = β2 w,
+    w = v + g²(1-β2)/β2 (one addcmul, no pass for β2 v): sqrt(v') = sqrt(β2) sqrt(w), and sqrt(β2) joins the
+    scalar. Floats, or 0-dim tensors on the step's device (:func:`_bias_corrections`)."""
+    bias1, sqrt_bias2 = _bias_corrections(step, hyper)
+    scale, eps = sqrt_bias2 / bias1, hyper.eps * sqrt_bias2
+    if hyper.beta2 > 0.0:
+        root_beta2 = math.sqrt(hyper.beta2)
+        return _Scales((scale / root_beta2, eps / root_beta2), (scale, eps))
+    return _Scales((scale, eps), (scale, eps))
 
 
 def _bias_corrections(step: int | torch.Tensor, hyper: AdamHyper) -> tuple[Any, Any]:
