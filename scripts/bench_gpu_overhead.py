@@ -55,6 +55,9 @@ def parse_args() -> argparse.Namespace:
                         help="a shape of scripts/bench_scale.py (sets layers, d-model, heads, vocab, seq-len)")
     parser.add_argument("--tiny", action="store_true", help="a small model (a CPU dry run)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--own-work", action=argparse.BooleanOptionalAction, default=True,
+                        help="time arc_engine's pieces (stats.own_work; on a GPU, two CUDA events per piece, which the "
+                             "ratio then includes); --no-own-work: the ratio alone, as a user's run pays it")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="then profile this many steps with arc_engine under cProfile (host time by function)")
     return parser.parse_args()
@@ -184,7 +187,7 @@ def main() -> int:
     params = sum(p.numel() for p in plain_model.parameters())
     run_dir = Path(tempfile.mkdtemp(prefix="arc_gpu_bench_"))
     config = load_config(None, [f"run.run_dir={run_dir}", "run.run_id=bench", "sinks.console.enabled=false",
-                                "stats.own_work=true"])
+                                f"stats.own_work={str(args.own_work).lower()}"])
     arc = arc_engine.attach(arc_model, arc_optimizer, config)
     plain_batches, arc_batches = Batches(args, device), Batches(args, device)
     ratios, plain_s, arc_s, syncs, stopped = [], [], [], None, None
