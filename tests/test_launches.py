@@ -1,0 +1,70 @@
+"""Host work per monitored step constant in the number of tensors, counted as operators on CPU.
+
+:class:`~arc_engine.testing.launches.KernelCounter` counts the operators arc_engine's own code dispatches in a DDP
+step (on a GPU, each launches kernels and costs host time). A GPT of 2 and of 8 layers (4 times the tensors, one
+DDP bucket each) must cost arc_engine the same operators on every step, with the default configuration and the
+update RMS over whole tensors (``update_sample=1``: every weight matrix is then a slice too large to concatenate,
+the path whose launches grew with the tensors before)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import arc_engine
+from arc_engine.config import load_config
+from arc_engine.demo.gpt import GPT, GPTConfig, param_groups
+from arc_engine.testing.launches import KernelCounter
+from tests.dist_harness import run_ranks
+
+WARMUP, STEPS = 3, 12
+#: operators a step may differ by between the two sizes (none seen; room for a slot written on one size only)
+SLACK = 2
+
+
+def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, num_layers=layers, d_model=128, num_heads=4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    config = load_config(None, [f"run.run_dir={run_dir / str(layers)}", "run.run_id=launches",
+                                "sinks.console.enabled=false", f"detectors.sdc.update_sample={sample}"])
+    arc = arc_engine.attach(ddp, optimizer, config)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    counter = KernelCounter()
+
+    def step() -> None:
+        loss = ddp(tokens, tokens)
+        arc.record_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP):
+        step()
+    with counter:
+        for index in range(STEPS):
+            counter.begin(index)
+            step()
+    arc.close()
+    return {"tensors": len(list(model.parameters())), "counts": [counter.count(i) for i in range(STEPS)],
+            "sites": counter.report(list(range(STEPS))).splitlines()}
+
+
+def test_arc_engine_launches_the_same_operators_for_four_times_the_tensors(tmp_path: Path) -> None:
+    small = run_ranks(_count, 1, tmp_path, 2, 1.0)[0]
+    large = run_ranks(_count, 1, tmp_path, 8, 1.0)[0]
+    assert large["tensors"] >= 3 * small["tensors"]
+    assert min(small["counts"]) > 20, small  # the counter sees the statistics' operators at all
+    extra = [b - a for a, b in zip(small["counts"], large["counts"], strict=True)]
+    assert max(extra) <= SLACK, (extra, sorted(set(large["sites"]) - set(small["sites"]))[:40])
+
+
+def test_sampled_windows_launch_no_more_than_whole_tensors(tmp_path: Path) -> None:
+    """The default sample (one moving window per tensor, concatenated) costs no more operators than whole tensors
+    taken by the multi-tensor kernels, on the larger model."""
+    whole = run_ranks(_count, 1, tmp_path, 8, 1.0)[0]
+    sampled = run_ranks(_count, 1, tmp_path, 8, 1 / 32)[0]
+    assert max(sampled["counts"]) <= max(whole["counts"]) + SLACK, (sampled["counts"], whole["counts"])
