@@ -95,6 +95,28 @@ def add_norm_stats(buffer: StatBuffer, norms: torch.Tensor, group_index: torch.T
     return norms_sq
 
 
+class DeviceIndex:
+    """Long index tensors on one device, one per distinct list of positions, each made once. A list turned into a
+    device tensor is a copy from pageable host memory, which on CUDA synchronises the stream (a wait for every
+    queued kernel); the lists a hot path needs repeat step after step (the same hooks, in the same order), so each
+    is copied once and then found by its value. At most ``limit`` are kept (all dropped when a new one would pass
+    it: a run whose lists never repeat costs a copy per call, as before, and no memory)."""
+
+    def __init__(self, device: torch.device, limit: int = 16) -> None:
+        self.device = device
+        self.limit = limit
+        self._made: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, positions: Sequence[int]) -> torch.Tensor:
+        key = tuple(positions)
+        index = self._made.get(key)
+        if index is None:
+            if len(self._made) >= self.limit:
+                self._made.clear()
+            index = self._made[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return index
+
+
 class ParamGroupIndex:
     """Maps parameters to their optimizer parameter group (by identity) and names the groups."""
 

@@ -62,6 +62,20 @@ _HOST_RESIDENT_READS = {
 }
 
 
+#: constructors that copy host data onto the device they are given: on CUDA a copy from pageable memory, made with
+#: the stream synchronised (a wait for every queued kernel, like a host read)
+_FROM_HOST: frozenset[Callable[..., Any]] = frozenset({torch.tensor, torch.as_tensor})
+
+
+def _is_host_to_device(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
+    """A tensor built from host data (a list, a number, an array) on a device given as a ``torch.device``: the
+    statistics device, an accelerator on a GPU job (as for ``.to``, a device object stands for it on CPU)."""
+    if func not in _FROM_HOST:
+        return False
+    data = args[0] if args else kwargs.get("data")
+    return isinstance(kwargs.get("device"), torch.device) and not isinstance(data, torch.Tensor)
+
+
 def _is_host_read(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
     if func in (torch.Tensor.any, torch.Tensor.all):
         return False  # device reductions; only their ``bool()`` reads the host, and that is counted
@@ -122,7 +136,13 @@ class _PerStep:
 
 class HostSyncCounter(_PerStep, TorchFunctionMode):
     """Counts arc_engine's host reads per step, on any device. Use as a context manager around the training loop
-    and call :meth:`begin` at the start of each step; :attr:`by_step` maps the step to the call sites."""
+    and call :meth:`begin` at the start of each step; :attr:`by_step` maps the step to the call sites.
+    :attr:`copies_by_step`: the tensors arc_engine built from host data on a device (a synchronising copy on CUDA;
+    fine once, while a cache fills, never step after step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies_by_step: dict[int | None, list[str]] = defaultdict(list)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -131,6 +151,10 @@ class HostSyncCounter(_PerStep, TorchFunctionMode):
             site = _arc_caller()
             if site is not None:
                 self.by_step[self.step].append(site)
+        elif _is_host_to_device(func, args, kwargs):
+            site = _arc_caller()
+            if site is not None:
+                self.copies_by_step[self.step].append(site)
         return func(*args, **kwargs)
 
 

@@ -15,7 +15,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.stats import names
-from arc_engine.stats.grad_stats import float32_norms
+from arc_engine.stats.grad_stats import DeviceIndex, float32_norms
 
 log = logging.getLogger("arc_engine")
 
@@ -91,6 +91,7 @@ class LocalGradHooks:
         self.params = [p for _, p in params]
         device = engine.gathering.pipeline.device
         self.sq_p = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self._index = DeviceIndex(device)  # accumulated gradients' positions (ZeRO-1), one copy per distinct list
         self.group_index_p = torch.tensor([gid for gid, _ in params], dtype=torch.long, device=device)
         sketch = names.GRAD_SKETCH_LOCAL in engine.gathering.layout
         self.sketch_k = torch.zeros(engine.gathering.layout[names.GRAD_SKETCH_LOCAL].size if sketch else 0,
@@ -215,7 +216,7 @@ class LocalGradHooks:
         self._taken_elements += numel
         norms = float32_norms(grads)
         self._norms.append(torch.stack(norms))
-        self._norm_index.append(torch.tensor(index, dtype=torch.long, device=self.sq_p.device))
+        self._norm_index.append(self._index(index))
         if self.sketch_k.numel() and self.engine.wants_sketch():
             for grad, i in zip(grads, index, strict=True):
                 sums = chunk_sums(grad, self.sketch_k.numel())

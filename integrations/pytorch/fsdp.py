@@ -50,7 +50,7 @@ from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.grad_stats import ParamGroupIndex, accumulate_grad_stats, float32_norms
+from arc_engine.stats.grad_stats import DeviceIndex, ParamGroupIndex, accumulate_grad_stats, float32_norms
 from arc_engine.wiring import Arc, wire
 
 #: fault kinds injected through tensor hooks on the parameters, which FSDP2's sharded parameters never run
@@ -78,6 +78,7 @@ class FSDPGradStats:
         self.group_index_p = groups.index_tensor(list(params), device)
         # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad).
         self.reduced_norm_p = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self._index = DeviceIndex(device)  # the positions the flush scatters to, one copy per distinct list
         # The local norms, kept as the hooks' own 0-dim results and folded once at the flush (a tensor write per
         # hook cost more host time than the norm of a small gradient): of the gradients already handed to a
         # reduce-scatter (added in quadrature) and of the current one, by parameter.
@@ -183,7 +184,7 @@ class FSDPGradStats:
         if self.pre_reduce:
             local_norm_p = self._local_norms()
             if unseen:  # no local hook either: the reduced norm stands in for the local one
-                index = torch.tensor(unseen, device=local_norm_p.device)
+                index = self._index(unseen)
                 local_norm_p.index_copy_(0, index, self.reduced_norm_p.index_select(0, index))
         else:
             local_norm_p = self.reduced_norm_p
@@ -212,7 +213,7 @@ class FSDPGradStats:
         entries = [*self._local_done, *self._local_cur.items()]
         out = torch.zeros(len(self.params), dtype=torch.float64, device=self.reduced_norm_p.device)
         if entries:
-            index = torch.tensor([i for i, _ in entries], dtype=torch.long, device=out.device)
+            index = self._index([i for i, _ in entries])
             norms = torch.stack([norm.to(out.device) for _, norm in entries]).double()
             out.index_add_(0, index, norms.square())
         return out.sqrt().float()
