@@ -50,7 +50,7 @@ from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
 from arc_engine.recovery.recompute import RecomputeFn
 from arc_engine.recovery.state import TorchTrainState
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.grad_stats import DeviceIndex, ParamGroupIndex, accumulate_grad_stats, float32_norms
+from arc_engine.stats.grad_stats import DeviceIndex, ParamGroupIndex, add_norm_stats, float32_norms
 from arc_engine.wiring import Arc, wire
 
 #: fault kinds injected through tensor hooks on the parameters, which FSDP2's sharded parameters never run
@@ -79,6 +79,10 @@ class FSDPGradStats:
         # Per parameter, this step: norm of the reduced shard (overwritten: FSDP accumulates into param.grad).
         self.reduced_norm_p = torch.zeros(len(params), dtype=torch.float32, device=device)
         self._index = DeviceIndex(device)  # the positions the flush scatters to, one copy per distinct list
+        # the reduced shards' norms, kept as the hooks' 0-dim results (the last one per parameter: FSDP adds each
+        # reduction into param.grad) and written into reduced_norm_p once at the flush: a write per hook would be
+        # one more kernel launch per parameter on a GPU
+        self._reduced_cur: dict[int, torch.Tensor] = {}
         # The local norms, kept as the hooks' own 0-dim results and folded once at the flush (a tensor write per
         # hook cost more host time than the norm of a small gradient): of the gradients already handed to a
         # reduce-scatter (added in quadrature) and of the current one, by parameter.
@@ -153,8 +157,7 @@ class FSDPGradStats:
         i = self.position[id(param)]
         self._reduced_seen.add(i)
         self._note_stream(param.grad)
-        self.reduced_norm_p[i] = float32_norms([param.grad.to_local()])[0].to(
-            self.reduced_norm_p.device)
+        self._reduced_cur[i] = float32_norms([param.grad.to_local()])[0]
 
     def _note_stream(self, grad: torch.Tensor) -> None:
         """Remember the CUDA stream this hook's kernels go to (a no-op on CPU)."""
@@ -180,6 +183,10 @@ class FSDPGradStats:
             return
         self._wait_for_hooks()
         missed = self._read_missed_gradients()
+        if self._reduced_cur:  # the hooks' reduced norms, into their places at once
+            self.reduced_norm_p.index_copy_(0, self._index(list(self._reduced_cur)),
+                                            torch.stack(list(self._reduced_cur.values())).to(self.reduced_norm_p))
+            self._reduced_cur.clear()
         unseen = [i for i in missed if i not in self._local_seen]
         if self.pre_reduce:
             local_norm_p = self._local_norms()
@@ -193,16 +200,15 @@ class FSDPGradStats:
             inverse = inverse.to(local_norm_p.device)
             self.reduced_norm_p.mul_(inverse)
             local_norm_p = local_norm_p * inverse
-        # One-element views: their norms are the kept values, so the core's per-group sums and non-finite
-        # counts apply unchanged.
-        accumulate_grad_stats(self.engine.buffer, list(local_norm_p.unsqueeze(1)), self.group_index_p,
-                              names.GRAD_SQ_LOCAL, names.GRAD_NONFINITE_LOCAL)
-        accumulate_grad_stats(self.engine.buffer, list(self.reduced_norm_p.unsqueeze(1)), self.group_index_p,
-                              names.GRAD_SQ)
+        # the kept norms straight into the per-group sums and non-finite counts
+        add_norm_stats(self.engine.buffer, local_norm_p, self.group_index_p, names.GRAD_SQ_LOCAL,
+                       names.GRAD_NONFINITE_LOCAL)
+        add_norm_stats(self.engine.buffer, self.reduced_norm_p, self.group_index_p, names.GRAD_SQ)
         self._flush_sketch(inverse)
         self.reduced_norm_p.zero_()
         self._local_done.clear()
         self._local_cur.clear()
+        self._reduced_cur.clear()
         self._cur_grad.clear()
         self._reduced_seen.clear()
         self._local_seen.clear()
@@ -227,8 +233,7 @@ class FSDPGradStats:
         for i in missed:
             grad = self.params[i].grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            self.reduced_norm_p[i] = float32_norms([local])[0].to(
-                self.reduced_norm_p.device)
+            self._reduced_cur[i] = float32_norms([local])[0]
         if missed and not self.missed_hooks_reported:
             self.missed_hooks_reported = True
             self.engine.emit_action(
