@@ -4,7 +4,9 @@
 step (on a GPU, each launches kernels and costs host time). A GPT of 2 and of 8 layers (4 times the tensors, one
 DDP bucket each) must cost arc_engine the same operators on every step, with the default configuration and the
 update RMS over whole tensors (``update_sample=1``: every weight matrix is then a slice too large to concatenate,
-the path whose launches grew with the tensors before)."""
+the path whose launches grew with the tensors before). FSDP2 calls arc_engine once per parameter and gradient (its
+hooks are per tensor), so there the bound is per tensor: one norm kernel for the local and one for the reduced
+gradient, nothing else."""
 
 from __future__ import annotations
 
@@ -24,14 +26,25 @@ WARMUP, STEPS = 3, 12
 SLACK = 2
 
 
-def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float) -> dict[str, Any]:
+def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float, fsdp: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, num_layers=layers, d_model=128, num_heads=4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
-    config = load_config(None, [f"run.run_dir={run_dir / str(layers)}", "run.run_id=launches",
+    config = load_config(None, [f"run.run_dir={run_dir / f'{layers}_{sample}_{fsdp}'}", "run.run_id=launches",
                                 "sinks.console.enabled=false", f"detectors.sdc.update_sample={sample}"])
-    arc = arc_engine.attach(ddp, optimizer, config)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        from arc_engine.integrations.pytorch.fsdp import attach_fsdp
+
+        for block in model.blocks:
+            fully_shard(block)
+        ddp = fully_shard(model)
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+        arc = attach_fsdp(ddp, optimizer, config)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+        arc = arc_engine.attach(ddp, optimizer, config)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     counter = KernelCounter()
 
@@ -68,3 +81,15 @@ def test_sampled_windows_launch_no_more_than_whole_tensors(tmp_path: Path) -> No
     whole = run_ranks(_count, 1, tmp_path, 8, 1.0)[0]
     sampled = run_ranks(_count, 1, tmp_path, 8, 1 / 32)[0]
     assert max(sampled["counts"]) <= max(whole["counts"]) + SLACK, (sampled["counts"], whole["counts"])
+
+
+def test_fsdp2_launches_two_operators_per_tensor(tmp_path: Path) -> None:
+    """Per tensor, FSDP2's hooks cost one norm of the local and one of the reduced gradient (a write per hook, or
+    a norm per tensor anywhere else, would show as a third); on the gradient sketch's steps (the consistency
+    family's, periodic) the local gradient's block sums add two more."""
+    small = run_ranks(_count, 1, tmp_path, 2, 1 / 32, True)[0]
+    large = run_ranks(_count, 1, tmp_path, 8, 1 / 32, True)[0]
+    more = large["tensors"] - small["tensors"]
+    per_tensor = [(b - a) / more for a, b in zip(small["counts"], large["counts"], strict=True)]
+    assert sorted(per_tensor)[len(per_tensor) // 2] <= 2.0 and max(per_tensor) <= 4.0, \
+        (per_tensor, sorted(set(large["sites"]) - set(small["sites"]))[:40])
