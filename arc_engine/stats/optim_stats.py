@@ -214,6 +214,8 @@ def _foreach_update_sq(batch: list, corrections: _Scales, hyper: AdamHyper,
     if not none_free([item[2] for item in batch]) or not none_free([item[3] for item in batch]):
         return _batch_update_sq(batch, corrections, hyper, grad_scale)
     grads = [item[1].float() for item in batch]
+    if isinstance(grad_scale, torch.Tensor) and grad_scale.device.type == "cpu" and grads[0].device.type != "cpu":
+        grad_scale = float(grad_scale)  # a host scalar (no device sync), as the concatenating path takes it
     if not (isinstance(grad_scale, float) and grad_scale == 1.0):
         grads = torch._foreach_mul(grads, grad_scale)
     if hyper.l2_weight_decay:
