@@ -5,8 +5,8 @@ step (on a GPU, each launches kernels and costs host time). A GPT of 2 and of 8 
 DDP bucket each) must cost arc_engine the same operators on every step, with the default configuration and the
 update RMS over whole tensors (``update_sample=1``: every weight matrix is then a slice too large to concatenate,
 the path whose launches grew with the tensors before). FSDP2 calls arc_engine once per parameter and gradient (its
-hooks are per tensor), so there the bound is per tensor: one norm kernel for the local and one for the reduced
-gradient, nothing else."""
+hooks are per tensor), so there the bound is per tensor: one norm kernel for the local gradient (FSDP frees it after
+its reduce-scatter), the reduced shards all at once at the end of the backward."""
 
 from __future__ import annotations
 
@@ -83,13 +83,13 @@ def test_sampled_windows_launch_no_more_than_whole_tensors(tmp_path: Path) -> No
     assert max(sampled["counts"]) <= max(whole["counts"]) + SLACK, (sampled["counts"], whole["counts"])
 
 
-def test_fsdp2_launches_two_operators_per_tensor(tmp_path: Path) -> None:
-    """Per tensor, FSDP2's hooks cost one norm of the local and one of the reduced gradient (a write per hook, or
-    a norm per tensor anywhere else, would show as a third); on the gradient sketch's steps (the consistency
-    family's, periodic) the local gradient's block sums add two more."""
+def test_fsdp2_launches_one_operator_per_tensor(tmp_path: Path) -> None:
+    """Per tensor, FSDP2's hooks cost one norm, of the local gradient (a norm per reduced shard, as before the
+    end-of-backward callback, or a write per hook would show as a second); on the gradient sketch's steps (the
+    consistency family's, periodic) the local gradient's block sums add two more."""
     small = run_ranks(_count, 1, tmp_path, 2, 1 / 32, True)[0]
     large = run_ranks(_count, 1, tmp_path, 8, 1 / 32, True)[0]
     more = large["tensors"] - small["tensors"]
     per_tensor = [(b - a) / more for a, b in zip(small["counts"], large["counts"], strict=True)]
-    assert sorted(per_tensor)[len(per_tensor) // 2] <= 2.0 and max(per_tensor) <= 4.0, \
+    assert sorted(per_tensor)[len(per_tensor) // 2] <= 1.0 and max(per_tensor) <= 3.0, \
         (per_tensor, sorted(set(large["sites"]) - set(small["sites"]))[:40])

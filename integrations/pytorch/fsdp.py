@@ -13,9 +13,11 @@ over ranks is the exact global value. On monitored steps:
   sync and with a ``reduce_dtype`` other than the parameters', FSDP moves each micro-batch's gradient to its
   own accumulator and the squares add up per micro-batch. NaN/Inf detection is exact in every mode.
 * ``grad_sq`` (reduced, pre-clip): FSDP calls ``register_post_accumulate_grad_hook`` hooks of each sharded
-  parameter right after the reduce-scatter writes ``param.grad``, before any user clipping; the norm of the
-  local shard (the last micro-batch's, i.e. the accumulated gradient) is kept per parameter and written to
-  the step's buffer by an optimizer pre-hook.
+  parameter right after the reduce-scatter writes ``param.grad``, before any user clipping; each hook notes its
+  parameter, and at the end of the backward (an autograd final callback, queued by the first hook: after FSDP's
+  own, which waits for the last reduce-scatters) the noted shards' norms are taken at once, in one multi-tensor
+  kernel instead of one per parameter. The last backward's (the accumulated gradient's) are kept per parameter
+  and written to the step's buffer by an optimizer pre-hook.
 
 When a sharded parameter holds a gradient at the optimizer step but its post-accumulate-grad hook did not run
 (compiled autograd runs no such Python hooks), its reduced norm is read from ``param.grad`` in the optimizer
@@ -44,6 +46,7 @@ from arc_engine.config import ArcConfig
 from arc_engine.config.schema import FaultKind
 from arc_engine.engine import ArcEngine
 from arc_engine.events import Severity
+from arc_engine.integrations.pytorch import internals as torch_internals
 from arc_engine.integrations.pytorch.amp import ScalerFinder, ScalerWatch
 from arc_engine.integrations.pytorch.optim import ScalerSkips, ScalerSkipsHooks
 from arc_engine.monitors.sdc_local import add_chunk_sums, chunk_sums
@@ -83,6 +86,9 @@ class FSDPGradStats:
         # reduction into param.grad) and written into reduced_norm_p once at the flush: a write per hook would be
         # one more kernel launch per parameter on a GPU
         self._reduced_cur: dict[int, torch.Tensor] = {}
+        self._reduced_pending: list[int] = []  # noted by the reduced hooks, normed at the end of the backward
+        self._reduced_queued = False  # the end-of-backward callback is queued
+        self.reduced_norms_at_end = engine.own_work.wrap("fsdp.reduced_norms", self._reduced_norms_at_end)
         # The local norms, kept as the hooks' own 0-dim results and folded once at the flush (a tensor write per
         # hook cost more host time than the norm of a small gradient): of the gradients already handed to a
         # reduce-scatter (added in quadrature) and of the current one, by parameter.
@@ -157,7 +163,27 @@ class FSDPGradStats:
         i = self.position[id(param)]
         self._reduced_seen.add(i)
         self._note_stream(param.grad)
-        self._reduced_cur[i] = float32_norms([param.grad.to_local()])[0]
+        self._reduced_pending.append(i)
+        if not self._reduced_queued:
+            self._reduced_queued = True
+            torch_internals.queue_backward_callback(self.reduced_norms_at_end)
+
+    @torch.no_grad()
+    def _reduced_norms_at_end(self) -> None:
+        """End of the backward: the norms of the reduced shards whose hooks ran since the last call, all at once
+        (ordered after the hooks' streams, device-side); a later backward's (gradient accumulation) replace them."""
+        self._reduced_queued = False
+        pending, self._reduced_pending = self._reduced_pending, []
+        for stream in self._hook_streams.values():
+            current = torch.cuda.current_stream(stream.device)
+            if stream.cuda_stream != current.cuda_stream:
+                current.wait_stream(stream)
+        shards = [self.params[i].grad for i in pending]
+        present = [(i, grad.to_local() if isinstance(grad, DTensor) else grad)
+                   for i, grad in zip(pending, shards, strict=True) if grad is not None]
+        if present:
+            self._reduced_cur.update(zip([i for i, _ in present], float32_norms([g for _, g in present]),
+                                         strict=True))
 
     def _note_stream(self, grad: torch.Tensor) -> None:
         """Remember the CUDA stream this hook's kernels go to (a no-op on CPU)."""
@@ -209,6 +235,8 @@ class FSDPGradStats:
         self._local_done.clear()
         self._local_cur.clear()
         self._reduced_cur.clear()
+        self._reduced_pending.clear()  # a backward that raised left them (its callback never ran)
+        self._reduced_queued = False
         self._cur_grad.clear()
         self._reduced_seen.clear()
         self._local_seen.clear()

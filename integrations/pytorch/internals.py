@@ -37,3 +37,10 @@ def scaler_optimizer_states(scaler: Any) -> dict | None:
 def ddp_has_comm_hook(model: Any) -> bool:
     """Whether a ``DistributedDataParallel`` model has a comm hook registered already."""
     return bool(getattr(model, "_comm_hooks", None))
+
+
+def queue_backward_callback(callback: Any) -> None:
+    """Run ``callback`` (no arguments) when the backward pass under way ends, before ``backward()`` returns: the
+    autograd engine's final callbacks, which FSDP2 and DDP queue for the same purpose. Call from a hook that runs
+    during the backward; callbacks queued while others run still run."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
