@@ -174,10 +174,7 @@ class FSDPGradStats:
         (ordered after the hooks' streams, device-side); a later backward's (gradient accumulation) replace them."""
         self._reduced_queued = False
         pending, self._reduced_pending = self._reduced_pending, []
-        for stream in self._hook_streams.values():
-            current = torch.cuda.current_stream(stream.device)
-            if stream.cuda_stream != current.cuda_stream:
-                current.wait_stream(stream)
+        self._wait_for_hooks(forget=False)  # the flush waits again, for the local hooks' streams as well
         shards = [self.params[i].grad for i in pending]
         present = [(i, grad.to_local() if isinstance(grad, DTensor) else grad)
                    for i, grad in zip(pending, shards, strict=True) if grad is not None]
@@ -191,15 +188,16 @@ class FSDPGradStats:
             stream = torch.cuda.current_stream(grad.device)
             self._hook_streams.setdefault(stream.cuda_stream, stream)
 
-    def _wait_for_hooks(self) -> None:
+    def _wait_for_hooks(self, forget: bool = True) -> None:
         """Make the current stream wait for the work the hooks queued on other streams (device-side, no host
         sync): the norms are complete before they are read, whether or not the framework waited at the end of its
-        backward."""
+        backward. ``forget``: the streams noted so far are done with (the flush; not the end of a backward)."""
         for stream in self._hook_streams.values():
             current = torch.cuda.current_stream(stream.device)
             if stream.cuda_stream != current.cuda_stream:
                 current.wait_stream(stream)
-        self._hook_streams.clear()
+        if forget:
+            self._hook_streams.clear()
 
     @torch.no_grad()
     def flush(self, *unused: object) -> None:
