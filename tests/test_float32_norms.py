@@ -1,5 +1,5 @@
 """``float32_norms``: every gradient norm arc_engine takes, float32-accumulated; bf16/fp16 CPU tensors go through a
-small reused buffer instead of a whole-tensor float32 copy."""
+small reused buffer (long bf16 tensors: their rows' norms) instead of a whole-tensor float32 copy."""
 
 from __future__ import annotations
 
@@ -59,3 +59,35 @@ def test_the_buffer_is_one_per_thread_and_reused() -> None:
     thread.start()
     thread.join()
     assert seen and seen[0] is not first
+
+
+def test_long_bf16_tensors_take_their_rows_norms_without_an_upcast_copy() -> None:
+    import threading
+
+    gen = torch.Generator().manual_seed(1)
+    whole_rows = torch.randn(grad_stats.BF16_ROW_MIN_ROWS * grad_stats.BF16_ROW * 3, generator=gen).bfloat16()
+    with_tail = torch.randn(grad_stats.BF16_ROW_MIN_ROWS * grad_stats.BF16_ROW + 5, generator=gen).bfloat16()
+    with_tail[-5:] = 300.0  # the tail carries most of the norm: left out, it would show
+    too_short = torch.randn(grad_stats.BF16_ROW * 3, generator=gen).bfloat16()  # under the rows' minimum: upcast
+    seen: list[tuple[list[torch.Tensor], int]] = []
+
+    def run(tensors: list[torch.Tensor]) -> None:
+        norms = float32_norms(tensors)
+        seen.append((norms, grad_stats._scratch.buffer.numel()))
+
+    for tensors in ([whole_rows], [with_tail, too_short]):
+        thread = threading.Thread(target=run, args=(tensors,))  # a fresh thread: a fresh, empty upcast buffer
+        thread.start()
+        thread.join()
+    (rows_only, rows_buffer), (mixed, mixed_buffer) = seen
+    assert rows_buffer == 0  # whole rows: no float32 copy of any part
+    assert mixed_buffer == CPU_UPCAST_CHUNK  # the tail and the short tensor went through the buffer
+    for tensor, norm in zip([whole_rows, with_tail, too_short], rows_only + mixed, strict=True):
+        assert norm.dtype == torch.float32 and norm.dim() == 0
+        assert float(norm) == pytest.approx(exact(tensor), rel=1e-4, abs=0.0)  # each row rounded to bf16 at most
+    # non-finite values in the rows propagate
+    bad = whole_rows.clone()
+    bad[7 * grad_stats.BF16_ROW + 3] = float("inf")
+    assert math.isinf(float(float32_norms([bad])[0]))
+    bad[9] = float("nan")
+    assert math.isnan(float(float32_norms([bad])[0]))

@@ -12,6 +12,10 @@ from arc_engine.stats.layout import StatBuffer
 
 #: Elements of a bf16/fp16 CPU tensor upcast at once by :func:`float32_norms` (a 4 MiB float32 buffer per thread).
 CPU_UPCAST_CHUNK = 1 << 20
+#: A bf16 CPU tensor of at least ``BF16_ROW_MIN_ROWS`` rows of ``BF16_ROW`` elements: each row's norm comes from
+#: torch's bf16 kernel (float32 sums, the result rounded to bf16), and the rows' norms are combined in float32.
+BF16_ROW = 1024
+BF16_ROW_MIN_ROWS = 64
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -37,8 +41,10 @@ def float32_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     One fused ``torch._foreach_norm`` kernel for every tensor, except bf16/fp16 tensors on the CPU: there torch's
     norm with ``dtype=float32`` first makes a float32 copy of the whole tensor (where CUDA casts as it loads), and
     writing those fresh pages costs about 9 times the norm itself (1.1 s of a 1.3B model's step under FSDP2 in
-    bf16). Those are upcast through one small reused buffer, a chunk at a time (also more accurate: shorter
-    float32 sums)."""
+    bf16). Long bf16 tensors take their rows' norms in one pass over the bf16 memory (:data:`BF16_ROW`: each row's
+    float32 sum rounded to bf16, at most 2**-9 of it, so the tensor's norm is within 0.2% and typically within
+    1e-4); the rest, and fp16 tensors (whose rows' norms could overflow), are upcast through one small reused
+    buffer, a chunk at a time (also more accurate: shorter float32 sums)."""
     tensors = list(tensors)
     slow = [i for i, t in enumerate(tensors) if t.dtype in _LOW_PRECISION and t.device.type == "cpu"]
     if not slow:
@@ -56,14 +62,20 @@ def float32_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _upcast_norm(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1)
-    buffer = _scratch.get()
     parts = []
+    rows = flat.numel() // BF16_ROW if tensor.dtype == torch.bfloat16 else 0
+    if rows >= BF16_ROW_MIN_ROWS:  # 2.4 times faster than the upcast on one core (0.11 against 0.27 ns/element)
+        parts.append(torch.linalg.vector_norm(flat[:rows * BF16_ROW].view(rows, BF16_ROW), dim=1).float())
+        flat = flat[rows * BF16_ROW:]
+        if not flat.numel():
+            return torch.linalg.vector_norm(parts[0])
+    buffer = _scratch.get()
     for start in range(0, max(flat.numel(), 1), CPU_UPCAST_CHUNK):
         chunk = flat[start:start + CPU_UPCAST_CHUNK]
         piece = buffer[:chunk.numel()]
         piece.copy_(chunk)
-        parts.append(torch.linalg.vector_norm(piece))
-    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+        parts.append(torch.linalg.vector_norm(piece).view(1))
+    return parts[0].view(()) if len(parts) == 1 else torch.linalg.vector_norm(torch.cat(parts))
 
 
 @torch.no_grad()
