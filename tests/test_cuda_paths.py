@@ -199,6 +199,25 @@ def test_the_section_clock_times_with_cuda_events_read_without_a_sync() -> None:
     assert all(t != t or t > 0 for t in unread)  # NaN (not complete yet) or a real time, never a sync
 
 
+def test_host_to_device_copies_behind_queued_work_without_a_sync() -> None:
+    """The caches' index tensors (``grad_stats.host_to_device``): made while the device is busy, with no
+    synchronisation, and right once the queued work is done."""
+    from arc_engine.stats.grad_stats import host_to_device
+    from arc_engine.testing.host_syncs import CudaSyncCounter
+
+    a = torch.randn(4096, 4096, device="cuda")
+    counter = CudaSyncCounter()
+    with counter:
+        counter.begin(0)
+        for _ in range(20):
+            a = (a @ a).tanh()
+        index = host_to_device([3, 1, 2], torch.long, torch.device("cuda", 0))
+        picked = torch.arange(10, device="cuda").index_select(0, index)
+    assert not counter.by_step.get(0), counter.by_step
+    assert index.dtype == torch.long and index.is_cuda
+    assert picked.tolist() == [3, 1, 2]
+
+
 def test_nvml_polls_this_gpu_and_counts_nothing_on_a_healthy_one() -> None:
     """The R-Metric's hardware events: NVML finds the GPU by its PCI address and a poll of a healthy GPU counts
     no event (skipped without nvidia-ml-py)."""

@@ -67,6 +67,7 @@ from arc_engine.monitors.weight_stats import (
     weight_sums,
 )
 from arc_engine.stats import AgreedStats, Reduce, StatBuffer
+from arc_engine.stats.grad_stats import host_to_device
 from arc_engine.stats.partition import owned_ids
 
 
@@ -289,7 +290,7 @@ class WeightHealthProducer:
             return
         device = buffer.device
         if self._slots is None or self._slots.device != device or len(self._slots) != len(matrices):
-            self._slots = torch.tensor([m.slot for m in matrices], device=device)
+            self._slots = host_to_device([m.slot for m in matrices], torch.long, device)
         slots = self._slots
         weight_rows, grad_rows = [], []
         histogram = torch.zeros(config.hist_bins, dtype=torch.long, device=device)

@@ -107,12 +107,21 @@ def add_norm_stats(buffer: StatBuffer, norms: torch.Tensor, group_index: torch.T
     return norms_sq
 
 
+def host_to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (host numbers) as a tensor on ``device`` without a host synchronisation: on CUDA through pinned
+    memory with a non-blocking copy (``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits
+    for every kernel queued on the stream); elsewhere directly. The caching host allocator keeps the pinned block
+    until the copy is done."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class DeviceIndex:
-    """Long index tensors on one device, one per distinct list of positions, each made once. A list turned into a
-    device tensor is a copy from pageable host memory, which on CUDA synchronises the stream (a wait for every
-    queued kernel); the lists a hot path needs repeat step after step (the same hooks, in the same order), so each
-    is copied once and then found by its value. At most ``limit`` are kept (all dropped when a new one would pass
-    it: a run whose lists never repeat costs a copy per call, as before, and no memory)."""
+    """Long index tensors on one device, one per distinct list of positions, each made once
+    (:func:`host_to_device`: no host synchronisation on CUDA); the lists a hot path needs repeat step after step
+    (the same hooks, in the same order), so each is copied once and then found by its value. At most ``limit``
+    are kept (all dropped when a new one would pass it: a run whose lists never repeat costs a copy per call, as
+    before, and no memory)."""
 
     def __init__(self, device: torch.device, limit: int = 16) -> None:
         self.device = device
@@ -125,7 +134,7 @@ class DeviceIndex:
         if index is None:
             if len(self._made) >= self.limit:
                 self._made.clear()
-            index = self._made[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+            index = self._made[key] = host_to_device(key, torch.long, self.device)
         return index
 
 

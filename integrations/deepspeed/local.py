@@ -15,7 +15,7 @@ from arc_engine.engine import ArcEngine
 from arc_engine.integrations.deepspeed import internals as deepspeed_internals
 from arc_engine.monitors.sdc_local import BUCKET_SKETCH_INDEX, LocalGate, add_chunk_sums, chunk_sums, zero_where
 from arc_engine.stats import names
-from arc_engine.stats.grad_stats import DeviceIndex, float32_norms
+from arc_engine.stats.grad_stats import DeviceIndex, float32_norms, host_to_device
 
 log = logging.getLogger("arc_engine")
 
@@ -184,7 +184,7 @@ class LocalGradHooks:
                 self._bucket_plans.clear()
             sizes = [p.numel() for p in params]
             plan = self._bucket_plans[key] = _ZeroBucketPlan(
-                sizes, sum(sizes), torch.tensor(positions, dtype=torch.long, device=self.sq_p.device),
+                sizes, sum(sizes), host_to_device(positions, torch.long, self.sq_p.device),
                 positions[0] if positions else -1, bool(positions) and min(positions) >= 0)
         if not plan.known or plan.total != tensor.numel():
             return  # not a bucket of our parameters as we know them: flush() notices the elements not taken

@@ -60,7 +60,7 @@ from arc_engine.recovery.heal import heal_step, restore_learning_rates
 from arc_engine.recovery.recompute import RecomputeFn, SDCRecompute
 from arc_engine.recovery.state import TrainState
 from arc_engine.stats import Reduce, names
-from arc_engine.stats.grad_stats import accumulate_grad_stats
+from arc_engine.stats.grad_stats import accumulate_grad_stats, host_to_device
 from arc_engine.stats.optim_stats import adam_views
 from arc_engine.stats.partition import owned_ids
 from arc_engine.stats.producers import record_optimizer_stats
@@ -419,8 +419,8 @@ class MegatronAdapter(Adapter):
             self._scale_step, self._step_scale = engine.progress.step, self._scaler[0].scale
         index = self._bucket_index.get(ref.index)
         if index is None:
-            index = torch.tensor([self._model_group.get(id(p), 0) for p in ref.params()], dtype=torch.long,
-                                 device=engine.gathering.pipeline.device)
+            index = host_to_device([self._model_group.get(id(p), 0) for p in ref.params()], torch.long,
+                                   engine.gathering.pipeline.device)
             self._bucket_index[ref.index] = index
         norms_sq = accumulate_grad_stats(engine.buffer, ref.local_grads(), index, names.GRAD_SQ_LOCAL,
                                          names.GRAD_NONFINITE_LOCAL)
