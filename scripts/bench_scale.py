@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_scale.py qk                       # the QK spectra's measurement, every size
     .venv/bin/python scripts/bench_scale.py qk --sizes 1.3b --repeats 5
     .venv/bin/python scripts/bench_scale.py layout                   # the per-step agreement's size, every size
+    .venv/bin/python scripts/bench_scale.py router                   # the router statistics at real MoE shapes
     .venv/bin/python scripts/bench_scale.py step --sizes 125m --backends ddp zero2   # a training step, 2 ranks
     .venv/bin/python scripts/bench_scale.py step --sizes 350m --seq 2048 --steps 5 --no-recovery \
         --activation-checkpointing --bucket-mb 25            # 350M at its context: how it fits 2 ranks in 24 GB
@@ -31,6 +32,15 @@ checkpoints), the memory ring: the bytes of one snapshot per rank, the ring's ca
 ``recovery.snapshot``) and a restore's. Reported per size and backend, slowest rank: the step's median time with and
 without arc_engine, arc_engine's own work per step (the timers' own cost taken out, as
 ``scripts/bench_overhead.py`` does) and its share of the step, the pieces over 1% of it, peak RSS.
+
+``router``: one measured step of ``detectors.router`` (:class:`arc_engine.monitors.router_health.RouterObserver`) on
+one rank holding every MoE layer, at the shapes of public MoE models (:data:`MOE_SHAPES`: layers, experts, top-k,
+hidden size, tokens per rank and micro-batch): each layer's routing observed once per micro-batch (the partials of
+its tokens: entropies, their histogram, tokens per expert), then the write at the agreement (each layer's
+replicated router weight: similarity and conditioning). Reported per shape: the median time of the observations
+per micro-batch and of the write (``--repeats``), per token and layer, and per training step at the default period
+(``detectors.router.every``: 10 steps) with ``--micro-batches`` micro-batches per step. On a CUDA device the times are
+taken after a synchronisation.
 
 ``layout``: the size of the one per-step all-reduce (the agreed statistics buffer) for arc_engine's default config
 on the demo GPT built at each size on the meta device (no memory): it grows with the tensors and parameter groups,
@@ -91,6 +101,26 @@ class Shape:
 
 SHAPES = {"125m": Shape("125m", 12, 768, 12), "350m": Shape("350m", 24, 1024, 16), "1.3b": Shape("1.3b", 24, 2048, 32)}
 QK_EVERY = 50  # detectors.qk_spectra.every's default
+ROUTER_EVERY = 10  # detectors.router.every's default
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    name: str
+    layers: int      # MoE layers
+    experts: int
+    topk: int
+    hidden: int
+    tokens: int      # per rank and micro-batch (sequence x micro-batch)
+
+
+#: Public MoE models' router shapes (their papers' and configs' layers, routed experts, top-k, hidden size), at a
+#: 4,096-token micro-batch per rank.
+MOE_SHAPES = {
+    "mixtral-8x7b": MoEShape("mixtral-8x7b", 32, 8, 2, 4096, 4096),
+    "olmoe-1b-7b": MoEShape("olmoe-1b-7b", 16, 64, 8, 2048, 4096),
+    "deepseek-v3": MoEShape("deepseek-v3", 58, 256, 8, 7168, 4096),
+}
 
 
 def timed_ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -180,9 +210,55 @@ def bench_qk(shape: Shape, device: torch.device, repeats: int) -> dict[str, floa
             "per_head_calls": looped.calls, "heads": shape.layers * shape.heads}
 
 
+def bench_router(shape: MoEShape, device: torch.device, repeats: int, dtype: torch.dtype) -> dict[str, float]:
+    """One measured step of the router family on one rank holding every MoE layer (see the module docstring)."""
+    from arc_engine.monitors.family import RouterShard
+    from arc_engine.monitors.router import topk_routing_map
+    from arc_engine.monitors.router_health import RANK_ENTROPY, ROUTER_SUMS, RouterObserver
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    observers: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {}
+
+    def observe_routing(shard: RouterShard, fn: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:
+        observers[shard.layer] = fn
+        return lambda: None
+
+    routers = [RouterShard(layer=i, module=torch.nn.Identity(), topk=shape.topk, ep_rank=0, report_weight=True,
+                           report_tokens=True,
+                           weight=(torch.randn(shape.experts, shape.hidden, generator=gen) * 0.02).to(device, dtype))
+               for i in range(shape.layers)]
+    parts = ModelParts(num_layers=shape.layers, num_experts=shape.experts, experts_per_rank=shape.experts,
+                       routers=routers, observe_routing=observe_routing)
+    observer = RouterObserver(parts, every=1)
+    logits = (torch.randn(shape.tokens, shape.experts, generator=gen)).to(device, dtype)
+    routing_map = topk_routing_map(logits, shape.topk)
+    slots = {ROUTER_SUMS: torch.zeros(shape.layers * observer.size, dtype=torch.float64, device=device),
+             RANK_ENTROPY: torch.zeros(shape.layers, dtype=torch.float64, device=device)}
+    buffer = SimpleNamespace(device=device, view=lambda name: slots[name])
+    view = SimpleNamespace(step=0)
+
+    def observe_all() -> None:
+        for layer in range(shape.layers):
+            observers[layer](logits, routing_map)
+
+    def write() -> None:
+        observer.write(buffer, view)  # type: ignore[arg-type]
+
+    observe_all()
+    write()  # warm-up
+    observe_ms = timed_ms(observe_all, device, repeats)
+    write_ms = timed_ms(lambda: (observe_all(), write()), device, repeats) - observe_ms
+    return {"observe_ms": observe_ms, "write_ms": max(write_ms, 0.0)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("qk", "layout", "step", "step-worker"))
+    parser.add_argument("what", choices=("qk", "router", "layout", "step", "step-worker"))
+    parser.add_argument("--moe", nargs="+", choices=sorted(MOE_SHAPES), default=list(MOE_SHAPES),
+                        help="router: the MoE shapes")
+    parser.add_argument("--micro-batches", type=int, default=8, help="router: micro-batches per training step")
+    parser.add_argument("--logits-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="router: the router logits' and weights' dtype")
     parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -222,6 +298,21 @@ def main() -> int:
             print(f"| {name} | {shape.parameters / 1e6:.0f}M | {shape.layers} x {shape.heads} | "
                   f"{row['batched_ms']:.0f} | {row['batched_calls']} | {row['per_head_ms']:.0f} | "
                   f"{row['per_head_calls']} | {row['batched_ms'] / QK_EVERY:.1f} |", flush=True)
+        return 0
+    if args.what == "router":
+        dtype = getattr(torch, args.logits_dtype)
+        print(f"Router statistics, one measured step on one rank holding every MoE layer, {device}, {dtype}, median "
+              f"of {args.repeats}; per step at every={ROUTER_EVERY} with {args.micro_batches} micro-batches")
+        print("| shape | MoE layers x experts (top-k) | hidden | tokens per micro-batch | observations per micro-batch "
+              "ms | per token and layer ns | write ms | per step ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for name in args.moe:
+            moe = MOE_SHAPES[name]
+            row = bench_router(moe, device, args.repeats, dtype)
+            per_step = (row["observe_ms"] * args.micro_batches + row["write_ms"]) / ROUTER_EVERY
+            print(f"| {name} | {moe.layers} x {moe.experts} ({moe.topk}) | {moe.hidden} | {moe.tokens} | "
+                  f"{row['observe_ms']:.1f} | {row['observe_ms'] * 1e6 / (moe.tokens * moe.layers):.0f} | "
+                  f"{row['write_ms']:.1f} | {per_step:.1f} |", flush=True)
         return 0
     return layout_sizes(args.sizes)
 

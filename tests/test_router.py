@@ -150,9 +150,20 @@ def test_conditioning_bound_is_tight_near_collapse(noise):
 def test_uniform_router_has_entropy_log_n(num_experts):
     tokens_td = torch.randn(50, 16)
     logits_tn = tokens_td @ torch.zeros(num_experts, 16).T  # a zero router scores every expert alike
-    entropy_t = per_token_entropy(logits_tn)
-    assert torch.allclose(entropy_t, torch.full_like(entropy_t, math.log(num_experts)), rtol=0, atol=1e-12)
-    assert routing_entropy_summary(logits_tn)["entropy_p1"] == pytest.approx(math.log(num_experts), abs=1e-12)
+    entropy_t = per_token_entropy(logits_tn)  # float32 logits: a float32 entropy, returned as float64
+    assert entropy_t.dtype == torch.float64
+    assert torch.allclose(entropy_t, torch.full_like(entropy_t, math.log(num_experts)), rtol=0, atol=1e-6)
+    assert routing_entropy_summary(logits_tn)["entropy_p1"] == pytest.approx(math.log(num_experts), abs=1e-6)
+    exact_t = per_token_entropy(logits_tn.double())  # float64 logits: computed in float64
+    assert torch.allclose(exact_t, torch.full_like(exact_t, math.log(num_experts)), rtol=0, atol=1e-12)
+
+
+def test_float32_entropy_is_within_1e_5_nats_of_the_float64_one_at_256_experts():
+    logits_tn = 2.0 * torch.randn(4096, 256, generator=torch.Generator().manual_seed(4))
+    logits_tn[:, :8] = -math.inf  # masked experts still contribute 0
+    fast_t, exact_t = per_token_entropy(logits_tn), per_token_entropy(logits_tn.double())
+    assert torch.isfinite(fast_t).all()
+    assert float((fast_t - exact_t).abs().max()) < 1e-5
 
 
 def test_one_hot_collapsed_router_has_entropy_near_zero():
@@ -168,7 +179,7 @@ def test_entropy_matches_categorical_and_ignores_masked_experts():
     reference_t = torch.distributions.Categorical(logits=logits_tn).entropy()
     assert torch.allclose(per_token_entropy(logits_tn), reference_t, rtol=1e-12, atol=1e-14)
     masked_tn = torch.tensor([[0.0, 0.0, -math.inf, -math.inf]])
-    assert float(per_token_entropy(masked_tn)[0]) == pytest.approx(math.log(2), rel=1e-14)
+    assert float(per_token_entropy(masked_tn)[0]) == pytest.approx(math.log(2), rel=1e-6)  # float32 logits
 
 
 def test_entropy_summary_sees_a_collapsing_tail_the_mean_hides():
@@ -176,9 +187,9 @@ def test_entropy_summary_sees_a_collapsing_tail_the_mean_hides():
     logits_tn = torch.zeros(1000, num_experts)
     logits_tn[:80, 0] = 60.0  # 8% of the tokens are routed to one expert with certainty
     summary = routing_entropy_summary(logits_tn)
-    assert summary["entropy_mean"] == pytest.approx(0.92 * math.log(num_experts), rel=1e-9)
+    assert summary["entropy_mean"] == pytest.approx(0.92 * math.log(num_experts), rel=1e-6)  # float32 entropies
     assert summary["entropy_p1"] < 1e-12 and summary["entropy_p5"] < 1e-12
-    assert summary["entropy_p10"] == pytest.approx(math.log(num_experts), rel=1e-9)
+    assert summary["entropy_p10"] == pytest.approx(math.log(num_experts), rel=1e-6)
 
 
 def test_histogram_quantiles_are_within_one_bin_of_the_order_statistic():
@@ -212,7 +223,7 @@ def test_entropy_sums_count_tokens_and_bin_the_extremes():
     sums = routing_entropy_sums(logits_tn, num_bins)
     assert sums.shape == (2 + num_bins,) and sums.dtype == torch.float64
     assert float(sums[0]) == 6.0
-    assert float(sums[1]) == pytest.approx(4 * math.log(num_experts), rel=1e-12)
+    assert float(sums[1]) == pytest.approx(4 * math.log(num_experts), rel=1e-6)  # float32 entropies
     assert sums[2:].tolist() == [2.0] + [0.0] * (num_bins - 2) + [4.0]
 
 

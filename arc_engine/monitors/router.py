@@ -116,13 +116,17 @@ def conditioning_ratio(weight_nd: torch.Tensor) -> float:
 def per_token_entropy(logits_tn: torch.Tensor) -> torch.Tensor:
     """H(p(x)) = −Σ_i p_i log p_i in nats for each token, p = softmax of its row of router logits ``[tokens,
     num_experts]``; returns ``[tokens]`` float64 on the logits' device, each in [0, log n] up to rounding.
-    ``-inf`` logits (experts masked out) contribute 0."""
+    ``-inf`` logits (experts masked out) contribute 0. Computed in float32 (float64 logits: in float64): a token's
+    entropy is a sum over its experts, within about 1e-6 nats of the float64 one, far inside the histogram's bins
+    (log n / 128), and the float64 passes over ``[tokens, experts]`` cost about 5 times as much (4,096 tokens and 256
+    experts on a CPU core)."""
     if logits_tn.dim() != 2 or logits_tn.shape[1] < 2:
         raise ValueError(f"router logits must be [tokens, num_experts] with num_experts >= 2, got "
                          f"{tuple(logits_tn.shape)}")
-    log_p_tn = torch.log_softmax(logits_tn.detach().double(), dim=1)
-    p_tn = log_p_tn.exp()
-    return -torch.where(p_tn > 0, p_tn * log_p_tn, torch.zeros_like(p_tn)).sum(dim=1)
+    logits_tn = logits_tn.detach()
+    log_p_tn = torch.log_softmax(logits_tn if logits_tn.dtype == torch.float64 else logits_tn.float(), dim=1)
+    # 0 · log 0 = 0: a masked expert's p = 0 and log p = -inf make NaN, taken as 0 (as a row of NaN logits is)
+    return -(log_p_tn.exp() * log_p_tn).nan_to_num_(nan=0.0).sum(dim=1).double()
 
 
 def routing_entropy_summary(logits_tn: torch.Tensor, quantiles: Sequence[float] = ENTROPY_QUANTILES
