@@ -199,6 +199,39 @@ def test_grad_norm_reported_is_pre_clip(tmp_path: Path) -> None:
         assert result["grad_norms"] == results[0]["grad_norms"]
 
 
+def _clipped_in_place(rank: int, world: int, config) -> dict:
+    """DDP with its gradients as views of the buckets (clipping writes the buckets) and many buckets; the loop clips
+    to a tiny norm between ``backward()`` and ``step()``."""
+    model, data = tiny_model_and_data()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)
+    optimizer = make_optimizer(model)
+    arc = arc_engine.attach(ddp, optimizer, config)
+    pre_clip, clipped, agreed = [], [], []
+    for step in range(4):
+        inputs, targets = data.batch(step, rank, BATCH)
+        loss = ddp(inputs, targets)
+        arc.record_loss(loss)
+        loss.backward()
+        pre_clip.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        clipped.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        agreed.append(math.sqrt(float(arc.engine.last_stats.total(names.GRAD_SQ).sum())))
+    buckets = len(str(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")).split(","))
+    arc.close()
+    return {"pre_clip": pre_clip, "clipped": clipped, "agreed": agreed, "buckets": buckets}
+
+
+def test_reduced_norms_are_taken_before_the_loop_clips_the_buckets(tmp_path: Path) -> None:
+    """The reduced buckets' norms are taken when the backward ends, so a clip that writes the buckets in place
+    (``gradient_as_bucket_view``) before the optimizer step leaves the agreed norm the pre-clip one."""
+    for result in run_ranks(_clipped_in_place, 2, make_config(tmp_path, "stats.interval=1")):
+        assert result["buckets"] >= 4, result["buckets"]
+        for pre, clipped, agreed in zip(result["pre_clip"], result["clipped"], result["agreed"], strict=True):
+            assert clipped < 0.01 * pre  # the clip was active
+            assert math.isclose(agreed, pre, rel_tol=1e-5), (agreed, pre, clipped)
+
+
 # --------------------------------------------------------------------- a comm hook of the user's own
 
 def _with_a_users_comm_hook(rank: int, world: int, run_dir: Path) -> dict:

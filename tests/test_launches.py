@@ -26,11 +26,13 @@ WARMUP, STEPS = 3, 12
 SLACK = 2
 
 
-def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float, fsdp: bool = False) -> dict[str, Any]:
+def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float, fsdp: bool = False,
+           bucket_mb: float = 100.0) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, num_layers=layers, d_model=128, num_heads=4))
-    config = load_config(None, [f"run.run_dir={run_dir / f'{layers}_{sample}_{fsdp}'}", "run.run_id=launches",
-                                "sinks.console.enabled=false", f"detectors.sdc.update_sample={sample}"])
+    config = load_config(None, [f"run.run_dir={run_dir / f'{layers}_{sample}_{fsdp}_{bucket_mb}'}",
+                                "run.run_id=launches", "sinks.console.enabled=false",
+                                f"detectors.sdc.update_sample={sample}"])
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -42,7 +44,7 @@ def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float, fsd
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
         arc = attach_fsdp(ddp, optimizer, config)
     else:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
         arc = arc_engine.attach(ddp, optimizer, config)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -62,7 +64,9 @@ def _count(rank: int, world: int, run_dir: Path, layers: int, sample: float, fsd
             counter.begin(index)
             step()
     arc.close()
+    buckets = len(str(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")).split(",")) if not fsdp else 0
     return {"tensors": len(list(model.parameters())), "counts": [counter.count(i) for i in range(STEPS)],
+            "buckets": buckets,
             "sites": counter.report(list(range(STEPS))).splitlines()}
 
 
@@ -93,3 +97,16 @@ def test_fsdp2_launches_one_operator_per_tensor(tmp_path: Path) -> None:
     per_tensor = [(b - a) / more for a, b in zip(small["counts"], large["counts"], strict=True)]
     assert sorted(per_tensor)[len(per_tensor) // 2] <= 1.0 and max(per_tensor) <= 3.0, \
         (per_tensor, sorted(set(large["sites"]) - set(small["sites"]))[:40])
+
+
+def test_ddp_launches_three_operators_per_bucket(tmp_path: Path) -> None:
+    """Per DDP bucket, on the same model: the local gradient's norm (before the in-place reduction), the 1/N
+    scaling and the all-reduce. The reduced buckets' norms are one kernel per backward, taken when it ends (a norm
+    per bucket in the future's callback, as before, would show as a fourth)."""
+    one = run_ranks(_count, 1, tmp_path, 8, 1 / 32, False, 100.0)[0]
+    many = run_ranks(_count, 1, tmp_path, 8, 1 / 32, False, 0.05)[0]
+    assert one["buckets"] == 1 and many["buckets"] >= 8, (one["buckets"], many["buckets"])
+    more = many["buckets"] - one["buckets"]
+    per_bucket = [(b - a) / more for a, b in zip(one["counts"], many["counts"], strict=True)]
+    assert sorted(per_bucket)[len(per_bucket) // 2] <= 3.0, \
+        (per_bucket, sorted(set(many["sites"]) - set(one["sites"]))[:40])
