@@ -251,6 +251,13 @@ def bench_router(shape: MoEShape, device: torch.device, repeats: int, dtype: tor
     return {"observe_ms": observe_ms, "write_ms": max(write_ms, 0.0)}
 
 
+def table_head(title: str, columns: list[str]) -> None:
+    """A markdown table's title line, header and alignment row (the first column left, the others right)."""
+    print(title)
+    print("| " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * (len(columns) - 1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("qk", "router", "layout", "step", "step-worker"))
@@ -287,11 +294,10 @@ def main() -> int:
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.what == "qk":
-        print(f"QK spectra, one measurement on one rank holding every layer (TP=1), {device}, median of "
-              f"{args.repeats}; per step at every={QK_EVERY}")
-        print("| size | parameters | layers x heads | batched ms | svdvals calls | one head at a time ms | svdvals "
-              "calls | per step (batched) ms |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        table_head(f"QK spectra, one measurement on one rank holding every layer (TP=1), {device}, median of "
+                   f"{args.repeats}; per step at every={QK_EVERY}",
+                   ["size", "parameters", "layers x heads", "batched ms", "svdvals calls", "one head at a time ms",
+                    "svdvals calls", "per step (batched) ms"])
         for name in args.sizes:
             shape = SHAPES[name]
             row = bench_qk(shape, device, args.repeats)
@@ -301,11 +307,11 @@ def main() -> int:
         return 0
     if args.what == "router":
         dtype = getattr(torch, args.logits_dtype)
-        print(f"Router statistics, one measured step on one rank holding every MoE layer, {device}, {dtype}, median "
-              f"of {args.repeats}; per step at every={ROUTER_EVERY} with {args.micro_batches} micro-batches")
-        print("| shape | MoE layers x experts (top-k) | hidden | tokens per micro-batch | observations per micro-batch "
-              "ms | per token and layer ns | write ms | per step ms |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        table_head(f"Router statistics, one measured step on one rank holding every MoE layer, {device}, {dtype}, "
+                   f"median of {args.repeats}; per step at every={ROUTER_EVERY} with {args.micro_batches} "
+                   "micro-batches",
+                   ["shape", "MoE layers x experts (top-k)", "hidden", "tokens per micro-batch",
+                    "observations per micro-batch ms", "per token and layer ns", "write ms", "per step ms"])
         for name in args.moe:
             moe = MOE_SHAPES[name]
             row = bench_router(moe, device, args.repeats, dtype)
