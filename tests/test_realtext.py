@@ -53,7 +53,11 @@ def test_the_corpus_reads_each_kind_holds_every_tenth_document_out_and_names_wha
     (tmp_path / "etc" / "services").write_text("ssh\t2222/tcp\n")
     assert build_corpus(sources).digest != corpus.digest
     small = build_corpus(sources, budget_bytes=60)
-    assert small.train["code"].numel() + small.held_out["code"].numel() <= 60 + 4 * small.documents["code"]
+    train, held = bytes(small.train["code"].tolist()), bytes(small.held_out["code"].tolist())
+    assert len(train) <= 60 + 2 * small.documents["code"]  # the budget, and each document's blank-line separator
+    # fewer than HELD_OUT_EVERY documents: none is held out, and the last one read stands in for the held-out text
+    # (the documents are read in an order hashed from their paths: 2 or 3 of them fill 60 bytes)
+    assert small.documents["code"] < HELD_OUT_EVERY and held and train.endswith(held)
 
 
 def test_a_kind_with_no_text_is_an_error_naming_its_roots(tmp_path: Path) -> None:
